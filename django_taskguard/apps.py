@@ -1,0 +1,12 @@
+from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
+
+
+class TaskguardConfig(AppConfig):
+    name = "django_taskguard"
+    label = "taskguard"
+    verbose_name = _("Task guard")
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)

@@ -1,0 +1,115 @@
+"""The run ledger: one ``TaskRun`` row per (task, slot), and its transition log."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import models
+from django.db.models.functions import Now
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+from ._compat import check_constraint
+from .states import TERMINAL_STATES, RunState
+
+__all__ = ["RunState", "TaskRun", "TaskRunTransition"]
+
+TASK_NAME_MAX_LENGTH = 255
+
+
+class TaskRunQuerySet(models.QuerySet["TaskRun"]):
+    def running(self) -> TaskRunQuerySet:
+        return self.filter(state=RunState.RUNNING)
+
+    def stale(self) -> TaskRunQuerySet:
+        """Running rows whose lease expired by the database's clock (owner presumed dead)."""
+        return self.filter(state=RunState.RUNNING, lease_until__lte=Now())
+
+    def live(self) -> TaskRunQuerySet:
+        """Running rows whose lease is still valid by the database's clock."""
+        return self.filter(state=RunState.RUNNING, lease_until__gt=Now())
+
+    def finished(self) -> TaskRunQuerySet:
+        return self.filter(state__in=TERMINAL_STATES | {RunState.ABANDONED})
+
+
+class TaskRun(models.Model):
+    """What happened to one schedule slot of one task."""
+
+    task_name = models.CharField(_("task"), max_length=TASK_NAME_MAX_LENGTH)
+    slot = models.DateTimeField(_("slot"), help_text=_("The schedule fire time, in UTC."))
+    state = models.CharField(
+        _("state"), max_length=16, choices=RunState.choices, default=RunState.PENDING
+    )
+    attempt = models.PositiveIntegerField(_("attempt"), default=0)
+    fence = models.BigIntegerField(
+        _("fence"),
+        null=True,
+        blank=True,
+        help_text=_("Grows with every attempt; a stale owner's writes are refused by it."),
+    )
+    owner = models.CharField(_("owner"), max_length=255, blank=True, default="")
+    created_at = models.DateTimeField(_("created at"), default=timezone.now)
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    error = models.TextField(_("error"), blank=True, default="")
+    duplicates = models.PositiveIntegerField(
+        _("duplicates"), default=0, help_text=_("Attempts that found the slot taken.")
+    )
+
+    objects = TaskRunQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("task run")
+        verbose_name_plural = _("task runs")
+        ordering = ["-slot", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["task_name", "slot"], name="taskguard_run_task_slot"),
+            check_constraint(models.Q(state__in=RunState.values), "taskguard_run_state_valid"),
+        ]
+        indexes = [
+            models.Index(fields=["state", "lease_until"], name="taskguard_run_state_lease"),
+            models.Index(fields=["fence"], name="taskguard_run_fence"),
+            models.Index(fields=["-slot", "-id"], name="taskguard_run_slot_desc"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} @ {self.slot.isoformat()} ({self.state})"
+
+    @property
+    def duration(self) -> timedelta | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    @property
+    def host(self) -> str:
+        """The host part of ``owner`` ("host:pid:token")."""
+        return self.owner.rsplit(":", 2)[0] if self.owner.count(":") >= 2 else ""
+
+    @property
+    def pid(self) -> int | None:
+        parts = self.owner.rsplit(":", 2)
+        return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+class TaskRunTransition(models.Model):
+    """One state change of a run, written in the same transaction as the change."""
+
+    run = models.ForeignKey(
+        TaskRun, on_delete=models.CASCADE, related_name="transitions", verbose_name=_("run")
+    )
+    from_state = models.CharField(_("from"), max_length=16, choices=RunState.choices)
+    to_state = models.CharField(_("to"), max_length=16, choices=RunState.choices)
+    at = models.DateTimeField(_("at"), default=timezone.now)
+    reason = models.TextField(_("reason"), blank=True, default="")
+    owner = models.CharField(_("owner"), max_length=255, blank=True, default="")
+
+    class Meta:
+        verbose_name = _("transition")
+        verbose_name_plural = _("transitions")
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.from_state} -> {self.to_state}"

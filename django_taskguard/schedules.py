@@ -1,0 +1,156 @@
+"""Schedule slots: which fire time a call belongs to.
+
+A slot is an aware UTC ``datetime``. Cron expressions are read in Django's
+``TIME_ZONE``; intervals are aligned to the Unix epoch so that every instance,
+whenever it started, computes the same slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone as dt_timezone
+from typing import Any, Protocol, runtime_checkable
+from zoneinfo import ZoneInfo
+
+from croniter import CroniterError, croniter
+from django.utils import timezone
+
+from .exceptions import InvalidSchedule
+
+UTC = dt_timezone.utc
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    def latest_slot(self, now: datetime) -> datetime:
+        """Return the latest fire time at or before ``now`` (aware, UTC)."""
+
+
+@dataclass(frozen=True)
+class CronSchedule:
+    """A five-field cron expression evaluated in a time zone's wall-clock time."""
+
+    expression: str
+    tz_name: str | None = None  # None: Django's TIME_ZONE at evaluation time
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
+            raise InvalidSchedule(f"invalid cron expression: {self.expression!r}")
+        if len(self.expression.split()) != 5:
+            raise InvalidSchedule(
+                f"cron expression must have 5 fields (minute hour day month weekday): "
+                f"{self.expression!r}"
+            )
+
+    def _zone(self) -> Any:
+        return ZoneInfo(self.tz_name) if self.tz_name else timezone.get_default_timezone()
+
+    def latest_slot(self, now: datetime) -> datetime:
+        zone = self._zone()
+        # Cron matches wall-clock times, so walk it on naive local time; the
+        # first second after ``now`` makes ``get_prev`` include ``now`` itself.
+        wall = now.astimezone(zone).replace(tzinfo=None, microsecond=0) + timedelta(seconds=1)
+        # Wall time is not monotonic in real time around DST changes (an hour
+        # repeats or is skipped), so look at a few fire times either side of
+        # the wall clock and keep the latest one that is not in the future.
+        before = croniter(self.expression, wall)
+        after = croniter(self.expression, wall)
+        candidates = [before.get_prev(datetime) for _ in range(3)]
+        candidates += [after.get_next(datetime) for _ in range(3)]
+        return max(
+            utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now
+        )
+
+
+@dataclass(frozen=True)
+class IntervalSchedule:
+    """Every ``every``, on multiples of it counted from the Unix epoch (UTC)."""
+
+    every: timedelta
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, timedelta):
+            raise InvalidSchedule(f"every= must be a timedelta, not {type(self.every).__name__}")
+        if self.every < timedelta(seconds=1):
+            raise InvalidSchedule(f"every= must be at least one second, got {self.every!r}")
+
+    def latest_slot(self, now: datetime) -> datetime:
+        step = self.every // timedelta(microseconds=1)
+        since = (now - EPOCH) // timedelta(microseconds=1)
+        return EPOCH + timedelta(microseconds=since - since % step)
+
+
+def wall_to_utc(wall: datetime, zone: Any) -> datetime:
+    """Map a naive wall-clock time in ``zone`` to UTC, the same way on every instance.
+
+    An ambiguous time (the hour repeated when clocks fall back) is its first
+    occurrence, so a cron slot at 01:30 on a fall-back night is one slot, not
+    two. A time that does not exist (the hour skipped when clocks spring
+    forward) is shifted forward by the gap, as cron does.
+    """
+    return wall.replace(tzinfo=zone, fold=0).astimezone(UTC)
+
+
+def from_celery(schedule: Any) -> Schedule:
+    """Translate a celery ``crontab`` or ``schedule`` into ours."""
+    try:
+        from celery.schedules import crontab, schedule as celery_schedule
+    except ImportError:  # pragma: no cover - celery is an extra
+        raise InvalidSchedule(
+            f"schedule={schedule!r} is not supported (install django-taskguard[celery] "
+            f"for celery crontab/schedule objects)"
+        ) from None
+    if isinstance(schedule, crontab):
+        fields = (
+            schedule._orig_minute,
+            schedule._orig_hour,
+            schedule._orig_day_of_month,
+            schedule._orig_month_of_year,
+            schedule._orig_day_of_week,
+        )
+        return CronSchedule(" ".join(str(f) for f in fields))
+    if isinstance(schedule, celery_schedule):
+        return IntervalSchedule(schedule.run_every)
+    raise InvalidSchedule(f"unsupported schedule object: {schedule!r}")
+
+
+def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule | None:
+    """Check the decorator's schedule arguments and return one schedule (or None)."""
+    given = [name for name, value in (("cron", cron), ("every", every), ("schedule", schedule))
+             if value is not None]
+    if len(given) > 1:
+        raise InvalidSchedule(f"give at most one of cron=, every=, schedule= (got {', '.join(given)})")
+    if cron is not None:
+        return CronSchedule(cron)
+    if every is not None:
+        return IntervalSchedule(every)
+    if schedule is None:
+        return None
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, str):
+        return CronSchedule(schedule)
+    if isinstance(schedule, timedelta):
+        return IntervalSchedule(schedule)
+    return from_celery(schedule)
+
+
+def normalize_slot(slot: Any, *, now: datetime, tolerance: timedelta) -> datetime:
+    """Validate an explicit slot and return it in UTC."""
+    if isinstance(slot, str):
+        try:
+            slot = datetime.fromisoformat(slot.replace("Z", "+00:00"))
+        except ValueError:
+            raise InvalidSchedule(f"slot is not an ISO-8601 datetime: {slot!r}") from None
+    if not isinstance(slot, datetime):
+        raise InvalidSchedule(f"slot must be an aware datetime, not {type(slot).__name__}")
+    if timezone.is_naive(slot):
+        raise InvalidSchedule(f"slot must be timezone-aware (got naive {slot.isoformat()})")
+    slot = slot.astimezone(UTC)
+    if slot - now > tolerance:
+        raise InvalidSchedule(
+            f"slot {slot.isoformat()} is in the future (now is {now.isoformat()}); "
+            f"a slot may be at most {tolerance.total_seconds():g}s ahead"
+        )
+    return slot

@@ -1,0 +1,21 @@
+"""Signals taskguard sends.
+
+Every signal is sent with ``sender`` = the task name (a ``str``).
+
+- ``run_started(run)``: an attempt won its slot and is about to call the function.
+- ``run_succeeded(run, result)``; ``run_failed(run, exception)``.
+- ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
+- ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken.
+- ``run_abandoned(run_id, slot, reason)``: a run whose owner died was marked ``abandoned``.
+- ``lease_lost(run)``: an attempt lost its lease (not renewed in time, or fenced out).
+"""
+
+from django.dispatch import Signal
+
+run_started = Signal()
+run_succeeded = Signal()
+run_failed = Signal()
+run_skipped = Signal()
+duplicate_suppressed = Signal()
+run_abandoned = Signal()
+lease_lost = Signal()

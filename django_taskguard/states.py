@@ -1,0 +1,57 @@
+"""Run states and the one table of allowed transitions.
+
+Every state change of a ``TaskRun`` is checked here first; anything not in
+``TRANSITIONS`` raises ``IllegalTransition``.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+from .exceptions import IllegalTransition
+
+
+class RunState(models.TextChoices):
+    # created by a beat that stamped the slot; -> running | skipped | abandoned
+    PENDING = "pending", _("pending")
+    # an attempt holds the lease; -> succeeded | failed | retrying | skipped | abandoned
+    RUNNING = "running", _("running")
+    # the attempt ended but another is due (Celery retry, stale takeover); -> running | failed | abandoned
+    RETRYING = "retrying", _("retrying")
+    # terminal: the function returned
+    SUCCEEDED = "succeeded", _("succeeded")
+    # terminal: the function raised and no retry follows
+    FAILED = "failed", _("failed")
+    # terminal: not run on purpose (overlap, no slot source, ...); the reason says why
+    SKIPPED = "skipped", _("skipped")
+    # the owner died (lease expired); -> retrying only under on_stale="retry"
+    ABANDONED = "abandoned", _("abandoned")
+
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    RunState.PENDING: frozenset({RunState.RUNNING, RunState.SKIPPED, RunState.ABANDONED}),
+    RunState.RUNNING: frozenset(
+        {
+            RunState.SUCCEEDED,
+            RunState.FAILED,
+            RunState.RETRYING,
+            RunState.SKIPPED,
+            RunState.ABANDONED,
+        }
+    ),
+    RunState.RETRYING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.ABANDONED}),
+    RunState.ABANDONED: frozenset({RunState.RETRYING}),
+    RunState.SUCCEEDED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.SKIPPED: frozenset(),
+}
+
+# States in which no attempt is live and none will follow on its own.
+TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
+
+
+def check_transition(from_state: str, to_state: str) -> None:
+    """Raise ``IllegalTransition`` unless ``from_state -> to_state`` is allowed."""
+    if to_state not in TRANSITIONS.get(from_state, frozenset()):
+        raise IllegalTransition(f"a run cannot go from {from_state!r} to {to_state!r}")
