@@ -8,11 +8,12 @@ whenever it started, computes the same slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone as dt_timezone
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
-from croniter import CroniterError, croniter
+from croniter import croniter
 from django.utils import timezone
 
 from .exceptions import InvalidSchedule
@@ -95,7 +96,8 @@ def wall_to_utc(wall: datetime, zone: Any) -> datetime:
 def from_celery(schedule: Any) -> Schedule:
     """Translate a celery ``crontab`` or ``schedule`` into ours."""
     try:
-        from celery.schedules import crontab, schedule as celery_schedule
+        from celery.schedules import crontab
+        from celery.schedules import schedule as celery_schedule
     except ImportError:  # pragma: no cover - celery is an extra
         raise InvalidSchedule(
             f"schedule={schedule!r} is not supported (install django-taskguard[celery] "

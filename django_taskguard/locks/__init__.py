@@ -1,0 +1,41 @@
+"""Lock backends: the fast path in front of the run ledger."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from ..conf import taskguard_settings
+from .base import Acquired, LockBackend, run_key
+from .database import DatabaseLock
+
+__all__ = ["Acquired", "LockBackend", "get_backend", "is_redis_cache", "run_key"]
+
+
+def is_redis_cache(alias: str) -> bool:
+    """True when ``CACHES[alias]`` is a django-redis cache."""
+    backend = str(getattr(settings, "CACHES", {}).get(alias, {}).get("BACKEND", ""))
+    return backend.startswith("django_redis.")
+
+
+def backend_name() -> str:
+    """The backend in force: ``auto`` resolved to ``redis`` or ``database``."""
+    name = taskguard_settings.BACKEND
+    if name == "auto":
+        return "redis" if is_redis_cache(taskguard_settings.REDIS_ALIAS) else "database"
+    return name
+
+
+def get_backend() -> LockBackend:
+    name = backend_name()
+    if name == "database":
+        return DatabaseLock()
+    if name == "redis":
+        try:
+            from .redis import RedisLock
+        except ImportError as exc:  # pragma: no cover - depends on the extra
+            raise ImproperlyConfigured(
+                "TASKGUARD BACKEND 'redis' needs django-taskguard[redis] (django-redis)"
+            ) from exc
+        return RedisLock.for_alias(taskguard_settings.REDIS_ALIAS)
+    raise ImproperlyConfigured(f"unknown TASKGUARD BACKEND {name!r} (auto, redis or database)")

@@ -1,0 +1,26 @@
+"""Run scheduled Django and Celery tasks once per schedule slot, across every instance."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["current_run", "once_per_schedule"]
+
+if TYPE_CHECKING:
+    from .context import current_run
+    from .decorators import once_per_schedule
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily: both need the app registry, and ``import django_taskguard``
+    # must work in settings.py before Django is set up.
+    if name == "once_per_schedule":
+        from .decorators import once_per_schedule
+
+        return once_per_schedule
+    if name == "current_run":
+        from .context import current_run
+
+        return current_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,181 @@
+"""``@once_per_schedule``: run a function once per schedule slot across all instances."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
+
+from django.utils import timezone
+
+from . import guard, schedules
+from .conf import taskguard_settings
+from .exceptions import InvalidSchedule, TaskGuardError
+from .models import TASK_NAME_MAX_LENGTH
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+OnDuplicate = Literal["skip", "raise"]
+Overlap = Literal["allow", "skip"]
+OnStale = Literal["abandon", "retry"]
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a slot source (the Celery glue) knows about the current call."""
+
+    slot: datetime | str | None = None
+    task_name: str | None = None
+
+
+# Functions consulted at call time, in order, for the slot and task name of a
+# call that has no explicit slot (``contrib.celery`` registers one that reads
+# the beat-stamped message header).
+SLOT_SOURCES: list[Callable[[], CallContext | None]] = []
+
+
+class Guarded(Protocol[P, R_co]):
+    """A guarded function: call it like the original; it returns None when not run."""
+
+    task_name: str | None
+    schedule: schedules.Schedule | None
+    policy: guard.Policy
+    __wrapped__: Callable[P, R_co]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co | None: ...
+
+    def run_for_slot(
+        self, slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs
+    ) -> R_co | None: ...
+
+
+@dataclass(frozen=True)
+class _Spec(Generic[P, R]):
+    func: Callable[P, R]
+    name: str | None
+    schedule: schedules.Schedule | None
+    policy: guard.Policy
+
+    def resolve(self, explicit: datetime | str | None) -> tuple[str, datetime]:
+        now = timezone.now()
+        tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
+        context = _context() if explicit is None else None
+        name = self.name or (context.task_name if context else None) or _dotted(self.func)
+        if explicit is not None:
+            return name, schedules.normalize_slot(explicit, now=now, tolerance=tolerance)
+        if context is not None and context.slot is not None:
+            return name, schedules.normalize_slot(context.slot, now=now, tolerance=tolerance)
+        if self.schedule is not None:
+            return name, self.schedule.latest_slot(now)
+        raise TaskGuardError(
+            f"{name!r} has no slot: give the decorator cron=, every= or schedule=, call "
+            f".run_for_slot(slot), or send it through taskguard's Celery beat scheduler"
+        )
+
+
+def _context() -> CallContext | None:
+    for source in SLOT_SOURCES:
+        context = source()
+        if context is not None:
+            return context
+    return None
+
+
+def _dotted(func: Callable[..., Any]) -> str:
+    return f"{func.__module__}.{func.__qualname__}"
+
+
+def validate_task_name(name: str) -> str:
+    """Reject task names that cannot be stored or told apart."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidSchedule(f"task name must be a non-empty string, got {name!r}")
+    if len(name) > TASK_NAME_MAX_LENGTH:
+        raise InvalidSchedule(
+            f"task name is {len(name)} characters long; at most {TASK_NAME_MAX_LENGTH} fit "
+            f"({name[:40]!r}...)"
+        )
+    if "\x00" in name:
+        raise InvalidSchedule(f"task name must not contain NUL characters: {name!r}")
+    return name
+
+
+def _choice(argument: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise InvalidSchedule(f"{argument}= must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+@overload
+def once_per_schedule(func: Callable[P, R], /) -> Guarded[P, R]: ...
+
+
+@overload
+def once_per_schedule(
+    *, cron: str | None = None, every: timedelta | None = None, schedule: Any = None,
+    name: str | None = None, on_duplicate: OnDuplicate = "skip", overlap: Overlap = "allow",
+    on_stale: OnStale = "abandon", lease_seconds: float | None = None,
+) -> Callable[[Callable[P, R]], Guarded[P, R]]: ...
+
+
+def once_per_schedule(
+    func: Callable[P, R] | None = None, /, *, cron: str | None = None,
+    every: timedelta | None = None, schedule: Any = None, name: str | None = None,
+    on_duplicate: OnDuplicate = "skip", overlap: Overlap = "allow",
+    on_stale: OnStale = "abandon", lease_seconds: float | None = None,
+) -> Guarded[P, R] | Callable[[Callable[P, R]], Guarded[P, R]]:
+    """Run the decorated function at most once per schedule slot, across every instance.
+
+    The slot is, in order: the one given to ``.run_for_slot(slot)``; the one
+    taskguard's beat scheduler stamped on the Celery message; the latest fire
+    time at or before now of ``cron=`` (Django's ``TIME_ZONE``), ``every=``
+    (epoch-aligned) or ``schedule=`` (a celery ``crontab``/``schedule``).
+    The winning call returns the function's result; a call that finds its
+    slot taken returns ``None`` (or raises ``DuplicateRun`` with
+    ``on_duplicate="raise"``).
+    """
+    built = schedules.build(cron, every, schedule)
+    if name is not None:
+        validate_task_name(name)
+    if lease_seconds is not None and not (
+        isinstance(lease_seconds, (int, float)) and lease_seconds > 0
+    ):
+        raise InvalidSchedule(f"lease_seconds= must be a positive number, got {lease_seconds!r}")
+    policy = guard.Policy(
+        on_duplicate=_choice("on_duplicate", on_duplicate, ("skip", "raise")),
+        overlap=_choice("overlap", overlap, ("allow", "skip")),
+        on_stale=_choice("on_stale", on_stale, ("abandon", "retry")),
+        lease_seconds=lease_seconds,
+    )
+
+    def decorate(target: Callable[P, R]) -> Guarded[P, R]:
+        if not callable(target):
+            raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
+        spec = _Spec(target, name, built, policy)
+        if name is None:
+            validate_task_name(_dotted(target))
+
+        # A plain function (not a callable object) so that Celery's
+        # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
+        @functools.wraps(target)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            task_name, slot = spec.resolve(None)
+            return guard.execute(task_name, slot, policy, target, args, kwargs)
+
+        def run_for_slot(slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
+            task_name, resolved = spec.resolve(slot)
+            return guard.execute(task_name, resolved, policy, target, args, kwargs)
+
+        guarded = cast("Guarded[P, R]", wrapper)
+        guarded.task_name = name
+        guarded.schedule = built
+        guarded.policy = policy
+        guarded.run_for_slot = run_for_slot  # type: ignore[method-assign]
+        return guarded
+
+    if func is not None:
+        return decorate(func)
+    return decorate

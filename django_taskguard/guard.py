@@ -1,0 +1,308 @@
+"""One guarded call: claim the slot, run the function under a lease, record how it ended."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+from django.db import DatabaseError
+
+from . import ledger
+from .conf import taskguard_settings
+from .context import ActiveRun, _current
+from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
+from .heartbeat import Heartbeat
+from .ledger import Row, Step
+from .locks import Acquired, LockBackend, get_backend, run_key
+from .signals import (
+    duplicate_suppressed,
+    run_abandoned,
+    run_failed,
+    run_skipped,
+    run_started,
+    run_succeeded,
+)
+from .states import RunState
+
+logger = logging.getLogger("taskguard.guard")
+
+R = TypeVar("R")
+HOST = socket.gethostname()
+CLAIM_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Policy:
+    on_duplicate: str = "skip"  # "skip" | "raise"
+    overlap: str = "allow"  # "allow" | "skip"
+    on_stale: str = "abandon"  # "abandon" | "retry"
+    lease_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Taken:
+    """The slot belongs to another attempt (or is finished); this call does not run."""
+
+    state: str
+
+
+def new_owner() -> str:
+    """``host:pid:token``, the token unique to this attempt."""
+    return f"{HOST}:{os.getpid()}:{uuid.uuid4().hex}"
+
+
+def execute(
+    task_name: str, slot: datetime, policy: Policy, func: Callable[..., R],
+    args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> R | None:
+    """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
+    alias = taskguard_settings.DATABASE_ALIAS
+    ledger.ensure_autocommit(alias)
+    lease = policy.lease_seconds or taskguard_settings.LEASE_SECONDS
+    lock = get_backend()
+    owner = new_owner()
+    token = owner.rsplit(":", 1)[1]
+    key = run_key(taskguard_settings.KEY_PREFIX, task_name, slot)
+
+    acquired = lock.acquire(key, token, lease)
+    if acquired is Acquired.LOST:
+        return _duplicate(task_name, slot, RunState.RUNNING, policy)
+    try:
+        outcome = claim_slot(alias, task_name, slot, owner, lease, policy)
+    except BaseException:
+        if acquired is Acquired.WON:
+            lock.release(key, token)
+        raise
+    if isinstance(outcome, Taken):
+        if acquired is Acquired.WON:
+            lock.release(key, token)
+        return _duplicate(task_name, slot, outcome.state, policy)
+    if policy.overlap == "skip" and _skip_for_overlap(alias, outcome):
+        lock.release(key, token)
+        return None
+    return _run(outcome, lock, key, alias, func, args, kwargs)
+
+
+def claim_slot(
+    alias: str, task_name: str, slot: datetime, owner: str, lease: float, policy: Policy
+) -> ActiveRun | Taken:
+    """Make this call the slot's live attempt, or say who has it.
+
+    The first statement is the one-round-trip upsert; only a row that is
+    pending, retrying or stale needs a second, compare-and-set step, and a
+    lost compare-and-set goes round again against the fresh row.
+    """
+    abandon = policy.on_stale == "abandon"
+    for _ in range(CLAIM_ROUNDS):
+        sent = time.monotonic()
+        row = _claim_row(alias, task_name, slot, owner, lease, abandon)
+        if row is None:
+            continue
+        if row.owner == owner:
+            return _active(row, task_name, slot, lease, sent)
+        decided = _decide(alias, row, owner, lease, abandon, slot, task_name)
+        if isinstance(decided, Taken):
+            return decided
+        if decided is not None:
+            return _active(decided, task_name, slot, lease, sent)
+    raise TaskGuardError(
+        f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
+        f"{CLAIM_ROUNDS} rounds of contention"
+    )
+
+
+def _claim_row(
+    alias: str, task_name: str, slot: datetime, owner: str, lease: float, abandon: bool
+) -> Row | None:
+    try:
+        return ledger.claim(alias, task_name, slot, owner, lease, abandon_is_final=abandon)
+    except DatabaseError as exc:
+        if not ledger.connection_lost(alias, exc):
+            raise _database_down(task_name, exc) from exc
+        # The insert may or may not have committed: read back before deciding.
+        logger.warning("taskguard claim of %s interrupted (%s); reading back", task_name, exc)
+        try:
+            ledger.settle_connection(alias)
+            row = ledger.read(alias, task_name, slot)
+        except DatabaseError as again:
+            raise _database_down(task_name, again) from again
+        return row if row is not None and row.owner == owner else None
+
+
+def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"{task_name!r} did not run: the taskguard database is unreachable ({exc})"
+    )
+
+
+def _decide(
+    alias: str, row: Row, owner: str, lease: float, abandon: bool, slot: datetime,
+    task_name: str,
+) -> ActiveRun | Row | Taken | None:
+    """Decide a row someone else created. ``None``: it changed under us, go round."""
+    start = ledger.start_assignments(alias, owner, lease)
+    state = row.state
+    if state in (RunState.PENDING, RunState.RETRYING):
+        reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
+        return ledger.change(alias, row, [Step(RunState.RUNNING, reason)], actor=owner,
+                             fenced=False, sets=start)
+    if state == RunState.RUNNING and row.expired:
+        dead = f"lease of {row.owner} expired at {_iso(row.lease_until)}"
+        if abandon:
+            return _abandon_stale(alias, row, owner, dead, task_name, slot)
+        return ledger.change(
+            alias, row,
+            [Step(RunState.RETRYING, f"{dead}; on_stale=retry"),
+             Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}")],
+            actor=owner, lease="expired", sets=start,
+        )
+    if state == RunState.ABANDONED and not abandon:
+        return ledger.change(
+            alias, row,
+            [Step(RunState.RETRYING, "on_stale=retry"),
+             Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}")],
+            actor=owner, fenced=False, sets=start,
+        )
+    return Taken(state)
+
+
+def _abandon_stale(
+    alias: str, row: Row, owner: str, dead: str, task_name: str, slot: datetime
+) -> Taken | None:
+    reason = f"{dead}; on_stale=abandon, so the slot is not run again"
+    changed = ledger.change(alias, row, [Step(RunState.ABANDONED, reason)], actor=owner,
+                            lease="expired", sets=[("duplicates = r.duplicates + 1", ())])
+    if changed is None:
+        return None
+    run_abandoned.send(sender=task_name, run_id=row.id, slot=slot, reason=reason)
+    return Taken(RunState.ABANDONED)
+
+
+def _active(row: Row, task_name: str, slot: datetime, lease: float, sent: float) -> ActiveRun:
+    assert row.fence is not None
+    return ActiveRun(
+        id=row.id, task_name=task_name, slot=slot, attempt=row.attempt, fence=int(row.fence),
+        owner=row.owner, lease_seconds=lease, deadline=sent + lease,
+    )
+
+
+def _iso(value: datetime | None) -> str:
+    return value.isoformat() if value else "?"
+
+
+def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
+    duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
+    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot.isoformat(), state)
+    if policy.on_duplicate == "raise":
+        raise DuplicateRun(task_name, slot, state)
+    return None
+
+
+def _skip_for_overlap(alias: str, active: ActiveRun) -> bool:
+    earlier = ledger.earlier_slot_running(alias, active.task_name, active.slot)
+    if earlier is None:
+        return False
+    reason = f"overlap: slot {earlier.isoformat()} of this task is still running"
+    _finish(alias, active, RunState.SKIPPED, reason)
+    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
+    return True
+
+
+def _run(
+    active: ActiveRun, lock: LockBackend, key: str, alias: str, func: Callable[..., R],
+    args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> R:
+    context = _current.set(active)
+    heartbeat = Heartbeat(active, lock, key, alias)
+    heartbeat.start()
+    try:
+        run_started.send(sender=active.task_name, run=active)
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            heartbeat.stop()
+            _finish_raised(alias, active, exc, lock.take_duplicates(key))
+            run_failed.send(sender=active.task_name, run=active, exception=exc)
+            raise
+        heartbeat.stop()
+        _finish(alias, active, RunState.SUCCEEDED, "returned", duplicates=lock.take_duplicates(key))
+        run_succeeded.send(sender=active.task_name, run=active, result=result)
+        return result
+    finally:
+        heartbeat.stop()
+        _current.reset(context)
+        lock.release(key, active.token)
+
+
+def _finish_raised(alias: str, active: ActiveRun, exc: BaseException, duplicates: int) -> None:
+    error = f"{type(exc).__name__}: {exc}"
+    if _is_celery_retry(exc):
+        _finish(alias, active, RunState.RETRYING, f"retry requested: {exc}", error=error,
+                ended=False, duplicates=duplicates, cause=exc)
+    elif isinstance(exc, Exception):
+        _finish(alias, active, RunState.FAILED, error[:500], error=error,
+                duplicates=duplicates, cause=exc)
+    else:
+        # KeyboardInterrupt, SystemExit: the process is going away mid-run.
+        _finish(alias, active, RunState.ABANDONED, f"interrupted ({type(exc).__name__})",
+                error=error, duplicates=duplicates, cause=exc)
+
+
+def _is_celery_retry(exc: BaseException) -> bool:
+    try:
+        from celery.exceptions import Retry
+    except ImportError:  # pragma: no cover - celery is an extra
+        return False
+    return isinstance(exc, Retry)
+
+
+def _finish(
+    alias: str, active: ActiveRun, to_state: str, reason: str, *, error: str = "",
+    ended: bool = True, duplicates: int = 0, cause: BaseException | None = None,
+) -> None:
+    """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
+    if not active.lease_valid():
+        reason += " (after its lease had expired; no other attempt had taken over)"
+    row = Row(active.id, RunState.RUNNING, active.attempt, active.fence, active.owner, None)
+    sets = ledger.finish_assignments(alias, error, duplicates, ended=ended)
+    step = [Step(to_state, reason)]
+    try:
+        updated = ledger.change(alias, row, step, actor=active.owner, sets=sets)
+    except DatabaseError as exc:
+        if not ledger.connection_lost(alias, exc):
+            raise
+        updated = _settle_finish(alias, row, to_state, step, sets)
+    if updated is None:
+        raise LeaseLost(
+            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
+            f"finishing as {to_state} was refused because another attempt took the slot over "
+            f"or it was marked abandoned (fence {active.fence})"
+        ) from cause
+
+
+def _settle_finish(
+    alias: str, row: Row, to_state: str, step: list[Step], sets: list[ledger.Assignment]
+) -> Row | None:
+    """The finish's outcome is unknown after a connection error: read back, retry once."""
+    try:
+        ledger.settle_connection(alias)
+        current = ledger.read_by_id(alias, row.id)
+        if current is None or current.fence != row.fence:
+            return None
+        if current.state == to_state:
+            return current
+        if current.state != RunState.RUNNING:
+            return None
+        return ledger.change(alias, row, step, actor=row.owner, sets=sets)
+    except DatabaseError as exc:
+        raise BackendUnavailable(
+            f"the outcome of run {row.id} could not be recorded: database unreachable ({exc}); "
+            f"the run stays 'running' until its lease expires and cleanup_locks abandons it"
+        ) from exc

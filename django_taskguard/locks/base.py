@@ -1,0 +1,57 @@
+"""What a lock backend must do, and how its keys are named.
+
+The database row always decides (G4). A lock backend is the fast path in
+front of it: it lets a losing call return after one round trip without
+touching the database, and it carries the owner's liveness (a lease that
+the heartbeat extends). The database backend is the null lock: every call
+goes straight to the row.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from abc import ABC, abstractmethod
+from datetime import datetime
+from datetime import timezone as dt_timezone
+
+
+class Acquired(enum.Enum):
+    WON = "won"  # we hold the fast-path lock; go on to claim the row
+    LOST = "lost"  # someone else holds it; the duplicate was counted by the backend
+    BYPASSED = "bypassed"  # the backend could not answer; decide on the database alone
+
+
+class LockBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def acquire(self, key: str, token: str, lease_seconds: float) -> Acquired:
+        """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate."""
+
+    @abstractmethod
+    def extend(self, key: str, token: str, lease_seconds: float) -> bool:
+        """Extend ``key`` only while it still holds ``token``; False when it does not."""
+
+    @abstractmethod
+    def release(self, key: str, token: str) -> bool:
+        """Delete ``key`` only while it still holds ``token``."""
+
+    def take_duplicates(self, key: str) -> int:
+        """Return and reset the duplicates counted for ``key`` (folded into the row)."""
+        return 0
+
+
+def task_digest(task_name: str) -> str:
+    """A fixed-length, key-safe stand-in for a task name of any length or alphabet."""
+    return hashlib.sha256(task_name.encode("utf-8")).hexdigest()[:32]
+
+
+def slot_label(slot: datetime) -> str:
+    """``20261121T210000.000000Z``: sortable, fixed-width, UTC."""
+    return slot.astimezone(dt_timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def run_key(prefix: str, task_name: str, slot: datetime) -> str:
+    """The fast-path lock key of one (task, slot); never raw user text."""
+    return f"{prefix}:run:{task_digest(task_name)}:{slot_label(slot)}"

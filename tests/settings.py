@@ -1,0 +1,97 @@
+"""Settings for the test suite.
+
+``TASKGUARD_TEST_DB=postgres`` runs it on PostgreSQL (``TASKGUARD_PG_*`` to
+point elsewhere); the default is an SQLite file, so that the real processes
+the race tests start share one database. Child processes get the test
+database's name through ``TASKGUARD_TEST_DB_NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+SECRET_KEY = "taskguard-tests"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "Europe/Paris"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_beat",
+    "django_taskguard",
+]
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.urls"
+STATIC_URL = "/static/"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DB_KIND = os.environ.get("TASKGUARD_TEST_DB", "sqlite")
+CHILD_DB_NAME = os.environ.get("TASKGUARD_TEST_DB_NAME")
+SCRATCH = Path(os.environ.get("TASKGUARD_SCRATCH", tempfile.gettempdir()))
+
+if DB_KIND == "postgres":
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": CHILD_DB_NAME or os.environ.get("TASKGUARD_PG_NAME", "taskguard"),
+            "USER": os.environ.get("TASKGUARD_PG_USER", "postgres"),
+            "HOST": os.environ.get("TASKGUARD_PG_HOST", "127.0.0.1"),
+            "PORT": os.environ.get("TASKGUARD_PG_PORT", "5432"),
+            "TEST": {"NAME": f"test_taskguard_{os.getpid()}"} if not CHILD_DB_NAME else {},
+        }
+    }
+elif DB_KIND == "sqlite":
+    sqlite_file = CHILD_DB_NAME or str(SCRATCH / f"taskguard-test-{os.getpid()}.sqlite3")
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": sqlite_file,
+            "TEST": {"NAME": sqlite_file},
+            "OPTIONS": {"timeout": 30},
+        }
+    }
+else:
+    raise RuntimeError(f"TASKGUARD_TEST_DB must be 'sqlite' or 'postgres', not {DB_KIND!r}")
+
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
+    CACHES["redis"] = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": os.environ["TASKGUARD_TEST_REDIS_URL"],
+    }
+
+TASKGUARD = {"BACKEND": os.environ.get("TASKGUARD_TEST_BACKEND", "database"), "REDIS_ALIAS": "redis"}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"taskguard": {"handlers": ["console"], "level": "WARNING"}},
+}
