@@ -22,56 +22,76 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
     backend = raw.get("BACKEND", DEFAULTS["BACKEND"])
     alias = str(raw.get("REDIS_ALIAS", DEFAULTS["REDIS_ALIAS"]))
     if backend not in BACKENDS:
-        errors.append(Error(
-            f"TASKGUARD['BACKEND'] is {backend!r}.", hint="Use 'auto', 'redis' or 'database'.",
-            id="taskguard.E001",
-        ))
+        errors.append(
+            Error(
+                f"TASKGUARD['BACKEND'] is {backend!r}.",
+                hint="Use 'auto', 'redis' or 'database'.",
+                id="taskguard.E001",
+            )
+        )
     if backend == "redis" and not is_redis_cache(alias):
-        errors.append(Error(
-            f"TASKGUARD['BACKEND'] is 'redis' but CACHES[{alias!r}] is not a django-redis cache.",
-            hint="Point REDIS_ALIAS at a cache whose BACKEND is "
-            "'django_redis.cache.RedisCache', or use BACKEND 'database'.",
-            id="taskguard.E002",
-        ))
+        errors.append(
+            Error(
+                f"TASKGUARD['BACKEND'] is 'redis' but CACHES[{alias!r}] is not a django-redis cache.",
+                hint="Point REDIS_ALIAS at a cache whose BACKEND is "
+                "'django_redis.cache.RedisCache', or use BACKEND 'database'.",
+                id="taskguard.E002",
+            )
+        )
     if not settings.USE_TZ:
-        errors.append(Error(
-            "taskguard needs USE_TZ = True.",
-            hint="Slots are aware UTC datetimes; naive times are ambiguous across DST.",
-            id="taskguard.E003",
-        ))
+        errors.append(
+            Error(
+                "taskguard needs USE_TZ = True.",
+                hint="Slots are aware UTC datetimes; naive times are ambiguous across DST.",
+                id="taskguard.E003",
+            )
+        )
     lease = raw.get("LEASE_SECONDS", DEFAULTS["LEASE_SECONDS"])
     if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
-        errors.append(Error(
-            f"TASKGUARD['LEASE_SECONDS'] is {lease!r}.",
-            hint="Use a positive number of seconds (the default is 30).", id="taskguard.E004",
-        ))
+        errors.append(
+            Error(
+                f"TASKGUARD['LEASE_SECONDS'] is {lease!r}.",
+                hint="Use a positive number of seconds (the default is 30).",
+                id="taskguard.E004",
+            )
+        )
     on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])
     if on_error not in ON_REDIS_ERROR_CHOICES:
-        errors.append(Error(
-            f"TASKGUARD['ON_REDIS_ERROR'] is {on_error!r}.", hint="Use 'database' or 'fail'.",
-            id="taskguard.E005",
-        ))
+        errors.append(
+            Error(
+                f"TASKGUARD['ON_REDIS_ERROR'] is {on_error!r}.",
+                hint="Use 'database' or 'fail'.",
+                id="taskguard.E005",
+            )
+        )
     errors += _check_database()
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:
-        errors.append(Warning(
-            f"Unknown TASKGUARD keys: {', '.join(unknown)}.",
-            hint=f"Known keys: {', '.join(sorted(DEFAULTS))}.", id="taskguard.W001",
-        ))
+        errors.append(
+            Warning(
+                f"Unknown TASKGUARD keys: {', '.join(unknown)}.",
+                hint=f"Known keys: {', '.join(sorted(DEFAULTS))}.",
+                id="taskguard.W001",
+            )
+        )
     return errors
 
 
 def _check_database() -> list[CheckMessage]:
     alias = taskguard_settings.DATABASE_ALIAS
     if alias not in connections.settings:
-        return [Error(
-            f"TASKGUARD['DATABASE_ALIAS'] is {alias!r}, which is not in DATABASES.",
-            id="taskguard.E006",
-        )]
+        return [
+            Error(
+                f"TASKGUARD['DATABASE_ALIAS'] is {alias!r}, which is not in DATABASES.",
+                id="taskguard.E006",
+            )
+        ]
     vendor = connections[alias].vendor
     if vendor not in ("postgresql", "sqlite"):
-        return [Error(
-            f"taskguard supports PostgreSQL and SQLite; DATABASES[{alias!r}] is {vendor}.",
-            id="taskguard.E007",
-        )]
+        return [
+            Error(
+                f"taskguard supports PostgreSQL and SQLite; DATABASES[{alias!r}] is {vendor}.",
+                id="taskguard.E007",
+            )
+        ]
     return []

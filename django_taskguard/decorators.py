@@ -115,17 +115,30 @@ def once_per_schedule(func: Callable[P, R], /) -> Guarded[P, R]: ...
 
 @overload
 def once_per_schedule(
-    *, cron: str | None = None, every: timedelta | None = None, schedule: Any = None,
-    name: str | None = None, on_duplicate: OnDuplicate = "skip", overlap: Overlap = "allow",
-    on_stale: OnStale = "abandon", lease_seconds: float | None = None,
+    *,
+    cron: str | None = None,
+    every: timedelta | None = None,
+    schedule: Any = None,
+    name: str | None = None,
+    on_duplicate: OnDuplicate = "skip",
+    overlap: Overlap = "allow",
+    on_stale: OnStale = "abandon",
+    lease_seconds: float | None = None,
 ) -> Callable[[Callable[P, R]], Guarded[P, R]]: ...
 
 
 def once_per_schedule(
-    func: Callable[P, R] | None = None, /, *, cron: str | None = None,
-    every: timedelta | None = None, schedule: Any = None, name: str | None = None,
-    on_duplicate: OnDuplicate = "skip", overlap: Overlap = "allow",
-    on_stale: OnStale = "abandon", lease_seconds: float | None = None,
+    func: Callable[P, R] | None = None,
+    /,
+    *,
+    cron: str | None = None,
+    every: timedelta | None = None,
+    schedule: Any = None,
+    name: str | None = None,
+    on_duplicate: OnDuplicate = "skip",
+    overlap: Overlap = "allow",
+    on_stale: OnStale = "abandon",
+    lease_seconds: float | None = None,
 ) -> Guarded[P, R] | Callable[[Callable[P, R]], Guarded[P, R]]:
     """Run the decorated function at most once per schedule slot, across every instance.
 

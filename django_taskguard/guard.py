@@ -59,8 +59,12 @@ def new_owner() -> str:
 
 
 def execute(
-    task_name: str, slot: datetime, policy: Policy, func: Callable[..., R],
-    args: tuple[Any, ...], kwargs: dict[str, Any],
+    task_name: str,
+    slot: datetime,
+    policy: Policy,
+    func: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
     alias = taskguard_settings.DATABASE_ALIAS
@@ -143,7 +147,12 @@ def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
 
 
 def _decide(
-    alias: str, row: Row, owner: str, lease: float, abandon: bool, slot: datetime,
+    alias: str,
+    row: Row,
+    owner: str,
+    lease: float,
+    abandon: bool,
+    slot: datetime,
     task_name: str,
 ) -> ActiveRun | Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
@@ -151,24 +160,35 @@ def _decide(
     state = row.state
     if state in (RunState.PENDING, RunState.RETRYING):
         reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
-        return ledger.change(alias, row, [Step(RunState.RUNNING, reason)], actor=owner,
-                             fenced=False, sets=start)
+        return ledger.change(
+            alias, row, [Step(RunState.RUNNING, reason)], actor=owner, fenced=False, sets=start
+        )
     if state == RunState.RUNNING and row.expired:
         dead = f"lease of {row.owner} expired at {_iso(row.lease_until)}"
         if abandon:
             return _abandon_stale(alias, row, owner, dead, task_name, slot)
         return ledger.change(
-            alias, row,
-            [Step(RunState.RETRYING, f"{dead}; on_stale=retry"),
-             Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}")],
-            actor=owner, lease="expired", sets=start,
+            alias,
+            row,
+            [
+                Step(RunState.RETRYING, f"{dead}; on_stale=retry"),
+                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
+            ],
+            actor=owner,
+            lease="expired",
+            sets=start,
         )
     if state == RunState.ABANDONED and not abandon:
         return ledger.change(
-            alias, row,
-            [Step(RunState.RETRYING, "on_stale=retry"),
-             Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}")],
-            actor=owner, fenced=False, sets=start,
+            alias,
+            row,
+            [
+                Step(RunState.RETRYING, "on_stale=retry"),
+                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
+            ],
+            actor=owner,
+            fenced=False,
+            sets=start,
         )
     return Taken(state)
 
@@ -177,8 +197,14 @@ def _abandon_stale(
     alias: str, row: Row, owner: str, dead: str, task_name: str, slot: datetime
 ) -> Taken | None:
     reason = f"{dead}; on_stale=abandon, so the slot is not run again"
-    changed = ledger.change(alias, row, [Step(RunState.ABANDONED, reason)], actor=owner,
-                            lease="expired", sets=[("duplicates = r.duplicates + 1", ())])
+    changed = ledger.change(
+        alias,
+        row,
+        [Step(RunState.ABANDONED, reason)],
+        actor=owner,
+        lease="expired",
+        sets=[("duplicates = r.duplicates + 1", ())],
+    )
     if changed is None:
         return None
     run_abandoned.send(sender=task_name, run_id=row.id, slot=slot, reason=reason)
@@ -188,8 +214,14 @@ def _abandon_stale(
 def _active(row: Row, task_name: str, slot: datetime, lease: float, sent: float) -> ActiveRun:
     assert row.fence is not None
     return ActiveRun(
-        id=row.id, task_name=task_name, slot=slot, attempt=row.attempt, fence=int(row.fence),
-        owner=row.owner, lease_seconds=lease, deadline=sent + lease,
+        id=row.id,
+        task_name=task_name,
+        slot=slot,
+        attempt=row.attempt,
+        fence=int(row.fence),
+        owner=row.owner,
+        lease_seconds=lease,
+        deadline=sent + lease,
     )
 
 
@@ -216,8 +248,13 @@ def _skip_for_overlap(alias: str, active: ActiveRun) -> bool:
 
 
 def _run(
-    active: ActiveRun, lock: LockBackend, key: str, alias: str, func: Callable[..., R],
-    args: tuple[Any, ...], kwargs: dict[str, Any],
+    active: ActiveRun,
+    lock: LockBackend,
+    key: str,
+    alias: str,
+    func: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> R:
     context = _current.set(active)
     heartbeat = Heartbeat(active, lock, key, alias)
@@ -244,15 +281,37 @@ def _run(
 def _finish_raised(alias: str, active: ActiveRun, exc: BaseException, duplicates: int) -> None:
     error = f"{type(exc).__name__}: {exc}"
     if _is_celery_retry(exc):
-        _finish(alias, active, RunState.RETRYING, f"retry requested: {exc}", error=error,
-                ended=False, duplicates=duplicates, cause=exc)
+        _finish(
+            alias,
+            active,
+            RunState.RETRYING,
+            f"retry requested: {exc}",
+            error=error,
+            ended=False,
+            duplicates=duplicates,
+            cause=exc,
+        )
     elif isinstance(exc, Exception):
-        _finish(alias, active, RunState.FAILED, error[:500], error=error,
-                duplicates=duplicates, cause=exc)
+        _finish(
+            alias,
+            active,
+            RunState.FAILED,
+            error[:500],
+            error=error,
+            duplicates=duplicates,
+            cause=exc,
+        )
     else:
         # KeyboardInterrupt, SystemExit: the process is going away mid-run.
-        _finish(alias, active, RunState.ABANDONED, f"interrupted ({type(exc).__name__})",
-                error=error, duplicates=duplicates, cause=exc)
+        _finish(
+            alias,
+            active,
+            RunState.ABANDONED,
+            f"interrupted ({type(exc).__name__})",
+            error=error,
+            duplicates=duplicates,
+            cause=exc,
+        )
 
 
 def _is_celery_retry(exc: BaseException) -> bool:
@@ -264,8 +323,15 @@ def _is_celery_retry(exc: BaseException) -> bool:
 
 
 def _finish(
-    alias: str, active: ActiveRun, to_state: str, reason: str, *, error: str = "",
-    ended: bool = True, duplicates: int = 0, cause: BaseException | None = None,
+    alias: str,
+    active: ActiveRun,
+    to_state: str,
+    reason: str,
+    *,
+    error: str = "",
+    ended: bool = True,
+    duplicates: int = 0,
+    cause: BaseException | None = None,
 ) -> None:
     """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
     if not active.lease_valid():

@@ -68,7 +68,9 @@ class Heartbeat(threading.Thread):
             self.failures += 1
             logger.warning(
                 "taskguard heartbeat could not renew run %s (%d failures)",
-                active.id, self.failures, exc_info=True,
+                active.id,
+                self.failures,
+                exc_info=True,
             )
             connections[self.alias].close()
             if time.monotonic() >= active.deadline:
@@ -88,7 +90,9 @@ class Heartbeat(threading.Thread):
             return
         active.lost_reason = reason
         active.lost.set()
-        logger.error("taskguard run %s (%s) lost its lease: %s", active.id, active.task_name, reason)
+        logger.error(
+            "taskguard run %s (%s) lost its lease: %s", active.id, active.task_name, reason
+        )
         try:
             lease_lost.send(sender=active.task_name, run=active)
         except Exception:

@@ -44,6 +44,7 @@ def connection_lost(alias: str, exc: Exception) -> bool:
     """
     return isinstance(exc, CONNECTION_ERRORS) and connections[alias].vendor != "sqlite"
 
+
 # One SET clause of an UPDATE and the parameters its %s placeholders take.
 Assignment = tuple[str, tuple[Any, ...]]
 
@@ -139,7 +140,12 @@ def _slot_param(alias: str, slot: datetime) -> Any:
 
 
 def claim(
-    alias: str, task_name: str, slot: datetime, owner: str, lease_seconds: float, *,
+    alias: str,
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease_seconds: float,
+    *,
     abandon_is_final: bool,
 ) -> Row:
     """Insert the (task, slot) row as ``running`` for ``owner``, or find it taken.
@@ -165,13 +171,19 @@ def claim(
         f"CASE WHEN {duplicate} THEN 1 ELSE 0 END "
         f"RETURNING {RETURNING}, lease_until <= {d.now}"
     )
-    params: list[Any] = [task_name, _slot_param(alias, slot), owner, lease_seconds,
-                         abandon_is_final]
-    log = (f"INSERT INTO {TRANSITION} (run_id, from_state, to_state, at, reason, owner) "
-           f"SELECT id, '{RunState.PENDING}', '{RunState.RUNNING}', {d.now}, 'claimed', owner ")
+    params: list[Any] = [
+        task_name,
+        _slot_param(alias, slot),
+        owner,
+        lease_seconds,
+        abandon_is_final,
+    ]
+    log = (
+        f"INSERT INTO {TRANSITION} (run_id, from_state, to_state, at, reason, owner) "
+        f"SELECT id, '{RunState.PENDING}', '{RunState.RUNNING}', {d.now}, 'claimed', owner "
+    )
     if d.one_statement:
-        sql = (f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) "
-               f"SELECT * FROM u")
+        sql = f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) SELECT * FROM u"
         row = _row(_execute(alias, sql, [*params, owner]))
     else:
         with transaction.atomic(using=alias):
@@ -184,8 +196,9 @@ def claim(
 
 def read(alias: str, task_name: str, slot: datetime) -> Row | None:
     d = dialect(alias)
-    sql = (f"SELECT {RETURNING}, lease_until <= {d.now} FROM {RUN} "
-           f"WHERE task_name = %s AND slot = %s")
+    sql = (
+        f"SELECT {RETURNING}, lease_until <= {d.now} FROM {RUN} WHERE task_name = %s AND slot = %s"
+    )
     return _row(_execute(alias, sql, [task_name, _slot_param(alias, slot)]))
 
 
@@ -202,8 +215,14 @@ class Step:
 
 
 def change(
-    alias: str, row: Row, path: Sequence[Step], *, actor: str, fenced: bool = True,
-    lease: str = "", sets: Sequence[Assignment] = (),
+    alias: str,
+    row: Row,
+    path: Sequence[Step],
+    *,
+    actor: str,
+    fenced: bool = True,
+    lease: str = "",
+    sets: Sequence[Assignment] = (),
 ) -> Row | None:
     """Move ``row`` along ``path`` (one or more transitions) if it is still as read.
 
@@ -237,10 +256,12 @@ def change(
     if d.one_statement:
         values = ", ".join(["(%s, %s, %s, %s)"] * len(steps))
         step_params = [p for i, s in enumerate(steps) for p in (*s, i)]
-        sql = (f"WITH u AS ({update}), t AS (INSERT INTO {TRANSITION} "
-               f"(run_id, from_state, to_state, at, reason, owner) "
-               f"SELECT u.id, v.f, v.t, {d.now}, v.r, %s FROM u, (VALUES {values}) AS v(f, t, r, n) "
-               f"ORDER BY v.n) SELECT * FROM u")
+        sql = (
+            f"WITH u AS ({update}), t AS (INSERT INTO {TRANSITION} "
+            f"(run_id, from_state, to_state, at, reason, owner) "
+            f"SELECT u.id, v.f, v.t, {d.now}, v.r, %s FROM u, (VALUES {values}) AS v(f, t, r, n) "
+            f"ORDER BY v.n) SELECT * FROM u"
+        )
         return _row(_execute(alias, sql, [*params, actor, *step_params]))
     with transaction.atomic(using=alias):
         updated = _row(_execute(alias, update, params))
@@ -285,9 +306,11 @@ def finish_assignments(
 def renew(alias: str, run_id: int, fence: int, lease_seconds: float) -> datetime | None:
     """Extend a live attempt's lease; ``None`` when the attempt no longer owns the row."""
     d = dialect(alias)
-    sql = (f"UPDATE {RUN} AS r SET lease_until = {d.lease_from_now} "
-           f"WHERE r.id = %s AND r.fence = %s AND r.state = '{RunState.RUNNING}' "
-           f"RETURNING lease_until")
+    sql = (
+        f"UPDATE {RUN} AS r SET lease_until = {d.lease_from_now} "
+        f"WHERE r.id = %s AND r.fence = %s AND r.state = '{RunState.RUNNING}' "
+        f"RETURNING lease_until"
+    )
     values = _execute(alias, sql, [lease_seconds, run_id, fence])
     return _aware(values[0]) if values else None
 
@@ -295,8 +318,10 @@ def renew(alias: str, run_id: int, fence: int, lease_seconds: float) -> datetime
 def earlier_slot_running(alias: str, task_name: str, slot: datetime) -> datetime | None:
     """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
     d = dialect(alias)
-    sql = (f"SELECT slot FROM {RUN} WHERE task_name = %s AND slot < %s "
-           f"AND state = '{RunState.RUNNING}' AND lease_until > {d.now} ORDER BY slot LIMIT 1")
+    sql = (
+        f"SELECT slot FROM {RUN} WHERE task_name = %s AND slot < %s "
+        f"AND state = '{RunState.RUNNING}' AND lease_until > {d.now} ORDER BY slot LIMIT 1"
+    )
     values = _execute(alias, sql, [task_name, _slot_param(alias, slot)])
     return _aware(values[0]) if values else None
 

@@ -59,9 +59,7 @@ class CronSchedule:
         after = croniter(self.expression, wall)
         candidates = [before.get_prev(datetime) for _ in range(3)]
         candidates += [after.get_next(datetime) for _ in range(3)]
-        return max(
-            utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now
-        )
+        return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
 
 
 @dataclass(frozen=True)
@@ -119,10 +117,15 @@ def from_celery(schedule: Any) -> Schedule:
 
 def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule | None:
     """Check the decorator's schedule arguments and return one schedule (or None)."""
-    given = [name for name, value in (("cron", cron), ("every", every), ("schedule", schedule))
-             if value is not None]
+    given = [
+        name
+        for name, value in (("cron", cron), ("every", every), ("schedule", schedule))
+        if value is not None
+    ]
     if len(given) > 1:
-        raise InvalidSchedule(f"give at most one of cron=, every=, schedule= (got {', '.join(given)})")
+        raise InvalidSchedule(
+            f"give at most one of cron=, every=, schedule= (got {', '.join(given)})"
+        )
     if cron is not None:
         return CronSchedule(cron)
     if every is not None:

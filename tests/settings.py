@@ -87,7 +87,10 @@ if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
         "LOCATION": os.environ["TASKGUARD_TEST_REDIS_URL"],
     }
 
-TASKGUARD = {"BACKEND": os.environ.get("TASKGUARD_TEST_BACKEND", "database"), "REDIS_ALIAS": "redis"}
+TASKGUARD = {
+    "BACKEND": os.environ.get("TASKGUARD_TEST_BACKEND", "database"),
+    "REDIS_ALIAS": "redis",
+}
 
 LOGGING = {
     "version": 1,
