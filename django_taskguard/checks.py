@@ -32,7 +32,8 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
     if backend == "redis" and not is_redis_cache(alias):
         errors.append(
             Error(
-                f"TASKGUARD['BACKEND'] is 'redis' but CACHES[{alias!r}] is not a django-redis cache.",
+                f"TASKGUARD['BACKEND'] is 'redis' but CACHES[{alias!r}] "
+                "is not a django-redis cache.",
                 hint="Point REDIS_ALIAS at a cache whose BACKEND is "
                 "'django_redis.cache.RedisCache', or use BACKEND 'database'.",
                 id="taskguard.E002",

@@ -96,10 +96,7 @@ class Row:
 
 
 def _aware(value: Any) -> datetime | None:
-    if value is None or isinstance(value, datetime):
-        dt = value
-    else:
-        dt = parse_datetime(str(value))
+    dt = value if value is None or isinstance(value, datetime) else parse_datetime(str(value))
     if dt is not None and dt.tzinfo is None:
         dt = dt.replace(tzinfo=dt_timezone.utc)
     return dt

@@ -17,7 +17,7 @@ class RunState(models.TextChoices):
     PENDING = "pending", _("pending")
     # an attempt holds the lease; -> succeeded | failed | retrying | skipped | abandoned
     RUNNING = "running", _("running")
-    # the attempt ended but another is due (Celery retry, stale takeover); -> running | failed | abandoned
+    # an attempt ended, another is due (Celery retry, takeover); -> running | failed | abandoned
     RETRYING = "retrying", _("retrying")
     # terminal: the function returned
     SUCCEEDED = "succeeded", _("succeeded")
