@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from datetime import datetime
 from datetime import timezone as dt_timezone
 
@@ -41,6 +42,14 @@ class LockBackend(ABC):
         """Return and reset the duplicates counted for ``key`` (folded into the row)."""
         return 0
 
+    def holder(self, key: str) -> str | None:
+        """The token ``key`` holds now, or None (cleanup and the admin read it)."""
+        return None
+
+    def scan_run_keys(self) -> Iterator[tuple[str, str | None]]:
+        """Every run key under the prefix with its token, found incrementally (``SCAN``)."""
+        return iter(())
+
 
 def task_digest(task_name: str) -> str:
     """A fixed-length, key-safe stand-in for a task name of any length or alphabet."""
@@ -55,3 +64,15 @@ def slot_label(slot: datetime) -> str:
 def run_key(prefix: str, task_name: str, slot: datetime) -> str:
     """The fast-path lock key of one (task, slot); never raw user text."""
     return f"{prefix}:run:{task_digest(task_name)}:{slot_label(slot)}"
+
+
+def parse_run_key(key: str) -> tuple[str, datetime] | None:
+    """``(task_digest, slot)`` of a key made by :func:`run_key`, or None for other keys."""
+    parts = key.rsplit(":", 3)
+    if len(parts) != 4 or parts[1] != "run":
+        return None
+    try:
+        slot = datetime.strptime(parts[3], "%Y%m%dT%H%M%S.%fZ").replace(tzinfo=dt_timezone.utc)
+    except ValueError:
+        return None
+    return parts[2], slot

@@ -1,0 +1,125 @@
+"""Shared fixtures: the test database for child processes, and private Redis servers.
+
+Every Redis the suite talks to is started here on a free port, so a
+developer's own Redis (or the machine's shared one) is never touched. A
+missing ``redis-server`` binary is a setup error, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connections
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A private ``redis-server`` process that tests may stop, kill, pause and restart."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise pytest.UsageError(
+                "redis-server is not installed; the taskguard tests need a real one "
+                "(apt-get install -y redis-server). It is never skipped."
+            )
+        self.binary = binary
+        self.directory = directory
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+                "--maxmemory-policy", "noeviction",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL the server (everything in memory is lost)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh private Redis for one test."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def child_env(transactional_db: None) -> dict[str, str]:
+    """Environment for real child processes that must use this test's database."""
+    env = dict(os.environ)
+    env["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["TASKGUARD_TEST_DB_NAME"] = str(connections["default"].settings_dict["NAME"])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def python() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="taskguard-") as directory:
+        yield Path(directory)

@@ -1,0 +1,107 @@
+"""Entry point of the real child processes the tests start.
+
+``python -m tests.proc SCENARIO [options]``; the database (and Redis, if any)
+come from the environment that ``child_env`` builds. Every execution of a
+guarded body appends one line to ``--log`` with O_APPEND: an unfenced side
+effect that counts executions no matter what the ledger says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+
+import django
+
+BASE_SLOT = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def record(log: str, line: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def wait_until(start_at: float) -> None:
+    delay = start_at - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def race(args: argparse.Namespace) -> dict[str, int]:
+    """Fire slots 0..N-1 of one task as fast as possible; count wins and losses."""
+    from django_taskguard import current_run, once_per_schedule
+
+    @once_per_schedule(name=args.task)
+    def body(index: int) -> int:
+        run = current_run()
+        record(args.log, f"{index} {os.getpid()} {run.fence}")
+        return index
+
+    wait_until(args.start_at)
+    won = lost = 0
+    for index in range(args.slots):
+        slot = BASE_SLOT + timedelta(minutes=index)
+        if body.run_for_slot(slot, index) is None:
+            lost += 1
+        else:
+            won += 1
+    return {"won": won, "lost": lost}
+
+
+def hold(args: argparse.Namespace) -> dict[str, object]:
+    """Claim one slot and run a body that sleeps ``--seconds`` (to be killed or paused)."""
+    from django_taskguard import current_run, once_per_schedule
+    from django_taskguard.exceptions import LeaseLost
+
+    @once_per_schedule(name=args.task, on_stale=args.on_stale, lease_seconds=args.lease)
+    def body() -> str:
+        run = current_run()
+        record(args.log, f"start {os.getpid()} {run.attempt} {run.fence}")
+        print(json.dumps({"started": run.id, "fence": run.fence}), flush=True)
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            run.check()
+        except LeaseLost:
+            record(args.log, f"leaselost {os.getpid()} {run.attempt} {run.fence}")
+            raise
+        record(args.log, f"end {os.getpid()} {run.attempt} {run.fence}")
+        return "done"
+
+    slot = BASE_SLOT + timedelta(minutes=args.slot)
+    try:
+        result = body.run_for_slot(slot)
+    except LeaseLost as exc:
+        return {"result": None, "lease_lost": str(exc)}
+    return {"result": result}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["race", "hold"])
+    parser.add_argument("--task", default="tests.race")
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--slots", type=int, default=200)
+    parser.add_argument("--slot", type=int, default=0)
+    parser.add_argument("--start-at", type=float, default=0.0)
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--lease", type=float, default=None)
+    parser.add_argument("--on-stale", default="abandon")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    outcome = {"race": race, "hold": hold}[args.scenario](args)
+    print(json.dumps(outcome), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
