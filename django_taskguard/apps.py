@@ -10,3 +10,6 @@ class TaskguardConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .signal_handlers import connect_celery
+
+        connect_celery()

@@ -32,6 +32,14 @@ class TaskRunQuerySet(models.QuerySet["TaskRun"]):
     def finished(self) -> TaskRunQuerySet:
         return self.filter(state__in=TERMINAL_STATES | {RunState.ABANDONED})
 
+    def with_lease(self) -> TaskRunQuerySet:
+        """Annotate ``lease_alive`` and ``db_now``, judged by the database's clock."""
+        alive = models.Q(state=RunState.RUNNING, lease_until__gt=Now())
+        return self.annotate(
+            lease_alive=models.ExpressionWrapper(alive, output_field=models.BooleanField()),
+            db_now=Now(),
+        )
+
 
 class TaskRun(models.Model):
     """What happened to one schedule slot of one task."""
@@ -72,7 +80,10 @@ class TaskRun(models.Model):
             models.Index(fields=["state", "lease_until"], name="taskguard_run_state_lease"),
             models.Index(fields=["fence"], name="taskguard_run_fence"),
             models.Index(fields=["-slot", "-id"], name="taskguard_run_slot_desc"),
+            # The admin's state filter and prune_runs: state, newest slot first.
+            models.Index(fields=["state", "-slot", "-id"], name="taskguard_run_state_slot"),
         ]
+        permissions = [("cleanup_taskrun", _("Can clean up stale locks and release locks"))]
 
     def __str__(self) -> str:
         return f"{self.task_name} @ {self.slot.isoformat()} ({self.state})"

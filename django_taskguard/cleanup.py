@@ -1,0 +1,296 @@
+"""Stale-lock cleanup, shared by ``manage.py cleanup_locks``, the admin and startup.
+
+Every change goes through :func:`ledger.change` with ``lease="expired"`` (or,
+at startup, against this host's dead pids): a compare-and-set on the run's
+state, fence and lease by the database's clock. A run whose owner renewed its
+lease, finished, or was taken over meanwhile is not touched, so running this
+from every instance at once is safe, and running it twice changes nothing
+the second time. Redis keys are only ever deleted by compare-and-delete on
+the token of an attempt that is known to be over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import DatabaseError, connections
+
+from . import ledger
+from .conf import taskguard_settings
+from .exceptions import BackendUnavailable
+from .ledger import Row, Step
+from .locks import LockBackend, backend_name, get_backend
+from .locks.base import parse_run_key, run_key, task_digest
+from .models import TaskRun
+from .signals import run_abandoned
+from .states import RunState
+
+logger = logging.getLogger("taskguard.cleanup")
+
+BATCH_SIZE = 500
+# A Redis key whose token no row records may belong to a winner between its
+# SET NX and its row insert (milliseconds). It is only removed if it still has
+# no row this long after it was first seen.
+ORPHAN_GRACE_SECONDS = 5.0
+
+ROW_FIELDS = ("id", "task_name", "slot", "state", "attempt", "fence", "owner", "lease_until")
+
+
+@dataclass
+class CleanupResult:
+    stale_runs: int = 0
+    released_locks: int = 0
+    orphan_keys: int = 0
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stale_runs": self.stale_runs,
+            "released_locks": self.released_locks,
+            "orphan_keys": self.orphan_keys,
+            "dry_run": self.dry_run,
+        }
+
+
+def actor() -> str:
+    """Who the transition log names as the cleaner."""
+    return f"cleanup@{socket.gethostname()}:{os.getpid()}"
+
+
+def token_of(owner: str) -> str:
+    """The per-attempt token: the last ``:`` part of ``host:pid:token``."""
+    return owner.rsplit(":", 1)[-1] if owner.count(":") >= 2 else ""
+
+
+def cleanup_locks(
+    *,
+    task: str | None = None,
+    run_ids: Iterable[int] | None = None,
+    dry_run: bool = False,
+    batch_size: int = BATCH_SIZE,
+    scan_orphans: bool = True,
+) -> CleanupResult:
+    """Abandon stale runs, release their locks, and remove orphan Redis keys.
+
+    ``run_ids`` limits the work to those runs (the admin action) and skips
+    the orphan scan. Raises ``BackendUnavailable`` when the database or the
+    lock backend cannot be reached.
+    """
+    result = CleanupResult(dry_run=dry_run)
+    lock = get_backend()
+    queryset = TaskRun.objects.stale()
+    if task is not None:
+        queryset = queryset.filter(task_name=task)
+    if run_ids is not None:
+        queryset = queryset.filter(pk__in=list(run_ids))
+        scan_orphans = False
+    for run in _batches(queryset, batch_size):
+        if dry_run:
+            result.stale_runs += 1
+            result.released_locks += _holds(lock, run)
+            continue
+        reason = f"lease of {run['owner']} expired at {_iso(run['lease_until'])}; cleanup_locks"
+        if abandon(run, reason, lease="expired"):
+            result.stale_runs += 1
+            result.released_locks += release_if_held(lock, run)
+    if scan_orphans and backend_name() == "redis":
+        result.orphan_keys = _orphan_keys(lock, task, dry_run)
+    return result
+
+
+def _batches(queryset: Any, batch_size: int) -> Iterator[dict[str, Any]]:
+    """Rows of ``queryset`` by ascending primary key, ``batch_size`` at a time."""
+    last = 0
+    while True:
+        try:
+            batch = list(
+                queryset.filter(pk__gt=last).order_by("pk").values(*ROW_FIELDS)[:batch_size]
+            )
+        except DatabaseError as exc:
+            raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+        yield from batch
+        if len(batch) < batch_size:
+            return
+        last = batch[-1]["id"]
+
+
+def abandon(run: dict[str, Any], reason: str, *, lease: str) -> bool:
+    """Mark one running row ``abandoned`` if it is still as read; send ``run_abandoned``."""
+    alias = taskguard_settings.DATABASE_ALIAS
+    row = Row(run["id"], run["state"], run["attempt"], run["fence"], run["owner"], None)
+    try:
+        changed = ledger.change(
+            alias,
+            row,
+            [Step(RunState.ABANDONED, reason)],
+            actor=actor(),
+            lease=lease,
+            sets=[("error = %s", (reason,))],
+        )
+    except DatabaseError as exc:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    if changed is None:
+        logger.info("taskguard run %s changed meanwhile; left alone", run["id"])
+        return False
+    logger.warning("taskguard run %s (%s) abandoned: %s", run["id"], run["task_name"], reason)
+    run_abandoned.send(sender=run["task_name"], run_id=run["id"], slot=run["slot"], reason=reason)
+    return True
+
+
+def _key(run: dict[str, Any]) -> str:
+    return run_key(taskguard_settings.KEY_PREFIX, run["task_name"], run["slot"])
+
+
+def _holds(lock: LockBackend, run: dict[str, Any]) -> bool:
+    token = token_of(run["owner"])
+    return bool(token) and _call(lock.holder, _key(run)) == token
+
+
+def release_if_held(lock: LockBackend, run: dict[str, Any]) -> bool:
+    """Delete the run's lock key only while it still holds the run's token."""
+    token = token_of(run["owner"])
+    if not token or _call(lock.holder, _key(run)) != token:
+        return False
+    return bool(_call(lock.release, _key(run), token))
+
+
+def _call(method: Any, *args: Any) -> Any:
+    try:
+        return method(*args)
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # the client's own errors (redis.ConnectionError, ...)
+        if not _is_backend_error(exc):
+            raise
+        raise BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})") from exc
+
+
+def _is_backend_error(exc: Exception) -> bool:
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:  # pragma: no cover - redis is an extra
+        return False
+    return isinstance(exc, (RedisError, OSError))
+
+
+def _orphan_keys(lock: LockBackend, task: str | None, dry_run: bool) -> int:
+    """Remove keys whose token belongs to no live attempt (compare-and-delete)."""
+    digest = task_digest(task) if task is not None else None
+    removed = 0
+    unrecorded: list[tuple[RunKey, float]] = []
+    for found in _call(lambda: list(_scan(lock, digest))):
+        verdict = _verdict(found)
+        if verdict == "dead":
+            removed += 1 if dry_run else bool(_call(lock.release, found.key, found.token))
+        elif verdict == "unrecorded":
+            unrecorded.append((found, time.monotonic()))
+    for found, seen in unrecorded:
+        if dry_run:
+            removed += 1
+            continue
+        time.sleep(max(0.0, seen + ORPHAN_GRACE_SECONDS - time.monotonic()))
+        if _verdict(found) == "unrecorded":
+            removed += bool(_call(lock.release, found.key, found.token))
+    return removed
+
+
+@dataclass(frozen=True)
+class RunKey:
+    key: str
+    token: str
+    digest: str
+    slot: datetime
+
+
+def _scan(lock: LockBackend, digest: str | None) -> Iterator[RunKey]:
+    for key, token in lock.scan_run_keys():
+        parsed = parse_run_key(key)
+        if parsed is None or not token or (digest is not None and parsed[0] != digest):
+            continue
+        yield RunKey(key, token, parsed[0], parsed[1])
+
+
+def _verdict(found: RunKey) -> str:
+    """``live``, ``dead`` (its attempt is over) or ``unrecorded`` (no row names the token)."""
+    try:
+        rows = list(
+            TaskRun.objects.filter(slot=found.slot, owner__endswith=f":{found.token}")
+            .with_lease()
+            .values_list("task_name", "lease_alive")
+        )
+    except DatabaseError as exc:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    mine = [alive for name, alive in rows if task_digest(name) == found.digest]
+    if not mine:
+        return "unrecorded"
+    return "live" if any(mine) else "dead"
+
+
+def startup_cleanup() -> int:
+    """Abandon this host's runs whose process is gone; return how many.
+
+    Call it once when a worker process starts (the Celery receivers do, with
+    ``STARTUP_CLEANUP`` on). Only rows whose owner is *this* hostname and whose
+    pid is not alive here (and is not this process) are touched: other hosts'
+    runs, and runs of live processes, are never freed. Hostnames must be unique
+    per process namespace (the default in Docker and Kubernetes).
+    """
+    host = socket.gethostname()
+    lock = get_backend()
+    queryset = TaskRun.objects.running().filter(owner__startswith=f"{host}:")
+    count = 0
+    for run in _batches(queryset, BATCH_SIZE):
+        pid = _pid(run["owner"], host)
+        if pid is None or pid == os.getpid() or pid_alive(pid):
+            continue
+        reason = f"owner process {host}:{pid} is gone (startup cleanup on the same host)"
+        if abandon(run, reason, lease=""):
+            count += 1
+            release_if_held(lock, run)
+    return count
+
+
+def _pid(owner: str, host: str) -> int | None:
+    rest = owner[len(host) + 1 :].split(":")
+    return int(rest[0]) if len(rest) == 2 and rest[0].isdigit() else None
+
+
+def pid_alive(pid: int) -> bool:
+    """True unless ``pid`` certainly does not exist on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _iso(value: datetime | None) -> str:
+    return value.isoformat() if value else "?"
+
+
+def database_now() -> datetime:
+    """The database's clock (every instance judges deadlines against the same time)."""
+    alias = taskguard_settings.DATABASE_ALIAS
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"SELECT {ledger.dialect(alias).now.replace('%%', '%')}")
+        value = ledger._aware(cursor.fetchone()[0])
+    assert value is not None
+    return value
+
+
+def ensure_database(alias: str | None = None) -> None:
+    """Raise ``BackendUnavailable`` unless the taskguard database answers."""
+    alias = alias or taskguard_settings.DATABASE_ALIAS
+    try:
+        connections[alias].ensure_connection()
+    except DatabaseError as exc:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc

@@ -1,0 +1,101 @@
+"""``manage.py cleanup_locks``: abandon runs whose owner died, release their locks."""
+
+from __future__ import annotations
+
+import json
+from argparse import ArgumentParser, ArgumentTypeError
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.utils.translation import ngettext
+
+from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks, ensure_database
+from ...exceptions import BackendUnavailable
+
+
+def task_name(value: str) -> str:
+    if not value.strip():
+        raise ArgumentTypeError("the task name must not be empty")
+    return value
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise ArgumentTypeError(f"{value!r} must be at least 1")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        "Mark runs whose lease expired (by the database clock) as abandoned, release their "
+        "Redis locks if they still hold that run's token, and remove Redis keys of no live "
+        "run. Never touches a live owner's run or lock; safe to run from every instance."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Report what would be done; change nothing."
+        )
+        parser.add_argument(
+            "--task", type=task_name, default=None, help="Only this task (default: every task)."
+        )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            dest="as_json",
+            help="Print the counts as one JSON object.",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=BATCH_SIZE,
+            help=f"Stale runs read per query (default: {BATCH_SIZE}).",
+        )
+
+    def handle(
+        self,
+        *args: Any,
+        dry_run: bool,
+        task: str | None,
+        as_json: bool,
+        batch_size: int,
+        **options: Any,
+    ) -> None:
+        try:
+            ensure_database()
+            result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
+        except BackendUnavailable as exc:
+            raise CommandError(f"cleanup_locks failed: {exc}") from exc
+        if as_json:
+            self.stdout.write(json.dumps(result.as_dict()))
+        else:
+            self.stdout.write(describe(result))
+
+
+def describe(result: CleanupResult) -> str:
+    """``Abandoned 3 stale runs, released 2 locks, removed 1 orphan key`` (or ``Would ...``)."""
+    if result.dry_run:
+        parts = [
+            ngettext("Would abandon %d stale run", "Would abandon %d stale runs", result.stale_runs)
+            % result.stale_runs,
+            ngettext("would release %d lock", "would release %d locks", result.released_locks)
+            % result.released_locks,
+            ngettext(
+                "would remove %d orphan key", "would remove %d orphan keys", result.orphan_keys
+            )
+            % result.orphan_keys,
+        ]
+    else:
+        parts = [
+            ngettext("Abandoned %d stale run", "Abandoned %d stale runs", result.stale_runs)
+            % result.stale_runs,
+            ngettext("released %d lock", "released %d locks", result.released_locks)
+            % result.released_locks,
+            ngettext("removed %d orphan key", "removed %d orphan keys", result.orphan_keys)
+            % result.orphan_keys,
+        ]
+    return ", ".join(parts) + "."

@@ -1,0 +1,83 @@
+"""``manage.py prune_runs``: delete finished runs (and their transitions) past retention."""
+
+from __future__ import annotations
+
+from argparse import ArgumentParser, ArgumentTypeError
+from datetime import timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
+from django.utils.translation import ngettext
+
+from ...cleanup import database_now
+from ...conf import taskguard_settings
+from ...retention import BATCH_SIZE, PRUNABLE_STATES, prune_runs
+
+
+def days(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a whole number of days") from None
+    if number < 0:
+        raise ArgumentTypeError(f"{value!r} must not be negative")
+    return number
+
+
+def batch_size(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if not 1 <= number <= 10_000:
+        raise ArgumentTypeError(f"{value!r} must be between 1 and 10000")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        f"Delete finished runs ({', '.join(PRUNABLE_STATES)}) whose slot is older than "
+        "--older-than days, with their transitions, in short batches. Never running, "
+        "pending or retrying runs."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--older-than",
+            type=days,
+            default=None,
+            metavar="DAYS",
+            help="Age of the slot in days (default: TASKGUARD['PRUNE_AFTER_DAYS'], "
+            f"currently {taskguard_settings.PRUNE_AFTER_DAYS}).",
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Count what would be deleted; delete nothing."
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=batch_size,
+            default=BATCH_SIZE,
+            help=f"Runs deleted per transaction (default: {BATCH_SIZE}).",
+        )
+
+    def handle(
+        self,
+        *args: Any,
+        older_than: int | None,
+        dry_run: bool,
+        batch_size: int,
+        **options: Any,
+    ) -> None:
+        age = taskguard_settings.PRUNE_AFTER_DAYS if older_than is None else older_than
+        try:
+            before = database_now() - timedelta(days=age)
+            result = prune_runs(before, dry_run=dry_run, batch_size=batch_size)
+        except DatabaseError as exc:
+            raise CommandError(f"prune_runs failed: the database is unreachable ({exc})") from exc
+        runs = ngettext("%d finished run", "%d finished runs", result.runs) % result.runs
+        transitions = (
+            ngettext("%d transition", "%d transitions", result.transitions) % result.transitions
+        )
+        verb = "Would delete" if dry_run else "Deleted"
+        self.stdout.write(f"{verb} {runs} and {transitions} older than {age} days.")

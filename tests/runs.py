@@ -1,0 +1,48 @@
+"""Rows for the cleanup, retention and admin tests, written the way the ledger writes them."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import datetime, timedelta, timezone
+
+from django.utils import timezone as dj_timezone
+
+from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+
+BASE = datetime(2026, 1, 1, tzinfo=timezone.utc)
+_fences = itertools.count(10_000)
+
+
+def make_run(
+    task: str = "tests.job",
+    minute: int = 0,
+    *,
+    state: str = RunState.RUNNING,
+    owner: str = "otherhost:1:deadbeef",
+    lease: float = -3600.0,
+    slot: datetime | None = None,
+    transitions: int = 1,
+) -> TaskRun:
+    """A run of ``task`` at ``BASE + minute``; ``lease`` seconds from now (negative: expired)."""
+    now = dj_timezone.now()
+    running = state == RunState.RUNNING
+    run = TaskRun.objects.create(
+        task_name=task,
+        slot=slot or BASE + timedelta(minutes=minute),
+        state=state,
+        attempt=1,
+        fence=next(_fences),
+        owner=owner,
+        started_at=now - timedelta(minutes=5),
+        lease_until=now + timedelta(seconds=lease) if running else None,
+        finished_at=None if running or state == RunState.PENDING else now,
+    )
+    for index in range(transitions):
+        TaskRunTransition.objects.create(
+            run=run,
+            from_state=RunState.PENDING,
+            to_state=RunState.RUNNING,
+            reason=f"claimed {index}",
+            owner=owner,
+        )
+    return run

@@ -1,0 +1,238 @@
+"""cleanup_locks and startup cleanup against real rows, real processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import override_settings
+
+from django_taskguard.cleanup import cleanup_locks, startup_cleanup
+from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+from django_taskguard.signals import run_abandoned
+
+from .conftest import free_port, python
+from .runs import make_run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+HOST = socket.gethostname()
+
+
+def command(*args: str) -> str:
+    out = StringIO()
+    call_command("cleanup_locks", *args, stdout=out)
+    return out.getvalue().strip()
+
+
+def abandon_transitions(run: TaskRun) -> list[TaskRunTransition]:
+    return list(run.transitions.filter(to_state=RunState.ABANDONED))
+
+
+def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_cleanup_locks__dry_run_changes_nothing():
+    stale = [make_run(minute=i) for i in range(3)]
+    assert command("--dry-run") == (
+        "Would abandon 3 stale runs, would release 0 locks, would remove 0 orphan keys."
+    )
+    assert set(TaskRun.objects.values_list("state", flat=True)) == {RunState.RUNNING}
+    assert TaskRunTransition.objects.count() == len(stale)
+
+
+def test_cleanup_locks__abandons_stale_runs_with_a_reason():
+    stale = make_run(minute=0, owner="otherhost:42:cafe")
+    assert command() == "Abandoned 1 stale run, released 0 locks, removed 0 orphan keys."
+    stale.refresh_from_db()
+    assert stale.state == RunState.ABANDONED
+    (transition,) = abandon_transitions(stale)
+    assert transition.from_state == RunState.RUNNING
+    assert "lease of otherhost:42:cafe expired" in transition.reason
+    assert transition.owner.startswith(f"cleanup@{HOST}:")
+
+
+def test_cleanup_locks__never_touches_a_live_lease():
+    live = make_run(minute=0, lease=3600)
+    finished = make_run(minute=1, state=RunState.SUCCEEDED)
+    assert command("--json") == json.dumps(
+        {"stale_runs": 0, "released_locks": 0, "orphan_keys": 0, "dry_run": False}
+    )
+    live.refresh_from_db()
+    finished.refresh_from_db()
+    assert (live.state, finished.state) == (RunState.RUNNING, RunState.SUCCEEDED)
+
+
+def test_cleanup_locks__is_idempotent_and_sends_run_abandoned():
+    make_run(minute=0)
+    make_run(minute=1)
+    received = []
+
+    def receiver(sender, run_id, slot, reason, **kwargs):  # type: ignore[no-untyped-def]
+        received.append((sender, run_id))
+
+    run_abandoned.connect(receiver)
+    try:
+        first = json.loads(command("--json"))
+        second = json.loads(command("--json"))
+    finally:
+        run_abandoned.disconnect(receiver)
+    assert first["stale_runs"] == 2
+    assert second["stale_runs"] == 0
+    assert sorted(received) == sorted((r.task_name, r.id) for r in TaskRun.objects.all())
+
+
+def test_cleanup_locks__task_filter():
+    make_run("tests.a", 0)
+    make_run("tests.b", 0)
+    assert json.loads(command("--task", "tests.a", "--json"))["stale_runs"] == 1
+    assert TaskRun.objects.get(task_name="tests.b").state == RunState.RUNNING
+
+
+def test_cleanup_locks__batches_cover_every_row():
+    for minute in range(7):
+        make_run(minute=minute)
+    assert cleanup_locks(batch_size=2).stale_runs == 7
+    assert TaskRun.objects.filter(state=RunState.ABANDONED).count() == 7
+
+
+def test_cleanup_locks__bad_arguments_are_refused():
+    with pytest.raises(CommandError):
+        call_command("cleanup_locks", "--batch-size", "0", stdout=StringIO())
+    with pytest.raises(CommandError):
+        call_command("cleanup_locks", "--task", " ", stdout=StringIO())
+
+
+def hold(env: dict[str, str], log: Path, task: str, slot: int, seconds: float, lease: float):
+    proc = subprocess.Popen(
+        [python(), "-m", "tests.proc", "hold", "--task", task, "--log", str(log),
+         "--slot", str(slot), "--seconds", str(seconds), "--lease", str(lease)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read() if proc.stderr else "the child died"
+    return proc, json.loads(line)["started"]
+
+
+def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_env, scratch):
+    log = scratch / "exec.log"
+    victim, run_id = hold(child_env, log, "tests.killed", 0, seconds=120, lease=2)
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate(timeout=10)
+    wait_for(lambda: TaskRun.objects.stale().filter(pk=run_id).exists(), 30, "lease expiry")
+
+    assert json.loads(command("--json"))["stale_runs"] == 1
+    run = TaskRun.objects.get(pk=run_id)
+    assert run.state == RunState.ABANDONED
+    (transition,) = abandon_transitions(run)
+    assert "expired" in transition.reason
+
+    nxt, next_id = hold(child_env, log, "tests.killed", 1, seconds=0.2, lease=2)
+    out, err = nxt.communicate(timeout=60)
+    assert nxt.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"result": "done"}
+    assert TaskRun.objects.get(pk=next_id).state == RunState.SUCCEEDED
+    assert TaskRun.objects.get(pk=run_id).state == RunState.ABANDONED
+
+
+def test_cleanup_locks__live_child_holding_its_lease_is_untouched(child_env, scratch):
+    log = scratch / "exec.log"
+    owner, run_id = hold(child_env, log, "tests.alive", 0, seconds=6, lease=2)
+    try:
+        # Several lease lengths pass: the heartbeat keeps renewing, cleanup finds nothing.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert json.loads(command("--json"))["stale_runs"] == 0
+            time.sleep(0.5)
+        assert TaskRun.objects.get(pk=run_id).state == RunState.RUNNING
+        out, err = owner.communicate(timeout=60)
+        assert owner.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == {"result": "done"}
+    finally:
+        owner.kill()
+        owner.communicate(timeout=10)
+    assert TaskRun.objects.get(pk=run_id).state == RunState.SUCCEEDED
+    assert not abandon_transitions(TaskRun.objects.get(pk=run_id))
+
+
+def manage(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [python(), "-m", "django", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_cleanup_locks__concurrent_commands_abandon_each_run_once(child_env):
+    runs = [make_run(f"tests.c{i % 5}", i) for i in range(60)]
+    commands = [manage(child_env, "cleanup_locks", "--json", "--batch-size", "7") for _ in range(4)]
+    totals = []
+    for proc in commands:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        totals.append(json.loads(out)["stale_runs"])
+    assert sum(totals) == len(runs)
+    assert set(TaskRun.objects.values_list("state", flat=True)) == {RunState.ABANDONED}
+    for run in runs:
+        assert len(abandon_transitions(run)) == 1
+
+
+def test_cleanup_locks__database_unreachable_is_a_clear_error(child_env):
+    env = dict(child_env, TASKGUARD_TEST_DB="postgres", TASKGUARD_PG_PORT=str(free_port()))
+    proc = manage(env, "cleanup_locks")
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "cleanup_locks failed: the taskguard database is unreachable" in err
+    assert "Traceback" not in err
+
+
+def test_startup_cleanup__only_this_hosts_dead_pids():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(gone.stdout)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = make_run(minute=0, owner=f"{HOST}:{dead_pid}:aa", lease=3600)
+        live = make_run(minute=1, owner=f"{HOST}:{sleeper.pid}:bb", lease=3600)
+        mine = make_run(minute=2, owner=f"{HOST}:{os.getpid()}:cc", lease=-3600)
+        other = make_run(minute=3, owner=f"not-{HOST}:{dead_pid}:dd", lease=-3600)
+        prefix = make_run(minute=4, owner=f"{HOST}x:{dead_pid}:ee", lease=3600)
+        assert startup_cleanup() == 1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    states = {r.pk: r.state for r in TaskRun.objects.all()}
+    assert states[dead.pk] == RunState.ABANDONED
+    for untouched in (live, mine, other, prefix):
+        assert states[untouched.pk] == RunState.RUNNING
+    (transition,) = abandon_transitions(dead)
+    assert f"{HOST}:{dead_pid} is gone" in transition.reason
+
+
+def test_startup_cleanup__celery_worker_ready_honours_the_setting():
+    from celery.signals import worker_ready
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    run = make_run(minute=0, owner=f"{HOST}:{int(gone.stdout)}:aa", lease=3600)
+    worker_ready.send(sender=None)
+    assert TaskRun.objects.get(pk=run.pk).state == RunState.RUNNING
+    with override_settings(TASKGUARD={"BACKEND": "database", "STARTUP_CLEANUP": True}):
+        worker_ready.send(sender=None)
+    assert TaskRun.objects.get(pk=run.pk).state == RunState.ABANDONED
