@@ -15,12 +15,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.db import DatabaseError, connections
+from django.db.models import QuerySet
 
 from . import ledger
 from .conf import taskguard_settings
@@ -72,24 +73,25 @@ def token_of(owner: str) -> str:
 def cleanup_locks(
     *,
     task: str | None = None,
-    run_ids: Iterable[int] | None = None,
+    runs: QuerySet[TaskRun] | None = None,
     dry_run: bool = False,
     batch_size: int = BATCH_SIZE,
     scan_orphans: bool = True,
 ) -> CleanupResult:
     """Abandon stale runs, release their locks, and remove orphan Redis keys.
 
-    ``run_ids`` limits the work to those runs (the admin action) and skips
-    the orphan scan. Raises ``BackendUnavailable`` when the database or the
-    lock backend cannot be reached.
+    ``runs`` limits the work to those runs (the admin action; read as a
+    subquery, so "select all" costs no memory) and skips the orphan scan.
+    Raises ``BackendUnavailable`` when the database or the lock backend
+    cannot be reached.
     """
     result = CleanupResult(dry_run=dry_run)
     lock = get_backend()
     queryset = TaskRun.objects.stale()
     if task is not None:
         queryset = queryset.filter(task_name=task)
-    if run_ids is not None:
-        queryset = queryset.filter(pk__in=list(run_ids))
+    if runs is not None:
+        queryset = queryset.filter(pk__in=runs.order_by().values("pk"))
         scan_orphans = False
     for run in _batches(queryset, batch_size):
         if dry_run:
@@ -110,9 +112,8 @@ def _batches(queryset: Any, batch_size: int) -> Iterator[dict[str, Any]]:
     last = 0
     while True:
         try:
-            batch = list(
-                queryset.filter(pk__gt=last).order_by("pk").values(*ROW_FIELDS)[:batch_size]
-            )
+            fields = [*ROW_FIELDS, *queryset.query.annotations]
+            batch = list(queryset.filter(pk__gt=last).order_by("pk").values(*fields)[:batch_size])
         except DatabaseError as exc:
             raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
         yield from batch
@@ -231,6 +232,31 @@ def _verdict(found: RunKey) -> str:
     if not mine:
         return "unrecorded"
     return "live" if any(mine) else "dead"
+
+
+def release_lock(run: TaskRun) -> str:
+    """Free one run whose owner is confirmed dead; return what was done.
+
+    ``"abandoned"``: it was running with an expired lease (by the database
+    clock) and is now abandoned, its key released if it held the run's
+    token. ``"released"``: the run was already over and its key still held
+    its token. ``"live"``: the owner's lease is valid, nothing was touched.
+    ``"nothing"``: there was nothing to free.
+    """
+    lock = get_backend()
+    current = _batches(TaskRun.objects.filter(pk=run.pk).with_lease(), 1)
+    row = next(current, None)
+    if row is None:
+        return "nothing"
+    if row["state"] == RunState.RUNNING:
+        if row["lease_alive"]:
+            return "live"
+        reason = f"lease of {row['owner']} expired at {_iso(row['lease_until'])}; released by admin"
+        if not abandon(row, reason, lease="expired"):
+            return "live"
+        release_if_held(lock, row)
+        return "abandoned"
+    return "released" if release_if_held(lock, row) else "nothing"
 
 
 def startup_cleanup() -> int:

@@ -1,0 +1,93 @@
+"""The admin's "why is this not running?" panel for one run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.utils.translation import gettext as _
+
+from .cleanup import database_now, token_of
+from .conf import taskguard_settings
+from .exceptions import BackendUnavailable
+from .locks import backend_name, get_backend
+from .locks.base import run_key
+from .models import TaskRun
+from .states import RunState
+
+
+@dataclass
+class Why:
+    summary: str
+    facts: list[tuple[str, str]] = field(default_factory=list)
+    stale: bool = False
+
+
+def why_not_running(run: TaskRun) -> Why:
+    """Explain a run's state from its row, its last transition and its lock key."""
+    now = database_now()
+    last = run.transitions.order_by("-at", "-id").first()
+    reason = last.reason if last is not None else ""
+    why = Why(_summary(run, now, reason))
+    why.facts.append((_("holder"), run.owner or "—"))
+    if run.state == RunState.RUNNING and run.lease_until is not None:
+        why.stale = run.lease_until <= now
+        why.facts.append((_("lease expiry"), _relative(run.lease_until, now)))
+        renewed = run.lease_until - timedelta(seconds=taskguard_settings.LEASE_SECONDS)
+        why.facts.append(
+            (
+                _("heartbeat age"),
+                _("about %(age)s (if the task uses the default LEASE_SECONDS)")
+                % {"age": _relative(renewed, now)},
+            )
+        )
+    if last is not None:
+        why.facts.append((_("last transition"), f"{last.from_state} → {last.to_state}: {reason}"))
+    if backend_name() == "redis":
+        why.facts.append((_("Redis key holder"), _redis_holder(run)))
+    return why
+
+
+def _summary(run: TaskRun, now: datetime, reason: str) -> str:
+    if run.state == RunState.RUNNING:
+        if run.lease_until is not None and run.lease_until > now:
+            return _("Running now: %(owner)s holds the lease.") % {"owner": run.owner}
+        return _(
+            "The owner stopped renewing its lease and is presumed dead. "
+            "cleanup_locks (or the “Clean up stale locks” action) will mark it abandoned."
+        )
+    if run.state == RunState.PENDING:
+        return _("Due but not started: no worker has picked the slot up yet.")
+    if run.state == RunState.RETRYING:
+        return _("Attempt %(n)d ended and a retry is due; the next attempt takes the slot.") % {
+            "n": run.attempt
+        }
+    if run.state == RunState.ABANDONED:
+        return _("Abandoned: its owner died. With on_stale=“abandon” the slot is not run again.")
+    if run.state == RunState.SKIPPED:
+        return _("Skipped on purpose: %(reason)s") % {"reason": reason or "—"}
+    if run.state == RunState.FAILED:
+        return _("Failed: %(error)s") % {"error": (run.error or reason or "—")[:300]}
+    return _("Finished: this slot ran and will not run again.")
+
+
+def _redis_holder(run: TaskRun) -> str:
+    key = run_key(taskguard_settings.KEY_PREFIX, run.task_name, run.slot)
+    try:
+        holder = get_backend().holder(key)
+    except (BackendUnavailable, OSError) as exc:
+        return _("unknown (Redis unreachable: %(error)s)") % {"error": exc}
+    except Exception as exc:  # the client's own errors
+        return _("unknown (%(error)s)") % {"error": exc}
+    if holder is None:
+        return _("none (%(key)s is free)") % {"key": key}
+    if holder == token_of(run.owner):
+        return _("this run's owner (%(key)s)") % {"key": key}
+    return _("another attempt, token %(token)s (%(key)s)") % {"token": holder, "key": key}
+
+
+def _relative(moment: datetime, now: datetime) -> str:
+    seconds = int((moment - now).total_seconds())
+    if seconds >= 0:
+        return _("%(at)s (in %(s)d s)") % {"at": moment.isoformat(), "s": seconds}
+    return _("%(at)s (%(s)d s ago)") % {"at": moment.isoformat(), "s": -seconds}
