@@ -54,7 +54,7 @@ MAX_TASK_CHOICES = 200
 MAX_DATE_CHOICES = 60
 
 
-class EstimatedCountPaginator(Paginator):
+class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
     """Exact counts on small results; the planner's row estimate on big PostgreSQL ones."""
 
     @cached_property

@@ -39,7 +39,8 @@ class PruneResult:
 
 def prunable(before: datetime) -> TaskRunQuerySet:
     """Finished runs whose slot is older than ``before``."""
-    return TaskRun.objects.filter(state__in=PRUNABLE_STATES, slot__lt=before)
+    queryset: TaskRunQuerySet = TaskRun.objects.filter(state__in=PRUNABLE_STATES, slot__lt=before)
+    return queryset
 
 
 def prune_runs(
