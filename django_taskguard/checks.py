@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from django.apps import AppConfig
@@ -14,7 +15,11 @@ from .locks import is_redis_cache
 
 
 @register(Tags.compatibility)
-def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[CheckMessage]:
+def check_settings(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
     errors: list[CheckMessage] = []
     raw = getattr(settings, "TASKGUARD", {})
     if not isinstance(raw, dict):

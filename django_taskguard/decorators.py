@@ -17,7 +17,6 @@ from .models import TASK_NAME_MAX_LENGTH
 
 P = ParamSpec("P")
 R = TypeVar("R")
-R_co = TypeVar("R_co", covariant=True)
 
 OnDuplicate = Literal["skip", "raise"]
 Overlap = Literal["allow", "skip"]
@@ -38,19 +37,19 @@ class CallContext:
 SLOT_SOURCES: list[Callable[[], CallContext | None]] = []
 
 
-class Guarded(Protocol[P, R_co]):
+class Guarded(Protocol[P, R]):
     """A guarded function: call it like the original; it returns None when not run."""
 
     task_name: str | None
     schedule: schedules.Schedule | None
     policy: guard.Policy
-    __wrapped__: Callable[P, R_co]
+    __wrapped__: Callable[P, R]
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co | None: ...
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R | None: ...
 
     def run_for_slot(
         self, slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs
-    ) -> R_co | None: ...
+    ) -> R | None: ...
 
 
 @dataclass(frozen=True)

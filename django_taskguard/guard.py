@@ -77,7 +77,8 @@ def execute(
 
     acquired = lock.acquire(key, token, lease)
     if acquired is Acquired.LOST:
-        return _duplicate(task_name, slot, RunState.RUNNING, policy)
+        _duplicate(task_name, slot, RunState.RUNNING, policy)
+        return None
     try:
         outcome = claim_slot(alias, task_name, slot, owner, lease, policy)
     except BaseException:
@@ -87,7 +88,8 @@ def execute(
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
             lock.release(key, token)
-        return _duplicate(task_name, slot, outcome.state, policy)
+        _duplicate(task_name, slot, outcome.state, policy)
+        return None
     if policy.overlap == "skip" and _skip_for_overlap(alias, outcome):
         lock.release(key, token)
         return None
@@ -154,7 +156,7 @@ def _decide(
     abandon: bool,
     slot: datetime,
     task_name: str,
-) -> ActiveRun | Row | Taken | None:
+) -> Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
     start = ledger.start_assignments(alias, owner, lease)
     state = row.state
@@ -234,7 +236,6 @@ def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> No
     logger.info("taskguard %s slot %s already taken (%s)", task_name, slot.isoformat(), state)
     if policy.on_duplicate == "raise":
         raise DuplicateRun(task_name, slot, state)
-    return None
 
 
 def _skip_for_overlap(alias: str, active: ActiveRun) -> bool:

@@ -102,16 +102,11 @@ def from_celery(schedule: Any) -> Schedule:
             f"for celery crontab/schedule objects)"
         ) from None
     if isinstance(schedule, crontab):
-        fields = (
-            schedule._orig_minute,
-            schedule._orig_hour,
-            schedule._orig_day_of_month,
-            schedule._orig_month_of_year,
-            schedule._orig_day_of_week,
-        )
-        return CronSchedule(" ".join(str(f) for f in fields))
+        # crontab keeps the fields as written; the parsed sets lose "*/5" style.
+        fields = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
+        return CronSchedule(" ".join(str(getattr(schedule, f"_orig_{f}")) for f in fields))
     if isinstance(schedule, celery_schedule):
-        return IntervalSchedule(schedule.run_every)
+        return IntervalSchedule(getattr(schedule, "run_every"))  # noqa: B009 (untyped in stubs)
     raise InvalidSchedule(f"unsupported schedule object: {schedule!r}")
 
 
@@ -152,10 +147,10 @@ def normalize_slot(slot: Any, *, now: datetime, tolerance: timedelta) -> datetim
         raise InvalidSchedule(f"slot must be an aware datetime, not {type(slot).__name__}")
     if timezone.is_naive(slot):
         raise InvalidSchedule(f"slot must be timezone-aware (got naive {slot.isoformat()})")
-    slot = slot.astimezone(UTC)
-    if slot - now > tolerance:
+    utc: datetime = slot.astimezone(UTC)
+    if utc - now > tolerance:
         raise InvalidSchedule(
-            f"slot {slot.isoformat()} is in the future (now is {now.isoformat()}); "
+            f"slot {utc.isoformat()} is in the future (now is {now.isoformat()}); "
             f"a slot may be at most {tolerance.total_seconds():g}s ahead"
         )
-    return slot
+    return utc

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test run: lint, types, the suite on SQLite and on PostgreSQL, and a
+# brief soak. What CI runs (.ci/run) and what the README tells developers to run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/ensure-services.sh
+make --no-print-directory venv
+PY=.venv/bin/python
+
+echo "== ruff"
+.venv/bin/ruff check django_taskguard tests example_project bench
+.venv/bin/ruff format --check django_taskguard tests example_project bench
+echo "== mypy (strict, django-stubs)"
+$PY -m mypy
+
+export TASKGUARD_SOAK_SECONDS="${TASKGUARD_SOAK_SECONDS:-15}"
+echo "== tests on SQLite"
+$PY -m pytest -m "not soak" "$@"
+echo "== tests on PostgreSQL"
+TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
+echo "== soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS)"
+status=0
+TASKGUARD_TEST_DB=postgres $PY -m pytest -m soak "$@" || status=$?
+# pytest exits 5 when no test carries the marker.
+if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
