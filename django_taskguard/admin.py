@@ -39,7 +39,7 @@ else:  # the admin classes are not subscriptable at runtime
     RunAdminBase = admin.ModelAdmin
     TransitionInlineBase = admin.TabularInline
 
-STATE_COLOURS = {
+STATE_COLOURS: dict[str, str] = {
     RunState.PENDING: "#6c757d",
     RunState.RUNNING: "#0d6efd",
     RunState.RETRYING: "#b35900",

@@ -224,7 +224,7 @@ def _verdict(found: RunKey) -> str:
         rows = list(
             TaskRun.objects.filter(slot=found.slot, owner__endswith=f":{found.token}")
             .with_lease()
-            .values_list("task_name", "lease_alive")
+            .values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
         )
     except DatabaseError as exc:
         raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
