@@ -346,6 +346,7 @@ def _finish(
             raise
         updated = _settle_finish(alias, row, to_state, step, sets)
     if updated is None:
+        active.mark_lost(f"fenced out: finishing as {to_state} was refused")
         raise LeaseLost(
             f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
             f"finishing as {to_state} was refused because another attempt took the slot over "
