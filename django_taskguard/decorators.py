@@ -153,8 +153,10 @@ def once_per_schedule(
     built = schedules.build(cron, every, schedule)
     if name is not None:
         validate_task_name(name)
-    if lease_seconds is not None and not (
-        isinstance(lease_seconds, (int, float)) and lease_seconds > 0
+    if lease_seconds is not None and (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, (int, float))
+        or not lease_seconds > 0
     ):
         raise InvalidSchedule(f"lease_seconds= must be a positive number, got {lease_seconds!r}")
     policy = guard.Policy(
