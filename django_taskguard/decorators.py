@@ -181,6 +181,10 @@ def once_per_schedule(
             return guard.execute(task_name, slot, policy, target, args, kwargs)
 
         def run_for_slot(slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
+            if slot is None:
+                # resolve(None) means "no explicit slot": it would quietly fall
+                # back to the schedule's current slot.
+                raise InvalidSchedule("run_for_slot() needs a slot: an aware datetime, not None")
             task_name, resolved = spec.resolve(slot)
             return guard.execute(task_name, resolved, policy, target, args, kwargs)
 
