@@ -118,11 +118,13 @@ def ensure_autocommit(alias: str) -> None:
     the row from every other instance) until the caller commits, and would
     vanish if the caller rolled back: the opposite of a durable claim.
     """
-    if transaction.get_connection(alias).in_atomic_block:
+    connection = transaction.get_connection(alias)
+    if connection.in_atomic_block or not connection.get_autocommit():
         raise TaskGuardError(
-            "a taskguard claim cannot run inside an open transaction (transaction.atomic or "
-            "ATOMIC_REQUESTS): it must commit on its own so other instances see it. Call the "
-            "guarded function outside the atomic block, or from transaction.on_commit()."
+            "a taskguard claim cannot run inside an open transaction (transaction.atomic, "
+            "ATOMIC_REQUESTS or autocommit turned off): it must commit on its own so other "
+            "instances see it. Call the guarded function outside the atomic block, or from "
+            "transaction.on_commit()."
         )
 
 

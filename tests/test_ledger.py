@@ -151,3 +151,18 @@ def test_read__finds_the_row_by_task_and_slot():
         row.fence,
     )
     assert connection.vendor in ("sqlite", "postgresql")
+
+
+def test_claim__with_autocommit_turned_off_is_refused_and_writes_nothing():
+    """Not in atomic(), but an implicit transaction the caller owns: the claim would not commit."""
+    calls: list[int] = []
+    guarded = once_per_schedule(name="tests.ledger.noautocommit")(lambda: calls.append(1))
+    transaction.set_autocommit(False)
+    try:
+        with pytest.raises(TaskGuardError, match="autocommit turned off"):
+            guarded.run_for_slot(slot(0))
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)
+    assert calls == []
+    assert not TaskRun.objects.exists()
