@@ -260,8 +260,10 @@ def _run(
     heartbeat = Heartbeat(active, lock, key, alias)
     heartbeat.start()
     try:
-        run_started.send(sender=active.task_name, run=active)
         try:
+            # Inside the inner try: a receiver that raises fails this attempt
+            # (recorded), instead of leaving the row running until its lease lapses.
+            run_started.send(sender=active.task_name, run=active)
             result = func(*args, **kwargs)
         except BaseException as exc:
             heartbeat.stop()

@@ -543,3 +543,27 @@ def test_duplicate_call__is_one_database_statement():
         assert len(statements) == 3
     assert len(upserts) == 1 and upserts[0] in statements
     assert TaskRun.objects.get().duplicates == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_started__a_raising_receiver_fails_the_attempt_and_records_it():
+    """Regression: the row stayed 'running' until its lease lapsed."""
+    calls: list[int] = []
+
+    def refuse(sender: str, **kwargs: Any) -> None:
+        if sender == "tests.guard.receiver":
+            raise RuntimeError("receiver says no")
+
+    @once_per_schedule(name="tests.guard.receiver")
+    def body() -> None:
+        calls.append(1)
+
+    run_started.connect(refuse)
+    try:
+        with pytest.raises(RuntimeError, match="receiver says no"):
+            body.run_for_slot(SLOT)
+    finally:
+        run_started.disconnect(refuse)
+    assert calls == []
+    run = TaskRun.objects.get()
+    assert (run.state, run.error) == (RunState.FAILED, "RuntimeError: receiver says no")
