@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
+from .conf import taskguard_settings
 from .exceptions import LeaseLost, TaskGuardError
 from .models import TaskRun
 from .signals import lease_lost
@@ -44,7 +45,7 @@ class ActiveRun:
     @cached_property
     def run(self) -> TaskRun:
         """The ``TaskRun`` row (read from the database on first access)."""
-        return TaskRun.objects.get(pk=self.id)
+        return TaskRun.objects.using(taskguard_settings.DATABASE_ALIAS).get(pk=self.id)
 
     def lease_valid(self) -> bool:
         return not self.lost.is_set() and time.monotonic() < self.deadline

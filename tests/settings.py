@@ -92,6 +92,8 @@ DATABASES["down"] = {
     "OPTIONS": {"connect_timeout": 2},
 }
 DATABASES["unsupported"] = {"ENGINE": "django.db.backends.dummy"}
+# The same database under another alias: proves DATABASE_ALIAS is honoured everywhere.
+DATABASES["mirror"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
 DATABASE_ROUTERS = ["tests.routers.MigrateDefaultOnly"]
 
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}

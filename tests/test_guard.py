@@ -23,6 +23,7 @@ import pytest
 from django.db import connection as db_connection
 from django.db import transaction
 from django.db.models import F
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_taskguard import current_run, once_per_schedule
@@ -567,3 +568,28 @@ def test_run_started__a_raising_receiver_fails_the_attempt_and_records_it():
     assert calls == []
     run = TaskRun.objects.get()
     assert (run.state, run.error) == (RunState.FAILED, "RuntimeError: receiver says no")
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "mirror"])
+def test_database_alias__current_run_row_is_read_through_it():
+    """Regression: ``current_run().run`` read through "default", not DATABASE_ALIAS."""
+    from django.db import connections
+
+    seen: dict[str, Any] = {}
+
+    @once_per_schedule(name="tests.guard.alias")
+    def body() -> None:
+        with CaptureQueriesContext(connections["mirror"]) as mirror:
+            seen["state"] = current_run().run.state
+        seen["mirror_reads"] = [q["sql"] for q in mirror.captured_queries]
+
+    settings = {"BACKEND": "database", "DATABASE_ALIAS": "mirror"}
+    with (
+        override_settings(TASKGUARD=settings),
+        CaptureQueriesContext(connections["mirror"]) as whole,
+    ):
+        body.run_for_slot(SLOT)
+    assert seen["state"] == RunState.RUNNING
+    assert len(seen["mirror_reads"]) == 1 and "taskguard_taskrun" in seen["mirror_reads"][0]
+    assert any("ON CONFLICT" in q["sql"] for q in whole.captured_queries)
+    assert TaskRun.objects.get().state == RunState.SUCCEEDED
