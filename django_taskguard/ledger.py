@@ -119,7 +119,12 @@ def ensure_autocommit(alias: str) -> None:
     vanish if the caller rolled back: the opposite of a durable claim.
     """
     connection = transaction.get_connection(alias)
-    if connection.in_atomic_block or not connection.get_autocommit():
+    # Not get_autocommit(): it would connect, and an unreachable database must
+    # surface from the claim as BackendUnavailable. A closed connection opens
+    # with the configured AUTOCOMMIT.
+    opened = connection.connection is not None
+    autocommit = connection.autocommit if opened else connection.settings_dict["AUTOCOMMIT"]
+    if connection.in_atomic_block or not autocommit:
         raise TaskGuardError(
             "a taskguard claim cannot run inside an open transaction (transaction.atomic, "
             "ATOMIC_REQUESTS or autocommit turned off): it must commit on its own so other "
