@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextvars import ContextVar
@@ -9,8 +10,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
+from .conf import taskguard_settings
 from .exceptions import LeaseLost, TaskGuardError
 from .models import TaskRun
+from .signals import lease_lost
+
+logger = logging.getLogger("taskguard.guard")
 
 
 @dataclass
@@ -27,6 +32,7 @@ class ActiveRun:
     deadline: float = 0.0  # time.monotonic() by which the lease must be renewed
     lost: threading.Event = field(default_factory=threading.Event)
     lost_reason: str = ""
+    _lost_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if not self.deadline:
@@ -39,19 +45,41 @@ class ActiveRun:
     @cached_property
     def run(self) -> TaskRun:
         """The ``TaskRun`` row (read from the database on first access)."""
-        return TaskRun.objects.get(pk=self.id)
+        return TaskRun.objects.using(taskguard_settings.DATABASE_ALIAS).get(pk=self.id)
 
     def lease_valid(self) -> bool:
         return not self.lost.is_set() and time.monotonic() < self.deadline
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record that this attempt lost its lease: sticky, and ``lease_lost`` is sent once.
+
+        Called by the heartbeat, by ``check()`` past the deadline and by a
+        finish that the fence refused, from whichever thread sees it first.
+        Returns True for that first caller only.
+        """
+        with self._lost_lock:
+            if self.lost.is_set():
+                return False
+            self.lost_reason = reason
+            self.lost.set()
+        logger.error("taskguard run %s (%s) lost its lease: %s", self.id, self.task_name, reason)
+        try:
+            lease_lost.send(sender=self.task_name, run=self)
+        except Exception:
+            logger.exception("a lease_lost receiver failed")
+        return True
 
     def check(self) -> None:
         """Raise ``LeaseLost`` if this attempt may no longer hold its lease.
 
         Call it before side effects that must not happen twice; pass
-        ``fence`` along to stores that can reject stale writers.
+        ``fence`` along to stores that can reject stale writers. Once it has
+        raised, it keeps raising (a renewal that comes back late does not undo
+        what the caller was told).
         """
         if not self.lease_valid():
-            reason = self.lost_reason or "the lease was not renewed before its deadline"
+            self.mark_lost("the lease was not renewed before its deadline")
+            reason = self.lost_reason
             raise LeaseLost(
                 f"{self.task_name!r} slot {self.slot.isoformat()} attempt {self.attempt} "
                 f"(fence {self.fence}) lost its lease: {reason}"

@@ -152,8 +152,10 @@ def once_per_schedule(
     built = schedules.build(cron, every, schedule)
     if name is not None:
         validate_task_name(name)
-    if lease_seconds is not None and not (
-        isinstance(lease_seconds, (int, float)) and lease_seconds > 0
+    if lease_seconds is not None and (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, (int, float))
+        or not lease_seconds > 0
     ):
         raise InvalidSchedule(f"lease_seconds= must be a positive number, got {lease_seconds!r}")
     policy = guard.Policy(
@@ -178,6 +180,10 @@ def once_per_schedule(
             return guard.execute(task_name, slot, policy, target, args, kwargs)
 
         def run_for_slot(slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
+            if slot is None:
+                # resolve(None) means "no explicit slot": it would quietly fall
+                # back to the schedule's current slot.
+                raise InvalidSchedule("run_for_slot() needs a slot: an aware datetime, not None")
             task_name, resolved = spec.resolve(slot)
             return guard.execute(task_name, resolved, policy, target, args, kwargs)
 

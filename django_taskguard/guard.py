@@ -261,8 +261,10 @@ def _run(
     heartbeat = Heartbeat(active, lock, key, alias)
     heartbeat.start()
     try:
-        run_started.send(sender=active.task_name, run=active)
         try:
+            # Inside the inner try: a receiver that raises fails this attempt
+            # (recorded), instead of leaving the row running until its lease lapses.
+            run_started.send(sender=active.task_name, run=active)
             result = func(*args, **kwargs)
         except BaseException as exc:
             heartbeat.stop()
@@ -347,6 +349,7 @@ def _finish(
             raise
         updated = _settle_finish(alias, row, to_state, step, sets)
     if updated is None:
+        active.mark_lost(f"fenced out: finishing as {to_state} was refused")
         raise LeaseLost(
             f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
             f"finishing as {to_state} was refused because another attempt took the slot over "

@@ -16,7 +16,6 @@ from django.db import connections
 from . import ledger
 from .context import ActiveRun
 from .locks import LockBackend
-from .signals import lease_lost
 
 logger = logging.getLogger("taskguard.heartbeat")
 
@@ -85,15 +84,4 @@ class Heartbeat(threading.Thread):
             logger.info("taskguard fast-path lock for run %s could not be extended", active.id)
 
     def declare_lost(self, reason: str) -> None:
-        active = self.active
-        if active.lost.is_set():
-            return
-        active.lost_reason = reason
-        active.lost.set()
-        logger.error(
-            "taskguard run %s (%s) lost its lease: %s", active.id, active.task_name, reason
-        )
-        try:
-            lease_lost.send(sender=active.task_name, run=active)
-        except Exception:
-            logger.exception("a lease_lost receiver failed")
+        self.active.mark_lost(reason)

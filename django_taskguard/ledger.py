@@ -118,11 +118,18 @@ def ensure_autocommit(alias: str) -> None:
     the row from every other instance) until the caller commits, and would
     vanish if the caller rolled back: the opposite of a durable claim.
     """
-    if transaction.get_connection(alias).in_atomic_block:
+    connection = transaction.get_connection(alias)
+    # Not get_autocommit(): it would connect, and an unreachable database must
+    # surface from the claim as BackendUnavailable. A closed connection opens
+    # with the configured AUTOCOMMIT.
+    opened = connection.connection is not None
+    autocommit = connection.autocommit if opened else connection.settings_dict["AUTOCOMMIT"]
+    if connection.in_atomic_block or not autocommit:
         raise TaskGuardError(
-            "a taskguard claim cannot run inside an open transaction (transaction.atomic or "
-            "ATOMIC_REQUESTS): it must commit on its own so other instances see it. Call the "
-            "guarded function outside the atomic block, or from transaction.on_commit()."
+            "a taskguard claim cannot run inside an open transaction (transaction.atomic, "
+            "ATOMIC_REQUESTS or autocommit turned off): it must commit on its own so other "
+            "instances see it. Call the guarded function outside the atomic block, or from "
+            "transaction.on_commit()."
         )
 
 

@@ -13,13 +13,15 @@ from datetime import timezone as dt_timezone
 from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 from django.utils import timezone
 
 from .exceptions import InvalidSchedule
 
 UTC = dt_timezone.utc
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# No time zone moves its clocks by this much at once (most move by one hour).
+DST_WINDOW = timedelta(hours=3)
 
 
 @runtime_checkable
@@ -43,6 +45,10 @@ class CronSchedule:
                 f"cron expression must have 5 fields (minute hour day month weekday): "
                 f"{self.expression!r}"
             )
+        try:
+            croniter(self.expression, EPOCH.replace(tzinfo=None)).get_next(datetime)
+        except (CroniterBadDateError, ValueError):
+            raise InvalidSchedule(f"cron expression never fires: {self.expression!r}") from None
 
     def _zone(self) -> Any:
         return ZoneInfo(self.tz_name) if self.tz_name else timezone.get_default_timezone()
@@ -52,14 +58,28 @@ class CronSchedule:
         # Cron matches wall-clock times, so walk it on naive local time; the
         # first second after ``now`` makes ``get_prev`` include ``now`` itself.
         wall = now.astimezone(zone).replace(tzinfo=None, microsecond=0) + timedelta(seconds=1)
-        # Wall time is not monotonic in real time around DST changes (an hour
-        # repeats or is skipped), so look at a few fire times either side of
-        # the wall clock and keep the latest one that is not in the future.
-        before = croniter(self.expression, wall)
-        after = croniter(self.expression, wall)
-        candidates = [before.get_prev(datetime) for _ in range(3)]
-        candidates += [after.get_next(datetime) for _ in range(3)]
+        latest = croniter(self.expression, wall).get_prev(datetime)
+        if not _offset_changes(zone, wall - DST_WINDOW, wall + DST_WINDOW):
+            return wall_to_utc(latest, zone)
+        # Near a DST change wall time is not monotonic in real time (an hour
+        # repeats or is skipped), so a fire time later on the wall clock may
+        # already be past (the repeated hour) and an earlier one still ahead
+        # (the skipped hour, shifted forward). Look at every fire time within
+        # the window either side and keep the latest one that is not in the
+        # future; the window's far edge always qualifies.
+        candidates = [latest]
+        back = croniter(self.expression, latest)
+        while candidates[-1] >= wall - DST_WINDOW:
+            candidates.append(back.get_prev(datetime))
+        ahead = croniter(self.expression, wall)
+        while (fire := ahead.get_next(datetime)) <= wall + DST_WINDOW:
+            candidates.append(fire)
         return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
+
+
+def _offset_changes(zone: Any, start: datetime, end: datetime) -> bool:
+    """True when ``zone``'s UTC offset is not the same at both naive wall times."""
+    return bool(start.replace(tzinfo=zone).utcoffset() != end.replace(tzinfo=zone).utcoffset())
 
 
 @dataclass(frozen=True)

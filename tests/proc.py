@@ -84,9 +84,79 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
     return {"result": result}
 
 
+def tick(args: argparse.Namespace) -> dict[str, object]:
+    """Hold one slot and tick until ``--seconds`` pass; each tick is guarded by ``check()``.
+
+    Log lines: ``start|tick|leaselost|end|signal PID ATTEMPT FENCE TIME``. A tick's
+    time is taken *before* ``current_run().check()`` passes, so a tick line says
+    "this attempt verified its lease at TIME" even if the process is paused
+    between the check and the write.
+    """
+    from django_taskguard import current_run, once_per_schedule
+    from django_taskguard.context import ActiveRun
+    from django_taskguard.exceptions import LeaseLost
+    from django_taskguard.signals import lease_lost
+
+    def line(kind: str, run: ActiveRun, stamp: float) -> None:
+        record(args.log, f"{kind} {os.getpid()} {run.attempt} {run.fence} {stamp:.6f}")
+
+    def on_lease_lost(sender: str, run: ActiveRun, **kwargs: object) -> None:
+        line("signal", run, time.time())
+
+    lease_lost.connect(on_lease_lost, weak=False)
+
+    @once_per_schedule(name=args.task, on_stale=args.on_stale, lease_seconds=args.lease)
+    def body() -> str:
+        run = current_run()
+        line("start", run, time.time())
+        started = {"started": run.id, "attempt": run.attempt, "fence": run.fence}
+        print(json.dumps(started), flush=True)
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline:
+            stamp = time.time()
+            try:
+                run.check()
+            except LeaseLost:
+                line("leaselost", run, time.time())
+                raise
+            line("tick", run, stamp)
+            time.sleep(0.05)
+        line("end", run, time.time())
+        return "done"
+
+    wait_until(args.start_at)
+    slot = BASE_SLOT + timedelta(minutes=args.slot)
+    try:
+        result = body.run_for_slot(slot)
+    except LeaseLost as exc:
+        return {"result": None, "lease_lost": str(exc)}
+    return {"result": result}
+
+
+def down(args: argparse.Namespace) -> dict[str, object]:
+    """Call a guarded function with DATABASE_ALIAS pointing at a dead PostgreSQL port."""
+    from django.test import override_settings
+
+    from django_taskguard import once_per_schedule
+
+    @once_per_schedule(name=args.task, every=timedelta(minutes=1))
+    def body() -> str:
+        record(args.log, f"ran {os.getpid()}")
+        return "ran"
+
+    outcome: dict[str, object] = {}
+    with override_settings(TASKGUARD={"BACKEND": "database", "DATABASE_ALIAS": "down"}):
+        for label, call in (("run_for_slot", lambda: body.run_for_slot(BASE_SLOT)), ("call", body)):
+            try:
+                outcome[label] = {"result": call()}
+            except Exception as exc:
+                outcome[label] = {"error": type(exc).__name__, "message": str(exc)}
+    return outcome
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["race", "hold"])
+    parser.add_argument("scenario", choices=["race", "hold", "tick", "down"])
     parser.add_argument("--task", default="tests.race")
     parser.add_argument("--log", required=True)
     parser.add_argument("--slots", type=int, default=200)
@@ -98,7 +168,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
-    outcome = {"race": race, "hold": hold}[args.scenario](args)
+    outcome = {"race": race, "hold": hold, "tick": tick, "down": down}[args.scenario](args)
     print(json.dumps(outcome), flush=True)
     return 0
 

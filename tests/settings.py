@@ -80,6 +80,22 @@ elif DB_KIND == "sqlite":
 else:
     raise RuntimeError(f"TASKGUARD_TEST_DB must be 'sqlite' or 'postgres', not {DB_KIND!r}")
 
+# Aliases that tests point TASKGUARD["DATABASE_ALIAS"] at, never set up as test databases
+# (pytest-django only creates the aliases a test asks for): "down" is a PostgreSQL port
+# nothing listens on (the guard must fail closed), "unsupported" a vendor taskguard refuses.
+DATABASES["down"] = {
+    "ENGINE": "django.db.backends.postgresql",
+    "NAME": "taskguard_down",
+    "USER": "postgres",
+    "HOST": "127.0.0.1",
+    "PORT": "1",
+    "OPTIONS": {"connect_timeout": 2},
+}
+DATABASES["unsupported"] = {"ENGINE": "django.db.backends.dummy"}
+# The same database under another alias: proves DATABASE_ALIAS is honoured everywhere.
+DATABASES["mirror"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
+DATABASE_ROUTERS = ["tests.routers.MigrateDefaultOnly"]
+
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
     CACHES["redis"] = {

@@ -1,0 +1,130 @@
+"""System checks: each misconfiguration has its id; a clean configuration has none."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+from django.core.management import call_command
+from django.test import override_settings
+
+from django_taskguard.checks import check_settings
+
+from .conftest import ROOT
+
+DJANGO_REDIS = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}
+LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+
+
+def ids(**overrides: object) -> list[str]:
+    with override_settings(**overrides):
+        return [message.id for message in check_settings()]
+
+
+@pytest.mark.parametrize(
+    ("taskguard", "expected"),
+    [
+        pytest.param({"BACKEND": "memcached"}, ["taskguard.E001"], id="E001-unknown-backend"),
+        pytest.param({"BACKEND": "Redis"}, ["taskguard.E001"], id="E001-case-matters"),
+        pytest.param(
+            {"BACKEND": "redis", "REDIS_ALIAS": "default"},
+            ["taskguard.E002"],
+            id="E002-locmem-alias",
+        ),
+        pytest.param(
+            {"BACKEND": "redis", "REDIS_ALIAS": "missing"},
+            ["taskguard.E002"],
+            id="E002-missing-alias",
+        ),
+        pytest.param({"LEASE_SECONDS": 0}, ["taskguard.E004"], id="E004-zero"),
+        pytest.param({"LEASE_SECONDS": -5}, ["taskguard.E004"], id="E004-negative"),
+        pytest.param({"LEASE_SECONDS": "30"}, ["taskguard.E004"], id="E004-string"),
+        pytest.param({"LEASE_SECONDS": None}, ["taskguard.E004"], id="E004-none"),
+        pytest.param({"LEASE_SECONDS": True}, ["taskguard.E004"], id="E004-bool"),
+        pytest.param({"LEASE_SECONDS": float("nan")}, ["taskguard.E004"], id="E004-nan"),
+        pytest.param({"ON_REDIS_ERROR": "ignore"}, ["taskguard.E005"], id="E005"),
+        pytest.param({"DATABASE_ALIAS": "nope"}, ["taskguard.E006"], id="E006"),
+        pytest.param({"DATABASE_ALIAS": "unsupported"}, ["taskguard.E007"], id="E007"),
+        pytest.param({"LEASE_SECOND": 30}, ["taskguard.W001"], id="W001-typo"),
+        pytest.param(
+            {"BACKEND": "x", "LEASE_SECONDS": 0, "ON_REDIS_ERROR": "x", "COLOUR": 1},
+            ["taskguard.E001", "taskguard.E004", "taskguard.E005", "taskguard.W001"],
+            id="several-at-once",
+        ),
+    ],
+)
+def test_check_settings__each_misconfiguration_has_its_id(taskguard, expected):
+    assert ids(TASKGUARD=taskguard, CACHES={"default": LOCMEM}) == expected
+
+
+def test_check_settings__use_tz_false_is_e003():
+    assert ids(USE_TZ=False, TASKGUARD={}) == ["taskguard.E003"]
+
+
+def test_check_settings__taskguard_not_a_dict_is_e008():
+    assert ids(TASKGUARD=[("BACKEND", "redis")]) == ["taskguard.E008"]
+
+
+@pytest.mark.parametrize(
+    "taskguard",
+    [
+        pytest.param({}, id="empty"),
+        pytest.param({"BACKEND": "database", "REDIS_ALIAS": "nowhere"}, id="database"),
+        pytest.param({"BACKEND": "auto"}, id="auto-without-redis"),
+        pytest.param({"BACKEND": "redis", "REDIS_ALIAS": "redis"}, id="redis"),
+        pytest.param(
+            {
+                "BACKEND": "auto",
+                "REDIS_ALIAS": "redis",
+                "KEY_PREFIX": "site1",
+                "LEASE_SECONDS": 2.5,
+                "ON_REDIS_ERROR": "fail",
+                "DATABASE_ALIAS": "default",
+            },
+            id="every-key",
+        ),
+    ],
+)
+def test_check_settings__clean_configuration_has_no_messages(taskguard):
+    assert ids(TASKGUARD=taskguard, CACHES={"default": LOCMEM, "redis": DJANGO_REDIS}) == []
+
+
+def test_check_settings__messages_carry_hints():
+    with override_settings(TASKGUARD={"BACKEND": "memcached", "LEASE_SECONDS": 0}):
+        messages = check_settings()
+    assert all(m.hint for m in messages)
+    assert "'memcached'" in messages[0].msg
+
+
+def test_manage_py_check__is_clean():
+    out = io.StringIO()
+    call_command("check", stdout=out, fail_level="WARNING")
+    assert "no issues" in out.getvalue()
+
+
+def test_manage_py_check__as_a_real_command_is_clean():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "django",
+            "check",
+            "--settings=tests.settings",
+            "--fail-level=WARNING",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no issues" in done.stdout
+
+
+@pytest.mark.django_db
+def test_makemigrations__check_reports_no_changes():
+    out = io.StringIO()
+    call_command("makemigrations", "taskguard", "--check", "--dry-run", stdout=out)
+    assert "No changes detected" in out.getvalue()

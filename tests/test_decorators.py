@@ -1,0 +1,165 @@
+"""Bad input is a clear error at decoration or call time; odd task names work end to end."""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timedelta
+from datetime import timezone as dt_timezone
+
+import pytest
+from django.utils import timezone
+
+from django_taskguard import current_run, once_per_schedule
+from django_taskguard.decorators import SLOT_SOURCES
+from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
+from django_taskguard.locks.base import run_key, task_digest
+from django_taskguard.models import RunState, TaskRun
+
+SLOT = datetime(2026, 2, 1, 21, 0, tzinfo=dt_timezone.utc)
+
+
+def body() -> str:
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cron": "61 * * * *"}, "invalid cron expression"),
+        ({"cron": "every day at nine"}, "invalid cron expression"),
+        ({"cron": ""}, "invalid cron expression"),
+        ({"cron": "0 0 * * * *"}, "5 fields"),
+        ({"cron": "0 0 30 2 *"}, "never fires"),
+        ({"cron": 5}, "invalid cron expression"),
+        ({"cron": "0 21 * * *", "every": timedelta(minutes=5)}, "at most one of"),
+        ({"cron": "0 21 * * *", "schedule": "0 22 * * *"}, "at most one of"),
+        ({"every": timedelta(milliseconds=500)}, "at least one second"),
+        ({"every": timedelta(0)}, "at least one second"),
+        ({"every": timedelta(minutes=-5)}, "at least one second"),
+        ({"every": 300}, "must be a timedelta"),
+        ({"every": "5m"}, "must be a timedelta"),
+        ({"schedule": 42}, "unsupported schedule"),
+        ({"on_duplicate": "ignore"}, "on_duplicate= must be one of skip, raise"),
+        ({"overlap": "queue"}, "overlap= must be one of allow, skip"),
+        ({"on_stale": "forget"}, "on_stale= must be one of abandon, retry"),
+        ({"lease_seconds": 0}, "lease_seconds= must be a positive number"),
+        ({"lease_seconds": -1}, "lease_seconds= must be a positive number"),
+        ({"lease_seconds": "30"}, "lease_seconds= must be a positive number"),
+        ({"lease_seconds": True}, "lease_seconds= must be a positive number"),
+        ({"name": ""}, "non-empty"),
+        ({"name": "   "}, "non-empty"),
+        ({"name": "x" * 256}, "at most 255"),
+        ({"name": "nightly\x00report"}, "NUL"),
+        ({"name": 12}, "non-empty string"),
+    ],
+)
+def test_once_per_schedule__bad_argument_raises_at_decoration(options, message):
+    with pytest.raises(InvalidSchedule, match=message) as info:
+        once_per_schedule(**options)(body)
+    assert isinstance(info.value, TaskGuardError)
+
+
+def test_once_per_schedule__decorating_a_non_callable_raises():
+    with pytest.raises(InvalidSchedule, match="callable"):
+        once_per_schedule(every=timedelta(minutes=1))("not a function")  # type: ignore[arg-type]
+
+
+def test_once_per_schedule__bare_and_called_forms_keep_the_function():
+    bare = once_per_schedule(body)
+    called = once_per_schedule(cron="0 21 * * *")(body)
+    for guarded in (bare, called):
+        assert guarded.__wrapped__ is body and guarded.__name__ == "body"
+    assert bare.schedule is None and called.schedule is not None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("slot", "message"),
+    [
+        (datetime(2026, 2, 1, 21, 0), "timezone-aware"),
+        ("2026-02-01T21:00:00", "timezone-aware"),
+        (date(2026, 2, 1), "aware datetime, not date"),
+        (1767301200, "aware datetime, not int"),
+        (None, "needs a slot"),
+        ("tomorrow at nine", "not an ISO-8601"),
+    ],
+)
+def test_run_for_slot__bad_slot_raises_and_does_not_run(slot, message):
+    calls: list[int] = []
+    # A schedule too: a bad explicit slot must not fall back to the schedule's slot.
+    guarded = once_per_schedule(name="tests.badslot", every=timedelta(minutes=1))(
+        lambda: calls.append(1)
+    )
+    with pytest.raises(InvalidSchedule, match=message):
+        guarded.run_for_slot(slot)
+    assert calls == [] and not TaskRun.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_for_slot__future_slot_beyond_tolerance_is_refused_within_it_accepted():
+    calls: list[datetime] = []
+
+    @once_per_schedule(name="tests.future")
+    def guarded() -> None:
+        calls.append(current_run().slot)
+
+    far = timezone.now() + timedelta(minutes=10)
+    with pytest.raises(InvalidSchedule, match="in the future"):
+        guarded.run_for_slot(far)
+    near = timezone.now() + timedelta(seconds=2)  # SLOT_TOLERANCE_SECONDS is 5
+    guarded.run_for_slot(near)
+    assert calls == [near]
+    assert TaskRun.objects.get().slot == near
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_for_slot__iso_string_and_other_offsets_are_normalised_to_utc():
+    seen: list[datetime] = []
+
+    @once_per_schedule(name="tests.iso")
+    def guarded() -> None:
+        seen.append(current_run().slot)
+
+    guarded.run_for_slot("2026-02-01T21:00:00Z")
+    paris = datetime(2026, 2, 1, 22, 0, tzinfo=dt_timezone(timedelta(hours=1)))
+    assert guarded.run_for_slot(paris) is None, "the same instant is the same slot"
+    assert seen == [SLOT] and seen[0].tzinfo is dt_timezone.utc
+    assert TaskRun.objects.get().duplicates == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_call__no_slot_source_at_all_raises_and_does_not_run():
+    assert SLOT_SOURCES == [], "a slot source is registered; this test needs none"
+    calls: list[int] = []
+    guarded = once_per_schedule(name="tests.noslot")(lambda: calls.append(1))
+    with pytest.raises(TaskGuardError, match="has no slot"):
+        guarded()
+    assert calls == [] and not TaskRun.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("r" * 255, id="255-chars"),
+        pytest.param("报表.每日", id="cjk"),
+        pytest.param("🚀 launch · nightly", id="emoji"),
+        pytest.param("é" * 255, id="255-non-ascii"),
+        pytest.param("a:run:b {x} *?[] ' \" ; DROP TABLE", id="punctuation"),
+    ],
+)
+def test_task_name__long_and_unicode_names_work_end_to_end(name):
+    guarded = once_per_schedule(name=name)(body)
+    assert guarded.run_for_slot(SLOT) == "ran"
+    assert guarded.run_for_slot(SLOT) is None
+    run = TaskRun.objects.get()
+    assert (run.task_name, run.state, run.duplicates) == (name, RunState.SUCCEEDED, 1)
+    key = run_key("taskguard", name, SLOT)
+    assert key == f"taskguard:run:{task_digest(name)}:20260201T210000.000000Z"
+    assert len(task_digest(name)) == 32 and key.isascii()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_task_name__defaults_to_the_dotted_path():
+    guarded = once_per_schedule(body)
+    guarded.run_for_slot(SLOT)
+    assert TaskRun.objects.get().task_name == "tests.test_decorators.body"

@@ -1,0 +1,168 @@
+"""The database side of a run: claim, renew, fences, judged by the database clock."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+
+import pytest
+from django.db import connection, transaction
+
+from django_taskguard import current_run, ledger, once_per_schedule
+from django_taskguard.exceptions import TaskGuardError
+from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ALIAS = "default"
+BASE = datetime(2026, 5, 1, tzinfo=dt_timezone.utc)
+
+
+def slot(minutes: int) -> datetime:
+    return BASE + timedelta(minutes=minutes)
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_claim__new_row_is_ours_running_with_a_database_lease():
+    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    assert (row.owner, row.state, row.attempt) == ("h:1:a", RunState.RUNNING, 1)
+    assert row.fence is not None and row.fence > 0
+    assert row.expired is False
+    run = TaskRun.objects.get(pk=row.id)
+    assert run.slot == slot(0)
+    assert run.started_at is not None and run.lease_until is not None
+    assert timedelta(seconds=29) < run.lease_until - run.started_at <= timedelta(seconds=31)
+    assert list(run.transitions.values_list("from_state", "to_state", "reason", "owner")) == [
+        (RunState.PENDING, RunState.RUNNING, "claimed", "h:1:a")
+    ]
+
+
+def test_claim__taken_slot_returns_the_holder_and_counts_the_duplicate():
+    first = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    second = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:2:b", 30, abandon_is_final=True)
+    assert second.owner == "h:1:a" and second.id == first.id and second.fence == first.fence
+    run = TaskRun.objects.get(pk=first.id)
+    assert run.duplicates == 1
+    assert run.transitions.count() == 1, "a lost claim writes no transition"
+
+
+def test_claim__expired_running_row_is_not_counted_as_a_duplicate():
+    """A stale row is left to the takeover decision, which counts (or takes over) itself."""
+    first = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 0.2, abandon_is_final=True)
+    wait_for(lambda: TaskRun.objects.stale().filter(pk=first.id).exists(), what="expiry")
+    again = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:2:b", 30, abandon_is_final=True)
+    assert again.owner == "h:1:a" and again.expired is True
+    assert TaskRun.objects.get(pk=first.id).duplicates == 0
+
+
+def test_claim__same_slot_in_another_task_or_instant_is_a_new_row():
+    a = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    b = ledger.claim(ALIAS, "tests.ledger.other", slot(0), "h:1:b", 30, abandon_is_final=True)
+    c = ledger.claim(
+        ALIAS,
+        "tests.ledger",
+        slot(0) + timedelta(microseconds=1),
+        "h:1:c",
+        30,
+        abandon_is_final=True,
+    )
+    assert len({a.id, b.id, c.id}) == 3
+    assert (b.owner, c.owner) == ("h:1:b", "h:1:c")
+
+
+def test_claim__inside_atomic_block_is_refused_and_writes_nothing():
+    with pytest.raises(TaskGuardError, match="open transaction"), transaction.atomic():
+        ledger.ensure_autocommit(ALIAS)
+    assert not TaskRun.objects.exists()
+
+
+def test_renew__extends_only_for_the_fence_holder():
+    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 5, abandon_is_final=True)
+    assert row.fence is not None
+    before = TaskRun.objects.get(pk=row.id).lease_until
+    assert before is not None
+    renewed = ledger.renew(ALIAS, row.id, row.fence, 60)
+    assert renewed is not None and renewed - before > timedelta(seconds=50)
+    assert TaskRun.objects.get(pk=row.id).lease_until == renewed
+    assert ledger.renew(ALIAS, row.id, row.fence + 1000, 60) is None
+    TaskRun.objects.filter(pk=row.id).update(state=RunState.SUCCEEDED)
+    assert ledger.renew(ALIAS, row.id, row.fence, 60) is None, "a finished run is not renewed"
+
+
+def test_fence__strictly_increases_per_task_across_slots_and_attempts():
+    """Fences handed to the body grow with every slot and every takeover attempt."""
+    seen: list[tuple[str, int, int]] = []
+
+    def body(task: str) -> None:
+        run = current_run()
+        seen.append((task, run.attempt, run.fence))
+
+    tasks = {
+        name: once_per_schedule(name=name, on_stale="retry", lease_seconds=5)(
+            lambda name=name: body(name)
+        )
+        for name in ("tests.fence.a", "tests.fence.b")
+    }
+    for minute in range(5):
+        for guarded in tasks.values():
+            guarded.run_for_slot(slot(minute))
+    # A dead owner's row for slot 10, taken over by a new attempt once it expires.
+    dead = ledger.claim(ALIAS, "tests.fence.a", slot(10), "h:9:dead", 0.2, abandon_is_final=False)
+    wait_for(lambda: TaskRun.objects.stale().filter(pk=dead.id).exists(), what="expiry")
+    tasks["tests.fence.a"].run_for_slot(slot(10))
+
+    for name in tasks:
+        fences = [fence for task, _, fence in seen if task == name]
+        assert fences == sorted(fences) and len(set(fences)) == len(fences), fences
+    takeover = seen[-1]
+    assert takeover[1] == 2, "the takeover is attempt 2"
+    assert dead.fence is not None and takeover[2] > dead.fence
+    assert takeover[2] > max(fence for _, _, fence in seen[:-1])
+    run = TaskRun.objects.get(pk=dead.id)
+    assert (run.state, run.attempt, run.fence) == (RunState.SUCCEEDED, 2, takeover[2])
+
+
+def test_timestamps__stored_in_utc_from_the_database_clock():
+    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    run = TaskRun.objects.get(pk=row.id)
+    assert run.started_at is not None
+    skew = abs((run.started_at - datetime.now(dt_timezone.utc)).total_seconds())
+    assert skew < 60, f"started_at {run.started_at} is not the current UTC time"
+    assert TaskRunTransition.objects.get(run=run).at is not None
+
+
+def test_read__finds_the_row_by_task_and_slot():
+    assert ledger.read(ALIAS, "tests.ledger", slot(0)) is None
+    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    found = ledger.read(ALIAS, "tests.ledger", slot(0))
+    assert found is not None and (found.id, found.owner, found.fence) == (
+        row.id,
+        row.owner,
+        row.fence,
+    )
+    assert connection.vendor in ("sqlite", "postgresql")
+
+
+def test_claim__with_autocommit_turned_off_is_refused_and_writes_nothing():
+    """Not in atomic(), but an implicit transaction the caller owns: the claim would not commit."""
+    calls: list[int] = []
+    guarded = once_per_schedule(name="tests.ledger.noautocommit")(lambda: calls.append(1))
+    transaction.set_autocommit(False)
+    try:
+        with pytest.raises(TaskGuardError, match="autocommit turned off"):
+            guarded.run_for_slot(slot(0))
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)
+    assert calls == []
+    assert not TaskRun.objects.exists()
