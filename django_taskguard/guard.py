@@ -75,7 +75,7 @@ def execute(
     token = owner.rsplit(":", 1)[1]
     key = run_key(taskguard_settings.KEY_PREFIX, task_name, slot)
 
-    acquired = lock.acquire(key, token, lease)
+    acquired = lock.acquire(key, token, lease, task_name)
     if acquired is Acquired.LOST:
         return _duplicate(task_name, slot, RunState.RUNNING, policy)
     try:

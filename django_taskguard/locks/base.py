@@ -27,8 +27,12 @@ class LockBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def acquire(self, key: str, token: str, lease_seconds: float) -> Acquired:
-        """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate."""
+    def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
+        """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate.
+
+        ``task_name`` is recorded next to the count, so that a slot whose
+        winner died before its database row can still be recorded by cleanup.
+        """
 
     @abstractmethod
     def extend(self, key: str, token: str, lease_seconds: float) -> bool:
