@@ -1,0 +1,39 @@
+"""Helpers for the Redis backend tests: settings that point taskguard at a private server."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from django.test import override_settings
+
+from django_taskguard.locks import get_backend
+from django_taskguard.locks.redis import RedisLock
+
+from .conftest import RedisServer
+
+
+def redis_caches(server: RedisServer, **options: Any) -> dict[str, Any]:
+    return {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": server.url,
+            "OPTIONS": options,
+        },
+    }
+
+
+@contextlib.contextmanager
+def redis_backend(server: RedisServer, **taskguard: Any) -> Iterator[RedisLock]:
+    """Point TASKGUARD at ``server`` (BACKEND redis) for the block; yield the lock."""
+    config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", "LEASE_SECONDS": 3, **taskguard}
+    with override_settings(CACHES=redis_caches(server), TASKGUARD=config):
+        lock = get_backend()
+        assert isinstance(lock, RedisLock)
+        yield lock
+
+
+def child_redis_env(env: dict[str, str], server: RedisServer) -> dict[str, str]:
+    return {**env, "TASKGUARD_TEST_REDIS_URL": server.url, "TASKGUARD_TEST_BACKEND": "redis"}
