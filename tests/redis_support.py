@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from django.core.cache import caches
 from django.test import override_settings
 
 from django_taskguard.locks import get_backend
@@ -30,10 +31,23 @@ def redis_backend(server: RedisServer, **taskguard: Any) -> Iterator[RedisLock]:
     """Point TASKGUARD at ``server`` (BACKEND redis) for the block; yield the lock."""
     config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", "LEASE_SECONDS": 3, **taskguard}
     with override_settings(CACHES=redis_caches(server), TASKGUARD=config):
-        lock = get_backend()
-        assert isinstance(lock, RedisLock)
-        yield lock
+        try:
+            lock = get_backend()
+            assert isinstance(lock, RedisLock) or config["BACKEND"] != "redis"
+            yield lock  # type: ignore[misc]
+        finally:
+            RedisLock.close_all()
+            caches["redis"].close()
 
 
 def child_redis_env(env: dict[str, str], server: RedisServer) -> dict[str, str]:
     return {**env, "TASKGUARD_TEST_REDIS_URL": server.url, "TASKGUARD_TEST_BACKEND": "redis"}
+
+
+def command(server: RedisServer, name: str, *args: Any) -> Any:
+    """Run one command on ``server`` through a short-lived client of its own."""
+    client = server.client()
+    try:
+        return getattr(client, name)(*args)
+    finally:
+        client.close()

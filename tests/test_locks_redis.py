@@ -16,10 +16,12 @@ from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.models import RunState, TaskRun
 
-from .redis_support import redis_backend
+from .redis_support import command, redis_backend
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
 KEY = run_key("taskguard", "tests.lock", SLOT)
+# what the probing client itself sends (its handshake and INFO)
+PROBE_COMMANDS = {"hello", "client|setinfo", "info"}
 
 
 def test_redis_lock__acquire_counts_duplicates_and_release_compares_token(redis_server):
@@ -33,7 +35,7 @@ def test_redis_lock__acquire_counts_duplicates_and_release_compares_token(redis_
         assert not lock.release(KEY, "b" * 32)
         assert lock.holder(KEY) == "a" * 32
         assert lock.extend(KEY, "a" * 32, 30)
-        assert 29_000 < redis_server.client().pttl(KEY) <= 30_000
+        assert 29_000 < command(redis_server, "pttl", KEY) <= 30_000
         assert lock.take_duplicates(KEY) == 2
         assert lock.take_duplicates(KEY) == 0
         assert lock.release(KEY, "a" * 32)
@@ -44,7 +46,7 @@ def test_redis_lock__acquire_counts_duplicates_and_release_compares_token(redis_
 def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
     with redis_backend(redis_server) as lock:
         lock.acquire(KEY, "a" * 32, 3, "tests.lock")
-        keys = {k.decode() for k in redis_server.client().keys("*")}
+        keys = {k.decode() for k in command(redis_server, "keys", "*")}
         assert keys == {KEY, claim_key(KEY)}
         assert KEY.startswith("taskguard:run:")
         assert KEY.endswith(":20260301T210000.000000Z")
@@ -54,13 +56,13 @@ def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
 def test_redis_lock__noscript_after_script_flush_and_restart(redis_server):
     with redis_backend(redis_server) as lock:
         assert lock.acquire(KEY, "a" * 32, 3) is Acquired.WON
-        redis_server.client().script_flush()
+        command(redis_server, "script_flush")
         assert lock.acquire(KEY, "b" * 32, 3) is Acquired.LOST
         redis_server.restart()
         assert lock.acquire(KEY, "b" * 32, 3) is Acquired.WON
-        redis_server.client().script_flush()
+        command(redis_server, "script_flush")
         assert lock.extend(KEY, "b" * 32, 3)
-        redis_server.client().script_flush()
+        command(redis_server, "script_flush")
         assert lock.release(KEY, "b" * 32)
         assert lock.errors == 0
 
@@ -151,15 +153,14 @@ def test_guard__loser_makes_one_redis_call_and_no_query(redis_server, transactio
     with redis_backend(redis_server) as lock:
         key = run_key("taskguard", "tests.loser", SLOT)
         assert lock.acquire(key, "h" * 32, 30, "tests.loser") is Acquired.WON  # someone else
-        monitor = redis_server.client()
         body.run_for_slot(SLOT)  # warm up: the connection's handshake is not the call
-        before = _calls(monitor)
+        before = _calls(redis_server)
         with CaptureQueriesContext(connection) as queries:
             assert body.run_for_slot(SLOT) is None
-        after = _calls(monitor)
+        after = _calls(redis_server)
         assert len(queries) == 0, queries.captured_queries
         made = {name: after[name] - before.get(name, 0) for name in after}
-        made = {name: n for name, n in made.items() if n and name != "info"}
+        made = {name: n for name, n in made.items() if n and name not in PROBE_COMMANDS}
         # one EVALSHA round trip; the rest ran inside the script, in the server
         assert made == {"evalsha": 1, "get": 1, "set": 1, "hincrby": 1, "hsetnx": 1, "pexpire": 1}
         assert lock.take_duplicates(key) == 2
@@ -178,7 +179,7 @@ def test_guard__winner_folds_redis_duplicates_into_the_row(redis_server, transac
         assert body.run_for_slot(SLOT) == "ran"
         key = run_key("taskguard", "tests.fold", SLOT)
         assert lock.holder(key) is None
-        assert redis_server.client().exists(claim_key(key)) == 0
+        assert command(redis_server, "exists", claim_key(key)) == 0
     assert seen == [None, None]
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 2)
@@ -190,7 +191,7 @@ def test_guard__redis_flushed_mid_slot_the_row_decides(redis_server, transaction
     @once_per_schedule(name="tests.flush")
     def body():
         runs.append("outer")
-        redis_server.client().flushall()
+        command(redis_server, "flushall")
         runs.append(body.run_for_slot(SLOT))  # wins Redis, must lose on the row
         return "ran"
 
@@ -201,6 +202,23 @@ def test_guard__redis_flushed_mid_slot_the_row_decides(redis_server, transaction
     assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
 
 
-def _calls(client) -> dict[str, int]:
-    stats = client.info("commandstats")
+def _calls(server) -> dict[str, int]:
+    stats = command(server, "info", "commandstats")
     return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+def _lock_checks():
+    from django_taskguard.checks import check_lock_redis
+
+    return {message.id for message in check_lock_redis()}
+
+
+def test_checks__eviction_policy_warnings(redis_server):
+    with redis_backend(redis_server):
+        assert _lock_checks() == set()
+        command(redis_server, "config_set", "maxmemory-policy", "allkeys-lru")
+        assert _lock_checks() == {"taskguard.W010"}
+        redis_server.stop()
+        assert _lock_checks() == {"taskguard.W011"}
+    with redis_backend(redis_server, BACKEND="database"):
+        assert _lock_checks() == set()

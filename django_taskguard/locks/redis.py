@@ -202,6 +202,13 @@ class RedisLock(LockBackend):
             cls._instances[(alias, timeout)] = lock
         return lock
 
+    @classmethod
+    def close_all(cls) -> None:
+        """Disconnect and forget every cached lock client of this process."""
+        locks, cls._instances = list(cls._instances.values()), {}
+        for lock in locks:
+            lock.client.connection_pool.disconnect()
+
     # -- the hot path ---------------------------------------------------------
 
     def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
