@@ -44,10 +44,10 @@ def child_redis_env(env: dict[str, str], server: RedisServer) -> dict[str, str]:
     return {**env, "TASKGUARD_TEST_REDIS_URL": server.url, "TASKGUARD_TEST_BACKEND": "redis"}
 
 
-def command(server: RedisServer, name: str, *args: Any) -> Any:
+def command(server: RedisServer, name: str, *args: Any, **kwargs: Any) -> Any:
     """Run one command on ``server`` through a short-lived client of its own."""
     client = server.client()
     try:
-        return getattr(client, name)(*args)
+        return getattr(client, name)(*args, **kwargs)
     finally:
         client.close()
