@@ -75,10 +75,19 @@ def assert_no_heartbeat_crash(stderr: str) -> None:
     assert "heartbeat crashed" not in stderr, stderr
 
 
-def hold(env: dict[str, str], log: Path, task: str, *, lease: float, seconds: float,
-         on_stale: str = "abandon", slot: int = 0) -> Child:  # fmt: skip
-    return Child(env, "hold", "--task", task, "--log", str(log), "--lease", str(lease),
-                 "--seconds", str(seconds), "--on-stale", on_stale, "--slot", str(slot))  # fmt: skip
+def hold(
+    env: dict[str, str],
+    log: Path,
+    task: str,
+    *,
+    lease: float,
+    seconds: float,
+    on_stale: str = "abandon",
+    slot: int = 0,
+) -> Child:
+    options = {"--task": task, "--log": str(log), "--lease": str(lease), "--seconds": str(seconds),
+               "--on-stale": on_stale, "--slot": str(slot)}  # fmt: skip
+    return Child(env, "hold", *[part for pair in options.items() for part in pair])
 
 
 def log_lines(log: Path) -> Counter[str]:
