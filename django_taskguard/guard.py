@@ -231,7 +231,7 @@ def _iso(value: datetime | None) -> str:
 
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
     duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
-    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot.isoformat(), state)
+    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
     if policy.on_duplicate == "raise":
         raise DuplicateRun(task_name, slot, state)
     return None

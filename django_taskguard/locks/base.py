@@ -10,6 +10,7 @@ goes straight to the row.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -55,11 +56,13 @@ class LockBackend(ABC):
         return iter(())
 
 
+@functools.lru_cache(maxsize=1024)
 def task_digest(task_name: str) -> str:
     """A fixed-length, key-safe stand-in for a task name of any length or alphabet."""
     return hashlib.sha256(task_name.encode("utf-8")).hexdigest()[:32]
 
 
+@functools.lru_cache(maxsize=1024)
 def slot_label(slot: datetime) -> str:
     """``20261121T210000.000000Z``: sortable, fixed-width, UTC."""
     return slot.astimezone(dt_timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
