@@ -155,7 +155,8 @@ def test_redis_race__8_processes_200_slots_run_each_slot_once(child_env, redis_s
 def test_redis_kill__owner_sigkilled_abandon_never_runs_again(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.kill_abandon"
-    owner = hold(env, log, task, lease=LEASE, seconds=60)
+    # lease long enough that the next interpreter starts before it ends, on a busy machine
+    owner = hold(env, log, task, lease=6.0, seconds=60)
     owner.started()
     owner.killed()
     # While the dead owner's lease lasts, another instance loses on Redis alone.
@@ -439,7 +440,8 @@ def test_redis_gap__winner_killed_before_its_row_is_found_by_cleanup(
 ):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.gap"
-    dying = Child(env, "claim_then_die", "--task", task, "--log", str(log), "--lease", "2")
+    # a lease long enough for the losers' interpreters to start on a busy machine
+    dying = Child(env, "claim_then_die", "--task", task, "--log", str(log), "--lease", "12")
     assert dying.started() == {"acquired": "won"}
     dying.killed()  # it killed itself right after its Redis claim
     losers = [hold(env, log, task, lease=LEASE, seconds=0) for _ in range(2)]
