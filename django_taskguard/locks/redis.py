@@ -308,17 +308,17 @@ class RedisLock(LockBackend):
         connection = pool.get_connection()
         try:
             try:
-                connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
                 return connection.read_response()
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
-                connection.send_command("EVAL", script.source, len(keys), *keys, *args)
+                connection.send_command("EVAL", script.source, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
                 return connection.read_response()
         except ResponseError:
             raise  # the server answered: the connection is in step
         except BaseException:
             # A reply may still be on its way: never reuse this connection.
-            connection.disconnect()
+            connection.disconnect()  # type: ignore[no-untyped-call]
             raise
         finally:
             pool.release(connection)
