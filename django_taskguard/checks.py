@@ -101,3 +101,54 @@ def _check_database() -> list[CheckMessage]:
             )
         ]
     return []
+
+
+@register(Tags.caches)
+def check_lock_redis(
+    app_configs: list[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Warn when the lock Redis may evict lock keys, or cannot be asked (W010-W012)."""
+    from .locks import backend_name
+
+    alias = taskguard_settings.REDIS_ALIAS
+    try:
+        if backend_name() != "redis" or not is_redis_cache(alias):
+            return []
+        from redis.exceptions import RedisError, ResponseError
+
+        from .locks.redis import RedisLock
+
+        lock = RedisLock.for_alias(alias)
+    except Exception:  # a broken setting is reported by check_settings
+        return []
+    try:
+        policy = lock.eviction_policy()
+    except ResponseError as exc:
+        return [
+            Warning(
+                f"taskguard could not read maxmemory-policy of CACHES[{alias!r}] ({exc}).",
+                hint="Make sure the lock Redis uses maxmemory-policy noeviction.",
+                id="taskguard.W012",
+            )
+        ]
+    except RedisError as exc:
+        return [
+            Warning(
+                f"taskguard could not reach the lock Redis CACHES[{alias!r}] ({exc}).",
+                hint="Its maxmemory-policy was not checked. Tasks still run once via the "
+                "database while it is down if ON_REDIS_ERROR is 'database'.",
+                id="taskguard.W011",
+            )
+        ]
+    if policy != "noeviction":
+        return [
+            Warning(
+                f"The lock Redis CACHES[{alias!r}] has maxmemory-policy {policy!r}: under "
+                "memory pressure it may evict lock keys.",
+                hint="Use maxmemory-policy noeviction for the Redis that holds taskguard's "
+                "locks (or a separate Redis for them). An evicted lock costs the fast path, "
+                "not correctness: the database row still decides.",
+                id="taskguard.W010",
+            )
+        ]
+    return []

@@ -32,8 +32,9 @@ class Settings:
     """Typed view over ``settings.TASKGUARD`` with defaults."""
 
     def raw(self) -> dict[str, Any]:
+        """The user's dict itself (read-only; not copied: this runs on every guarded call)."""
         value = getattr(django_settings, "TASKGUARD", None)
-        return dict(value) if isinstance(value, dict) else {}
+        return value if isinstance(value, dict) else {}
 
     def _get(self, name: str) -> Any:
         return self.raw().get(name, DEFAULTS[name])

@@ -75,7 +75,7 @@ def execute(
     token = owner.rsplit(":", 1)[1]
     key = run_key(taskguard_settings.KEY_PREFIX, task_name, slot)
 
-    acquired = lock.acquire(key, token, lease)
+    acquired = lock.acquire(key, token, lease, task_name)
     if acquired is Acquired.LOST:
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
@@ -233,7 +233,7 @@ def _iso(value: datetime | None) -> str:
 
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
     duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
-    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot.isoformat(), state)
+    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
     if policy.on_duplicate == "raise":
         raise DuplicateRun(task_name, slot, state)
 

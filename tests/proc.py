@@ -154,9 +154,82 @@ def down(args: argparse.Namespace) -> dict[str, object]:
     return outcome
 
 
+def swarm(args: argparse.Namespace) -> dict[str, int]:
+    """Fork ``--processes`` callers of one slot, release them at ``--start-at``, time each call."""
+    from django.db import connections
+
+    from django_taskguard import once_per_schedule
+    from django_taskguard.conf import taskguard_settings
+    from django_taskguard.locks import get_backend, run_key
+
+    @once_per_schedule(name=args.task, lease_seconds=args.lease)
+    def body() -> int:
+        record(args.log, f"start {os.getpid()}")
+        time.sleep(args.seconds)
+        return os.getpid()
+
+    # Someone holds a warm-up slot, so that every child can make one losing call
+    # (imports, connections, first-call paths) before the timed one.
+    warm = BASE_SLOT - timedelta(days=1)
+    warm_key = run_key(taskguard_settings.KEY_PREFIX, args.task, warm)
+    get_backend().acquire(warm_key, "warm-up-holder", 120, args.task)
+    connections.close_all()
+    children = [_swarm_child(args, body, warm) for _ in range(args.processes)]
+    failed = sum(1 for pid in children if os.waitpid(pid, 0)[1] != 0)
+    return {"children": len(children), "failed": failed}
+
+
+def _swarm_child(args: argparse.Namespace, body, warm: datetime) -> int:  # type: ignore[no-untyped-def]
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        assert body.run_for_slot(warm) is None  # warm up on a slot someone else holds
+        wait_until(args.start_at)
+        began = time.monotonic()
+        result = body.run_for_slot(BASE_SLOT + timedelta(minutes=args.slot))
+        took = time.monotonic() - began
+        line = {"pid": os.getpid(), "won": result is not None, "seconds": took}
+        record(args.results, json.dumps(line))
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def claim_then_die(args: argparse.Namespace) -> dict[str, object]:
+    """Win the Redis claim of a slot, then die by SIGKILL before the database claim."""
+    import signal
+    import uuid
+
+    from django_taskguard.conf import taskguard_settings
+    from django_taskguard.locks import get_backend, run_key
+
+    slot = BASE_SLOT + timedelta(minutes=args.slot)
+    key = run_key(taskguard_settings.KEY_PREFIX, args.task, slot)
+    acquired = get_backend().acquire(key, uuid.uuid4().hex, args.lease or 2.0, args.task)
+    print(json.dumps({"acquired": acquired.value}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+SCENARIOS = {
+    "race": race,
+    "hold": hold,
+    "tick": tick,
+    "down": down,
+    "swarm": swarm,
+    "claim_then_die": claim_then_die,
+}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["race", "hold", "tick", "down"])
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--task", default="tests.race")
     parser.add_argument("--log", required=True)
     parser.add_argument("--slots", type=int, default=200)
@@ -165,10 +238,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--lease", type=float, default=None)
     parser.add_argument("--on-stale", default="abandon")
+    parser.add_argument("--processes", type=int, default=100)
+    parser.add_argument("--results", default="")
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
-    outcome = {"race": race, "hold": hold, "tick": tick, "down": down}[args.scenario](args)
+    outcome = SCENARIOS[args.scenario](args)
     print(json.dumps(outcome), flush=True)
     return 0
 

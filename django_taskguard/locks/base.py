@@ -10,6 +10,7 @@ goes straight to the row.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -27,8 +28,12 @@ class LockBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def acquire(self, key: str, token: str, lease_seconds: float) -> Acquired:
-        """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate."""
+    def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
+        """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate.
+
+        ``task_name`` is recorded next to the count, so that a slot whose
+        winner died before its database row can still be recorded by cleanup.
+        """
 
     @abstractmethod
     def extend(self, key: str, token: str, lease_seconds: float) -> bool:
@@ -51,11 +56,13 @@ class LockBackend(ABC):
         return iter(())
 
 
+@functools.lru_cache(maxsize=1024)
 def task_digest(task_name: str) -> str:
     """A fixed-length, key-safe stand-in for a task name of any length or alphabet."""
     return hashlib.sha256(task_name.encode("utf-8")).hexdigest()[:32]
 
 
+@functools.lru_cache(maxsize=1024)
 def slot_label(slot: datetime) -> str:
     """``20261121T210000.000000Z``: sortable, fixed-width, UTC."""
     return slot.astimezone(dt_timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")

@@ -1,0 +1,204 @@
+"""Benchmark the guarded call against its floor (a script, not a test).
+
+    python bench/bench_guard.py [--rounds 2000]
+
+Starts a private redis-server on a free loopback port, uses PostgreSQL
+(``TASKGUARD_BENCH_DB``, default database ``test`` on 127.0.0.1:5432 as user
+postgres; ``TASKGUARD_PG_HOST/PORT/USER`` to point elsewhere), creates the
+taskguard tables there if needed, and times in one process:
+
+- floor: ``SET NX PX`` + Lua compare-and-delete + ``INSERT ... ON CONFLICT DO
+  NOTHING`` + ``UPDATE`` on the raw redis-py client and the raw psycopg cursor;
+- an unguarded call of the same function;
+- a guarded winning call (a fresh slot each time);
+- a guarded losing call (the slot's key is held by someone else);
+- one Redis ``PING``.
+
+Prints medians, p99 and the ratios guarded/floor (bar 2.0, aim 1.5) and
+loser/PING (bar 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_redis(directory: str) -> tuple[subprocess.Popen[bytes], int]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server is not installed")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", directory],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    for _ in range(200):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return process, port
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    sys.exit("redis-server did not start")
+
+
+def configure(port: int) -> None:
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        USE_TZ=True,
+        TIME_ZONE="UTC",
+        INSTALLED_APPS=["django_taskguard"],
+        DATABASES={
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": os.environ.get("TASKGUARD_BENCH_DB", "test"),
+                "USER": os.environ.get("TASKGUARD_PG_USER", "postgres"),
+                "HOST": os.environ.get("TASKGUARD_PG_HOST", "127.0.0.1"),
+                "PORT": os.environ.get("TASKGUARD_PG_PORT", "5432"),
+                "CONN_MAX_AGE": None,
+            }
+        },
+        CACHES={
+            "default": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+            }
+        },
+        TASKGUARD={"BACKEND": "redis", "LEASE_SECONDS": 30},
+        LOGGING_CONFIG=None,
+    )
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", "taskguard", verbosity=0)
+
+
+def timed(calls: dict[str, Callable[[int], object]], rounds: int) -> dict[str, list[float]]:
+    """Time every call once per round, interleaved, so machine noise hits them alike."""
+    for i in range(50):
+        for call in calls.values():
+            call(-1 - i)
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    clock = time.perf_counter
+    for i in range(rounds):
+        for name, call in calls.items():
+            began = clock()
+            call(i)
+            samples[name].append(clock() - began)
+    return samples
+
+
+def p99(samples: list[float]) -> float:
+    return sorted(samples)[int(len(samples) * 0.99) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2000)
+    args = parser.parse_args()
+    directory = tempfile.mkdtemp(prefix="taskguard-bench-")
+    server, port = start_redis(directory)
+    try:
+        configure(port)
+        run(args.rounds, port)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run(rounds: int, port: int) -> None:
+    import redis
+    from django.db import connection
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from django_taskguard import once_per_schedule
+    from django_taskguard.locks import run_key
+    from django_taskguard.locks.redis import RELEASE, RedisLock, claim_key
+    from django_taskguard.models import TaskRun
+
+    tag = uuid.uuid4().hex[:8]
+    base = datetime(2020, 1, 1, tzinfo=timezone.utc)
+    raw = redis.Redis(port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    connection.ensure_connection()
+    cursor = connection.connection.cursor()  # the raw psycopg cursor
+    table = TaskRun._meta.db_table
+
+    def floor(i: int) -> None:
+        key, token = f"bench:floor:{tag}:{i}", uuid.uuid4().hex
+        raw.set(key, token, nx=True, px=30000)
+        cursor.execute(
+            f"INSERT INTO {table} (task_name, slot, state, attempt, owner, created_at, error, "
+            "duplicates) VALUES (%s, %s, 'running', 1, %s, now(), '', 0) "
+            "ON CONFLICT DO NOTHING",
+            (f"bench.floor.{tag}", base + timedelta(seconds=i), token),
+        )
+        cursor.execute(
+            f"UPDATE {table} SET state = 'succeeded', finished_at = now() "
+            "WHERE task_name = %s AND slot = %s",
+            (f"bench.floor.{tag}", base + timedelta(seconds=i)),
+        )
+        raw.evalsha(RELEASE.sha, 2, key, claim_key(key), token)
+
+    raw.script_load(RELEASE.source)
+
+    def work() -> int:
+        return 1
+
+    guarded = once_per_schedule(name=f"bench.guarded.{tag}")(work)
+    losing = once_per_schedule(name=f"bench.losing.{tag}")(work)
+    lost_slot = base
+    RedisLock.for_alias("default").acquire(
+        run_key("taskguard", f"bench.losing.{tag}", lost_slot), "someone-else", 3600
+    )
+
+    results = timed(
+        {
+            "PING": lambda i: raw.ping(),
+            "unguarded call": lambda i: work(),
+            "floor": floor,
+            "guarded winner": lambda i: guarded.run_for_slot(base + timedelta(seconds=i + 100)),
+            "guarded loser": lambda i: losing.run_for_slot(lost_slot),
+        },
+        rounds,
+    )
+    database = connection.settings_dict["NAME"]
+    print(f"{rounds} interleaved rounds; loopback Redis :{port}, PostgreSQL database {database}")
+    for name, samples in results.items():
+        print(
+            f"  {name:16} median {statistics.median(samples) * 1e6:9.1f} us   "
+            f"p99 {p99(samples) * 1e6:9.1f} us"
+        )
+    med = {name: statistics.median(samples) for name, samples in results.items()}
+    print(f"guarded/floor = {med['guarded winner'] / med['floor']:.2f}  (bar 2.0, aim 1.5)")
+    print(f"loser/PING    = {med['guarded loser'] / med['PING']:.2f}  (bar 1.5)")
+    TaskRun.objects.filter(task_name__endswith=tag).delete()
+    raw.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""The Redis backend: one round trip decides a losing call; the database row still decides.
+
+Keys are fixed and versionless on a raw redis-py client of our own (never
+``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
+
+- ``{prefix}:run:{digest}:{slot}`` holds the winner's token with a lease (``PX``);
+- ``{prefix}:dup:{digest}:{slot}`` is the slot's *claim record*, a hash with the
+  task name, the winner's token and the count of losing calls. The winner
+  folds the count into ``TaskRun.duplicates`` when it finishes; if the winner
+  died between its Redis claim and its database row, ``cleanup_locks`` finds
+  the record through :meth:`RedisLock.unrecorded_claims` and records the slot.
+
+The django-redis cache named by ``REDIS_ALIAS`` is only used to find the
+connection parameters (plain or Sentinel); the lock client has its own short
+socket timeout (``REDIS_SOCKET_TIMEOUT``) and no automatic retries, because
+a blind retry of ``SET NX`` after a lost reply locks the caller out of its
+own slot. An acquire that errors is settled by reading the key back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+import redis
+from django.conf import settings
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+from ..conf import taskguard_settings
+from ..exceptions import BackendUnavailable
+from .base import Acquired, LockBackend, parse_run_key
+
+logger = logging.getLogger("taskguard.locks")
+
+# How long a claim record outlives its last write: cleanup_locks must run
+# within this window to record a slot whose winner died before its row.
+CLAIM_RECORD_SECONDS = 86400
+# While Redis is unreachable, try it again at most this often (other calls
+# go straight to ON_REDIS_ERROR instead of waiting for a socket timeout each).
+PROBE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Script:
+    source: str
+    sha: str
+
+    @classmethod
+    def of(cls, source: str) -> Script:
+        return cls(source, hashlib.sha1(source.encode()).hexdigest())
+
+
+# Take the lock for ARGV[1] for ARGV[2] ms (or find it already ours), else count
+# one duplicate on the claim record; the record (ARGV[4] = task) lives ARGV[3] ms. 1 = won.
+# SET NX GET (Redis >= 7) answers "was it free, and whose is it" in one command.
+ACQUIRE = Script.of(
+    "local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2]) "
+    "if not held then redis.call('HSET', KEYS[2], 'task', ARGV[4], 'token', ARGV[1]) "
+    "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 1 end "
+    "if held == ARGV[1] then return 1 end "
+    "redis.call('HINCRBY', KEYS[2], 'count', 1) redis.call('HSETNX', KEYS[2], 'task', ARGV[4]) "
+    "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 0"
+)
+# Extend the lease to ARGV[2] ms only while the lock holds token ARGV[1]. 1 = extended.
+EXTEND = Script.of(
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+)
+# Delete the lock only while it holds token ARGV[1] (never a plain DEL), and
+# the claim record too when it is ours and counted nobody. 1 = released.
+RELEASE = Script.of(
+    "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end "
+    "redis.call('DEL', KEYS[1]) "
+    "if redis.call('HGET', KEYS[2], 'token') == ARGV[1] "
+    "and not redis.call('HGET', KEYS[2], 'count') then redis.call('DEL', KEYS[2]) end "
+    "return 1"
+)
+# Return the duplicates counted on the claim record and delete the record.
+TAKE_DUPLICATES = Script.of(
+    "local n = redis.call('HGET', KEYS[1], 'count') redis.call('DEL', KEYS[1]) "
+    "return tonumber(n) or 0"
+)
+# Forget ARGV[1] recorded duplicates of a claim record whose lock is gone;
+# counts added since stay. 1 = done, 0 = the lock is held again (leave it).
+FORGET_CLAIM = Script.of(
+    "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end "
+    "local left = (tonumber(redis.call('HGET', KEYS[2], 'count')) or 0) - tonumber(ARGV[1]) "
+    "if left > 0 then redis.call('HSET', KEYS[2], 'count', left) "
+    "redis.call('HDEL', KEYS[2], 'token') else redis.call('DEL', KEYS[2]) end "
+    "return 1"
+)
+
+
+def claim_key(run_key: str) -> str:
+    """The claim record that goes with a lock key made by ``base.run_key``."""
+    head, _, tail = run_key.rpartition(":run:")
+    return f"{head}:dup:{tail}"
+
+
+def lock_key(claim: str) -> str:
+    head, _, tail = claim.rpartition(":dup:")
+    return f"{head}:run:{tail}"
+
+
+def _match(prefix: str, kind: str) -> str:
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:{kind}:*"
+
+
+@dataclass(frozen=True)
+class ClaimRecord:
+    """A slot someone claimed in Redis whose lock is gone: the row may be missing."""
+
+    key: str  # the claim record's key
+    task_name: str
+    slot: datetime
+    duplicates: int  # losing calls counted in Redis, not yet in TaskRun.duplicates
+    token: str  # the Redis winner's token ("" when the winner already finished)
+
+
+# Connection kwargs that belong to the other pool or that the lock sets itself.
+_OWN_KWARGS = {
+    "socket_timeout",
+    "socket_connect_timeout",
+    "retry",
+    "retry_on_timeout",
+    "retry_on_error",
+    "decode_responses",
+    "health_check_interval",
+    "himport_registry",
+    "maint_notifications_pool_handler",
+    "maint_notifications_config",
+}
+
+
+def _portable(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS and not k.startswith("orig_")}
+
+
+def build_client(alias: str, timeout: float) -> redis.Redis:
+    """A client for the django-redis cache ``alias``'s server with our timeouts, no retries."""
+    from django_redis import get_redis_connection
+
+    base = get_redis_connection(alias, write=True)
+    pool = base.connection_pool
+    strict: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if isinstance(pool, SentinelConnectionPool):
+        manager = pool.sentinel_manager
+        addresses = [s.connection_pool.connection_kwargs for s in manager.sentinels]
+        sentinels = [(a["host"], a["port"]) for a in addresses]
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            sentinels,
+            min_other_sentinels=manager.min_other_sentinels,
+            sentinel_kwargs={**_portable(manager.sentinel_kwargs), **strict},
+            **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
+        )
+        client: redis.Redis = sentinel.master_for(pool.service_name)  # type: ignore[no-untyped-call]
+        return client
+    own_pool = redis.ConnectionPool(
+        connection_class=pool.connection_class,
+        **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
+    )
+    return redis.Redis(connection_pool=own_pool)
+
+
+class RedisLock(LockBackend):
+    name = "redis"
+    # One lock per process and alias; rebuilt after fork or a settings change.
+    _instances: ClassVar[dict[tuple[str, float], RedisLock]] = {}
+
+    def __init__(self, alias: str, client: redis.Redis, source: object = None) -> None:
+        self.alias = alias
+        self.client = client
+        self.source = source
+        self.pid = os.getpid()
+        self.errors = 0  # Redis errors seen by this process (any command)
+        self._state = threading.Lock()
+        self._down_since: float | None = None
+        self._probe_at = 0.0
+
+    @classmethod
+    def for_alias(cls, alias: str) -> RedisLock:
+        source = settings.CACHES.get(alias)
+        timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
+        lock = cls._instances.get((alias, timeout))
+        if lock is None or lock.pid != os.getpid() or lock.source is not source:
+            lock = cls(alias, build_client(alias, timeout), source)
+            cls._instances[(alias, timeout)] = lock
+        return lock
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Disconnect and forget every cached lock client of this process."""
+        locks, cls._instances = list(cls._instances.values()), {}
+        for lock in locks:
+            lock.client.connection_pool.disconnect()
+
+    # -- the hot path ---------------------------------------------------------
+
+    def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
+        if self._backing_off():
+            return self._unavailable(task_name, None)
+        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_SECONDS * 1000, task_name)
+        try:
+            won = self._eval(ACQUIRE, (key, claim_key(key)), args)
+        except RedisError as exc:
+            return self._settle(key, token, task_name, exc)
+        self._up()
+        return Acquired.WON if won == 1 else Acquired.LOST
+
+    def _settle(self, key: str, token: str, task_name: str, exc: RedisError) -> Acquired:
+        """The acquire's outcome is unknown: read back whether the key holds our token."""
+        self.errors += 1
+        try:
+            holder = self.client.get(key)
+        except RedisError as again:
+            return self._unavailable(task_name, again)
+        if holder == token:
+            return Acquired.WON
+        logger.warning(
+            "taskguard Redis acquire of %s failed (%s: %s); deciding on the database",
+            key,
+            type(exc).__name__,
+            exc,
+        )
+        return Acquired.BYPASSED
+
+    def extend(self, key: str, token: str, lease_seconds: float) -> bool:
+        return bool(self._quiet(EXTEND, (key,), (token, int(lease_seconds * 1000))))
+
+    def release(self, key: str, token: str) -> bool:
+        return bool(self._quiet(RELEASE, (key, claim_key(key)), (token,)))
+
+    def take_duplicates(self, key: str) -> int:
+        return int(self._quiet(TAKE_DUPLICATES, (claim_key(key),), ()) or 0)
+
+    # -- outage handling --------------------------------------------------------
+
+    def _backing_off(self) -> bool:
+        if self._down_since is None:
+            return False
+        with self._state:
+            now = time.monotonic()
+            if now < self._probe_at:
+                return True
+            self._probe_at = now + PROBE_SECONDS  # this caller probes; the others skip
+            return False
+
+    def _down(self, exc: BaseException | None) -> None:
+        with self._state:
+            self._probe_at = time.monotonic() + PROBE_SECONDS
+            if self._down_since is not None:
+                return
+            self._down_since = time.monotonic()
+        logger.warning(
+            "taskguard Redis (CACHES[%r]) is unreachable (%s); ON_REDIS_ERROR=%r until it "
+            "answers again (logged once per outage)",
+            self.alias,
+            exc,
+            taskguard_settings.ON_REDIS_ERROR,
+        )
+
+    def _up(self) -> None:
+        if self._down_since is None:
+            return
+        with self._state:
+            since, self._down_since = self._down_since, None
+        if since is not None:
+            logger.warning(
+                "taskguard Redis (CACHES[%r]) answers again after %.1f s",
+                self.alias,
+                time.monotonic() - since,
+            )
+
+    def _unavailable(self, task_name: str, exc: BaseException | None) -> Acquired:
+        if exc is not None:
+            self.errors += 1
+            self._down(exc)
+        if taskguard_settings.ON_REDIS_ERROR == "fail":
+            raise BackendUnavailable(
+                f"{task_name or 'the task'!r} did not run: the taskguard Redis "
+                f"(CACHES[{self.alias!r}]) is unreachable ({exc or 'still down'}) and "
+                f"TASKGUARD['ON_REDIS_ERROR'] is 'fail'"
+            )
+        return Acquired.BYPASSED
+
+    def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One script call on a pooled connection: one round trip, never retried.
+
+        Straight on the connection rather than through ``Redis.execute_command``,
+        whose per-command machinery costs a third of a loopback round trip.
+        """
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            try:
+                connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                return connection.read_response()
+            except NoScriptError:
+                # The script cache is empty after a restart or failover: EVAL loads it.
+                connection.send_command("EVAL", script.source, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                return connection.read_response()
+        except ResponseError:
+            raise  # the server answered: the connection is in step
+        except BaseException:
+            # A reply may still be on its way: never reuse this connection.
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(connection)
+
+    def _quiet(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run a script whose failure must not stop the caller (the lease runs out anyway)."""
+        if self._backing_off():
+            return 0
+        try:
+            result = self._eval(script, keys, args)
+        except RedisError as exc:
+            self.errors += 1
+            self._down(exc)
+            return 0
+        self._up()
+        return result
+
+    # -- reading, for cleanup_locks and the admin ------------------------------
+
+    def _loud(self, what: str, exc: RedisError) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"taskguard could not {what}: Redis (CACHES[{self.alias!r}]) is unreachable ({exc})"
+        )
+
+    def holder(self, key: str) -> str | None:
+        try:
+            value = self.client.get(key)
+        except RedisError as exc:
+            raise self._loud(f"read {key}", exc) from exc
+        return None if value is None else str(value)
+
+    def scan_run_keys(self) -> Iterator[tuple[str, str | None]]:
+        """Every lock key under ``KEY_PREFIX`` and its token, by ``SCAN`` (never ``KEYS``)."""
+        match = _match(taskguard_settings.KEY_PREFIX, "run")
+        try:
+            batch: list[str] = []
+            for key in self.client.scan_iter(match=match, count=500):
+                batch.append(str(key))
+                if len(batch) == 500:
+                    yield from zip(batch, self.client.mget(batch), strict=True)
+                    batch = []
+            if batch:
+                yield from zip(batch, self.client.mget(batch), strict=True)
+        except RedisError as exc:
+            raise self._loud("scan the lock keys", exc) from exc
+
+    def unrecorded_claims(self) -> Iterator[ClaimRecord]:
+        """Claim records whose lock is gone: slots to check against the ledger.
+
+        For each record, ``cleanup_locks`` should: if no ``TaskRun`` exists for
+        (task_name, slot), insert one ``abandoned`` (the Redis winner died
+        before its database claim; reason says so) with ``duplicates``; if the
+        row exists, add ``duplicates`` to it. Then :meth:`forget_claim`.
+        """
+        match = _match(taskguard_settings.KEY_PREFIX, "dup")
+        try:
+            for key in self.client.scan_iter(match=match, count=500):
+                record = self._claim_record(str(key))
+                if record is not None:
+                    yield record
+        except RedisError as exc:
+            raise self._loud("scan the claim records", exc) from exc
+
+    def _claim_record(self, key: str) -> ClaimRecord | None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(lock_key(key))
+        pipe.hgetall(key)
+        held, fields = pipe.execute()
+        parsed = parse_run_key(lock_key(key))
+        if held or not fields or parsed is None or not fields.get("task"):
+            return None
+        return ClaimRecord(
+            key=key,
+            task_name=fields["task"],
+            slot=parsed[1],
+            duplicates=int(fields.get("count", 0)),
+            token=fields.get("token", ""),
+        )
+
+    def forget_claim(self, record: ClaimRecord) -> bool:
+        """Drop a claim record once the ledger holds it (counts added since stay)."""
+        try:
+            keys = (lock_key(record.key), record.key)
+            return bool(self._eval(FORGET_CLAIM, keys, (record.duplicates,)))
+        except RedisError as exc:
+            raise self._loud(f"forget {record.key}", exc) from exc
+
+    def eviction_policy(self) -> str:
+        """The server's ``maxmemory-policy`` (raises ``RedisError`` when unknown)."""
+        return str(self.client.config_get("maxmemory-policy")["maxmemory-policy"])

@@ -1,0 +1,491 @@
+"""Fault injection against the Redis backend: real processes, real signals, real servers.
+
+Every scenario counts executions with an unfenced O_APPEND log (``tests.proc.record``)
+and checks the ledger; every child's stderr is checked for heartbeat crashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from django_taskguard import once_per_schedule
+from django_taskguard.locks import run_key
+from django_taskguard.models import RunState, TaskRun
+
+from .conftest import python
+from .proc import BASE_SLOT
+from .redis_support import child_redis_env, command, redis_backend
+from .test_race import start_racers
+
+LEASE = 2.0
+
+
+class Child:
+    """One ``python -m tests.proc`` process."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.process = subprocess.Popen(
+            [python(), "-m", "tests.proc", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr = ""
+
+    def started(self, timeout: float = 60.0) -> dict[str, object]:
+        """Wait for the first line the child prints (the body has started)."""
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        assert ready, "the child did not start its body in time"
+        line = self.process.stdout.readline()
+        assert line, f"the child exited early: {self.process.stderr.read()}"  # type: ignore[union-attr]
+        return dict(json.loads(line))
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def killed(self) -> None:
+        """SIGKILL the child (if it is still alive) and reap it."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        _, self.stderr = self.process.communicate(timeout=30)
+        assert self.process.returncode == -signal.SIGKILL
+
+    def outcome(self, timeout: float = 120.0) -> dict[str, object]:
+        out, self.stderr = self.process.communicate(timeout=timeout)
+        assert self.process.returncode == 0, self.stderr
+        assert_no_heartbeat_crash(self.stderr)
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def assert_no_heartbeat_crash(stderr: str) -> None:
+    assert "heartbeat crashed" not in stderr, stderr
+
+
+def hold(
+    env: dict[str, str],
+    log: Path,
+    task: str,
+    *,
+    lease: float,
+    seconds: float,
+    on_stale: str = "abandon",
+    slot: int = 0,
+) -> Child:
+    options = {"--task": task, "--log": str(log), "--lease": str(lease), "--seconds": str(seconds),
+               "--on-stale": on_stale, "--slot": str(slot)}  # fmt: skip
+    return Child(env, "hold", *[part for pair in options.items() for part in pair])
+
+
+def log_lines(log: Path) -> Counter[str]:
+    return (
+        Counter(line.split()[0] for line in log.read_text().splitlines())
+        if log.exists()
+        else Counter()
+    )
+
+
+def the_run(task: str) -> TaskRun:
+    return TaskRun.objects.get(task_name=task)
+
+
+def states_path(run: TaskRun) -> list[str]:
+    return [t.to_state for t in run.transitions.order_by("id")]
+
+
+def wait_for(predicate, timeout: float = 30.0, every: float = 0.05) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(every)
+
+
+def lease_over(task: str) -> bool:
+    run = the_run(task)
+    return run.lease_until is not None and run.lease_until < _db_now()
+
+
+def _db_now():  # type: ignore[no-untyped-def]
+    from django.utils import timezone
+
+    return timezone.now() - timedelta(milliseconds=50)
+
+
+# (a) ---------------------------------------------------------------------------
+
+
+def test_redis_race__8_processes_200_slots_run_each_slot_once(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log = scratch / "executions.log"
+    racers = start_racers(env, log, "tests.redis_race", 8, 200)
+    outcomes = []
+    for racer in racers:
+        out, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err
+        assert_no_heartbeat_crash(err)
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    executions = Counter(line.split()[0] for line in log.read_text().splitlines())
+    assert len(executions) == 200 and set(executions.values()) == {1}
+    assert sum(o["won"] for o in outcomes) == 200
+    runs = TaskRun.objects.filter(task_name="tests.redis_race")
+    assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    # Every losing call is counted: on the row, or still on a Redis claim record
+    # (a loser that came between the winner's fold and its release).
+    with redis_backend(redis_server) as lock:
+        pending = sum(r.duplicates for r in lock.unrecorded_claims())
+    assert sum(runs.values_list("duplicates", flat=True)) + pending == 200 * 7
+
+
+# (b) ---------------------------------------------------------------------------
+
+
+def test_redis_kill__owner_sigkilled_abandon_never_runs_again(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.kill_abandon"
+    # lease long enough that the next interpreter starts before it ends, on a busy machine
+    owner = hold(env, log, task, lease=6.0, seconds=60)
+    owner.started()
+    owner.killed()
+    # While the dead owner's lease lasts, another instance loses on Redis alone.
+    assert hold(env, log, task, lease=LEASE, seconds=0).outcome() == {"result": None}
+    wait_for(lambda: lease_over(task))
+    assert the_run(task).state == RunState.RUNNING  # expired, judged stale by the next claim
+    assert hold(env, log, task, lease=LEASE, seconds=0).outcome() == {"result": None}
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.ABANDONED, 1)
+    assert "on_stale=abandon" in run.transitions.last().reason
+    assert log_lines(log) == Counter({"start": 1})
+
+
+def test_redis_kill__owner_sigkilled_retry_takes_over_once(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.kill_retry"
+    owner = hold(env, log, task, lease=LEASE, seconds=60, on_stale="retry")
+    first = owner.started()
+    owner.killed()
+    wait_for(lambda: lease_over(task))
+    takers = [hold(env, log, task, lease=LEASE, seconds=0.2, on_stale="retry") for _ in range(3)]
+    results = [t.outcome()["result"] for t in takers]
+    assert sorted(results, key=str) == [None, None, "done"]
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 2)
+    assert run.fence > int(first["fence"])  # type: ignore[call-overload]
+    assert log_lines(log) == Counter({"start": 2, "end": 1})
+
+
+# (c) ---------------------------------------------------------------------------
+
+
+def test_redis_pause__1_5x_lease_taken_over_late_finish_refused(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pause_retry"
+    owner = hold(env, log, task, lease=LEASE, seconds=6, on_stale="retry")
+    owner.started()
+    owner.signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.5 * LEASE)
+        taker = hold(env, log, task, lease=LEASE, seconds=0.2, on_stale="retry")
+        assert taker.outcome() == {"result": "done"}
+    finally:
+        owner.signal(signal.SIGCONT)
+    late = owner.outcome()
+    assert late["result"] is None and "was refused" in str(late["lease_lost"])
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 2)
+    assert states_path(run) == ["running", "retrying", "running", "succeeded"]
+    # the paused owner never got past its check: one finished body, no overlap
+    assert log_lines(log) == Counter({"start": 2, "end": 1, "leaselost": 1})
+
+
+def test_redis_pause__3x_lease_abandoned_and_owner_refused(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pause_abandon"
+    owner = hold(env, log, task, lease=LEASE, seconds=8)
+    owner.started()
+    owner.signal(signal.SIGSTOP)
+    try:
+        time.sleep(3 * LEASE)
+        assert hold(env, log, task, lease=LEASE, seconds=0).outcome() == {"result": None}
+    finally:
+        owner.signal(signal.SIGCONT)
+    late = owner.outcome()
+    assert late["result"] is None and "was refused" in str(late["lease_lost"])
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.ABANDONED, 1)
+    assert states_path(run) == ["running", "abandoned"]
+    assert log_lines(log) == Counter({"start": 1, "leaselost": 1})
+
+
+# (d) ---------------------------------------------------------------------------
+
+
+def test_redis_pause__half_lease_causes_no_lease_loss(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task, lease = scratch / "x.log", "tests.short_pause", 6.0
+    owner = hold(env, log, task, lease=lease, seconds=5)
+    owner.started()
+    owner.signal(signal.SIGSTOP)
+    time.sleep(0.5 * lease)
+    owner.signal(signal.SIGCONT)
+    assert owner.outcome() == {"result": "done"}
+    assert "lost its lease" not in owner.stderr and "could not renew" not in owner.stderr
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
+    assert log_lines(log) == Counter({"start": 1, "end": 1})
+
+
+# (e) ---------------------------------------------------------------------------
+
+
+def test_redis_restart_and_flush__mid_slot_no_second_run(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.redis_restart"
+    owner = hold(env, log, task, lease=3.0, seconds=8)
+    owner.started()
+    command(redis_server, "shutdown", nosave=True)
+    assert redis_server.process is not None
+    redis_server.process.wait(timeout=10)
+    redis_server.start()  # empty: the script cache and every key are gone
+    assert hold(env, log, task, lease=3.0, seconds=0).outcome() == {"result": None}
+    command(redis_server, "flushall")
+    assert hold(env, log, task, lease=3.0, seconds=0).outcome() == {"result": None}
+    assert owner.outcome() == {"result": "done"}
+    run = the_run(task)
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 2)
+    assert log_lines(log) == Counter({"start": 1, "end": 1})
+    assert command(redis_server, "dbsize") == 0  # the winner-after-flush released its key
+
+
+# (f) ---------------------------------------------------------------------------
+
+
+def test_redis_down__whole_run_exactly_once_via_database(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    redis_server.stop()
+    log = scratch / "x.log"
+    racers = start_racers(env, log, "tests.redis_down", 4, 30)
+    for racer in racers:
+        _, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err
+        assert_no_heartbeat_crash(err)
+        assert err.count("is unreachable") == 1, err  # once per outage, not per call
+    executions = Counter(line.split()[0] for line in log.read_text().splitlines())
+    assert len(executions) == 30 and set(executions.values()) == {1}
+    runs = TaskRun.objects.filter(task_name="tests.redis_down")
+    assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    assert sum(runs.values_list("duplicates", flat=True)) == 30 * 3
+
+
+# (g) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["all", "write"])
+def test_redis_stall__past_socket_timeout_no_self_lockout(redis_server, transactional_db, mode):
+    ran = []
+
+    @once_per_schedule(name="tests.stall")
+    def body(tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    slot, later = BASE_SLOT, BASE_SLOT + timedelta(minutes=1)
+    with redis_backend(redis_server, REDIS_SOCKET_TIMEOUT=0.3, LEASE_SECONDS=LEASE) as lock:
+        # CLIENT PAUSE ALL stalls every command (like DEBUG SLEEP, which Redis 7+
+        # disables by default); WRITE stalls the scripts but lets the read-back through.
+        command(redis_server, "client_pause", 1500, mode == "all")
+        assert body.run_for_slot(slot, "stalled") == "stalled"  # decided on the database
+        time.sleep(1.6)
+        lock._probe_at = 0.0  # let the next call ask Redis at once
+        assert body.run_for_slot(slot, "again") is None  # the row decides
+        assert body.run_for_slot(later, "next") == "next"  # Redis works again
+        # a command that landed after the stall can hold the key for one lease at most
+        key = run_key("taskguard", "tests.stall", slot)
+        assert command(redis_server, "pttl", key) <= LEASE * 1000
+    assert ran == ["stalled", "next"]
+    run = TaskRun.objects.get(slot=slot)
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
+
+
+# (h) ---------------------------------------------------------------------------
+
+postgres_only = pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="pg_terminate_backend needs PostgreSQL (TASKGUARD_TEST_DB=postgres); "
+    "SQLite has no server backend to kill",
+)
+
+
+def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
+    """Kill the server backend that waits on a lock running a statement like ``pattern``."""
+    from django.db import connections
+
+    deadline = time.monotonic() + timeout
+    with connections["default"].cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE %s AND pid <> pg_backend_pid()",
+                [pattern],
+            )
+            pids = [row[0] for row in cursor.fetchall()]
+            if pids:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [pids[0]])
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"no backend waited on {pattern!r}")
+
+
+def _blocker():  # type: ignore[no-untyped-def]
+    import psycopg
+    from django.db import connections
+
+    settings = connections["default"].settings_dict
+    return psycopg.connect(
+        dbname=settings["NAME"], user=settings["USER"], host=settings["HOST"],
+        port=settings["PORT"],
+    )  # fmt: skip
+
+
+@postgres_only
+def test_redis_pg_kill__mid_claim_settled_by_reading_back(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pg_claim"
+    slot = BASE_SLOT
+    with _blocker() as blocker:
+        # An uncommitted row for the same slot: the child's INSERT waits on it.
+        blocker.execute(
+            "INSERT INTO taskguard_taskrun (task_name, slot, state, attempt, owner, created_at, "
+            "error, duplicates) VALUES (%s, %s, 'pending', 1, 'blocker', now(), '', 0)",
+            [task, slot],
+        )
+        owner = hold(env, log, task, lease=5.0, seconds=0.5)
+        _terminate_waiting("%INSERT INTO taskguard_taskrun%")
+        blocker.rollback()
+    assert owner.outcome() == {"result": "done"}
+    assert "reading back" in owner.stderr
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
+    assert log_lines(log) == Counter({"start": 1, "end": 1})
+
+
+@postgres_only
+def test_redis_pg_kill__mid_finish_settled_by_reading_back(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pg_finish"
+    owner = hold(env, log, task, lease=6.0, seconds=1.0)
+    started = owner.started()
+    with _blocker() as blocker:
+        blocker.execute(
+            "SELECT 1 FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [started["started"]]
+        )
+        _terminate_waiting("%UPDATE taskguard_taskrun%succeeded%")
+        time.sleep(0.3)
+        blocker.commit()
+    assert owner.outcome() == {"result": "done"}
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
+    assert states_path(run) == ["running", "succeeded"]
+    assert log_lines(log) == Counter({"start": 1, "end": 1})
+
+
+# (i) ---------------------------------------------------------------------------
+
+SWARM = 120
+
+
+def test_redis_swarm__120_processes_one_slot_one_winner(child_env, redis_server, scratch):
+    env = child_redis_env(child_env, redis_server)
+    log, results = scratch / "x.log", scratch / "results.jsonl"
+    start_at = time.time() + 8.0  # forking and connecting 120 children takes a while on 2 cores
+    parent = Child(env, "swarm", "--task", "tests.swarm", "--log", str(log), "--lease", "5",
+                   "--seconds", "0.5", "--processes", str(SWARM), "--start-at", str(start_at),
+                   "--results", str(results))  # fmt: skip
+    assert parent.outcome(timeout=180) == {"children": SWARM, "failed": 0}
+    calls = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(calls) == SWARM
+    assert sum(c["won"] for c in calls) == 1
+    losers = sorted(c["seconds"] for c in calls if not c["won"])
+    report = (
+        f"{len(losers)} losers: median {statistics.median(losers) * 1000:.1f} ms, "
+        f"max {losers[-1] * 1000:.1f} ms"
+    )
+    print(report)
+    assert losers[-1] < 1.0, report
+    assert log_lines(log) == Counter({"start": 1})
+    run = the_run("tests.swarm")
+    assert run.state == RunState.SUCCEEDED
+    with redis_backend(redis_server) as lock:
+        pending = sum(r.duplicates for r in lock.unrecorded_claims())
+    assert run.duplicates + pending == SWARM - 1
+
+
+# G3: a Redis winner killed before its database claim -----------------------------
+
+
+def test_redis_gap__winner_killed_before_its_row_is_found_by_cleanup(
+    child_env, redis_server, scratch
+):
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.gap"
+    # a lease long enough for the losers' interpreters to start on a busy machine
+    dying = Child(env, "claim_then_die", "--task", task, "--log", str(log), "--lease", "12")
+    assert dying.started() == {"acquired": "won"}
+    dying.killed()  # it killed itself right after its Redis claim
+    losers = [hold(env, log, task, lease=LEASE, seconds=0) for _ in range(2)]
+    assert [loser.outcome() for loser in losers] == [{"result": None}] * 2
+    assert not TaskRun.objects.exists()  # the losers wrote nothing; nobody recorded the slot
+    with redis_backend(redis_server) as lock:
+        assert list(lock.unrecorded_claims()) == []  # the lock is still held: not yet
+        wait_for(lambda: lock.holder(run_key("taskguard", task, BASE_SLOT)) is None)
+        (claim,) = lock.unrecorded_claims()
+        assert (claim.task_name, claim.slot, claim.duplicates) == (task, BASE_SLOT, 2)
+        assert lock.forget_claim(claim)
+        assert list(lock.unrecorded_claims()) == []
+    assert log_lines(log) == Counter()
+
+
+# soak ----------------------------------------------------------------------------
+
+
+@pytest.mark.soak
+def test_redis_soak__racers_under_redis_chaos_run_each_slot_once(child_env, redis_server, scratch):
+    seconds = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "10"))
+    env = child_redis_env(child_env, redis_server)
+    deadline = time.monotonic() + seconds
+    rounds = 0
+    while rounds == 0 or time.monotonic() < deadline:
+        log, task = scratch / f"soak-{rounds}.log", f"tests.soak.{rounds}"
+        racers = start_racers(env, log, task, 4, 40)
+        chaos = ["flushall", "restart", "script_flush", "kill", "flushall"][rounds % 5]
+        time.sleep(3.2)  # the racers start at +3 s
+        if chaos == "restart":
+            redis_server.restart()
+        elif chaos == "kill":
+            redis_server.kill()
+            time.sleep(0.5)
+            redis_server.start()
+        else:
+            command(redis_server, chaos)
+        for racer in racers:
+            _, err = racer.communicate(timeout=300)
+            assert racer.returncode == 0, err
+            assert_no_heartbeat_crash(err)
+        executions = Counter(line.split()[0] for line in log.read_text().splitlines())
+        assert len(executions) == 40 and set(executions.values()) == {1}, (chaos, executions)
+        runs = TaskRun.objects.filter(task_name=task)
+        assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+        rounds += 1
+    print(f"soak: {rounds} rounds in {seconds:.0f} s")

@@ -1,0 +1,224 @@
+"""The Redis lock backend against a private redis-server: scripts, keys, outages, checks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime, timezone
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from django_taskguard import once_per_schedule
+from django_taskguard.exceptions import BackendUnavailable
+from django_taskguard.locks import Acquired, run_key
+from django_taskguard.locks.redis import RedisLock, claim_key
+from django_taskguard.models import RunState, TaskRun
+
+from .redis_support import command, redis_backend
+
+SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
+KEY = run_key("taskguard", "tests.lock", SLOT)
+# what the probing client itself sends (its handshake and INFO)
+PROBE_COMMANDS = {"hello", "client|setinfo", "info"}
+
+
+def test_redis_lock__acquire_counts_duplicates_and_release_compares_token(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON  # idempotent
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.LOST
+        assert lock.holder(KEY) == "a" * 32
+        assert not lock.extend(KEY, "b" * 32, 3)
+        assert not lock.release(KEY, "b" * 32)
+        assert lock.holder(KEY) == "a" * 32
+        assert lock.extend(KEY, "a" * 32, 30)
+        assert 29_000 < command(redis_server, "pttl", KEY) <= 30_000
+        assert lock.take_duplicates(KEY) == 2
+        assert lock.take_duplicates(KEY) == 0
+        assert lock.release(KEY, "a" * 32)
+        assert lock.holder(KEY) is None
+        assert list(lock.scan_run_keys()) == []
+
+
+def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
+    with redis_backend(redis_server) as lock:
+        lock.acquire(KEY, "a" * 32, 3, "tests.lock")
+        keys = {k.decode() for k in command(redis_server, "keys", "*")}
+        assert keys == {KEY, claim_key(KEY)}
+        assert KEY.startswith("taskguard:run:")
+        assert KEY.endswith(":20260301T210000.000000Z")
+        assert list(lock.scan_run_keys()) == [(KEY, "a" * 32)]
+
+
+def test_redis_lock__noscript_after_script_flush_and_restart(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3) is Acquired.WON
+        command(redis_server, "script_flush")
+        assert lock.acquire(KEY, "b" * 32, 3) is Acquired.LOST
+        redis_server.restart()
+        assert lock.acquire(KEY, "b" * 32, 3) is Acquired.WON
+        command(redis_server, "script_flush")
+        assert lock.extend(KEY, "b" * 32, 3)
+        command(redis_server, "script_flush")
+        assert lock.release(KEY, "b" * 32)
+        assert lock.errors == 0
+
+
+def test_redis_lock__client_has_own_timeout_and_no_retries(redis_server):
+    with redis_backend(redis_server, REDIS_SOCKET_TIMEOUT=0.25) as lock:
+        kwargs = lock.client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == 0.25
+        assert kwargs["retry"].get_retries() == 0
+        connection_ = lock.client.connection_pool.get_connection()
+        try:
+            assert connection_.retry.get_retries() == 0
+        finally:
+            lock.client.connection_pool.release(connection_)
+        assert RedisLock.for_alias("redis") is lock  # cached per process
+
+
+def test_redis_lock__new_client_after_fork(redis_server):
+    with redis_backend(redis_server) as lock:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                child = RedisLock.for_alias("redis")
+                ok = child is not lock and child.acquire(KEY, "c" * 32, 3) is Acquired.WON
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.waitpid(pid, 0)
+        assert lock.holder(KEY) == "c" * 32
+
+
+def test_redis_lock__outage_logged_once_and_recovery_once(redis_server, caplog):
+    with redis_backend(redis_server, ON_REDIS_ERROR="database") as lock:
+        redis_server.stop()
+        caplog.set_level(logging.WARNING, logger="taskguard.locks")
+        results = [lock.acquire(KEY, f"{i:032d}", 3) for i in range(20)]
+        assert set(results) == {Acquired.BYPASSED}
+        lock._probe_at = 0.0  # let the next call probe at once instead of in PROBE_SECONDS
+        assert lock.acquire(KEY, "x" * 32, 3) is Acquired.BYPASSED
+        assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
+        redis_server.start()
+        lock._probe_at = 0.0
+        assert lock.acquire(KEY, "y" * 32, 3) is Acquired.WON
+        assert lock.acquire(KEY, "z" * 32, 3) is Acquired.LOST
+        assert len([r for r in caplog.records if "answers again after" in r.getMessage()]) == 1
+
+
+def test_redis_lock__fail_policy_refuses_to_run(redis_server, transactional_db, scratch):
+    ran = []
+
+    @once_per_schedule(name="tests.fail_policy")
+    def body():
+        ran.append(1)
+
+    with redis_backend(redis_server, ON_REDIS_ERROR="fail"):
+        redis_server.stop()
+        with pytest.raises(BackendUnavailable, match="ON_REDIS_ERROR'] is 'fail'"):
+            body.run_for_slot(SLOT)
+    assert ran == []
+    assert not TaskRun.objects.exists()
+
+
+def test_redis_lock__database_policy_runs_once_on_the_database(redis_server, transactional_db):
+    ran = []
+
+    @once_per_schedule(name="tests.db_policy")
+    def body():
+        ran.append(1)
+        return "ok"
+
+    with redis_backend(redis_server, ON_REDIS_ERROR="database"):
+        redis_server.stop()
+        assert body.run_for_slot(SLOT) == "ok"
+        assert body.run_for_slot(SLOT) is None
+    assert ran == [1]
+    run = TaskRun.objects.get()
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
+
+
+def test_guard__loser_makes_one_redis_call_and_no_query(redis_server, transactional_db):
+    @once_per_schedule(name="tests.loser")
+    def body():
+        return "ran"
+
+    with redis_backend(redis_server) as lock:
+        key = run_key("taskguard", "tests.loser", SLOT)
+        assert lock.acquire(key, "h" * 32, 30, "tests.loser") is Acquired.WON  # someone else
+        body.run_for_slot(SLOT)  # warm up: the connection's handshake is not the call
+        before = _calls(redis_server)
+        with CaptureQueriesContext(connection) as queries:
+            assert body.run_for_slot(SLOT) is None
+        after = _calls(redis_server)
+        assert len(queries) == 0, queries.captured_queries
+        made = {name: after[name] - before.get(name, 0) for name in after}
+        made = {name: n for name, n in made.items() if n and name not in PROBE_COMMANDS}
+        # one EVALSHA round trip; the rest ran inside the script, in the server
+        assert made == {"evalsha": 1, "set": 1, "hincrby": 1, "hsetnx": 1, "pexpire": 1}
+        assert lock.take_duplicates(key) == 2
+
+
+def test_guard__winner_folds_redis_duplicates_into_the_row(redis_server, transactional_db):
+    seen = []
+
+    @once_per_schedule(name="tests.fold")
+    def body():
+        seen.append(body.run_for_slot(SLOT))  # a losing call from inside the run
+        seen.append(body.run_for_slot(SLOT))
+        return "ran"
+
+    with redis_backend(redis_server) as lock:
+        assert body.run_for_slot(SLOT) == "ran"
+        key = run_key("taskguard", "tests.fold", SLOT)
+        assert lock.holder(key) is None
+        assert command(redis_server, "exists", claim_key(key)) == 0
+    assert seen == [None, None]
+    run = TaskRun.objects.get()
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 2)
+
+
+def test_guard__redis_flushed_mid_slot_the_row_decides(redis_server, transactional_db):
+    runs = []
+
+    @once_per_schedule(name="tests.flush")
+    def body():
+        runs.append("outer")
+        command(redis_server, "flushall")
+        runs.append(body.run_for_slot(SLOT))  # wins Redis, must lose on the row
+        return "ran"
+
+    with redis_backend(redis_server):
+        assert body.run_for_slot(SLOT) == "ran"
+    assert runs == ["outer", None]
+    run = TaskRun.objects.get()
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
+
+
+def _calls(server) -> dict[str, int]:
+    stats = command(server, "info", "commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+def _lock_checks():
+    from django_taskguard.checks import check_lock_redis
+
+    return {message.id for message in check_lock_redis()}
+
+
+def test_checks__eviction_policy_warnings(redis_server):
+    with redis_backend(redis_server):
+        assert _lock_checks() == set()
+        command(redis_server, "config_set", "maxmemory-policy", "allkeys-lru")
+        assert _lock_checks() == {"taskguard.W010"}
+        redis_server.stop()
+        assert _lock_checks() == {"taskguard.W011"}
+    with redis_backend(redis_server, BACKEND="database"):
+        assert _lock_checks() == set()
