@@ -105,7 +105,9 @@ def _check_database() -> list[CheckMessage]:
 
 @register(Tags.caches)
 def check_lock_redis(
-    app_configs: list[AppConfig] | None = None, **kwargs: Any
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
 ) -> list[CheckMessage]:
     """Warn when the lock Redis may evict lock keys, or cannot be asked (W010-W012)."""
     from .locks import backend_name
