@@ -18,7 +18,7 @@ from . import ledger
 from .conf import taskguard_settings
 from .context import ActiveRun, _current
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
-from .heartbeat import Heartbeat
+from .heartbeat import heartbeats
 from .ledger import Row, Step
 from .locks import Acquired, LockBackend, get_backend, run_key
 from .signals import (
@@ -258,8 +258,8 @@ def _run(
     kwargs: dict[str, Any],
 ) -> R:
     context = _current.set(active)
-    heartbeat = Heartbeat(active, lock, key, alias)
-    heartbeat.start()
+    beat = heartbeats.start(active, lock, key, alias)
+    released = False
     try:
         try:
             # Inside the inner try: a receiver that raises fails this attempt
@@ -267,18 +267,24 @@ def _run(
             run_started.send(sender=active.task_name, run=active)
             result = func(*args, **kwargs)
         except BaseException as exc:
-            heartbeat.stop()
-            _finish_raised(alias, active, exc, lock.take_duplicates(key))
+            heartbeats.stop(beat)
+            # The fast-path lock goes first, in the same round trip that collects
+            # the duplicates to fold into the row; the row (still running, fenced)
+            # keeps deciding for anyone who wins Redis in between.
+            duplicates, released = lock.release_counted(key, active.token), True
+            _finish_raised(alias, active, exc, duplicates)
             run_failed.send(sender=active.task_name, run=active, exception=exc)
             raise
-        heartbeat.stop()
-        _finish(alias, active, RunState.SUCCEEDED, "returned", duplicates=lock.take_duplicates(key))
+        heartbeats.stop(beat)
+        duplicates, released = lock.release_counted(key, active.token), True
+        _finish(alias, active, RunState.SUCCEEDED, "returned", duplicates=duplicates)
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
     finally:
-        heartbeat.stop()
+        heartbeats.stop(beat)
         _current.reset(context)
-        lock.release(key, active.token)
+        if not released:
+            lock.release(key, active.token)
 
 
 def _finish_raised(alias: str, active: ActiveRun, exc: BaseException, duplicates: int) -> None:

@@ -43,6 +43,16 @@ class LockBackend(ABC):
     def release(self, key: str, token: str) -> bool:
         """Delete ``key`` only while it still holds ``token``."""
 
+    def release_counted(self, key: str, token: str) -> int:
+        """Release ``key`` (compare-and-delete) and return the duplicates counted for it.
+
+        One round trip where the backend allows; the winner calls it once its
+        function has returned, just before recording the outcome.
+        """
+        count = self.take_duplicates(key)
+        self.release(key, token)
+        return count
+
     def take_duplicates(self, key: str) -> int:
         """Return and reset the duplicates counted for ``key`` (folded into the row)."""
         return 0

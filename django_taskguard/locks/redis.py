@@ -85,6 +85,15 @@ RELEASE = Script.of(
     "and not redis.call('HGET', KEYS[2], 'count') then redis.call('DEL', KEYS[2]) end "
     "return 1"
 )
+# Delete the lock only while it holds token ARGV[1]; return the duplicates counted
+# on the claim record and delete it, only when the record is this token's claim.
+RELEASE_COUNTED = Script.of(
+    "local n = 0 "
+    "if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then "
+    "n = tonumber(redis.call('HGET', KEYS[2], 'count')) or 0 redis.call('DEL', KEYS[2]) end "
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end "
+    "return n"
+)
 # Return the duplicates counted on the claim record and delete the record.
 TAKE_DUPLICATES = Script.of(
     "local n = redis.call('HGET', KEYS[1], 'count') redis.call('DEL', KEYS[1]) "
@@ -244,6 +253,9 @@ class RedisLock(LockBackend):
 
     def release(self, key: str, token: str) -> bool:
         return bool(self._quiet(RELEASE, (key, claim_key(key)), (token,)))
+
+    def release_counted(self, key: str, token: str) -> int:
+        return int(self._quiet(RELEASE_COUNTED, (key, claim_key(key)), (token,)) or 0)
 
     def take_duplicates(self, key: str) -> int:
         return int(self._quiet(TAKE_DUPLICATES, (claim_key(key),), ()) or 0)
