@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings as django_settings
+from django.core.signals import setting_changed
 
 DEFAULTS: dict[str, Any] = {
     "BACKEND": "auto",
@@ -29,15 +30,30 @@ ON_REDIS_ERROR_CHOICES = ("database", "fail")
 
 
 class Settings:
-    """Typed view over ``settings.TASKGUARD`` with defaults."""
+    """Typed view over ``settings.TASKGUARD`` with defaults.
+
+    Values are read on first access and kept until Django's ``setting_changed``
+    signal (sent by ``override_settings``) says ``TASKGUARD`` changed: the
+    guarded call reads several of them and is on a hot path.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
 
     def raw(self) -> dict[str, Any]:
-        """The user's dict itself (read-only; not copied: this runs on every guarded call)."""
+        """The user's dict itself (read-only; not copied)."""
         value = getattr(django_settings, "TASKGUARD", None)
         return value if isinstance(value, dict) else {}
 
     def _get(self, name: str) -> Any:
-        return self.raw().get(name, DEFAULTS[name])
+        try:
+            return self._cache[name]
+        except KeyError:
+            value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
+            return value
+
+    def reload(self) -> None:
+        self._cache.clear()
 
     @property
     def BACKEND(self) -> str:
@@ -85,3 +101,14 @@ class Settings:
 
 
 taskguard_settings = Settings()
+
+
+def _reload(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("TASKGUARD", "CACHES", "DATABASES"):
+        taskguard_settings.reload()
+        from .locks import forget_backend
+
+        forget_backend()
+
+
+setting_changed.connect(_reload, dispatch_uid="taskguard-settings-reload")

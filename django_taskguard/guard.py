@@ -6,7 +6,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -55,7 +54,7 @@ class Taken:
 
 def new_owner() -> str:
     """``host:pid:token``, the token unique to this attempt."""
-    return f"{HOST}:{os.getpid()}:{uuid.uuid4().hex}"
+    return f"{HOST}:{os.getpid()}:{os.urandom(16).hex()}"
 
 
 def execute(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
@@ -26,7 +28,27 @@ def backend_name() -> str:
     return name
 
 
+_cached: tuple[int, LockBackend] | None = None
+
+
 def get_backend() -> LockBackend:
+    """The lock backend in force, built once per process and settings."""
+    global _cached
+    cached = _cached
+    if cached is not None and cached[0] == os.getpid():
+        return cached[1]
+    backend = _build_backend()
+    _cached = (os.getpid(), backend)
+    return backend
+
+
+def forget_backend() -> None:
+    """Drop the cached backend (the settings changed)."""
+    global _cached
+    _cached = None
+
+
+def _build_backend() -> LockBackend:
     name = backend_name()
     if name == "database":
         return DatabaseLock()
