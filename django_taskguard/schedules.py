@@ -34,6 +34,9 @@ class CronSchedule:
 
     expression: str
     tz_name: str | None = None  # None: Django's TIME_ZONE at evaluation time
+    # True: cron's rule (a day matches if day-of-month OR day-of-week does, when both
+    # are restricted); False: both must match, as in celery's crontab.
+    day_or: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
@@ -55,8 +58,8 @@ class CronSchedule:
         # Wall time is not monotonic in real time around DST changes (an hour
         # repeats or is skipped), so look at a few fire times either side of
         # the wall clock and keep the latest one that is not in the future.
-        before = croniter(self.expression, wall)
-        after = croniter(self.expression, wall)
+        before = croniter(self.expression, wall, day_or=self.day_or)
+        after = croniter(self.expression, wall, day_or=self.day_or)
         candidates = [before.get_prev(datetime) for _ in range(3)]
         candidates += [after.get_next(datetime) for _ in range(3)]
         return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
@@ -102,17 +105,31 @@ def from_celery(schedule: Any) -> Schedule:
             f"for celery crontab/schedule objects)"
         ) from None
     if isinstance(schedule, crontab):
-        fields = (
-            schedule._orig_minute,
-            schedule._orig_hour,
-            schedule._orig_day_of_month,
-            schedule._orig_month_of_year,
-            schedule._orig_day_of_week,
-        )
-        return CronSchedule(" ".join(str(f) for f in fields))
+        return CronSchedule(celery_cron_expression(schedule), day_or=False)
     if isinstance(schedule, celery_schedule):
         return IntervalSchedule(schedule.run_every)
     raise InvalidSchedule(f"unsupported schedule object: {schedule!r}")
+
+
+def celery_cron_expression(schedule: Any) -> str:
+    """A five-field cron expression for a celery ``crontab``, from its parsed fields.
+
+    The parsed sets are used (not the original arguments, which may be sets,
+    ranges or names); a field that allows every value is written ``*``.
+    Celery requires the day of month and the day of week to match both: pair
+    the expression with ``day_or=False``.
+    """
+    fields = (
+        (schedule.minute, 60),
+        (schedule.hour, 24),
+        (schedule.day_of_month, 31),
+        (schedule.month_of_year, 12),
+        (schedule.day_of_week, 7),
+    )
+    return " ".join(
+        "*" if len(values) >= size else ",".join(str(v) for v in sorted(values))
+        for values, size in fields
+    )
 
 
 def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule | None:
