@@ -1,3 +1,5 @@
+from importlib.util import find_spec
+
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
@@ -10,3 +12,7 @@ class TaskguardConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+
+        if find_spec("celery") is not None:
+            # Registers the slot source that reads the beat-stamped message headers.
+            from .contrib import celery  # noqa: F401
