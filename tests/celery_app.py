@@ -24,7 +24,10 @@ app = Celery("tests", include=["tests.celery_tasks"])
 app.conf.update(
     broker_url=os.environ.get("TASKGUARD_TEST_BROKER_URL", "memory://"),
     broker_transport_options={
-        "visibility_timeout": float(os.environ.get("TASKGUARD_TEST_VISIBILITY", "3600"))
+        "visibility_timeout": float(os.environ.get("TASKGUARD_TEST_VISIBILITY", "3600")),
+        # Sweep for messages of dead workers every second (kombu's default: ~100 s).
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
     },
     # Worker death => the message goes back to the queue (see docs/celery.md).
     task_acks_late=True,

@@ -51,9 +51,19 @@ class RedisServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.directory),
-                "--maxmemory-policy", "noeviction",
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+                "--maxmemory-policy",
+                "noeviction",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,

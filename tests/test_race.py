@@ -20,9 +20,24 @@ def start_racers(env: dict[str, str], log: Path, task: str, processes: int, slot
     start_at = time.time() + 3.0  # every process imported Django and is waiting by then
     return [
         subprocess.Popen(
-            [python(), "-m", "tests.proc", "race", "--task", task, "--log", str(log),
-             "--slots", str(slots), "--start-at", str(start_at)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                python(),
+                "-m",
+                "tests.proc",
+                "race",
+                "--task",
+                task,
+                "--log",
+                str(log),
+                "--slots",
+                str(slots),
+                "--start-at",
+                str(start_at),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _ in range(processes)
     ]
