@@ -59,16 +59,38 @@ class Cluster:
     def worker(self, name: str, concurrency: int = 1) -> subprocess.Popen[bytes]:
         return self.start(
             name,
-            ["worker", "-n", f"{name}@%h", "-c", str(concurrency), "-P", "prefork",
-             "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            [
+                "worker",
+                "-n",
+                f"{name}@%h",
+                "-c",
+                str(concurrency),
+                "-P",
+                "prefork",
+                "--loglevel",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
         )
 
     def beat(self, name: str, scheduler: str, schedule: dict[str, object] | None = None):
         return self.start(
             name,
-            ["beat", "-S", scheduler, "-s", str(self.scratch / f"{name}.schedule"),
-             "--pidfile", str(self.scratch / f"{name}.pid"), "--loglevel", "INFO",
-             "--max-interval", "1"],
+            [
+                "beat",
+                "-S",
+                scheduler,
+                "-s",
+                str(self.scratch / f"{name}.schedule"),
+                "--pidfile",
+                str(self.scratch / f"{name}.pid"),
+                "--loglevel",
+                "INFO",
+                "--max-interval",
+                "1",
+            ],
             TASKGUARD_TEST_BEAT_SCHEDULE=json.dumps(schedule or {}),
         )
 
@@ -92,7 +114,7 @@ class Cluster:
 
     def describe(self) -> str:
         runs = list(TaskRun.objects.values_list("task_name", "state", "attempt", "duplicates"))
-        outputs = "\n".join(f"--- {name}\n{self.output(name)[-3000:]}" for name in self.processes)
+        outputs = "\n".join(f"--- {name}\n{self.output(name)[-12000:]}" for name in self.processes)
         return f"runs: {runs}\n{outputs}"
 
     def output(self, name: str) -> str:
@@ -112,13 +134,16 @@ def lines(path: Path) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+def wait_for(
+    predicate: Callable[[], object], timeout: float, what: str, cluster: Cluster | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    details = f"\n{cluster.describe()}" if cluster is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{details}")
 
 
 def published(cluster: Cluster) -> list[tuple[str, datetime, str]]:
@@ -131,7 +156,9 @@ def published(cluster: Cluster) -> list[tuple[str, datetime, str]]:
 def drain(task_names: list[str], timeout: float = 60) -> None:
     """Wait until no run of these tasks is pending, running or retrying."""
     wait_for(
-        lambda: not TaskRun.objects.filter(task_name__in=task_names, state__in=OPEN_STATES).exists(),
+        lambda: (
+            not TaskRun.objects.filter(task_name__in=task_names, state__in=OPEN_STATES).exists()
+        ),
         timeout,
         "every run to finish",
     )
@@ -158,7 +185,9 @@ def assert_each_slot_ran_once(cluster: Cluster, log: Path, every: timedelta) -> 
 
 
 def interval_task(name: str, seconds: int, log: Path) -> PeriodicTask:
-    every, _ = IntervalSchedule.objects.get_or_create(every=seconds, period=IntervalSchedule.SECONDS)
+    every, _ = IntervalSchedule.objects.get_or_create(
+        every=seconds, period=IntervalSchedule.SECONDS
+    )
     return PeriodicTask.objects.create(
         name=name, task=TICK, interval=every, kwargs=json.dumps({"log": str(log)})
     )
@@ -177,10 +206,13 @@ def test_e2e__two_workers_four_beats_every_slot_once(cluster, scratch):
     # Every beat is up once each has published twice; then run a 20 s window.
     roles = {"file-beat1", "file-beat2", "db-beat1", "db-beat2"}
     wait_for(
-        lambda: {r for r, n in Counter(role for *_, role in published(cluster)).items() if n >= 2}
-        >= roles,
+        lambda: (
+            {r for r, n in Counter(role for *_, role in published(cluster)).items() if n >= 2}
+            >= roles
+        ),
         60,
         "every beat to publish",
+        cluster,
     )
     time.sleep(20)
     for name in roles:
@@ -200,7 +232,7 @@ def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
     cluster.worker("w1")
     cluster.beat("file-beat", PERSISTENT, schedule)
     cluster.beat("db-beat", DATABASE)
-    wait_for(lambda: len(published(cluster)) >= 6, 60, "the beats to publish")
+    wait_for(lambda: len(published(cluster)) >= 6, 60, "the beats to publish", cluster)
     for restart in range(2):
         for name, scheduler in (("file-beat", PERSISTENT), ("db-beat", DATABASE)):
             cluster.stop(name)
@@ -225,9 +257,15 @@ def test_e2e__autoretry_twice_then_success_and_exhausted(cluster, scratch):
     slot = datetime.fromisoformat("2026-01-01T10:00:00+00:00")
     headers = {"taskguard_slot": slot.isoformat(), "taskguard_schedule": "ten"}
     with app.connection_for_write() as connection:
-        celery_tasks.flaky.apply_async(kwargs={"log": str(log)}, headers=headers, connection=connection)
-        celery_tasks.hopeless.apply_async(kwargs={"log": str(log)}, headers=headers, connection=connection)
-        celery_tasks.explicit_retry.apply_async(kwargs={"log": str(log)}, headers=headers, connection=connection)
+        celery_tasks.flaky.apply_async(
+            kwargs={"log": str(log)}, headers=headers, connection=connection
+        )
+        celery_tasks.hopeless.apply_async(
+            kwargs={"log": str(log)}, headers=headers, connection=connection
+        )
+        celery_tasks.explicit_retry.apply_async(
+            kwargs={"log": str(log)}, headers=headers, connection=connection
+        )
     names = [f"tests.celery_tasks.{n}[ten]" for n in ("flaky", "hopeless", "explicit_retry")]
     wait_for(lambda: TaskRun.objects.filter(task_name__in=names).count() == 3, 60, "the runs")
     drain(names, timeout=90)
@@ -256,7 +294,9 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(cluster, scr
     slot = datetime.fromisoformat("2026-01-01T11:00:00+00:00")
     headers = {"taskguard_slot": slot.isoformat(), "taskguard_schedule": "slow"}
     with app.connection_for_write() as connection:
-        task.apply_async(kwargs={"log": str(log), "seconds": 8}, headers=headers, connection=connection)
+        task.apply_async(
+            kwargs={"log": str(log), "seconds": 8}, headers=headers, connection=connection
+        )
     wait_for(lambda: lines(log), 60, "the task to start")
     started_pid = int(lines(log)[0][4])
     victim = next(n for n, p in cluster.processes.items() if os.getpgid(started_pid) == p.pid)
@@ -265,8 +305,11 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(cluster, scr
     killed_at = time.monotonic()
     final = RunState.SUCCEEDED if on_stale == "retry" else RunState.ABANDONED
     try:
-        wait_for(lambda: TaskRun.objects.filter(task_name=name, state=final).exists(), 90,
-                 f"the slot to end {final}")
+        wait_for(
+            lambda: TaskRun.objects.filter(task_name=name, state=final).exists(),
+            90,
+            f"the slot to end {final}",
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{cluster.describe()}") from None
     run = TaskRun.objects.get(task_name=name)

@@ -17,7 +17,6 @@ redeliveries of the message are attempts on the same row.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -206,7 +205,10 @@ class StampingMixin:
                     slot.isoformat(),
                 )
                 return None
-        stamped = copy.copy(entry)
+        # A shallow copy by hand: ScheduleEntry.__reduce__ (which copy.copy uses) does
+        # not fit ModelEntry's constructor.
+        stamped = object.__new__(type(entry))
+        stamped.__dict__.update(entry.__dict__)
         stamped.options = {**entry.options, "headers": headers}
         return stamped
 
