@@ -7,6 +7,7 @@ with both.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -179,7 +180,7 @@ def assert_each_slot_ran_once(cluster: Cluster, log: Path, every: timedelta) -> 
         assert (run.attempt, run.duplicates) == (1, count - 1), key
     for name in {name for name, _ in sends}:
         slots = sorted(slot for task, slot in sends if task == name)
-        gaps = [b for a, b in zip(slots, slots[1:]) if b - a != every]
+        gaps = [b for a, b in itertools.pairwise(slots) if b - a != every]
         assert not gaps, f"{name}: slots missing before {gaps}"
     return {name: sum(1 for task, _ in sends if task == name) for name, _ in sends}
 
@@ -233,7 +234,7 @@ def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
     cluster.beat("file-beat", PERSISTENT, schedule)
     cluster.beat("db-beat", DATABASE)
     wait_for(lambda: len(published(cluster)) >= 6, 60, "the beats to publish", cluster)
-    for restart in range(2):
+    for _ in range(2):
         for name, scheduler in (("file-beat", PERSISTENT), ("db-beat", DATABASE)):
             cluster.stop(name)
             cluster.beat(name, scheduler, schedule if scheduler == PERSISTENT else None)
