@@ -221,8 +221,8 @@ def test_e2e__two_workers_four_beats_every_slot_once(cluster, scratch):
     drain([f"{TICK}[tick-file]", f"{TICK}[tick-db]"])
     fired = assert_each_slot_ran_once(cluster, log, every)
     assert min(fired.values()) >= 10
-    sends = Counter((entry, slot) for entry, slot, _ in published(cluster))
-    assert max(sends.values()) == 2, "two beats of each scheduler should fire each slot"
+    by_beat = Counter(published(cluster))
+    assert max(by_beat.values()) == 1, f"a beat sent a slot twice: {by_beat.most_common(2)}"
     assert not TaskRun.objects.filter(state__in=OPEN_STATES).exists()
 
 

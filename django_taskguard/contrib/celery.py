@@ -181,9 +181,19 @@ class StampingMixin:
         stamped = self.stamp(entry, datetime.now(tz=UTC))
         if stamped is None:
             return None
-        return super().apply_async(  # type: ignore[misc]
+        slot = stamped.options["headers"].get(SLOT_HEADER)
+        sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
+        if slot is not None and sent.get(entry.name) == slot:
+            # django-celery-beat reloads entries from rows that other beats may not
+            # have synced yet; never publish the same slot of an entry twice.
+            logger.info("taskguard beat: %s slot %s already sent by this beat", entry.name, slot)
+            return None
+        result = super().apply_async(  # type: ignore[misc]
             stamped, producer=producer, advance=False, **kwargs
         )
+        if slot is not None:
+            sent[entry.name] = slot
+        return result
 
     def stamp(self, entry: Any, now: datetime) -> Any:
         """A copy of ``entry`` that carries the slot headers; None: another beat sent it."""
