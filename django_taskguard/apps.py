@@ -1,3 +1,5 @@
+from importlib.util import find_spec
+
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
@@ -13,3 +15,7 @@ class TaskguardConfig(AppConfig):
         from .signal_handlers import connect_celery
 
         connect_celery()
+
+        if find_spec("celery") is not None:
+            # Registers the slot source that reads the beat-stamped message headers.
+            from .contrib import celery  # noqa: F401

@@ -29,6 +29,10 @@ class CallContext:
 
     slot: datetime | str | None = None
     task_name: str | None = None
+    # See guard.WillRetry / guard.OnBusy: how the caller's framework retries and
+    # redelivers, so retries and redeliveries are attempts, never lost slots.
+    will_retry: guard.WillRetry | None = None
+    on_busy: guard.OnBusy | None = None
 
 
 # Functions consulted at call time, in order, for the slot and task name of a
@@ -59,10 +63,11 @@ class _Spec(Generic[P, R]):
     schedule: schedules.Schedule | None
     policy: guard.Policy
 
-    def resolve(self, explicit: datetime | str | None) -> tuple[str, datetime]:
+    def resolve(
+        self, explicit: datetime | str | None, context: CallContext | None = None
+    ) -> tuple[str, datetime]:
         now = timezone.now()
         tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
-        context = _context() if explicit is None else None
         name = self.name or (context.task_name if context else None) or _dotted(self.func)
         if explicit is not None:
             return name, schedules.normalize_slot(explicit, now=now, tolerance=tolerance)
@@ -176,8 +181,19 @@ def once_per_schedule(
         # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
         @functools.wraps(target)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            task_name, slot = spec.resolve(None)
-            return guard.execute(task_name, slot, policy, target, args, kwargs)
+            context = _context()
+            task_name, slot = spec.resolve(None, context)
+            hooks = context or CallContext()
+            return guard.execute(
+                task_name,
+                slot,
+                policy,
+                target,
+                args,
+                kwargs,
+                will_retry=hooks.will_retry,
+                on_busy=hooks.on_busy,
+            )
 
         def run_for_slot(slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
             if slot is None:

@@ -50,6 +50,17 @@ class Taken:
     """The slot belongs to another attempt (or is finished); this call does not run."""
 
     state: str
+    lease_until: datetime | None = None  # of the live attempt, when state is running
+
+
+# Optional hooks a slot source (the Celery glue) passes for one call:
+#   will_retry(exc) -> True when the caller's framework will run this slot again
+#     after ``exc`` (Celery's autoretry_for): the attempt ends ``retrying``, not ``failed``.
+#   on_busy(seconds) is called when another attempt holds a live lease on the slot
+#     (``seconds``: a hint of how long that lease has left); it may raise to have the
+#     call come back later (a broker redelivery) instead of being dropped as a duplicate.
+WillRetry = Callable[[BaseException], bool]
+OnBusy = Callable[[float], None]
 
 
 def new_owner() -> str:
@@ -64,6 +75,9 @@ def execute(
     func: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    will_retry: WillRetry | None = None,
+    on_busy: OnBusy | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
     alias = taskguard_settings.DATABASE_ALIAS
@@ -76,6 +90,8 @@ def execute(
 
     acquired = lock.acquire(key, token, lease, task_name)
     if acquired is Acquired.LOST:
+        if on_busy is not None:
+            on_busy(lease)
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
     try:
@@ -87,12 +103,22 @@ def execute(
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
             lock.release(key, token)
+        if on_busy is not None and outcome.state == RunState.RUNNING:
+            on_busy(_seconds_left(outcome.lease_until, lease))
         _duplicate(task_name, slot, outcome.state, policy)
         return None
     if policy.overlap == "skip" and _skip_for_overlap(alias, outcome):
         lock.release(key, token)
         return None
-    return _run(outcome, lock, key, alias, func, args, kwargs)
+    return _run(outcome, lock, key, alias, func, args, kwargs, will_retry)
+
+
+def _seconds_left(lease_until: datetime | None, lease: float) -> float:
+    """How long a live lease has left (a hint: this clock, not the database's)."""
+    if lease_until is None:
+        return lease
+    left = (lease_until - datetime.now(tz=lease_until.tzinfo)).total_seconds()
+    return min(max(left, 0.0), lease)
 
 
 def claim_slot(
@@ -191,7 +217,7 @@ def _decide(
             fenced=False,
             sets=start,
         )
-    return Taken(state)
+    return Taken(state, row.lease_until if state == RunState.RUNNING else None)
 
 
 def _abandon_stale(
@@ -255,6 +281,7 @@ def _run(
     func: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    will_retry: WillRetry | None = None,
 ) -> R:
     context = _current.set(active)
     beat = heartbeats.start(active, lock, key, alias)
@@ -271,7 +298,7 @@ def _run(
             # the duplicates to fold into the row; the row (still running, fenced)
             # keeps deciding for anyone who wins Redis in between.
             duplicates, released = lock.release_counted(key, active.token), True
-            _finish_raised(alias, active, exc, duplicates)
+            _finish_raised(alias, active, exc, duplicates, will_retry)
             run_failed.send(sender=active.task_name, run=active, exception=exc)
             raise
         heartbeats.stop(beat)
@@ -286,14 +313,21 @@ def _run(
             lock.release(key, active.token)
 
 
-def _finish_raised(alias: str, active: ActiveRun, exc: BaseException, duplicates: int) -> None:
+def _finish_raised(
+    alias: str,
+    active: ActiveRun,
+    exc: BaseException,
+    duplicates: int,
+    will_retry: WillRetry | None = None,
+) -> None:
     error = f"{type(exc).__name__}: {exc}"
-    if _is_celery_retry(exc):
+    retry = _is_celery_retry(exc)
+    if retry or _will_retry(will_retry, exc):
         _finish(
             alias,
             active,
             RunState.RETRYING,
-            f"retry requested: {exc}",
+            f"retry requested: {exc}" if retry else f"{error[:400]}; a retry will follow",
             error=error,
             ended=False,
             duplicates=duplicates,
@@ -320,6 +354,16 @@ def _finish_raised(alias: str, active: ActiveRun, exc: BaseException, duplicates
             duplicates=duplicates,
             cause=exc,
         )
+
+
+def _will_retry(will_retry: WillRetry | None, exc: BaseException) -> bool:
+    if will_retry is None or not isinstance(exc, Exception):
+        return False
+    try:
+        return bool(will_retry(exc))
+    except Exception:
+        logger.exception("taskguard will_retry hook failed; recording the attempt as failed")
+        return False
 
 
 def _is_celery_retry(exc: BaseException) -> bool:

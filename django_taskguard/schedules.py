@@ -36,6 +36,9 @@ class CronSchedule:
 
     expression: str
     tz_name: str | None = None  # None: Django's TIME_ZONE at evaluation time
+    # True: cron's rule (a day matches if day-of-month OR day-of-week does, when both
+    # are restricted); False: both must match, as in celery's crontab.
+    day_or: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
@@ -46,7 +49,9 @@ class CronSchedule:
                 f"{self.expression!r}"
             )
         try:
-            croniter(self.expression, EPOCH.replace(tzinfo=None)).get_next(datetime)
+            croniter(self.expression, EPOCH.replace(tzinfo=None), day_or=self.day_or).get_next(
+                datetime
+            )
         except (CroniterBadDateError, ValueError):
             raise InvalidSchedule(f"cron expression never fires: {self.expression!r}") from None
 
@@ -58,7 +63,7 @@ class CronSchedule:
         # Cron matches wall-clock times, so walk it on naive local time; the
         # first second after ``now`` makes ``get_prev`` include ``now`` itself.
         wall = now.astimezone(zone).replace(tzinfo=None, microsecond=0) + timedelta(seconds=1)
-        latest = croniter(self.expression, wall).get_prev(datetime)
+        latest = croniter(self.expression, wall, day_or=self.day_or).get_prev(datetime)
         if not _offset_changes(zone, wall - DST_WINDOW, wall + DST_WINDOW):
             return wall_to_utc(latest, zone)
         # Near a DST change wall time is not monotonic in real time (an hour
@@ -68,10 +73,10 @@ class CronSchedule:
         # the window either side and keep the latest one that is not in the
         # future; the window's far edge always qualifies.
         candidates = [latest]
-        back = croniter(self.expression, latest)
+        back = croniter(self.expression, latest, day_or=self.day_or)
         while candidates[-1] >= wall - DST_WINDOW:
             candidates.append(back.get_prev(datetime))
-        ahead = croniter(self.expression, wall)
+        ahead = croniter(self.expression, wall, day_or=self.day_or)
         while (fire := ahead.get_next(datetime)) <= wall + DST_WINDOW:
             candidates.append(fire)
         return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
@@ -122,12 +127,31 @@ def from_celery(schedule: Any) -> Schedule:
             f"for celery crontab/schedule objects)"
         ) from None
     if isinstance(schedule, crontab):
-        # crontab keeps the fields as written; the parsed sets lose "*/5" style.
-        fields = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
-        return CronSchedule(" ".join(str(getattr(schedule, f"_orig_{f}")) for f in fields))
+        return CronSchedule(celery_cron_expression(schedule), day_or=False)
     if isinstance(schedule, celery_schedule):
         return IntervalSchedule(getattr(schedule, "run_every"))  # noqa: B009 (untyped in stubs)
     raise InvalidSchedule(f"unsupported schedule object: {schedule!r}")
+
+
+def celery_cron_expression(schedule: Any) -> str:
+    """A five-field cron expression for a celery ``crontab``, from its parsed fields.
+
+    The parsed sets are used (not the original arguments, which may be sets,
+    ranges or names); a field that allows every value is written ``*``.
+    Celery requires the day of month and the day of week to match both: pair
+    the expression with ``day_or=False``.
+    """
+    fields = (
+        (schedule.minute, 60),
+        (schedule.hour, 24),
+        (schedule.day_of_month, 31),
+        (schedule.month_of_year, 12),
+        (schedule.day_of_week, 7),
+    )
+    return " ".join(
+        "*" if len(values) >= size else ",".join(str(v) for v in sorted(values))
+        for values, size in fields
+    )
 
 
 def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule | None:

@@ -1,0 +1,94 @@
+"""Guarded Celery tasks of the tests: each execution appends a line to ``log``.
+
+Line format: ``EVENT TASKNAME SLOT ATTEMPT PID``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import shared_task
+
+from django_taskguard import current_run, once_per_schedule
+from tests.proc import record
+
+
+def note(log: str, event: str) -> None:
+    run = current_run()
+    record(log, f"{event} {run.task_name} {run.slot.isoformat()} {run.attempt} {os.getpid()}")
+
+
+@shared_task(bind=True)
+@once_per_schedule()
+def tick(self, log: str, seconds: float = 0.2) -> str:
+    note(log, "run")
+    time.sleep(seconds)
+    return "ticked"
+
+
+@shared_task(bind=True, autoretry_for=(OSError,), retry_backoff=1, retry_jitter=True, max_retries=5)
+@once_per_schedule()
+def flaky(self, log: str, failures: int = 2) -> str:
+    note(log, "run")
+    if current_run().attempt <= failures:
+        raise OSError(f"flaky failure on attempt {current_run().attempt}")
+    return "finally"
+
+
+@shared_task(bind=True, autoretry_for=(OSError,), retry_backoff=1, max_retries=2)
+@once_per_schedule()
+def hopeless(self, log: str) -> str:
+    note(log, "run")
+    raise OSError(f"hopeless failure on attempt {current_run().attempt}")
+
+
+@shared_task(bind=True)
+@once_per_schedule()
+def explicit_retry(self, log: str) -> str:
+    note(log, "run")
+    if current_run().attempt < 2:
+        raise self.retry(countdown=0)
+    return "retried"
+
+
+def _slow(log: str, seconds: float) -> str:
+    note(log, "start")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    current_run().check()
+    note(log, "end")
+    return "slow"
+
+
+@shared_task(bind=True)
+@once_per_schedule(on_stale="retry", lease_seconds=3)
+def slow_retry(self, log: str, seconds: float = 6.0) -> str:
+    return _slow(log, seconds)
+
+
+@shared_task(bind=True)
+@once_per_schedule(on_stale="abandon", lease_seconds=3)
+def slow_abandon(self, log: str, seconds: float = 6.0) -> str:
+    return _slow(log, seconds)
+
+
+@shared_task(bind=True)
+@once_per_schedule()
+def unscheduled(self, log: str) -> str:
+    note(log, "run")
+    return "ran"
+
+
+@once_per_schedule(name="tests.inner", cron="* * * * *")
+def inner(log: str) -> str:
+    note(log, "inner")
+    return "inner"
+
+
+@shared_task(bind=True)
+@once_per_schedule()
+def outer(self, log: str) -> str:
+    note(log, "outer")
+    return inner(log) or "inner skipped"

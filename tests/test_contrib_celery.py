@@ -1,0 +1,274 @@
+"""Celery glue without processes: slot stamping, identity, and eager task calls."""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+from celery.schedules import crontab, schedule
+from django.test import override_settings
+from django_celery_beat.clockedschedule import clocked
+from django_celery_beat.tzcrontab import TzAwareCrontab
+
+from django_taskguard.contrib.celery import (
+    SCHEDULE_HEADER,
+    SLOT_HEADER,
+    EpochInterval,
+    TaskguardEntry,
+    TaskguardScheduler,
+    aligned,
+    slot_for,
+    task_identity,
+)
+from django_taskguard.exceptions import TaskGuardError
+from django_taskguard.models import RunState, TaskRun
+from tests import celery_tasks
+from tests.celery_app import app
+
+UTC = timezone.utc
+PARIS = ZoneInfo("Europe/Paris")
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def executions(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+# --- slots ---------------------------------------------------------------------------
+
+
+def test_slot_for__interval_is_epoch_aligned():
+    every = schedule(timedelta(seconds=7))
+    now = utc(2026, 3, 1, 12, 0, 0) + timedelta(microseconds=123)
+    slot = slot_for(every, now)
+    assert slot <= now < slot + timedelta(seconds=7)
+    assert (slot - datetime(1970, 1, 1, tzinfo=UTC)) % timedelta(seconds=7) == timedelta(0)
+    assert slot_for(every, now + timedelta(seconds=3)) in (slot, slot + timedelta(seconds=7))
+
+
+def test_slot_for__crontab_uses_the_crontab_time_zone():
+    nightly = TzAwareCrontab(minute=0, hour=21, tz=ZoneInfo("America/New_York"))
+    assert slot_for(nightly, utc(2026, 7, 2, 3, 0)) == utc(2026, 7, 2, 1, 0)  # 21:00 EDT
+    paris = crontab(minute=0, hour=21, app=app)  # celery's timezone: Europe/Paris
+    assert slot_for(paris, utc(2026, 7, 2, 3, 0)) == utc(2026, 7, 1, 19, 0)  # 21:00 CEST
+
+
+def test_slot_for__crontab_day_fields_both_must_match_as_in_celery():
+    # The 13th, and a Friday: celery requires both (cron would take either).
+    friday_13th = crontab(minute=0, hour=12, day_of_month=13, day_of_week="fri", app=app)
+    assert slot_for(friday_13th, utc(2026, 6, 1)) == datetime(2026, 3, 13, 12, tzinfo=PARIS)
+
+
+def test_slot_for__crontab_on_dst_days_one_slot_per_fire_time():
+    at_0230 = crontab(minute=30, hour=2, app=app)
+    # Fall back (2026-10-25): 02:30 happens twice; the slot is the first one, both times.
+    first = datetime(2026, 10, 25, 2, 30, fold=0, tzinfo=PARIS)
+    second = datetime(2026, 10, 25, 2, 30, fold=1, tzinfo=PARIS)
+    assert slot_for(at_0230, first) == first.astimezone(UTC)
+    assert slot_for(at_0230, second + timedelta(minutes=1)) == first.astimezone(UTC)
+    # Spring forward (2026-03-29): 02:30 does not exist; the slot is 03:30 CEST.
+    assert slot_for(at_0230, utc(2026, 3, 29, 1, 31)) == utc(2026, 3, 29, 1, 30)
+    assert slot_for(at_0230, utc(2026, 3, 29, 1, 29)) == utc(2026, 3, 28, 1, 30)
+
+
+def test_slot_for__clocked_is_the_clocked_time():
+    when = utc(2026, 5, 1, 8, 15)
+    assert slot_for(clocked(when), when + timedelta(seconds=2)) == when
+
+
+def test_epoch_interval__every_beat_is_due_on_the_same_boundaries():
+    now = [utc(2026, 1, 1, 0, 0, 5)]
+    every = aligned(schedule(timedelta(seconds=10), nowfun=lambda: now[0], app=app))
+    assert isinstance(every, EpochInterval)
+    assert every == schedule(timedelta(seconds=10))
+    # A beat that last sent at 00:00:00.2 and one that started at 00:00:03 agree.
+    for last in (utc(2026, 1, 1, 0, 0, 0) + timedelta(milliseconds=200), utc(2026, 1, 1, 0, 0, 3)):
+        due, wait = every.is_due(last)
+        assert (due, wait) == (False, 5.0)
+    now[0] = utc(2026, 1, 1, 0, 0, 10) + timedelta(milliseconds=1)
+    due, wait = every.is_due(utc(2026, 1, 1, 0, 0, 3))
+    assert due and wait == pytest.approx(9.999)
+    # Sent for this slot already (a restarted beat reading its schedule file): not due.
+    assert every.is_due(now[0])[0] is False
+
+
+def test_task_identity__schedule_name_in_brackets_and_bounded():
+    assert task_identity("app.report", None) == "app.report"
+    assert task_identity("app.report", "app.report") == "app.report"
+    assert task_identity("app.report", "nightly-eu") == "app.report[nightly-eu]"
+    long_a = task_identity("app.report", "x" * 300 + "a")
+    long_b = task_identity("app.report", "x" * 300 + "b")
+    assert len(long_a) == len(long_b) == 255
+    assert long_a != long_b
+
+
+def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
+    beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat"), lazy=True)
+    entry = TaskguardEntry(
+        name="tick-2s",
+        task="tests.celery_tasks.tick",
+        schedule=timedelta(seconds=2),
+        app=app,
+        options={"headers": {"mine": 1}},
+    )
+    now = utc(2026, 1, 1, 0, 0, 3)
+    stamped = beat.stamp(entry, now)
+    assert stamped.options["headers"] == {
+        "mine": 1,
+        SLOT_HEADER: "2026-01-01T00:00:02+00:00",
+        SCHEDULE_HEADER: "tick-2s",
+    }
+    assert entry.options == {"headers": {"mine": 1}}  # the schedule's own entry is untouched
+    assert copy.copy(entry) == entry
+
+
+# --- eager task calls ----------------------------------------------------------------
+
+
+@pytest.fixture
+def eager():
+    app.conf.task_always_eager = True
+    try:
+        yield app
+    finally:
+        app.conf.task_always_eager = False
+
+
+def slot_headers(slot: datetime, name: str = "entry") -> dict[str, str]:
+    return {SLOT_HEADER: slot.isoformat(), SCHEDULE_HEADER: name}
+
+
+def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transactional_db, tmp_path):
+    log = tmp_path / "log"
+    slot = utc(2026, 1, 1, 9, 0)
+    for _ in range(2):
+        celery_tasks.tick.apply_async(
+            kwargs={"log": str(log), "seconds": 0}, headers=slot_headers(slot, "nine")
+        )
+    run = TaskRun.objects.get()
+    assert (run.task_name, run.slot, run.state) == (
+        "tests.celery_tasks.tick[nine]",
+        slot,
+        RunState.SUCCEEDED,
+    )
+    assert run.duplicates == 1
+    assert len(executions(log)) == 1
+
+
+def test_eager__no_slot_and_no_schedule_is_recorded_and_raised(eager, transactional_db, tmp_path):
+    with pytest.raises(TaskGuardError, match="no slot"):
+        celery_tasks.unscheduled.delay(log=str(tmp_path / "log")).get()
+    run = TaskRun.objects.get()
+    assert run.task_name == "tests.celery_tasks.unscheduled"
+    assert run.state == RunState.SKIPPED
+    assert "no slot" in run.error
+    assert run.transitions.last().to_state == RunState.SKIPPED
+    assert not (tmp_path / "log").exists()
+
+
+def test_eager__autoretry_failures_are_attempts_on_one_row(eager, transactional_db, tmp_path):
+    log = tmp_path / "log"
+    slot = utc(2026, 1, 1, 9, 0)
+    result = celery_tasks.flaky.apply_async(kwargs={"log": str(log)}, headers=slot_headers(slot))
+    assert result.get() == "finally"
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.slot) == (RunState.SUCCEEDED, 3, slot)
+    states = list(run.transitions.order_by("id").values_list("to_state", flat=True))
+    assert states == ["running", "retrying", "running", "retrying", "running", "succeeded"]
+    assert [e[3] for e in executions(log)] == ["1", "2", "3"]
+
+
+def test_eager__autoretry_exhausted_ends_failed_with_last_error(eager, transactional_db, tmp_path):
+    log = tmp_path / "log"
+    with pytest.raises(OSError, match="attempt 3"):
+        celery_tasks.hopeless.apply_async(
+            kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1))
+        ).get()
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt) == (RunState.FAILED, 3)
+    assert "attempt 3" in run.error
+    assert len(executions(log)) == 3
+
+
+def test_eager__explicit_retry_is_an_attempt(eager, transactional_db, tmp_path):
+    log = tmp_path / "log"
+    result = celery_tasks.explicit_retry.apply_async(
+        kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1))
+    )
+    assert result.get() == "retried"
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 2)
+
+
+def test_eager__guarded_function_called_from_a_task_keeps_its_own_identity(
+    eager, transactional_db, tmp_path
+):
+    log = tmp_path / "log"
+    celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1)))
+    names = dict(TaskRun.objects.values_list("task_name", "state"))
+    assert names == {"tests.celery_tasks.outer[entry]": "succeeded", "tests.inner": "succeeded"}
+
+
+def test_eager__beat_claim_lets_one_beat_publish_a_slot(
+    eager, transactional_db, tmp_path, redis_server
+):
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    log = tmp_path / "log"
+    entry_options = {
+        "name": "tick-2s",
+        "task": "tests.celery_tasks.tick",
+        "schedule": timedelta(seconds=2),
+        "kwargs": {"log": str(log), "seconds": 0},
+        "app": app,
+    }
+    beats = [
+        TaskguardScheduler(app=app, schedule_filename=str(tmp_path / f"beat{i}"), lazy=True)
+        for i in range(3)
+    ]
+    with override_settings(
+        CACHES=caches, TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+    ):
+        sent = [beat.apply_async(TaskguardEntry(**entry_options), advance=False) for beat in beats]
+    assert sum(result is not None for result in sent) == 1
+    assert len(redis_server.client().keys("taskguard:beat:*")) == 1
+    run = TaskRun.objects.get()
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 0)
+
+
+def test_eager__beat_claim_sends_anyway_when_redis_is_down(
+    eager, transactional_db, tmp_path, redis_server
+):
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    redis_server.stop()
+    log = tmp_path / "log"
+    beats = [
+        TaskguardScheduler(app=app, schedule_filename=str(tmp_path / f"beat{i}"), lazy=True)
+        for i in range(2)
+    ]
+    entry = TaskguardEntry(
+        name="tick-2s-down",
+        task="tests.celery_tasks.tick",
+        schedule=timedelta(seconds=2),
+        kwargs={"log": str(log), "seconds": 0},
+        app=app,
+    )
+    with override_settings(
+        CACHES=caches, TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+    ):
+        sent = [beat.apply_async(entry, advance=False) for beat in beats]
+    assert all(result is not None for result in sent)
+    run = TaskRun.objects.get()
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
+    assert len(executions(log)) == 1
