@@ -5,6 +5,8 @@ the Redis fast path, DATABASE_URL-style settings are left out on purpose.
 """
 
 import os
+from datetime import timedelta
+from importlib.util import find_spec
 from pathlib import Path
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -24,6 +26,8 @@ INSTALLED_APPS = [
     "django_taskguard",
     "example",
 ]
+if find_spec("django_celery_beat"):
+    INSTALLED_APPS.append("django_celery_beat")
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -74,4 +78,30 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "loggers": {"taskguard": {"handlers": ["console"], "level": "WARNING"}},
+}
+
+# Celery: two workers and two beats against a local Redis (see README, "Celery").
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/1")
+CELERY_TIMEZONE = TIME_ZONE
+CELERY_TASK_ACKS_LATE = True  # a killed worker's message is redelivered...
+CELERY_TASK_REJECT_ON_WORKER_LOST = True  # ...also when the worker process dies
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 3600,
+    "unacked_restore_interval": 10,
+    "unacked_restore_throttle": 1,
+}
+CELERY_BEAT_SCHEDULER = "django_taskguard.contrib.celery:TaskguardScheduler"
+CELERY_BEAT_SCHEDULE = {
+    "heartbeat-10s": {"task": "example.tasks.heartbeat", "schedule": timedelta(seconds=10)},
+    "report-eu": {
+        "task": "example.tasks.report",
+        "schedule": timedelta(minutes=1),
+        "kwargs": {"region": "eu"},
+    },
+    "report-us": {
+        "task": "example.tasks.report",
+        "schedule": timedelta(minutes=1),
+        "kwargs": {"region": "us"},
+    },
 }
