@@ -269,6 +269,8 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
     ):
         sent = [beat.apply_async(entry, advance=False) for beat in beats]
     assert all(result is not None for result in sent)
-    run = TaskRun.objects.get()
-    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
-    assert len(executions(log)) == 1
+    # Both beats sent; the two sends may straddle a 2 s slot boundary (one slot or two).
+    runs = list(TaskRun.objects.all())
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}
+    assert len(executions(log)) == len(runs)
+    assert sum(run.duplicates for run in runs) == 2 - len(runs)
