@@ -129,6 +129,17 @@ def python() -> str:
     return sys.executable
 
 
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it returns a truthy value (returned); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 @pytest.fixture
 def scratch() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="taskguard-") as directory:

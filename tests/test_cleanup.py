@@ -21,7 +21,7 @@ from django_taskguard.cleanup import cleanup_locks, startup_cleanup
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.signals import run_abandoned
 
-from .conftest import free_port, python
+from .conftest import free_port, python, wait_for
 from .runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,16 +36,6 @@ def command(*args: str) -> str:
 
 def abandon_transitions(run: TaskRun) -> list[TaskRunTransition]:
     return list(run.transitions.filter(to_state=RunState.ABANDONED))
-
-
-def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_cleanup_locks__dry_run_changes_nothing():

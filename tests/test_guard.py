@@ -39,7 +39,7 @@ from django_taskguard.signals import (
     run_succeeded,
 )
 
-from .conftest import python
+from .conftest import python, wait_for
 from .proc import BASE_SLOT
 
 LEASE = 3.0  # seconds; renewed every LEASE / 3 while the body runs
@@ -101,16 +101,6 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate(timeout=30)
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def wait_stale(run_id: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 
@@ -13,6 +12,8 @@ from django_taskguard import current_run, ledger, once_per_schedule
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
+from .conftest import wait_for
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ALIAS = "default"
@@ -21,16 +22,6 @@ BASE = datetime(2026, 5, 1, tzinfo=dt_timezone.utc)
 
 def slot(minutes: int) -> datetime:
     return BASE + timedelta(minutes=minutes)
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_claim__new_row_is_ours_running_with_a_database_lease():
