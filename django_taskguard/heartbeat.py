@@ -54,6 +54,7 @@ class Heartbeats:
         self._cond = threading.Condition()
         self._beats: set[Beat] = set()
         self._thread: threading.Thread | None = None
+        self._connected = False  # the thread has used its database connection since idle
 
     def start(self, active: ActiveRun, lock: LockBackend, key: str, alias: str) -> Beat:
         if self._pid != os.getpid():
@@ -75,13 +76,19 @@ class Heartbeats:
         with self._cond:
             beat.stopped = True
             self._beats.discard(beat)
+            self._cond.notify_all()  # an idle thread closes its database connection
             while beat.busy:
                 self._cond.wait()
 
     def _loop(self) -> None:
         try:
             while True:
-                for beat in self._due():
+                due = self._due()
+                if not due:
+                    # Nothing left to renew: hold no idle database connection.
+                    connections.close_all()
+                    continue
+                for beat in due:
                     self._beat_safely(beat)
         except BaseException:
             logger.exception("taskguard heartbeat crashed")
@@ -100,7 +107,11 @@ class Heartbeats:
                 if due:
                     for beat in due:
                         beat.busy = True
+                    self._connected = True
                     return due
+                if not self._beats and self._connected:
+                    self._connected = False
+                    return []
                 pending = [beat.next_at for beat in self._beats if beat.next_at != float("inf")]
                 self._cond.wait(min(pending) - now if pending else None)
 
