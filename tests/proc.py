@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import django
 
@@ -76,9 +77,15 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
         record(args.log, f"end {os.getpid()} {run.attempt} {run.fence}")
         return "done"
 
-    slot = BASE_SLOT + timedelta(minutes=args.slot)
+    return run_held(body, args.slot)
+
+
+def run_held(body: Any, minutes: int) -> dict[str, object]:
+    """Run ``body`` for slot ``minutes``; a refused (fenced) finish is reported, not raised."""
+    from django_taskguard.exceptions import LeaseLost
+
     try:
-        result = body.run_for_slot(slot)
+        result = body.run_for_slot(BASE_SLOT + timedelta(minutes=minutes))
     except LeaseLost as exc:
         return {"result": None, "lease_lost": str(exc)}
     return {"result": result}
@@ -125,12 +132,7 @@ def tick(args: argparse.Namespace) -> dict[str, object]:
         return "done"
 
     wait_until(args.start_at)
-    slot = BASE_SLOT + timedelta(minutes=args.slot)
-    try:
-        result = body.run_for_slot(slot)
-    except LeaseLost as exc:
-        return {"result": None, "lease_lost": str(exc)}
-    return {"result": result}
+    return run_held(body, args.slot)
 
 
 def down(args: argparse.Namespace) -> dict[str, object]:
