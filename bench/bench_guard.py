@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -97,14 +98,25 @@ def configure(port: int) -> None:
 
 
 def timed(calls: dict[str, Callable[[int], object]], rounds: int) -> dict[str, list[float]]:
-    """Time every call once per round, interleaved, so machine noise hits them alike."""
+    """Time every call once per round, in a fresh random order each round.
+
+    Interleaving makes machine noise hit every call alike; the shuffle makes
+    what ran just before (a warm Redis after a Redis call, a sleeping one
+    after a database-bound call) the same for every call. In a fixed order
+    the PING always followed a Redis call and the loser always followed a
+    winner, which by itself made the loser look 1.5 to 2 times slower.
+    """
+    order = random.Random(20261121)
+    names = list(calls)
     for i in range(50):
         for call in calls.values():
             call(-1 - i)
     samples: dict[str, list[float]] = {name: [] for name in calls}
     clock = time.perf_counter
     for i in range(rounds):
-        for name, call in calls.items():
+        order.shuffle(names)
+        for name in names:
+            call = calls[name]
             began = clock()
             call(i)
             samples[name].append(clock() - began)

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from django.utils import timezone
-
 from . import guard, schedules
 from .conf import taskguard_settings
 from .exceptions import InvalidSchedule, TaskGuardError
@@ -66,8 +64,8 @@ class _Spec(Generic[P, R]):
     def resolve(
         self, explicit: datetime | str | None, context: CallContext | None = None
     ) -> tuple[str, datetime]:
-        now = timezone.now()
-        tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
+        now = datetime.now(schedules.UTC)
+        tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
         name = self.name or (context.task_name if context else None) or _dotted(self.func)
         if explicit is not None:
             return name, schedules.normalize_slot(explicit, now=now, tolerance=tolerance)
@@ -79,6 +77,11 @@ class _Spec(Generic[P, R]):
             f"{name!r} has no slot: give the decorator cron=, every= or schedule=, call "
             f".run_for_slot(slot), or send it through taskguard's Celery beat scheduler"
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _tolerance(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
 
 
 def _context() -> CallContext | None:

@@ -63,9 +63,14 @@ WillRetry = Callable[[BaseException], bool]
 OnBusy = Callable[[float], None]
 
 
-def new_owner() -> str:
+def new_token() -> str:
+    """A token unique to one attempt: the fast-path lock's value, the owner's tail."""
+    return os.urandom(16).hex()
+
+
+def new_owner(token: str | None = None) -> str:
     """``host:pid:token``, the token unique to this attempt."""
-    return f"{HOST}:{os.getpid()}:{os.urandom(16).hex()}"
+    return f"{HOST}:{os.getpid()}:{token or new_token()}"
 
 
 def execute(
@@ -84,16 +89,17 @@ def execute(
     ledger.ensure_autocommit(alias)
     lease = policy.lease_seconds or taskguard_settings.LEASE_SECONDS
     lock = get_backend()
-    owner = new_owner()
-    token = owner.rsplit(":", 1)[1]
+    token = new_token()
     key = run_key(taskguard_settings.KEY_PREFIX, task_name, slot)
 
+    # The losing call ends here: one round trip, no database query.
     acquired = lock.acquire(key, token, lease, task_name)
     if acquired is Acquired.LOST:
         if on_busy is not None:
             on_busy(lease)
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
+    owner = new_owner(token)
     try:
         outcome = claim_slot(alias, task_name, slot, owner, lease, policy)
     except BaseException:

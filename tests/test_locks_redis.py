@@ -97,6 +97,43 @@ def test_redis_lock__new_client_after_fork(redis_server):
         assert lock.holder(KEY) == "c" * 32
 
 
+def test_redis_lock__inherited_lock_opens_its_own_connection_after_fork(redis_server):
+    """A lock object used across fork() must not share its idle socket with the parent."""
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "p" * 32, 3) is Acquired.WON  # the parent's idle connection
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                other = run_key("taskguard", "tests.lock.child", SLOT)
+                results = {lock.acquire(other, "c" * 32, 3) for _ in range(2000)}
+                own = all(c.pid == os.getpid() for c in lock._idle)  # made here, not inherited
+                ok = own and results == {Acquired.WON} and lock.errors == 0
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        # Both at once: on a shared socket, replies would cross (wrong answers, errors).
+        results = {lock.acquire(KEY, "q" * 32, 3) for _ in range(2000)}
+        assert os.read(read, 1) == b"1"
+        os.waitpid(pid, 0)
+        assert results == {Acquired.LOST}
+        assert lock.errors == 0
+
+
+def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_server, caplog):
+    with redis_backend(redis_server) as lock:
+        caplog.set_level(logging.INFO, logger="taskguard.locks")
+        assert lock.acquire(KEY, "a" * 32, 3) is Acquired.WON
+        # What a server-side idle `timeout` (or a proxy) does to a quiet connection.
+        killed = command(redis_server, "client_kill_filter", _type="normal", skipme=True)
+        assert killed >= 1
+        assert lock.acquire(KEY, "b" * 32, 3) is Acquired.LOST
+        assert lock.release(KEY, "a" * 32)
+        assert lock.errors == 0
+        assert caplog.records == []
+
+
 def test_redis_lock__outage_logged_once_and_recovery_once(redis_server, caplog):
     with redis_backend(redis_server, ON_REDIS_ERROR="database") as lock:
         redis_server.stop()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 import redis
 from django.conf import settings
 from redis.backoff import NoBackoff
+from redis.connection import ConnectionInterface
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -108,6 +110,25 @@ FORGET_CLAIM = Script.of(
     "redis.call('HDEL', KEYS[2], 'token') else redis.call('DEL', KEYS[2]) end "
     "return 1"
 )
+
+
+def pack(*parts: str | int) -> bytes:
+    """One command in the Redis protocol (RESP), ready for ``send_packed_command``."""
+    chunks = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        data = str(part).encode()
+        chunks.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(chunks)
+
+
+def _readable(connection: ConnectionInterface) -> bool:
+    """One ``poll`` on an idle connection's socket (redis-py's ``can_read`` costs four calls)."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return False  # not connected yet: the send connects
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def claim_key(run_key: str) -> str:
@@ -200,6 +221,10 @@ class RedisLock(LockBackend):
         self._state = threading.Lock()
         self._down_since: float | None = None
         self._probe_at = 0.0
+        # Connections of the scripts' hot path, checked out without the pool's
+        # bookkeeping (list.pop and append are atomic: no lock needed).
+        self._idle: list[ConnectionInterface] = []
+        self._idle_pid = self.pid
 
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
@@ -216,6 +241,9 @@ class RedisLock(LockBackend):
         """Disconnect and forget every cached lock client of this process."""
         locks, cls._instances = list(cls._instances.values()), {}
         for lock in locks:
+            idle, lock._idle = lock._idle, []
+            for connection in idle:
+                connection.disconnect()  # type: ignore[no-untyped-call]
             lock.client.connection_pool.disconnect()
 
     # -- the hot path ---------------------------------------------------------
@@ -311,29 +339,45 @@ class RedisLock(LockBackend):
         return Acquired.BYPASSED
 
     def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """One script call on a pooled connection: one round trip, never retried.
+        """One script call: one round trip, never retried.
 
-        Straight on the connection rather than through ``Redis.execute_command``,
-        whose per-command machinery costs a third of a loopback round trip.
+        The command is packed here and sent on a connection of our own, not
+        through ``Redis.execute_command`` and the pool's checkout, whose
+        per-command machinery costs a third of a loopback round trip.
         """
-        pool = self.client.connection_pool
-        connection = pool.get_connection()
+        connection = self._checkout()
         try:
             try:
-                connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                packed = [pack("EVALSHA", script.sha, len(keys), *keys, *args)]
+                connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
                 return connection.read_response()
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
-                connection.send_command("EVAL", script.source, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                packed = [pack("EVAL", script.source, len(keys), *keys, *args)]
+                connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
                 return connection.read_response()
         except ResponseError:
             raise  # the server answered: the connection is in step
         except BaseException:
-            # A reply may still be on its way: never reuse this connection.
+            # A reply may still be on its way: never reuse this connection as is.
             connection.disconnect()  # type: ignore[no-untyped-call]
             raise
         finally:
-            pool.release(connection)
+            self._idle.append(connection)
+
+    def _checkout(self) -> ConnectionInterface:
+        """An idle connection of ours, or a new one from the client's pool."""
+        if self._idle_pid != os.getpid():
+            self._idle, self._idle_pid = [], os.getpid()  # forked: the sockets are the parent's
+        try:
+            connection = self._idle.pop()
+        except IndexError:
+            return self.client.connection_pool.make_connection()
+        if _readable(connection):
+            # Readable while idle: the server closed it (or a reply is stray).
+            # Start afresh rather than fail the next command.
+            connection.disconnect()  # type: ignore[no-untyped-call]
+        return connection
 
     def _quiet(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run a script whose failure must not stop the caller (the lease runs out anyway)."""
