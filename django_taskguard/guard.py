@@ -304,8 +304,13 @@ def _run(
             # the duplicates to fold into the row; the row (still running, fenced)
             # keeps deciding for anyone who wins Redis in between.
             duplicates, released = lock.release_counted(key, active.token), True
-            _finish_raised(alias, active, exc, duplicates, will_retry)
-            run_failed.send(sender=active.task_name, run=active, exception=exc)
+            state, reason = _finish_raised(alias, active, exc, duplicates, will_retry)
+            if state == RunState.ABANDONED:
+                run_abandoned.send(
+                    sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
+                )
+            else:
+                run_failed.send(sender=active.task_name, run=active, exception=exc)
             raise
         heartbeats.stop(beat)
         duplicates, released = lock.release_counted(key, active.token), True
@@ -325,41 +330,23 @@ def _finish_raised(
     exc: BaseException,
     duplicates: int,
     will_retry: WillRetry | None = None,
-) -> None:
+) -> tuple[str, str]:
+    """Record how a raising attempt ended; return the state and the reason recorded."""
     error = f"{type(exc).__name__}: {exc}"
     retry = _is_celery_retry(exc)
+    ended = True
     if retry or _will_retry(will_retry, exc):
-        _finish(
-            alias,
-            active,
-            RunState.RETRYING,
-            f"retry requested: {exc}" if retry else f"{error[:400]}; a retry will follow",
-            error=error,
-            ended=False,
-            duplicates=duplicates,
-            cause=exc,
-        )
+        state, ended = RunState.RETRYING, False
+        reason = f"retry requested: {exc}" if retry else f"{error[:400]}; a retry will follow"
     elif isinstance(exc, Exception):
-        _finish(
-            alias,
-            active,
-            RunState.FAILED,
-            error[:500],
-            error=error,
-            duplicates=duplicates,
-            cause=exc,
-        )
+        state, reason = RunState.FAILED, error[:500]
     else:
         # KeyboardInterrupt, SystemExit: the process is going away mid-run.
-        _finish(
-            alias,
-            active,
-            RunState.ABANDONED,
-            f"interrupted ({type(exc).__name__})",
-            error=error,
-            duplicates=duplicates,
-            cause=exc,
-        )
+        state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
+    _finish(
+        alias, active, state, reason, error=error, ended=ended, duplicates=duplicates, cause=exc
+    )
+    return state, reason
 
 
 def _will_retry(will_retry: WillRetry | None, exc: BaseException) -> bool:

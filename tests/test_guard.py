@@ -449,6 +449,30 @@ def test_body_exception__recorded_failed_with_the_error_and_propagates(received)
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_body_interrupted__recorded_abandoned_sends_run_abandoned_not_run_failed(
+    received, interrupt
+):
+    failed, abandoned = received(run_failed), received(run_abandoned)
+
+    @once_per_schedule(name="tests.guard.interrupted")
+    def body() -> None:
+        raise interrupt()
+
+    with pytest.raises(interrupt):
+        body.run_for_slot(SLOT)
+    run = TaskRun.objects.get()
+    reason = f"interrupted ({interrupt.__name__})"
+    assert run.state == RunState.ABANDONED and run.finished_at is not None
+    assert transitions(run.id)[-1] == (RunState.RUNNING, RunState.ABANDONED, reason)
+    assert failed.calls == []
+    assert kwargs_of(abandoned.calls) == [{"sender", "run_id", "slot", "reason"}]
+    assert abandoned.calls[0]["run_id"] == run.id
+    assert abandoned.calls[0]["reason"] == reason
+    assert body.run_for_slot(SLOT) is None, "an abandoned slot is not run again (on_stale=abandon)"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_on_duplicate__raise_raises_duplicate_run():
     @once_per_schedule(name="tests.guard.raise", on_duplicate="raise")
     def body() -> str:

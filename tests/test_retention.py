@@ -95,6 +95,12 @@ def test_prune_runs__the_delete_rechecks_the_state(ledger):
 
 
 def test_prune_runs__bad_arguments_are_refused():
-    for args in (["--older-than", "-1"], ["--older-than", "x"], ["--batch-size", "0"]):
-        with pytest.raises(CommandError):
+    refused = {
+        ("--older-than", "-1"): "'-1' must not be negative",
+        ("--older-than", "x"): "'x' is not a whole number of days",
+        ("--batch-size", "0"): "'0' must be between 1 and 10000",
+        ("--batch-size", "20000"): "'20000' must be between 1 and 10000",
+    }
+    for args, message in refused.items():
+        with pytest.raises(CommandError, match=message):
             call_command("prune_runs", *args, stdout=StringIO())

@@ -11,22 +11,13 @@ from django.utils.translation import ngettext
 
 from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks, ensure_database
 from ...exceptions import BackendUnavailable
+from ..arguments import whole_number
 
 
 def task_name(value: str) -> str:
     if not value.strip():
         raise ArgumentTypeError("the task name must not be empty")
     return value
-
-
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise ArgumentTypeError(f"{value!r} must be at least 1")
-    return number
 
 
 class Command(BaseCommand):
@@ -51,7 +42,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--batch-size",
-            type=positive_int,
+            type=whole_number(1),
             default=BATCH_SIZE,
             help=f"Stale runs read per query (default: {BATCH_SIZE}).",
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from argparse import ArgumentParser, ArgumentTypeError
+from argparse import ArgumentParser
 from datetime import timedelta
 from typing import Any
 
@@ -13,26 +13,7 @@ from django.utils.translation import ngettext
 from ...cleanup import database_now
 from ...conf import taskguard_settings
 from ...retention import BATCH_SIZE, PRUNABLE_STATES, prune_runs
-
-
-def days(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a whole number of days") from None
-    if number < 0:
-        raise ArgumentTypeError(f"{value!r} must not be negative")
-    return number
-
-
-def batch_size(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if not 1 <= number <= 10_000:
-        raise ArgumentTypeError(f"{value!r} must be between 1 and 10000")
-    return number
+from ..arguments import whole_number
 
 
 class Command(BaseCommand):
@@ -45,7 +26,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
             "--older-than",
-            type=days,
+            type=whole_number(0, unit="days"),
             default=None,
             metavar="DAYS",
             help="Age of the slot in days (default: TASKGUARD['PRUNE_AFTER_DAYS'], "
@@ -56,7 +37,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--batch-size",
-            type=batch_size,
+            type=whole_number(1, 10_000),
             default=BATCH_SIZE,
             help=f"Runs deleted per transaction (default: {BATCH_SIZE}).",
         )
