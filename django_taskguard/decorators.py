@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
+from django.utils import timezone
+
 from . import guard, schedules
 from .conf import taskguard_settings
 from .exceptions import InvalidSchedule, TaskGuardError
@@ -64,7 +66,7 @@ class _Spec(Generic[P, R]):
     def resolve(
         self, explicit: datetime | str | None, context: CallContext | None = None
     ) -> tuple[str, datetime]:
-        now = datetime.now(schedules.UTC)
+        now = timezone.now()  # Django's clock: what tests and time-travel libraries patch
         tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
         name = self.name or (context.task_name if context else None) or _dotted(self.func)
         if explicit is not None:
