@@ -55,6 +55,9 @@ class Heartbeats:
         self._beats: set[Beat] = set()
         self._thread: threading.Thread | None = None
         self._connected = False  # the thread has used its database connection since idle
+        # When the waiting thread looks next (-inf: it is not waiting, it will look anyway).
+        # A new attempt wakes it only when due sooner: a short call wakes no thread.
+        self._wake_at = float("-inf")
 
     def start(self, active: ActiveRun, lock: LockBackend, key: str, alias: str) -> Beat:
         if self._pid != os.getpid():
@@ -68,7 +71,8 @@ class Heartbeats:
                     target=self._loop, name="taskguard-heartbeat", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            elif beat.next_at < self._wake_at:
+                self._cond.notify_all()
         return beat
 
     def stop(self, beat: Beat) -> None:
@@ -76,7 +80,8 @@ class Heartbeats:
         with self._cond:
             beat.stopped = True
             self._beats.discard(beat)
-            self._cond.notify_all()  # an idle thread closes its database connection
+            if not self._beats and self._connected:
+                self._cond.notify_all()  # the idle thread closes its database connection
             while beat.busy:
                 self._cond.wait()
 
@@ -113,7 +118,9 @@ class Heartbeats:
                     self._connected = False
                     return []
                 pending = [beat.next_at for beat in self._beats if beat.next_at != float("inf")]
-                self._cond.wait(min(pending) - now if pending else None)
+                self._wake_at = min(pending) if pending else float("inf")
+                self._cond.wait(self._wake_at - now if pending else None)
+                self._wake_at = float("-inf")
 
     def _beat_safely(self, beat: Beat) -> None:
         try:
