@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import redis
 from django.conf import settings
 from redis.backoff import NoBackoff
+from redis.connection import SSLConnection
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -139,6 +140,7 @@ class ClaimRecord:
 
 # Connection kwargs that belong to the other pool or that the lock sets itself.
 _OWN_KWARGS = {
+    "connection_pool",  # a Sentinel pool's back-reference to itself
     "socket_timeout",
     "socket_connect_timeout",
     "retry",
@@ -168,22 +170,30 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
         "retry": Retry(NoBackoff(), 0),
     }
     if isinstance(pool, SentinelConnectionPool):
-        manager = pool.sentinel_manager
-        addresses = [s.connection_pool.connection_kwargs for s in manager.sentinels]
-        sentinels = [(a["host"], a["port"]) for a in addresses]
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            sentinels,
-            min_other_sentinels=manager.min_other_sentinels,
-            sentinel_kwargs={**_portable(manager.sentinel_kwargs), **strict},
-            **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
-        )
-        client: redis.Redis = sentinel.master_for(pool.service_name)  # type: ignore[no-untyped-call]
-        return client
+        return _sentinel_master(pool, strict)
     own_pool = redis.ConnectionPool(
         connection_class=pool.connection_class,
         **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
     )
     return redis.Redis(connection_pool=own_pool)
+
+
+def _sentinel_master(pool: SentinelConnectionPool, strict: dict[str, Any]) -> redis.Redis:
+    """The master of ``pool``'s service, found through the same Sentinels (queried strictly)."""
+    manager = pool.sentinel_manager
+    addresses = [s.connection_pool.connection_kwargs for s in manager.sentinels]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        [(a["host"], a["port"]) for a in addresses],
+        min_other_sentinels=manager.min_other_sentinels,
+        sentinel_kwargs={**_portable(manager.sentinel_kwargs), **strict},
+        **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
+    )
+    # A Sentinel pool turns ``ssl`` into its connection class and does not keep it
+    # in connection_kwargs: pass it on, or the lock would talk plain TCP to a TLS master.
+    ssl = issubclass(pool.connection_class, SSLConnection)
+    # Always the master, even when the cache's pool reads from replicas (is_master=0).
+    client: redis.Redis = sentinel.master_for(pool.service_name, ssl=ssl)  # type: ignore[no-untyped-call]
+    return client
 
 
 class RedisLock(LockBackend):
@@ -216,7 +226,11 @@ class RedisLock(LockBackend):
         """Disconnect and forget every cached lock client of this process."""
         locks, cls._instances = list(cls._instances.values()), {}
         for lock in locks:
-            lock.client.connection_pool.disconnect()
+            pool = lock.client.connection_pool
+            pool.disconnect()
+            if isinstance(pool, SentinelConnectionPool):  # and the Sentinel queries' own
+                for sentinel in pool.sentinel_manager.sentinels:
+                    sentinel.connection_pool.disconnect()
 
     # -- the hot path ---------------------------------------------------------
 
