@@ -109,7 +109,7 @@ def check_lock_redis(
     databases: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> list[CheckMessage]:
-    """Warn when the lock Redis may evict lock keys, or cannot be asked (W010-W012)."""
+    """Report a lock Redis that cannot be built (E010), may evict keys or cannot be asked (W01x)."""
     from .locks import backend_name
 
     alias = taskguard_settings.REDIS_ALIAS
@@ -119,10 +119,21 @@ def check_lock_redis(
         from redis.exceptions import RedisError, ResponseError
 
         from .locks.redis import RedisLock
-
-        lock = RedisLock.for_alias(alias)
     except Exception:  # a broken setting is reported by check_settings
         return []
+    try:
+        lock = RedisLock.for_alias(alias)  # builds the client; connects to nothing yet
+    except Exception as exc:
+        return [
+            Error(
+                f"taskguard cannot build its Redis client from CACHES[{alias!r}] "
+                f"({type(exc).__name__}: {exc}).",
+                hint="Fix the cache's LOCATION and OPTIONS. For Sentinel, the cache needs "
+                "OPTIONS CONNECTION_FACTORY 'django_redis.pool.SentinelConnectionFactory' "
+                "(or DJANGO_REDIS_CONNECTION_FACTORY) and SENTINELS; see docs/redis.md.",
+                id="taskguard.E010",
+            )
+        ]
     try:
         policy = lock.eviction_policy()
     except ResponseError as exc:

@@ -29,10 +29,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until_serving(process: subprocess.Popen[bytes], port: int) -> None:
+    """Wait until the redis-server ``process`` answers PING on ``port`` (or fail loudly)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server on port {port} exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith((b"+PONG", b"-NOAUTH")):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not start on port {port}")
+
+
 class RedisServer:
     """A private ``redis-server`` process that tests may stop, kill, pause and restart."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *extra: str, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise pytest.UsageError(
@@ -41,6 +57,8 @@ class RedisServer:
             )
         self.binary = binary
         self.directory = directory
+        self.extra = list(extra)  # more redis-server options (e.g. --replicaof)
+        self.password = password
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -49,6 +67,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        auth = (
+            ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
+        )
         self.process = subprocess.Popen(
             [
                 self.binary,
@@ -64,25 +86,20 @@ class RedisServer:
                 str(self.directory),
                 "--maxmemory-policy",
                 "noeviction",
+                *auth,
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        wait_until_serving(self.process, self.port)
 
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self, db: int = 0):  # type: ignore[no-untyped-def]
         import redis
 
-        return redis.Redis.from_url(self.url, socket_timeout=5)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, db=db, password=self.password, socket_timeout=5
+        )
 
     def kill(self) -> None:
         """SIGKILL the server (everything in memory is lost)."""

@@ -1,18 +1,22 @@
-"""Helpers for the Redis backend tests: settings that point taskguard at a private server."""
+"""Helpers for the Redis backend tests: settings that point taskguard at private servers."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from django.core.cache import caches
 from django.test import override_settings
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from django_taskguard.locks import get_backend
 from django_taskguard.locks.redis import RedisLock
 
-from .conftest import RedisServer
+from .conftest import RedisServer, free_port, wait_for, wait_until_serving
 
 
 def redis_caches(server: RedisServer, **options: Any) -> dict[str, Any]:
@@ -49,5 +53,151 @@ def command(server: RedisServer, name: str, *args: Any, **kwargs: Any) -> Any:
     client = server.client()
     try:
         return getattr(client, name)(*args, **kwargs)
+    finally:
+        client.close()
+
+
+class SentinelSetup:
+    """A private master, its replica and one Sentinel watching them (quorum 1).
+
+    The service name is unique per setup: django-redis keeps its connection
+    pools for the whole process, keyed by ``LOCATION``.
+    """
+
+    password = "taskguard-sentinel"
+    db = 3  # not 0, so that a lost ``db`` would show
+
+    def __init__(self, directory: Path) -> None:
+        fast = ("--repl-diskless-sync-delay", "0")  # the replica syncs at once, not in 5 s
+        self.directory = directory
+        self.master = RedisServer(directory / "master", *fast, password=self.password)
+        self.replica = RedisServer(
+            directory / "replica",
+            *fast,
+            "--replicaof",
+            "127.0.0.1",
+            str(self.master.port),
+            password=self.password,
+        )
+        self.port = free_port()
+        self.service = f"taskguard-{uuid.uuid4().hex[:12]}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.master.start()
+        self.replica.start()
+        wait_for(self._replica_in_sync, timeout=10, what="the replica's first sync")
+        # known-replica: the Sentinel knows the replica at once, not after its first INFO (10 s)
+        config = self.directory / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\n"
+            "bind 127.0.0.1\n"
+            f"dir {self.directory}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel auth-pass {self.service} {self.password}\n"
+            f"sentinel known-replica {self.service} 127.0.0.1 {self.replica.port}\n"
+            f"sentinel down-after-milliseconds {self.service} 1000\n"
+            f"sentinel failover-timeout {self.service} 5000\n"
+        )
+        log = (self.directory / "sentinel.log").open("wb")
+        with log:
+            self.process = subprocess.Popen(
+                [self.master.binary, str(config), "--sentinel"], stdout=log, stderr=log
+            )
+        try:
+            wait_until_serving(self.process, self.port)
+        except RuntimeError as exc:
+            output = (self.directory / "sentinel.log").read_text(errors="replace")
+            raise RuntimeError(f"redis-server --sentinel did not start: {exc}\n{output}") from exc
+        assert self.master_port() == self.master.port
+
+    def _replica_in_sync(self) -> bool:
+        return bool(command(self.replica, "info", "replication")["master_link_status"] == "up")
+
+    def master_port(self) -> int | None:
+        """The master's port as a Sentinel client sees it now (None: no usable master).
+
+        The same question the lock client asks (redis-py's ``discover_master``): a
+        master that the Sentinel still flags down does not count, even if
+        ``SENTINEL GET-MASTER-ADDR-BY-NAME`` already names the new one.
+        """
+        sentinels = Sentinel([("127.0.0.1", self.port)], sentinel_kwargs={"socket_timeout": 5})  # type: ignore[no-untyped-call]
+        try:
+            _, port = sentinels.discover_master(self.service)  # type: ignore[no-untyped-call]
+        except MasterNotFoundError:
+            return None
+        finally:
+            sentinels.close()
+        return int(port)
+
+    def fail_over(self) -> RedisServer:
+        """SIGKILL the master; wait until the Sentinel serves the replica as master; return it."""
+        self.master.kill()
+        return self.promoted()
+
+    def promoted(self) -> RedisServer:
+        """Wait until the Sentinel serves the replica as master (the master is dead); return it."""
+        wait_for(
+            lambda: self.master_port() == self.replica.port,
+            timeout=15,
+            what="the Sentinel to promote the replica",
+        )
+        return self.replica
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.replica.kill()
+        self.master.kill()
+
+    def caches(self, *, factory_option: bool = True) -> dict[str, Any]:
+        """CACHES with a django-redis alias ``redis`` that finds its master through Sentinel.
+
+        ``factory_option=False`` leaves the connection factory to the global
+        ``DJANGO_REDIS_CONNECTION_FACTORY`` setting (the caller sets it).
+        """
+        options: dict[str, Any] = {
+            "CLIENT_CLASS": "django_redis.client.SentinelClient",
+            "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+            "SENTINELS": [("127.0.0.1", self.port)],
+            "PASSWORD": self.password,
+        }
+        if not factory_option:
+            del options["CONNECTION_FACTORY"]
+        return {
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "redis": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://{self.service}/{self.db}",
+                "OPTIONS": options,
+            },
+        }
+
+
+@contextlib.contextmanager
+def sentinel_backend(
+    setup: SentinelSetup, *, factory_option: bool = True, **taskguard: Any
+) -> Iterator[RedisLock]:
+    """Point TASKGUARD at ``setup``'s Sentinel (BACKEND redis) for the block; yield the lock."""
+    config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", "LEASE_SECONDS": 3, **taskguard}
+    overrides: dict[str, Any] = {"CACHES": setup.caches(factory_option=factory_option)}
+    if not factory_option:
+        overrides["DJANGO_REDIS_CONNECTION_FACTORY"] = "django_redis.pool.SentinelConnectionFactory"
+    with override_settings(TASKGUARD=config, **overrides):
+        try:
+            lock = get_backend()
+            assert isinstance(lock, RedisLock)
+            yield lock
+        finally:
+            RedisLock.close_all()
+            caches["redis"].close()
+
+
+def on_db(server: RedisServer, db: int, name: str, *args: Any) -> Any:
+    """Run one command on ``server``'s database ``db`` through a short-lived client."""
+    client = server.client(db=db)
+    try:
+        return getattr(client, name)(*args)
     finally:
         client.close()

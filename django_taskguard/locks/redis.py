@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import redis
 from django.conf import settings
 from redis.backoff import NoBackoff
-from redis.connection import ConnectionInterface
+from redis.connection import ConnectionInterface, SSLConnection
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -160,6 +160,7 @@ class ClaimRecord:
 
 # Connection kwargs that belong to the other pool or that the lock sets itself.
 _OWN_KWARGS = {
+    "connection_pool",  # a Sentinel pool's back-reference to itself
     "socket_timeout",
     "socket_connect_timeout",
     "retry",
@@ -189,22 +190,30 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
         "retry": Retry(NoBackoff(), 0),
     }
     if isinstance(pool, SentinelConnectionPool):
-        manager = pool.sentinel_manager
-        addresses = [s.connection_pool.connection_kwargs for s in manager.sentinels]
-        sentinels = [(a["host"], a["port"]) for a in addresses]
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            sentinels,
-            min_other_sentinels=manager.min_other_sentinels,
-            sentinel_kwargs={**_portable(manager.sentinel_kwargs), **strict},
-            **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
-        )
-        client: redis.Redis = sentinel.master_for(pool.service_name)  # type: ignore[no-untyped-call]
-        return client
+        return _sentinel_master(pool, strict)
     own_pool = redis.ConnectionPool(
         connection_class=pool.connection_class,
         **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
     )
     return redis.Redis(connection_pool=own_pool)
+
+
+def _sentinel_master(pool: SentinelConnectionPool, strict: dict[str, Any]) -> redis.Redis:
+    """The master of ``pool``'s service, found through the same Sentinels (queried strictly)."""
+    manager = pool.sentinel_manager
+    addresses = [s.connection_pool.connection_kwargs for s in manager.sentinels]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        [(a["host"], a["port"]) for a in addresses],
+        min_other_sentinels=manager.min_other_sentinels,
+        sentinel_kwargs={**_portable(manager.sentinel_kwargs), **strict},
+        **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
+    )
+    # A Sentinel pool turns ``ssl`` into its connection class and does not keep it
+    # in connection_kwargs: pass it on, or the lock would talk plain TCP to a TLS master.
+    ssl = issubclass(pool.connection_class, SSLConnection)
+    # Always the master, even when the cache's pool reads from replicas (is_master=0).
+    client: redis.Redis = sentinel.master_for(pool.service_name, ssl=ssl)  # type: ignore[no-untyped-call]
+    return client
 
 
 class RedisLock(LockBackend):
@@ -244,7 +253,11 @@ class RedisLock(LockBackend):
             idle, lock._idle = lock._idle, []
             for connection in idle:
                 connection.disconnect()  # type: ignore[no-untyped-call]
-            lock.client.connection_pool.disconnect()
+            pool = lock.client.connection_pool
+            pool.disconnect()
+            if isinstance(pool, SentinelConnectionPool):  # and the Sentinel queries' own
+                for sentinel in pool.sentinel_manager.sentinels:
+                    sentinel.connection_pool.disconnect()
 
     # -- the hot path ---------------------------------------------------------
 
@@ -348,6 +361,8 @@ class RedisLock(LockBackend):
         connection = self._checkout()
         try:
             try:
+                # Connect here, not in send: a Sentinel connection asks for the master in connect().
+                connection.connect()  # type: ignore[no-untyped-call]
                 packed = [pack("EVALSHA", script.sha, len(keys), *keys, *args)]
                 connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
                 return connection.read_response()
@@ -366,7 +381,7 @@ class RedisLock(LockBackend):
             self._idle.append(connection)
 
     def _checkout(self) -> ConnectionInterface:
-        """An idle connection of ours, or a new one from the client's pool."""
+        """An idle connection of ours, or a new (unconnected) one from the client's pool."""
         if self._idle_pid != os.getpid():
             self._idle, self._idle_pid = [], os.getpid()  # forked: the sockets are the parent's
         try:
