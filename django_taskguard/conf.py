@@ -52,6 +52,18 @@ class Settings:
             value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
             return value
 
+    def for_claim(self) -> tuple[str, float, str]:
+        """``(DATABASE_ALIAS, LEASE_SECONDS, KEY_PREFIX)``: read together by every guarded call."""
+        try:
+            claim: tuple[str, float, str] = self._cache["(claim)"]
+        except KeyError:
+            claim = self._cache["(claim)"] = (
+                self.DATABASE_ALIAS,
+                self.LEASE_SECONDS,
+                self.KEY_PREFIX,
+            )
+        return claim
+
     def reload(self) -> None:
         self._cache.clear()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -63,9 +64,23 @@ WillRetry = Callable[[BaseException], bool]
 OnBusy = Callable[[float], None]
 
 
+# Attempt tokens: 64 random bits per process, then a counter (no system call per
+# call); the random part is drawn again in a forked child.
+_token_prefix = os.urandom(8).hex()
+_token_counter = itertools.count()
+
+
+def _new_token_prefix() -> None:
+    global _token_prefix
+    _token_prefix = os.urandom(8).hex()
+
+
+os.register_at_fork(after_in_child=_new_token_prefix)
+
+
 def new_token() -> str:
     """A token unique to one attempt: the fast-path lock's value, the owner's tail."""
-    return os.urandom(16).hex()
+    return f"{_token_prefix}{next(_token_counter):016x}"
 
 
 def new_owner(token: str | None = None) -> str:
@@ -85,20 +100,26 @@ def execute(
     on_busy: OnBusy | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
-    alias = taskguard_settings.DATABASE_ALIAS
-    ledger.ensure_autocommit(alias)
-    lease = policy.lease_seconds or taskguard_settings.LEASE_SECONDS
+    alias, default_lease, prefix = taskguard_settings.for_claim()
+    lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
-    key = run_key(taskguard_settings.KEY_PREFIX, task_name, slot)
+    key = run_key(prefix, task_name, slot)
 
-    # The losing call ends here: one round trip, no database query.
+    # The losing call ends here: one round trip, no database query (so no
+    # transaction to refuse either: the check below guards the claim).
     acquired = lock.acquire(key, token, lease, task_name)
     if acquired is Acquired.LOST:
         if on_busy is not None:
             on_busy(lease)
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
+    try:
+        ledger.ensure_autocommit(alias)
+    except TaskGuardError:
+        if acquired is Acquired.WON:
+            lock.release(key, token)
+        raise
     owner = new_owner(token)
     try:
         outcome = claim_slot(alias, task_name, slot, owner, lease, policy)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
 from croniter import CroniterBadDateError, croniter
@@ -182,6 +182,10 @@ def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule 
 
 def normalize_slot(slot: Any, *, now: datetime, tolerance: timedelta) -> datetime:
     """Validate an explicit slot and return it in UTC."""
+    if type(slot) is datetime and slot.tzinfo is UTC:
+        if slot - now > tolerance:  # the common case, checked without conversions
+            _too_far_ahead(slot, now, tolerance)
+        return slot
     if isinstance(slot, str):
         try:
             slot = datetime.fromisoformat(slot.replace("Z", "+00:00"))
@@ -193,8 +197,12 @@ def normalize_slot(slot: Any, *, now: datetime, tolerance: timedelta) -> datetim
         raise InvalidSchedule(f"slot must be timezone-aware (got naive {slot.isoformat()})")
     utc: datetime = slot.astimezone(UTC)
     if utc - now > tolerance:
-        raise InvalidSchedule(
-            f"slot {utc.isoformat()} is in the future (now is {now.isoformat()}); "
-            f"a slot may be at most {tolerance.total_seconds():g}s ahead"
-        )
+        _too_far_ahead(utc, now, tolerance)
     return utc
+
+
+def _too_far_ahead(utc: datetime, now: datetime, tolerance: timedelta) -> NoReturn:
+    raise InvalidSchedule(
+        f"slot {utc.isoformat()} is in the future (now is {now.isoformat()}); "
+        f"a slot may be at most {tolerance.total_seconds():g}s ahead"
+    )

@@ -7,11 +7,11 @@ import os
 from datetime import datetime, timezone
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from django_taskguard import once_per_schedule
-from django_taskguard.exceptions import BackendUnavailable
+from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.models import RunState, TaskRun
@@ -201,6 +201,20 @@ def test_guard__loser_makes_one_redis_call_and_no_query(redis_server, transactio
         # one EVALSHA round trip; the rest ran inside the script, in the server
         assert made == {"evalsha": 1, "set": 1, "hincrby": 1, "hsetnx": 1, "pexpire": 1}
         assert lock.take_duplicates(key) == 2
+
+
+def test_guard__claim_inside_atomic_is_refused_and_leaves_no_lock(redis_server, transactional_db):
+    @once_per_schedule(name="tests.atomic")
+    def body():
+        return "ran"
+
+    with redis_backend(redis_server) as lock:
+        key = run_key("taskguard", "tests.atomic", SLOT)
+        with transaction.atomic(), pytest.raises(TaskGuardError, match="open transaction"):
+            body.run_for_slot(SLOT)
+        assert lock.holder(key) is None, "the Redis lock it won was given back"
+        assert not TaskRun.objects.exists()
+        assert body.run_for_slot(SLOT) == "ran"
 
 
 def test_guard__winner_folds_redis_duplicates_into_the_row(redis_server, transactional_db):

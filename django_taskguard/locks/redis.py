@@ -19,6 +19,7 @@ own slot. An acquire that errors is settled by reading the key back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -47,6 +48,7 @@ logger = logging.getLogger("taskguard.locks")
 # How long a claim record outlives its last write: cleanup_locks must run
 # within this window to record a slot whose winner died before its row.
 CLAIM_RECORD_SECONDS = 86400
+CLAIM_RECORD_MS = CLAIM_RECORD_SECONDS * 1000
 # While Redis is unreachable, try it again at most this often (other calls
 # go straight to ON_REDIS_ERROR instead of waiting for a socket timeout each).
 PROBE_SECONDS = 1.0
@@ -131,6 +133,7 @@ def _readable(connection: ConnectionInterface) -> bool:
     return bool(poller.poll(0))
 
 
+@functools.lru_cache(maxsize=4096)
 def claim_key(run_key: str) -> str:
     """The claim record that goes with a lock key made by ``base.run_key``."""
     head, _, tail = run_key.rpartition(":run:")
@@ -262,14 +265,16 @@ class RedisLock(LockBackend):
     # -- the hot path ---------------------------------------------------------
 
     def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
-        if self._backing_off():
+        # (`_down_since` tested inline: this is the hot path of every call)
+        if self._down_since is not None and self._backing_off():
             return self._unavailable(task_name, None)
-        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_SECONDS * 1000, task_name)
+        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name)
         try:
             won = self._eval(ACQUIRE, (key, claim_key(key)), args)
         except RedisError as exc:
             return self._settle(key, token, task_name, exc)
-        self._up()
+        if self._down_since is not None:
+            self._up()
         return Acquired.WON if won == 1 else Acquired.LOST
 
     def _settle(self, key: str, token: str, task_name: str, exc: RedisError) -> Acquired:
