@@ -150,7 +150,8 @@ def run(rounds: int, port: int) -> None:
 
     from django_taskguard import once_per_schedule
     from django_taskguard.locks import run_key
-    from django_taskguard.locks.redis import RELEASE, RedisLock, claim_key
+    from django_taskguard.locks.redis import RedisLock, claim_key
+    from django_taskguard.locks.redis_scripts import RELEASE
     from django_taskguard.models import TaskRun
 
     tag = uuid.uuid4().hex[:8]

@@ -1,8 +1,4 @@
-"""cleanup_locks against a real private Redis: token-checked release, SCAN for orphans.
-
-Written against the LockBackend interface before locks/redis.py landed on main;
-it runs as soon as ``django_taskguard.locks.redis`` exists.
-"""
+"""cleanup_locks against a real private Redis: token-checked release, SCAN for orphans."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ from django_taskguard.models import RunState, TaskRun
 
 from .runs import make_run
 
-pytest.importorskip("django_taskguard.locks.redis", reason="locks/redis.py is not on this branch")
 pytestmark = pytest.mark.django_db(transaction=True)
 
 

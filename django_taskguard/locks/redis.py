@@ -20,10 +20,8 @@ own slot. An acquire that errors is settled by reading the key back.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,15 +31,24 @@ from typing import Any, ClassVar
 
 import redis
 from django.conf import settings
-from redis.backoff import NoBackoff
-from redis.connection import ConnectionInterface, SSLConnection
+from redis.connection import ConnectionInterface
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import SentinelConnectionPool
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 from .base import Acquired, LockBackend, parse_run_key
+from .redis_client import build_client, readable
+from .redis_scripts import (
+    ACQUIRE,
+    EXTEND,
+    FORGET_CLAIM,
+    RELEASE,
+    RELEASE_COUNTED,
+    TAKE_DUPLICATES,
+    Script,
+    pack,
+)
 
 logger = logging.getLogger("taskguard.locks")
 
@@ -52,85 +59,6 @@ CLAIM_RECORD_MS = CLAIM_RECORD_SECONDS * 1000
 # While Redis is unreachable, try it again at most this often (other calls
 # go straight to ON_REDIS_ERROR instead of waiting for a socket timeout each).
 PROBE_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class Script:
-    source: str
-    sha: str
-
-    @classmethod
-    def of(cls, source: str) -> Script:
-        return cls(source, hashlib.sha1(source.encode()).hexdigest())
-
-
-# Take the lock for ARGV[1] for ARGV[2] ms (or find it already ours), else count
-# one duplicate on the claim record; the record (ARGV[4] = task) lives ARGV[3] ms. 1 = won.
-# SET NX GET (Redis >= 7) answers "was it free, and whose is it" in one command.
-ACQUIRE = Script.of(
-    "local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2]) "
-    "if not held then redis.call('HSET', KEYS[2], 'task', ARGV[4], 'token', ARGV[1]) "
-    "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 1 end "
-    "if held == ARGV[1] then return 1 end "
-    "redis.call('HINCRBY', KEYS[2], 'count', 1) redis.call('HSETNX', KEYS[2], 'task', ARGV[4]) "
-    "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 0"
-)
-# Extend the lease to ARGV[2] ms only while the lock holds token ARGV[1]. 1 = extended.
-EXTEND = Script.of(
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
-    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-)
-# Delete the lock only while it holds token ARGV[1] (never a plain DEL), and
-# the claim record too when it is ours and counted nobody. 1 = released.
-RELEASE = Script.of(
-    "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end "
-    "redis.call('DEL', KEYS[1]) "
-    "if redis.call('HGET', KEYS[2], 'token') == ARGV[1] "
-    "and not redis.call('HGET', KEYS[2], 'count') then redis.call('DEL', KEYS[2]) end "
-    "return 1"
-)
-# Delete the lock only while it holds token ARGV[1]; return the duplicates counted
-# on the claim record and delete it, only when the record is this token's claim.
-RELEASE_COUNTED = Script.of(
-    "local n = 0 "
-    "if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then "
-    "n = tonumber(redis.call('HGET', KEYS[2], 'count')) or 0 redis.call('DEL', KEYS[2]) end "
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end "
-    "return n"
-)
-# Return the duplicates counted on the claim record and delete the record.
-TAKE_DUPLICATES = Script.of(
-    "local n = redis.call('HGET', KEYS[1], 'count') redis.call('DEL', KEYS[1]) "
-    "return tonumber(n) or 0"
-)
-# Forget ARGV[1] recorded duplicates of a claim record whose lock is gone;
-# counts added since stay. 1 = done, 0 = the lock is held again (leave it).
-FORGET_CLAIM = Script.of(
-    "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end "
-    "local left = (tonumber(redis.call('HGET', KEYS[2], 'count')) or 0) - tonumber(ARGV[1]) "
-    "if left > 0 then redis.call('HSET', KEYS[2], 'count', left) "
-    "redis.call('HDEL', KEYS[2], 'token') else redis.call('DEL', KEYS[2]) end "
-    "return 1"
-)
-
-
-def pack(*parts: str | int) -> bytes:
-    """One command in the Redis protocol (RESP), ready for ``send_packed_command``."""
-    chunks = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        data = str(part).encode()
-        chunks.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(chunks)
-
-
-def _readable(connection: ConnectionInterface) -> bool:
-    """One ``poll`` on an idle connection's socket (redis-py's ``can_read`` costs four calls)."""
-    sock = getattr(connection, "_sock", None)
-    if sock is None:
-        return False  # not connected yet: the send connects
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -159,64 +87,6 @@ class ClaimRecord:
     slot: datetime
     duplicates: int  # losing calls counted in Redis, not yet in TaskRun.duplicates
     token: str  # the Redis winner's token ("" when the winner already finished)
-
-
-# Connection kwargs that belong to the other pool or that the lock sets itself.
-_OWN_KWARGS = {
-    "connection_pool",  # a Sentinel pool's back-reference to itself
-    "socket_timeout",
-    "socket_connect_timeout",
-    "retry",
-    "retry_on_timeout",
-    "retry_on_error",
-    "decode_responses",
-    "health_check_interval",
-    "himport_registry",
-    "maint_notifications_pool_handler",
-    "maint_notifications_config",
-}
-
-
-def _portable(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS and not k.startswith("orig_")}
-
-
-def build_client(alias: str, timeout: float) -> redis.Redis:
-    """A client for the django-redis cache ``alias``'s server with our timeouts, no retries."""
-    from django_redis import get_redis_connection
-
-    base = get_redis_connection(alias, write=True)
-    pool = base.connection_pool
-    strict: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
-    }
-    if isinstance(pool, SentinelConnectionPool):
-        return _sentinel_master(pool, strict)
-    own_pool = redis.ConnectionPool(
-        connection_class=pool.connection_class,
-        **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
-    )
-    return redis.Redis(connection_pool=own_pool)
-
-
-def _sentinel_master(pool: SentinelConnectionPool, strict: dict[str, Any]) -> redis.Redis:
-    """The master of ``pool``'s service, found through the same Sentinels (queried strictly)."""
-    manager = pool.sentinel_manager
-    addresses = [s.connection_pool.connection_kwargs for s in manager.sentinels]
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        [(a["host"], a["port"]) for a in addresses],
-        min_other_sentinels=manager.min_other_sentinels,
-        sentinel_kwargs={**_portable(manager.sentinel_kwargs), **strict},
-        **{**_portable(pool.connection_kwargs), **strict, "decode_responses": True},
-    )
-    # A Sentinel pool turns ``ssl`` into its connection class and does not keep it
-    # in connection_kwargs: pass it on, or the lock would talk plain TCP to a TLS master.
-    ssl = issubclass(pool.connection_class, SSLConnection)
-    # Always the master, even when the cache's pool reads from replicas (is_master=0).
-    client: redis.Redis = sentinel.master_for(pool.service_name, ssl=ssl)  # type: ignore[no-untyped-call]
-    return client
 
 
 class RedisLock(LockBackend):
@@ -393,7 +263,7 @@ class RedisLock(LockBackend):
             connection = self._idle.pop()
         except IndexError:
             return self.client.connection_pool.make_connection()
-        if _readable(connection):
+        if readable(connection):
             # Readable while idle: the server closed it (or a reply is stray).
             # Start afresh rather than fail the next command.
             connection.disconnect()  # type: ignore[no-untyped-call]
