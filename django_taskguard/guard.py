@@ -64,23 +64,22 @@ WillRetry = Callable[[BaseException], bool]
 OnBusy = Callable[[float], None]
 
 
-# Attempt tokens: 64 random bits per process, then a counter (no system call per
-# call); the random part is drawn again in a forked child.
-_token_prefix = os.urandom(8).hex()
+# Attempt tokens: 64 random bits per process, then a counter (no system call but
+# getpid per call). The random part is drawn again whenever the pid changes: a
+# fork that skips Python's at-fork hooks (uWSGI without py-call-osafterfork)
+# must not hand two workers the same tokens.
+_token_prefix = ("", 0)  # (random part, the pid it was drawn in)
 _token_counter = itertools.count()
-
-
-def _new_token_prefix() -> None:
-    global _token_prefix
-    _token_prefix = os.urandom(8).hex()
-
-
-os.register_at_fork(after_in_child=_new_token_prefix)
 
 
 def new_token() -> str:
     """A token unique to one attempt: the fast-path lock's value, the owner's tail."""
-    return f"{_token_prefix}{next(_token_counter):016x}"
+    global _token_prefix
+    prefix, pid = _token_prefix
+    if pid != os.getpid():
+        prefix, pid = os.urandom(8).hex(), os.getpid()
+        _token_prefix = (prefix, pid)
+    return f"{prefix}{next(_token_counter):016x}"
 
 
 def new_owner(token: str | None = None) -> str:
@@ -101,25 +100,22 @@ def execute(
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
     alias, default_lease, prefix = taskguard_settings.for_claim()
+    # Every call inside an open transaction is refused, the losing one too:
+    # otherwise each instance but one would count a duplicate of a slot whose
+    # only claimant then raised, and nothing would record it.
+    ledger.ensure_autocommit(alias)
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
     key = run_key(prefix, task_name, slot)
 
-    # The losing call ends here: one round trip, no database query (so no
-    # transaction to refuse either: the check below guards the claim).
+    # The losing call ends here: one round trip, no database query.
     acquired = lock.acquire(key, token, lease, task_name)
     if acquired is Acquired.LOST:
         if on_busy is not None:
             on_busy(lease)
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
-    try:
-        ledger.ensure_autocommit(alias)
-    except TaskGuardError:
-        if acquired is Acquired.WON:
-            lock.release(key, token)
-        raise
     owner = new_owner(token)
     try:
         outcome = claim_slot(alias, task_name, slot, owner, lease, policy)
@@ -325,13 +321,15 @@ def _run(
             # the duplicates to fold into the row; the row (still running, fenced)
             # keeps deciding for anyone who wins Redis in between.
             duplicates, released = lock.release_counted(key, active.token), True
-            state, reason = _finish_raised(alias, active, exc, duplicates, will_retry)
-            if state == RunState.ABANDONED:
-                run_abandoned.send(
-                    sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
-                )
-            else:
-                run_failed.send(sender=active.task_name, run=active, exception=exc)
+            if isinstance(exc, Exception):
+                _record_raised(alias, active, exc, duplicates, will_retry)
+                raise
+            # KeyboardInterrupt, SystemExit: the process is going away, and it
+            # must, whatever recording the interruption runs into.
+            try:
+                _record_raised(alias, active, exc, duplicates, will_retry)
+            except Exception:
+                logger.exception("taskguard could not record interrupted run %s", active.id)
             raise
         heartbeats.stop(beat)
         duplicates, released = lock.release_counted(key, active.token), True
@@ -343,6 +341,23 @@ def _run(
         _current.reset(context)
         if not released:
             lock.release(key, active.token)
+
+
+def _record_raised(
+    alias: str,
+    active: ActiveRun,
+    exc: BaseException,
+    duplicates: int,
+    will_retry: WillRetry | None,
+) -> None:
+    """Record a raising attempt's end and send the signal that goes with it."""
+    state, reason = _finish_raised(alias, active, exc, duplicates, will_retry)
+    if state == RunState.ABANDONED:
+        run_abandoned.send(
+            sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
+        )
+    else:
+        run_failed.send(sender=active.task_name, run=active, exception=exc)
 
 
 def _finish_raised(

@@ -6,7 +6,9 @@ Every signal is sent with ``sender`` = the task name (a ``str``).
 - ``run_succeeded(run, result)``; ``run_failed(run, exception)``.
 - ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
 - ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken.
-- ``run_abandoned(run_id, slot, reason)``: a run whose owner died was marked ``abandoned``.
+- ``run_abandoned(run_id, slot, reason)``: a run was marked ``abandoned``: its owner died
+  (found by cleanup or a later caller), or it was interrupted (``KeyboardInterrupt``,
+  ``SystemExit``).
 - ``lease_lost(run)``: an attempt lost its lease (not renewed in time, or fenced out).
 """
 

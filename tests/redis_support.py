@@ -127,7 +127,8 @@ class SentinelSetup:
         except MasterNotFoundError:
             return None
         finally:
-            sentinels.close()
+            for sentinel in sentinels.sentinels:  # (Sentinel.close() is redis-py >= 5)
+                sentinel.close()
         return int(port)
 
     def fail_over(self) -> RedisServer:
@@ -201,3 +202,17 @@ def on_db(server: RedisServer, db: int, name: str, *args: Any) -> Any:
         return getattr(client, name)(*args)
     finally:
         client.close()
+
+
+def retries_of(retry: Any) -> int:
+    """How many times a redis-py ``Retry`` retries (``get_retries()`` is redis-py >= 5)."""
+    getter = getattr(retry, "get_retries", None)
+    return int(getter() if getter is not None else retry._retries)
+
+
+def checkout(pool: Any) -> Any:
+    """A connection from a redis-py pool (redis-py < 5 requires a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("PING")

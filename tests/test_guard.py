@@ -7,6 +7,7 @@ unfenced record of what really ran and when.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
@@ -26,7 +27,7 @@ from django.db.models import F
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_taskguard import current_run, once_per_schedule
+from django_taskguard import current_run, guard, once_per_schedule
 from django_taskguard.exceptions import DuplicateRun, LeaseLost, TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.signals import (
@@ -470,6 +471,47 @@ def test_body_interrupted__recorded_abandoned_sends_run_abandoned_not_run_failed
     assert abandoned.calls[0]["run_id"] == run.id
     assert abandoned.calls[0]["reason"] == reason
     assert body.run_for_slot(SLOT) is None, "an abandoned slot is not run again (on_stale=abandon)"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_body_interrupted__the_interrupt_survives_a_failing_receiver(caplog):
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    @once_per_schedule(name="tests.guard.interrupted_receiver")
+    def body() -> None:
+        raise SystemExit(3)
+
+    run_abandoned.connect(broken)
+    try:
+        with pytest.raises(SystemExit) as info:
+            body.run_for_slot(SLOT)
+    finally:
+        run_abandoned.disconnect(broken)
+    assert info.value.code == 3, "a SystemExit, not the receiver's RuntimeError"
+    assert TaskRun.objects.get().state == RunState.ABANDONED
+    assert "could not record interrupted run" in caplog.text
+
+
+def test_new_token__unique_in_children_forked_without_python_hooks():
+    """uWSGI forks its workers in C: Python's at-fork hooks never run there."""
+    libc_fork = ctypes.PyDLL(None).fork  # PyDLL: the GIL stays held across the fork
+    parent = guard.new_token()
+    tokens = [parent, guard.new_token()]
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = libc_fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                os.write(write, f"{guard.new_token()} {guard.new_token()}".encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        tokens += os.read(read, 100).decode().split()
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert len(set(tokens)) == len(tokens) == 6
+    assert len({token[:16] for token in tokens}) == 3, "each process draws its own random part"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -16,7 +16,7 @@ from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.models import RunState, TaskRun
 
-from .redis_support import command, redis_backend
+from .redis_support import checkout, command, redis_backend, retries_of
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
 KEY = run_key("taskguard", "tests.lock", SLOT)
@@ -71,10 +71,10 @@ def test_redis_lock__client_has_own_timeout_and_no_retries(redis_server):
     with redis_backend(redis_server, REDIS_SOCKET_TIMEOUT=0.25) as lock:
         kwargs = lock.client.connection_pool.connection_kwargs
         assert kwargs["socket_timeout"] == 0.25
-        assert kwargs["retry"].get_retries() == 0
-        connection_ = lock.client.connection_pool.get_connection()
+        assert retries_of(kwargs["retry"]) == 0
+        connection_ = checkout(lock.client.connection_pool)
         try:
-            assert connection_.retry.get_retries() == 0
+            assert retries_of(connection_.retry) == 0
         finally:
             lock.client.connection_pool.release(connection_)
         assert RedisLock.for_alias("redis") is lock  # cached per process
@@ -132,6 +132,17 @@ def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_serv
         assert lock.release(KEY, "a" * 32)
         assert lock.errors == 0
         assert caplog.records == []
+
+
+def test_redis_lock__works_without_select_poll(redis_server, monkeypatch):
+    """eventlet.monkey_patch() deletes select.poll (and Windows never had it)."""
+    with redis_backend(redis_server) as lock:
+        monkeypatch.delattr("select.poll")
+        assert lock.acquire(KEY, "a" * 32, 3) is Acquired.WON  # a new connection
+        assert lock.acquire(KEY, "b" * 32, 3) is Acquired.LOST  # an idle one, checked
+        command(redis_server, "client_kill_filter", _type="normal", skipme=True)
+        assert lock.acquire(KEY, "c" * 32, 3) is Acquired.LOST  # a closed one, replaced
+        assert lock.errors == 0
 
 
 def test_redis_lock__outage_logged_once_and_recovery_once(redis_server, caplog):
@@ -203,7 +214,7 @@ def test_guard__loser_makes_one_redis_call_and_no_query(redis_server, transactio
         assert lock.take_duplicates(key) == 2
 
 
-def test_guard__claim_inside_atomic_is_refused_and_leaves_no_lock(redis_server, transactional_db):
+def test_guard__every_call_inside_atomic_is_refused(redis_server, transactional_db):
     @once_per_schedule(name="tests.atomic")
     def body():
         return "ran"
@@ -212,8 +223,15 @@ def test_guard__claim_inside_atomic_is_refused_and_leaves_no_lock(redis_server, 
         key = run_key("taskguard", "tests.atomic", SLOT)
         with transaction.atomic(), pytest.raises(TaskGuardError, match="open transaction"):
             body.run_for_slot(SLOT)
-        assert lock.holder(key) is None, "the Redis lock it won was given back"
+        assert lock.holder(key) is None, "it took no Redis lock"
         assert not TaskRun.objects.exists()
+        # A call that would lose in Redis is refused too (it would count a
+        # duplicate of a slot whose only claimant raised).
+        assert lock.acquire(key, "h" * 32, 30, "tests.atomic") is Acquired.WON
+        with transaction.atomic(), pytest.raises(TaskGuardError, match="open transaction"):
+            body.run_for_slot(SLOT)
+        assert lock.take_duplicates(key) == 0
+        assert lock.release(key, "h" * 32)
         assert body.run_for_slot(SLOT) == "ran"
 
 

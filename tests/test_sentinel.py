@@ -22,7 +22,7 @@ from django_taskguard.locks.redis import RedisLock, build_client, claim_key
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import RedisServer, wait_for
-from .redis_support import SentinelSetup, on_db, sentinel_backend
+from .redis_support import SentinelSetup, checkout, on_db, retries_of, sentinel_backend
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
 KEY = run_key("taskguard", "tests.sentinel", SLOT)
@@ -79,11 +79,11 @@ def test_sentinel_lock__strict_timeouts_and_no_retries_everywhere(sentinel):
         queries = [s.connection_pool for s in pool.sentinel_manager.sentinels]
         assert [q.connection_kwargs["port"] for q in queries] == [sentinel.port]
         for each in [pool, *queries]:  # the master's connections, then the Sentinel queries'
-            connection = each.get_connection()
+            connection = checkout(each)
             try:
                 assert connection.socket_timeout == 0.25
                 assert connection.socket_connect_timeout == 0.25
-                assert connection.retry.get_retries() == 0
+                assert retries_of(connection.retry) == 0
             finally:
                 each.release(connection)
 

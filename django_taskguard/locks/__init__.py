@@ -57,7 +57,8 @@ def _build_backend() -> LockBackend:
             from .redis import RedisLock
         except ImportError as exc:  # pragma: no cover - depends on the extra
             raise ImproperlyConfigured(
-                "TASKGUARD BACKEND 'redis' needs django-taskguard[redis] (django-redis)"
+                f"TASKGUARD BACKEND 'redis' needs django-taskguard[redis] (django-redis, "
+                f"redis>=4.5): {exc}"
             ) from exc
         return RedisLock.for_alias(taskguard_settings.REDIS_ALIAS)
     raise ImproperlyConfigured(f"unknown TASKGUARD BACKEND {name!r} (auto, redis or database)")

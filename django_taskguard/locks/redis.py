@@ -27,11 +27,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
 from django.conf import settings
-from redis.connection import ConnectionInterface
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
@@ -49,6 +48,9 @@ from .redis_scripts import (
     Script,
     pack,
 )
+
+if TYPE_CHECKING:  # redis-py >= 5.1 only; annotations are never evaluated
+    from redis.connection import ConnectionInterface
 
 logger = logging.getLogger("taskguard.locks")
 

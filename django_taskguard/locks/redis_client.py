@@ -9,13 +9,17 @@ retries, and has its own short socket timeout.
 from __future__ import annotations
 
 import select
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import ConnectionInterface, SSLConnection
+from redis.connection import SSLConnection
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
+
+if TYPE_CHECKING:  # redis-py >= 5.1 only; annotations are never evaluated
+    from redis.connection import ConnectionInterface
+
 
 # Connection kwargs that belong to the other pool or that the lock sets itself.
 _OWN_KWARGS = {
@@ -76,10 +80,21 @@ def _sentinel_master(pool: SentinelConnectionPool, strict: dict[str, Any]) -> re
 
 
 def readable(connection: ConnectionInterface) -> bool:
-    """One ``poll`` on an idle connection's socket (redis-py's ``can_read`` costs four calls)."""
+    """True when an idle connection's socket has something to read: EOF, or a stray reply.
+
+    One ``poll`` (redis-py's ``can_read`` costs four system calls). eventlet's
+    monkey-patching removes ``select.poll``, and Windows never had it: then
+    ``select``. Any error also means "start afresh".
+    """
     sock = getattr(connection, "_sock", None)
     if sock is None:
         return False  # not connected yet: the send connects
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+    try:
+        poll = getattr(select, "poll", None)
+        if poll is None:
+            return bool(select.select([sock], [], [], 0)[0])
+        poller = poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
