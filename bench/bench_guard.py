@@ -11,11 +11,12 @@ taskguard tables there if needed, and times in one process:
   NOTHING`` + ``UPDATE`` on the raw redis-py client and the raw psycopg cursor;
 - an unguarded call of the same function;
 - a guarded winning call (a fresh slot each time);
-- a guarded losing call (the slot's key is held by someone else);
-- one Redis ``PING``.
+- a guarded losing call (a new slot each time, its key held by someone else);
+- one Redis ``PING`` with redis-py, and one on a bare socket (no client library).
 
 Prints medians, p99 and the ratios guarded/floor (bar 2.0, aim 1.5) and
-loser/PING (bar 1.5).
+loser/PING (bar 1.5; the PING made with redis-py, the client everyone's code
+uses), plus loser/bare PING for scale.
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ def run(rounds: int, port: int) -> None:
 
     tag = uuid.uuid4().hex[:8]
     base = datetime(2020, 1, 1, tzinfo=timezone.utc)
+
+    def slot(i: int) -> datetime:
+        return base + timedelta(seconds=i + 100)  # warm-up rounds use i = -1 ... -50
+
     raw = redis.Redis(port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
     connection.ensure_connection()
     cursor = connection.connection.cursor()  # the raw psycopg cursor
@@ -184,18 +189,30 @@ def run(rounds: int, port: int) -> None:
 
     guarded = once_per_schedule(name=f"bench.guarded.{tag}")(work)
     losing = once_per_schedule(name=f"bench.losing.{tag}")(work)
-    lost_slot = base
-    RedisLock.for_alias("default").acquire(
-        run_key("taskguard", f"bench.losing.{tag}", lost_slot), "someone-else", 3600
-    )
+    # The loser meets a new slot every round, as in production (no warm key caches),
+    # each one already held by someone else.
+    lock = RedisLock.for_alias("default")
+    for i in range(-50, rounds):
+        lock.acquire(run_key("taskguard", losing.task_name or "", slot(i)), "someone-else", 3600)
+
+    # One round trip with no client library at all, for scale.
+    bare = socket.create_connection(("127.0.0.1", port))
+    bare.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def bare_ping(i: int) -> None:
+        bare.sendall(b"*1\r\n$4\r\nPING\r\n")
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            reply += bare.recv(16)
 
     results = timed(
         {
             "PING": lambda i: raw.ping(),
+            "PING, bare socket": bare_ping,
             "unguarded call": lambda i: work(),
             "floor": floor,
-            "guarded winner": lambda i: guarded.run_for_slot(base + timedelta(seconds=i + 100)),
-            "guarded loser": lambda i: losing.run_for_slot(lost_slot),
+            "guarded winner": lambda i: guarded.run_for_slot(slot(i) + timedelta(days=1)),
+            "guarded loser": lambda i: losing.run_for_slot(slot(i)),
         },
         rounds,
     )
@@ -203,12 +220,15 @@ def run(rounds: int, port: int) -> None:
     print(f"{rounds} interleaved rounds; loopback Redis :{port}, PostgreSQL database {database}")
     for name, samples in results.items():
         print(
-            f"  {name:16} median {statistics.median(samples) * 1e6:9.1f} us   "
+            f"  {name:18} median {statistics.median(samples) * 1e6:9.1f} us   "
             f"p99 {p99(samples) * 1e6:9.1f} us"
         )
     med = {name: statistics.median(samples) for name, samples in results.items()}
     print(f"guarded/floor = {med['guarded winner'] / med['floor']:.2f}  (bar 2.0, aim 1.5)")
-    print(f"loser/PING    = {med['guarded loser'] / med['PING']:.2f}  (bar 1.5)")
+    print(f"loser/PING    = {med['guarded loser'] / med['PING']:.2f}  (bar 1.5; redis-py's PING)")
+    bare_ratio = med["guarded loser"] / med["PING, bare socket"]
+    print(f"loser/bare    = {bare_ratio:.2f}  (for scale: a PING with no client library)")
+    bare.close()
     TaskRun.objects.filter(task_name__endswith=tag).delete()
     raw.close()
 
