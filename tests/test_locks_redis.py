@@ -100,13 +100,13 @@ def test_redis_lock__new_client_after_fork(redis_server):
 def test_redis_lock__inherited_lock_opens_its_own_connection_after_fork(redis_server):
     """A lock object used across fork() must not share its idle socket with the parent."""
     with redis_backend(redis_server) as lock:
-        assert lock.acquire(KEY, "p" * 32, 3) is Acquired.WON  # the parent's idle connection
+        assert lock.acquire(KEY, "p" * 32, 30) is Acquired.WON  # the parent's idle connection
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through the pipe
             try:
                 other = run_key("taskguard", "tests.lock.child", SLOT)
-                results = {lock.acquire(other, "c" * 32, 3) for _ in range(2000)}
+                results = {lock.acquire(other, "c" * 32, 30) for _ in range(2000)}
                 own = all(c.pid == os.getpid() for c in lock._idle)  # made here, not inherited
                 ok = own and results == {Acquired.WON} and lock.errors == 0
                 os.write(write, b"1" if ok else b"0")
@@ -114,9 +114,11 @@ def test_redis_lock__inherited_lock_opens_its_own_connection_after_fork(redis_se
                 os._exit(0)
         os.close(write)
         # Both at once: on a shared socket, replies would cross (wrong answers, errors).
-        results = {lock.acquire(KEY, "q" * 32, 3) for _ in range(2000)}
-        assert os.read(read, 1) == b"1"
+        results = {lock.acquire(KEY, "q" * 32, 30) for _ in range(2000)}
+        reported = os.read(read, 1)
+        os.close(read)
         os.waitpid(pid, 0)
+        assert reported == b"1"
         assert results == {Acquired.LOST}
         assert lock.errors == 0
 
