@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from django.db import DatabaseError
 
@@ -58,8 +58,10 @@ class Taken:
 #   will_retry(exc) -> True when the caller's framework will run this slot again
 #     after ``exc`` (Celery's autoretry_for): the attempt ends ``retrying``, not ``failed``.
 #   on_busy(seconds) is called when another attempt holds a live lease on the slot
-#     (``seconds``: a hint of how long that lease has left); it may raise to have the
+#     (``seconds``: a hint of how long that lease has left) and must raise, to have the
 #     call come back later (a broker redelivery) instead of being dropped as a duplicate.
+#     Such a call is not counted in ``duplicates`` then; it is when it comes back to a
+#     finished slot.
 WillRetry = Callable[[BaseException], bool]
 OnBusy = Callable[[float], None]
 
@@ -110,15 +112,16 @@ def execute(
     key = run_key(prefix, task_name, slot)
 
     # The losing call ends here: one round trip, no database query.
-    acquired = lock.acquire(key, token, lease, task_name)
+    count = on_busy is None  # a call that will be put back is no duplicate (yet)
+    acquired = lock.acquire(key, token, lease, task_name, count=count)
     if acquired is Acquired.LOST:
         if on_busy is not None:
-            on_busy(lease)
+            _put_back(on_busy, lease, task_name)
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
     owner = new_owner(token)
     try:
-        outcome = claim_slot(alias, task_name, slot, owner, lease, policy)
+        outcome = claim_slot(alias, task_name, slot, owner, lease, policy, count_live=count)
     except BaseException:
         if acquired is Acquired.WON:
             lock.release(key, token)
@@ -127,13 +130,18 @@ def execute(
         if acquired is Acquired.WON:
             lock.release(key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
-            on_busy(_seconds_left(outcome.lease_until, lease))
+            _put_back(on_busy, _seconds_left(outcome.lease_until, lease), task_name)
         _duplicate(task_name, slot, outcome.state, policy)
         return None
     if policy.overlap == "skip" and _skip_for_overlap(alias, outcome):
         lock.release(key, token)
         return None
     return _run(outcome, lock, key, alias, func, args, kwargs, will_retry)
+
+
+def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
+    on_busy(seconds)
+    raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
 
 
 def _seconds_left(lease_until: datetime | None, lease: float) -> float:
@@ -145,18 +153,26 @@ def _seconds_left(lease_until: datetime | None, lease: float) -> float:
 
 
 def claim_slot(
-    alias: str, task_name: str, slot: datetime, owner: str, lease: float, policy: Policy
+    alias: str,
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease: float,
+    policy: Policy,
+    *,
+    count_live: bool = True,
 ) -> ActiveRun | Taken:
     """Make this call the slot's live attempt, or say who has it.
 
     The first statement is the one-round-trip upsert; only a row that is
     pending, retrying or stale needs a second, compare-and-set step, and a
     lost compare-and-set goes round again against the fresh row.
+    ``count_live=False``: finding a live attempt does not count a duplicate.
     """
     abandon = policy.on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
         sent = time.monotonic()
-        row = _claim_row(alias, task_name, slot, owner, lease, abandon)
+        row = _claim_row(alias, task_name, slot, owner, lease, abandon, count_live)
         if row is None:
             continue
         if row.owner == owner:
@@ -173,10 +189,18 @@ def claim_slot(
 
 
 def _claim_row(
-    alias: str, task_name: str, slot: datetime, owner: str, lease: float, abandon: bool
+    alias: str,
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease: float,
+    abandon: bool,
+    count_live: bool = True,
 ) -> Row | None:
     try:
-        return ledger.claim(alias, task_name, slot, owner, lease, abandon_is_final=abandon)
+        return ledger.claim(
+            alias, task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live
+        )
     except DatabaseError as exc:
         if not ledger.connection_lost(alias, exc):
             raise _database_down(task_name, exc) from exc

@@ -151,19 +151,21 @@ def claim(
     lease_seconds: float,
     *,
     abandon_is_final: bool,
+    count_live: bool = True,
 ) -> Row:
     """Insert the (task, slot) row as ``running`` for ``owner``, or find it taken.
 
     One round trip either way. The returned row's ``owner`` equals ``owner``
     exactly when this call created it. When the slot is plainly taken (a live
     or finished attempt) the row's ``duplicates`` is incremented in the same
-    statement; other cases (pending, retrying, stale) are left to
-    :func:`take_over`.
+    statement (a live attempt only with ``count_live``: a caller that will be
+    put back is counted when it comes back); other cases (pending, retrying,
+    stale) are left to :func:`take_over`.
     """
     d = dialect(alias)
     duplicate = (
         f"r.state IN ('{RunState.SUCCEEDED}', '{RunState.FAILED}', '{RunState.SKIPPED}') "
-        f"OR (r.state = '{RunState.RUNNING}' AND r.lease_until > {d.now}) "
+        f"OR (r.state = '{RunState.RUNNING}' AND r.lease_until > {d.now} AND %s) "
         f"OR (r.state = '{RunState.ABANDONED}' AND %s)"
     )
     upsert = (
@@ -180,6 +182,7 @@ def claim(
         _slot_param(alias, slot),
         owner,
         lease_seconds,
+        count_live,
         abandon_is_final,
     ]
     log = (

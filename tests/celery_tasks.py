@@ -1,6 +1,6 @@
 """Guarded Celery tasks of the tests: each execution appends a line to ``log``.
 
-Line format: ``EVENT TASKNAME SLOT ATTEMPT PID``.
+Line format: ``EVENT TASKNAME SLOT ATTEMPT PID FENCE TIME``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from tests.proc import record
 
 def note(log: str, event: str) -> None:
     run = current_run()
-    record(log, f"{event} {run.task_name} {run.slot.isoformat()} {run.attempt} {os.getpid()}")
+    record(
+        log,
+        f"{event} {run.task_name} {run.slot.isoformat()} {run.attempt} {os.getpid()} {run.fence} "
+        f"{time.time():.3f}",
+    )
 
 
 @shared_task(bind=True)
@@ -72,6 +76,30 @@ def slow_retry(self, log: str, seconds: float = 6.0) -> str:
 @once_per_schedule(on_stale="abandon", lease_seconds=3)
 def slow_abandon(self, log: str, seconds: float = 6.0) -> str:
     return _slow(log, seconds)
+
+
+def _gated(log: str, gate: str) -> str:
+    """Attempt 1 holds its slot (a live, renewed lease) until the file ``gate`` exists."""
+    note(log, "start")
+    while current_run().attempt == 1 and not os.path.exists(gate):
+        time.sleep(0.05)
+    current_run().check()
+    note(log, "end")
+    return "opened"
+
+
+@shared_task(bind=True)
+@once_per_schedule(on_stale="retry", lease_seconds=3)
+def gated(self, log: str, gate: str) -> str:
+    return _gated(log, gate)
+
+
+# A prefork worker can take up to ~5 s (its maintain_pool timer) to notice that a
+# pool child was killed and requeue the message: a lease that outlives that.
+@shared_task(bind=True)
+@once_per_schedule(on_stale="retry", lease_seconds=8)
+def gated_long_lease(self, log: str, gate: str) -> str:
+    return _gated(log, gate)
 
 
 @shared_task(bind=True)

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -529,6 +529,45 @@ def test_on_duplicate__raise_raises_duplicate_run():
         RunState.SUCCEEDED,
     )
     assert TaskRun.objects.get().duplicates == 1
+
+
+class PutBack(Exception):
+    """What an on_busy hook raises to have its call come back later."""
+
+
+def busy_call(
+    task_name: str, hints: list[float], *, raises: bool = True, slot: datetime | None = None
+) -> object:
+    """A guarded call whose on_busy hook records its hint, then raises PutBack (or returns)."""
+
+    def on_busy(seconds: float) -> None:
+        hints.append(seconds)
+        if raises:
+            raise PutBack
+
+    policy = guard.Policy(lease_seconds=LEASE)
+    return guard.execute(task_name, slot or SLOT, policy, lambda: "ran", (), {}, on_busy=on_busy)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_busy__a_put_back_call_is_no_duplicate_until_it_finds_the_slot_ended():
+    hints: list[float] = []
+
+    @once_per_schedule(name="tests.guard.busy", lease_seconds=LEASE)
+    def body() -> str:
+        with pytest.raises(PutBack):
+            busy_call("tests.guard.busy", hints)
+        with pytest.raises(TaskGuardError, match="must raise"):
+            busy_call("tests.guard.busy", hints, raises=False)
+        assert TaskRun.objects.get().duplicates == 0
+        return "ok"
+
+    assert body.run_for_slot(SLOT) == "ok"
+    assert len(hints) == 2 and all(0 < hint <= LEASE for hint in hints)
+    assert busy_call("tests.guard.busy", hints) is None  # the slot ended: a duplicate
+    assert len(hints) == 2
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 1)
 
 
 @pytest.mark.django_db(transaction=True)

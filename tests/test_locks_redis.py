@@ -17,6 +17,7 @@ from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.models import RunState, TaskRun
 
 from .redis_support import checkout, command, redis_backend, retries_of
+from .test_guard import PutBack, busy_call
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
 KEY = run_key("taskguard", "tests.lock", SLOT)
@@ -254,6 +255,34 @@ def test_guard__winner_folds_redis_duplicates_into_the_row(redis_server, transac
     assert seen == [None, None]
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 2)
+
+
+def test_redis_lock__acquire_without_count_loses_without_counting(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock", count=False) is Acquired.LOST
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock", count=False) is Acquired.WON
+        assert lock.take_duplicates(KEY) == 0
+        assert lock.release(KEY, "a" * 32)
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock", count=False) is Acquired.WON
+
+
+def test_guard__put_back_call_is_not_counted_in_redis(redis_server, transactional_db):
+    hints: list[float] = []
+
+    @once_per_schedule(name="tests.busy", lease_seconds=3)
+    def body():
+        with pytest.raises(PutBack):
+            busy_call("tests.busy", hints, slot=SLOT)
+        return "ran"
+
+    with redis_backend(redis_server) as lock:
+        assert body.run_for_slot(SLOT) == "ran"
+        assert hints == [3]  # Redis said "held": the hint is the whole lease
+        assert busy_call("tests.busy", hints, slot=SLOT) is None  # the slot ended: a duplicate
+        assert lock.holder(run_key("taskguard", "tests.busy", SLOT)) is None
+    run = TaskRun.objects.get()
+    assert (run.state, run.duplicates, len(hints)) == (RunState.SUCCEEDED, 1, 1)
 
 
 def test_guard__redis_flushed_mid_slot_the_row_decides(redis_server, transactional_db):

@@ -28,11 +28,20 @@ class LockBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        lease_seconds: float,
+        task_name: str = "",
+        *,
+        count: bool = True,
+    ) -> Acquired:
         """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate.
 
         ``task_name`` is recorded next to the count, so that a slot whose
         winner died before its database row can still be recorded by cleanup.
+        ``count=False``: a lost call is not counted (it will be put back).
         """
 
     @abstractmethod

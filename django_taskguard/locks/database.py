@@ -8,7 +8,15 @@ from .base import Acquired, LockBackend
 class DatabaseLock(LockBackend):
     name = "database"
 
-    def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        lease_seconds: float,
+        task_name: str = "",
+        *,
+        count: bool = True,
+    ) -> Acquired:
         return Acquired.BYPASSED
 
     def extend(self, key: str, token: str, lease_seconds: float) -> bool:

@@ -136,11 +136,19 @@ class RedisLock(LockBackend):
 
     # -- the hot path ---------------------------------------------------------
 
-    def acquire(self, key: str, token: str, lease_seconds: float, task_name: str = "") -> Acquired:
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        lease_seconds: float,
+        task_name: str = "",
+        *,
+        count: bool = True,
+    ) -> Acquired:
         # (`_down_since` tested inline: this is the hot path of every call)
         if self._down_since is not None and self._backing_off():
             return self._unavailable(task_name, None)
-        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name)
+        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name, int(count))
         try:
             won = self._eval(ACQUIRE, (key, claim_key(key)), args)
         except RedisError as exc:

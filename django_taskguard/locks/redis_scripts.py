@@ -21,13 +21,15 @@ class Script:
 
 
 # Take the lock for ARGV[1] for ARGV[2] ms (or find it already ours), else count
-# one duplicate on the claim record; the record (ARGV[4] = task) lives ARGV[3] ms. 1 = won.
+# one duplicate on the claim record unless ARGV[5] is '0'; the record (ARGV[4] = task)
+# lives ARGV[3] ms. 1 = won.
 # SET NX GET (Redis >= 7) answers "was it free, and whose is it" in one command.
 ACQUIRE = Script.of(
     "local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2]) "
     "if not held then redis.call('HSET', KEYS[2], 'task', ARGV[4], 'token', ARGV[1]) "
     "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 1 end "
     "if held == ARGV[1] then return 1 end "
+    "if ARGV[5] == '0' then return 0 end "
     "redis.call('HINCRBY', KEYS[2], 'count', 1) redis.call('HSETNX', KEYS[2], 'task', ARGV[4]) "
     "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 0"
 )
