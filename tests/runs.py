@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 from django.utils import timezone as dj_timezone
 
+from django_taskguard import guard
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
 BASE = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -46,3 +47,21 @@ def make_run(
             owner=owner,
         )
     return run
+
+
+class PutBack(Exception):
+    """What an on_busy hook raises to have its call come back later."""
+
+
+def busy_call(
+    task_name: str, hints: list[float], *, slot: datetime, lease: float, raises: bool = True
+) -> object:
+    """A guarded call whose on_busy hook records its hint, then raises PutBack (or returns)."""
+
+    def on_busy(seconds: float) -> None:
+        hints.append(seconds)
+        if raises:
+            raise PutBack
+
+    policy = guard.Policy(lease_seconds=lease)
+    return guard.execute(task_name, slot, policy, lambda: "ran", (), {}, on_busy=on_busy)

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from django_taskguard.signals import (
 
 from .conftest import python, wait_for
 from .proc import BASE_SLOT
+from .runs import PutBack, busy_call
 
 LEASE = 3.0  # seconds; renewed every LEASE / 3 while the body runs
 
@@ -531,24 +532,6 @@ def test_on_duplicate__raise_raises_duplicate_run():
     assert TaskRun.objects.get().duplicates == 1
 
 
-class PutBack(Exception):
-    """What an on_busy hook raises to have its call come back later."""
-
-
-def busy_call(
-    task_name: str, hints: list[float], *, raises: bool = True, slot: datetime | None = None
-) -> object:
-    """A guarded call whose on_busy hook records its hint, then raises PutBack (or returns)."""
-
-    def on_busy(seconds: float) -> None:
-        hints.append(seconds)
-        if raises:
-            raise PutBack
-
-    policy = guard.Policy(lease_seconds=LEASE)
-    return guard.execute(task_name, slot or SLOT, policy, lambda: "ran", (), {}, on_busy=on_busy)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_on_busy__a_put_back_call_is_no_duplicate_until_it_finds_the_slot_ended():
     hints: list[float] = []
@@ -556,15 +539,17 @@ def test_on_busy__a_put_back_call_is_no_duplicate_until_it_finds_the_slot_ended(
     @once_per_schedule(name="tests.guard.busy", lease_seconds=LEASE)
     def body() -> str:
         with pytest.raises(PutBack):
-            busy_call("tests.guard.busy", hints)
+            busy_call("tests.guard.busy", hints, slot=SLOT, lease=LEASE)
         with pytest.raises(TaskGuardError, match="must raise"):
-            busy_call("tests.guard.busy", hints, raises=False)
+            busy_call("tests.guard.busy", hints, raises=False, slot=SLOT, lease=LEASE)
         assert TaskRun.objects.get().duplicates == 0
         return "ok"
 
     assert body.run_for_slot(SLOT) == "ok"
     assert len(hints) == 2 and all(0 < hint <= LEASE for hint in hints)
-    assert busy_call("tests.guard.busy", hints) is None  # the slot ended: a duplicate
+    assert (
+        busy_call("tests.guard.busy", hints, slot=SLOT, lease=LEASE) is None
+    )  # the slot ended: a duplicate
     assert len(hints) == 2
     run = TaskRun.objects.get()
     assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 1)

@@ -17,7 +17,7 @@ from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.models import RunState, TaskRun
 
 from .redis_support import checkout, command, redis_backend, retries_of
-from .test_guard import PutBack, busy_call
+from .runs import PutBack, busy_call
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
 KEY = run_key("taskguard", "tests.lock", SLOT)
@@ -273,13 +273,15 @@ def test_guard__put_back_call_is_not_counted_in_redis(redis_server, transactiona
     @once_per_schedule(name="tests.busy", lease_seconds=3)
     def body():
         with pytest.raises(PutBack):
-            busy_call("tests.busy", hints, slot=SLOT)
+            busy_call("tests.busy", hints, slot=SLOT, lease=3)
         return "ran"
 
     with redis_backend(redis_server) as lock:
         assert body.run_for_slot(SLOT) == "ran"
         assert hints == [3]  # Redis said "held": the hint is the whole lease
-        assert busy_call("tests.busy", hints, slot=SLOT) is None  # the slot ended: a duplicate
+        assert (
+            busy_call("tests.busy", hints, slot=SLOT, lease=3) is None
+        )  # the slot ended: a duplicate
         assert lock.holder(run_key("taskguard", "tests.busy", SLOT)) is None
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates, len(hints)) == (RunState.SUCCEEDED, 1, 1)
