@@ -6,7 +6,8 @@ state, fence and lease by the database's clock. A run whose owner renewed its
 lease, finished, or was taken over meanwhile is not touched, so running this
 from every instance at once is safe, and running it twice changes nothing
 the second time. Redis keys are only ever deleted by compare-and-delete on
-the token of an attempt that is known to be over.
+the token of an attempt that is known to be over. The Redis sweep (claim
+records of unrecorded slots, orphan keys) is in ``cleanup_redis``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,7 +28,7 @@ from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
 from .ledger import Row, Step
 from .locks import LockBackend, backend_name, get_backend
-from .locks.base import parse_run_key, run_key, task_digest
+from .locks.base import run_key
 from .models import TaskRun
 from .signals import run_abandoned
 from .states import RunState
@@ -36,10 +36,6 @@ from .states import RunState
 logger = logging.getLogger("taskguard.cleanup")
 
 BATCH_SIZE = 500
-# A Redis key whose token no row records may belong to a winner between its
-# SET NX and its row insert (milliseconds). It is only removed if it still has
-# no row this long after it was first seen.
-ORPHAN_GRACE_SECONDS = 5.0
 
 ROW_FIELDS = ("id", "task_name", "slot", "state", "attempt", "fence", "owner", "lease_until")
 
@@ -49,6 +45,7 @@ class CleanupResult:
     stale_runs: int = 0
     released_locks: int = 0
     orphan_keys: int = 0
+    unrecorded_slots: int = 0  # slots whose Redis winner died before its row, now recorded
     dry_run: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -56,6 +53,7 @@ class CleanupResult:
             "stale_runs": self.stale_runs,
             "released_locks": self.released_locks,
             "orphan_keys": self.orphan_keys,
+            "unrecorded_slots": self.unrecorded_slots,
             "dry_run": self.dry_run,
         }
 
@@ -78,10 +76,13 @@ def cleanup_locks(
     batch_size: int = BATCH_SIZE,
     scan_orphans: bool = True,
 ) -> CleanupResult:
-    """Abandon stale runs, release their locks, and remove orphan Redis keys.
+    """Abandon stale runs, release their locks; with Redis, sweep its keys too.
 
-    ``runs`` limits the work to those runs (the admin action; read as a
-    subquery, so "select all" costs no memory) and skips the orphan scan.
+    The Redis sweep (``cleanup_redis``) records the slots whose Redis winner
+    died before writing its row, and removes orphan lock keys. ``runs``
+    limits the work to those runs (the admin action; read as a subquery, so
+    "select all" costs no memory) and skips the Redis sweep, as does
+    ``scan_orphans=False``.
     Raises ``BackendUnavailable`` when the database or the lock backend
     cannot be reached.
     """
@@ -103,7 +104,9 @@ def cleanup_locks(
             result.stale_runs += 1
             result.released_locks += release_if_held(lock, run)
     if scan_orphans and backend_name() == "redis":
-        result.orphan_keys = _orphan_keys(lock, task, dry_run)
+        from .cleanup_redis import sweep  # needs the redis extra, installed with this backend
+
+        result.unrecorded_slots, result.orphan_keys = sweep(lock, task, dry_run)
     return result
 
 
@@ -115,7 +118,7 @@ def _batches(queryset: Any, batch_size: int) -> Iterator[dict[str, Any]]:
             fields = [*ROW_FIELDS, *queryset.query.annotations]
             batch = list(queryset.filter(pk__gt=last).order_by("pk").values(*fields)[:batch_size])
         except DatabaseError as exc:
-            raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+            raise database_unreachable(exc) from exc
         yield from batch
         if len(batch) < batch_size:
             return
@@ -136,7 +139,7 @@ def abandon(run: dict[str, Any], reason: str, *, lease: str) -> bool:
             sets=[("error = %s", (reason,))],
         )
     except DatabaseError as exc:
-        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+        raise database_unreachable(exc) from exc
     if changed is None:
         logger.info("taskguard run %s changed meanwhile; left alone", run["id"])
         return False
@@ -151,18 +154,19 @@ def _key(run: dict[str, Any]) -> str:
 
 def _holds(lock: LockBackend, run: dict[str, Any]) -> bool:
     token = token_of(run["owner"])
-    return bool(token) and _call(lock.holder, _key(run)) == token
+    return bool(token) and call_backend(lock.holder, _key(run)) == token
 
 
 def release_if_held(lock: LockBackend, run: dict[str, Any]) -> bool:
     """Delete the run's lock key only while it still holds the run's token."""
     token = token_of(run["owner"])
-    if not token or _call(lock.holder, _key(run)) != token:
+    if not token or call_backend(lock.holder, _key(run)) != token:
         return False
-    return bool(_call(lock.release, _key(run), token))
+    return bool(call_backend(lock.release, _key(run), token))
 
 
-def _call(method: Any, *args: Any) -> Any:
+def call_backend(method: Any, *args: Any) -> Any:
+    """``method(*args)``, the lock client's own errors raised as ``BackendUnavailable``."""
     try:
         return method(*args)
     except BackendUnavailable:
@@ -170,7 +174,15 @@ def _call(method: Any, *args: Any) -> Any:
     except Exception as exc:  # the client's own errors (redis.ConnectionError, ...)
         if not _is_backend_error(exc):
             raise
-        raise BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})") from exc
+        raise backend_unreachable(exc) from exc
+
+
+def backend_unreachable(exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})")
+
+
+def database_unreachable(exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
 
 
 def _is_backend_error(exc: Exception) -> bool:
@@ -179,59 +191,6 @@ def _is_backend_error(exc: Exception) -> bool:
     except ImportError:  # pragma: no cover - redis is an extra
         return False
     return isinstance(exc, (RedisError, OSError))
-
-
-def _orphan_keys(lock: LockBackend, task: str | None, dry_run: bool) -> int:
-    """Remove keys whose token belongs to no live attempt (compare-and-delete)."""
-    digest = task_digest(task) if task is not None else None
-    removed = 0
-    unrecorded: list[tuple[RunKey, float]] = []
-    for found in _call(lambda: list(_scan(lock, digest))):
-        verdict = _verdict(found)
-        if verdict == "dead":
-            removed += 1 if dry_run else bool(_call(lock.release, found.key, found.token))
-        elif verdict == "unrecorded":
-            unrecorded.append((found, time.monotonic()))
-    for found, seen in unrecorded:
-        if dry_run:
-            removed += 1
-            continue
-        time.sleep(max(0.0, seen + ORPHAN_GRACE_SECONDS - time.monotonic()))
-        if _verdict(found) == "unrecorded":
-            removed += bool(_call(lock.release, found.key, found.token))
-    return removed
-
-
-@dataclass(frozen=True)
-class RunKey:
-    key: str
-    token: str
-    digest: str
-    slot: datetime
-
-
-def _scan(lock: LockBackend, digest: str | None) -> Iterator[RunKey]:
-    for key, token in lock.scan_run_keys():
-        parsed = parse_run_key(key)
-        if parsed is None or not token or (digest is not None and parsed[0] != digest):
-            continue
-        yield RunKey(key, token, parsed[0], parsed[1])
-
-
-def _verdict(found: RunKey) -> str:
-    """``live``, ``dead`` (its attempt is over) or ``unrecorded`` (no row names the token)."""
-    try:
-        rows = list(
-            TaskRun.objects.filter(slot=found.slot, owner__endswith=f":{found.token}")
-            .with_lease()
-            .values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
-        )
-    except DatabaseError as exc:
-        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
-    mine = [alive for name, alive in rows if task_digest(name) == found.digest]
-    if not mine:
-        return "unrecorded"
-    return "live" if any(mine) else "dead"
 
 
 def release_lock(run: TaskRun) -> str:
@@ -319,4 +278,4 @@ def ensure_database(alias: str | None = None) -> None:
     try:
         connections[alias].ensure_connection()
     except DatabaseError as exc:
-        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+        raise database_unreachable(exc) from exc

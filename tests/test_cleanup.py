@@ -62,7 +62,13 @@ def test_cleanup_locks__never_touches_a_live_lease():
     live = make_run(minute=0, lease=3600)
     finished = make_run(minute=1, state=RunState.SUCCEEDED)
     assert command("--json") == json.dumps(
-        {"stale_runs": 0, "released_locks": 0, "orphan_keys": 0, "dry_run": False}
+        {
+            "stale_runs": 0,
+            "released_locks": 0,
+            "orphan_keys": 0,
+            "unrecorded_slots": 0,
+            "dry_run": False,
+        }
     )
     live.refresh_from_db()
     finished.refresh_from_db()

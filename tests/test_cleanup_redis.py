@@ -1,21 +1,27 @@
-"""cleanup_locks against a real private Redis: token-checked release, SCAN for orphans."""
+"""cleanup_locks against a real private Redis: token-checked release, orphans, claim records."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from datetime import datetime
 from io import StringIO
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db.models.signals import pre_save
 from django.test import override_settings
 
-from django_taskguard import cleanup
+from django_taskguard import cleanup_redis
 from django_taskguard.cleanup import cleanup_locks
+from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.locks.base import run_key
+from django_taskguard.locks.redis import claim_key
 from django_taskguard.models import RunState, TaskRun
 
-from .runs import make_run
+from .conftest import python, wait_for
+from .runs import BASE, make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,7 +56,7 @@ def test_cleanup_locks_redis__releases_only_keys_holding_the_runs_token(redis_se
 
 
 def test_cleanup_locks_redis__orphans_removed_live_keys_kept(redis_settings, monkeypatch):
-    monkeypatch.setattr(cleanup, "ORPHAN_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(cleanup_redis, "ORPHAN_GRACE_SECONDS", 0.5)
     client = redis_settings.client()
     live = make_run("tests.live", 0, owner="h:1:toklive", lease=3600)
     done = make_run("tests.done", 0, owner="h:1:tokdone", state=RunState.SUCCEEDED)
@@ -81,5 +87,111 @@ def test_cleanup_locks_redis__json(redis_settings):
         "stale_runs": 0,
         "released_locks": 0,
         "orphan_keys": 0,
+        "unrecorded_slots": 0,
         "dry_run": False,
     }
+
+
+# Claim records: a slot won in Redis whose lock is gone ------------------------------
+# (The winner killed by a real SIGKILL before its row: tests/test_faults_redis.py.)
+
+
+def claim(name: str, slot: datetime, winner: str, losers: int, lease: float = 30.0) -> str:
+    """Win ``slot`` in Redis for ``winner`` and have ``losers`` calls lose to it; the key."""
+    lock = get_backend()
+    slot_key = run_key("tg", name, slot)
+    assert lock.acquire(slot_key, winner, lease, name) is Acquired.WON
+    for index in range(losers):
+        assert lock.acquire(slot_key, f"loser{index}", lease, name) is Acquired.LOST
+    return slot_key
+
+
+@pytest.mark.parametrize("winner", ["lost_to_the_row", "final_release_failed"])
+def test_cleanup_locks_redis__claim_of_a_recorded_slot_adds_its_count(redis_settings, winner):
+    client = redis_settings.client()
+    run = make_run("tests.c", 0, state=RunState.SUCCEEDED)
+    TaskRun.objects.filter(pk=run.pk).update(duplicates=1)
+    lease = 30.0 if winner == "lost_to_the_row" else 0.3
+    slot_key = claim(run.task_name, run.slot, "tokwin", 3, lease)
+    if winner == "lost_to_the_row":
+        assert get_backend().release(slot_key, "tokwin")  # what a winner does on a taken row
+    else:  # its release_counted never reached Redis: the lock lapses with the count on it
+        wait_for(lambda: client.get(slot_key) is None, what="the winner's lease to lapse")
+    assert client.exists(claim_key(slot_key))
+    assert cleanup_locks().as_dict() == counts()
+    run.refresh_from_db()
+    assert (run.state, run.duplicates, run.transitions.count()) == (RunState.SUCCEEDED, 4, 1)
+    assert not client.exists(claim_key(slot_key))
+    assert cleanup_locks().as_dict() == counts()
+    assert TaskRun.objects.get(pk=run.pk).duplicates == 4
+
+
+def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
+    redis_settings, child_env, scratch
+):
+    client = redis_settings.client()
+    name = "tests.meanwhile"
+    slot_key = claim(name, BASE, "tokdead", 2, lease=0.3)
+    wait_for(lambda: client.get(slot_key) is None, what="the dead winner's lease to lapse")
+    children = []
+
+    def caller_claims_first(sender: type[TaskRun], instance: TaskRun, **kwargs: object) -> None:
+        # Between cleanup's UPDATE (no row yet) and its INSERT, a real caller on
+        # the database path claims the slot, runs it and commits.
+        if instance.task_name == name and not children:
+            argv = [python(), "-m", "tests.proc", "hold", "--task", name, "--log",
+                    str(scratch / "x.log"), "--seconds", "0"]  # fmt: skip
+            children.append(
+                subprocess.run(argv, env=child_env, capture_output=True, text=True, timeout=120)
+            )
+
+    pre_save.connect(caller_claims_first, sender=TaskRun)
+    try:
+        result = cleanup_locks()
+    finally:
+        pre_save.disconnect(caller_claims_first, sender=TaskRun)
+    (child,) = children
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout.splitlines()[-1]) == {"result": "done"}
+    assert result.as_dict() == counts()  # the insert lost to the caller's row: counted on it
+    run = TaskRun.objects.get(task_name=name)
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 2)
+    assert [t.to_state for t in run.transitions.order_by("id")] == ["running", "succeeded"]
+    assert not client.exists(claim_key(slot_key))
+
+
+def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
+    redis_settings, monkeypatch
+):
+    monkeypatch.setattr(cleanup_redis, "ORPHAN_GRACE_SECONDS", 0.1)
+    client = redis_settings.client()
+    lock = get_backend()
+    name = "tests.again"
+    slot_key = claim(name, BASE, "tokdead", 2, lease=0.3)
+    wait_for(lambda: client.get(slot_key) is None, what="the dead winner's lease to lapse")
+
+    def new_caller_wins_redis(sender: type[TaskRun], instance: TaskRun, **kwargs: object) -> None:
+        # A new call wins the free Redis lock after cleanup read the record: the
+        # record's count is now that call's to fold when it releases.
+        assert lock.acquire(slot_key, "toknew", 30, name) is Acquired.WON
+
+    pre_save.connect(new_caller_wins_redis, sender=TaskRun)
+    try:
+        # The new call's key names no row: this same run removes it as an orphan.
+        assert cleanup_locks().as_dict() == counts(unrecorded_slots=1, orphan_keys=1)
+    finally:
+        pre_save.disconnect(new_caller_wins_redis, sender=TaskRun)
+    run = TaskRun.objects.get(task_name=name)
+    assert (run.state, run.duplicates) == (RunState.ABANDONED, 0)  # the count went back
+    assert client.hget(claim_key(slot_key), "count") == b"2"
+    assert cleanup_locks().as_dict() == counts()  # the new call died too: the next run folds it
+    run.refresh_from_db()
+    assert (run.state, run.duplicates, run.transitions.count()) == (RunState.ABANDONED, 2, 1)
+    assert not client.exists(claim_key(slot_key))
+    assert cleanup_locks().as_dict() == counts()
+    assert TaskRun.objects.get(pk=run.pk).duplicates == 2
+
+
+def counts(**nonzero: int) -> dict[str, object]:
+    return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
+            "unrecorded_slots": 0, "dry_run": False, **nonzero}  # fmt: skip

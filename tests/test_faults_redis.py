@@ -15,14 +15,18 @@ import subprocess
 import time
 from collections import Counter
 from datetime import timedelta
+from io import StringIO
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 
-from django_taskguard import once_per_schedule
-from django_taskguard.locks import run_key
-from django_taskguard.models import RunState, TaskRun
+from django_taskguard import cleanup_redis, once_per_schedule
+from django_taskguard.locks import Acquired, run_key
+from django_taskguard.locks.redis import claim_key
+from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+from django_taskguard.signals import run_abandoned
 
 from .conftest import python
 from .proc import BASE_SLOT
@@ -435,26 +439,104 @@ def test_redis_swarm__120_processes_one_slot_one_winner(child_env, redis_server,
 # G3: a Redis winner killed before its database claim -----------------------------
 
 
-def test_redis_gap__winner_killed_before_its_row_is_found_by_cleanup(
-    child_env, redis_server, scratch
+def cleanup(*args: str) -> str:
+    out = StringIO()
+    call_command("cleanup_locks", *args, stdout=out)
+    return out.getvalue().strip()
+
+
+def cleanup_json(*args: str) -> dict[str, object]:
+    return dict(json.loads(cleanup("--json", *args)))
+
+
+def counts(**nonzero: int) -> dict[str, object]:
+    return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
+            "unrecorded_slots": 0, "dry_run": False, **nonzero}  # fmt: skip
+
+
+def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
+    child_env, redis_server, scratch, monkeypatch
 ):
+    monkeypatch.setattr(cleanup_redis, "ORPHAN_GRACE_SECONDS", 0.2)
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.gap"
     # a lease long enough for the losers' interpreters to start on a busy machine
-    dying = Child(env, "claim_then_die", "--task", task, "--log", str(log), "--lease", "12")
+    dying = Child(env, "claim_then_die", "--task", task, "--log", str(log), "--lease", "30")
     assert dying.started() == {"acquired": "won"}
     dying.killed()  # it killed itself right after its Redis claim
     losers = [hold(env, log, task, lease=LEASE, seconds=0) for _ in range(2)]
     assert [loser.outcome() for loser in losers] == [{"result": None}] * 2
     assert not TaskRun.objects.exists()  # the losers wrote nothing; nobody recorded the slot
+    abandoned: list[dict[str, object]] = []
+    run_abandoned.connect(lambda **kw: abandoned.append(kw), weak=False, dispatch_uid="gap")
+    try:
+        with redis_backend(redis_server) as lock:
+            record = claim_key(run_key("taskguard", task, BASE_SLOT))
+            # The dead winner's key still holds its lease: its record is not for cleanup yet,
+            # but its key names no row, so it goes as an orphan (after the grace period).
+            assert cleanup_json("--dry-run") == counts(orphan_keys=1, dry_run=True)
+            assert cleanup_json() == counts(orphan_keys=1)
+            assert cleanup("--dry-run") == (
+                "Would abandon 0 stale runs, would release 0 locks, would remove 0 orphan keys, "
+                "would record 1 slot whose Redis winner died."
+            )
+            assert cleanup_json("--task", "tests.other") == counts()
+            assert not TaskRun.objects.exists() and lock.client.exists(record)
+            assert cleanup_json("--task", task) == counts(unrecorded_slots=1)
+            assert not lock.client.exists(record)
+            assert cleanup_json() == counts()  # idempotent
+    finally:
+        run_abandoned.disconnect(dispatch_uid="gap")
+    run = the_run(task)
+    assert (run.state, run.attempt, run.fence, run.owner) == (RunState.ABANDONED, 0, None, "")
+    assert (run.duplicates, run.started_at) == (2, None)
+    assert run.finished_at is not None
+    (transition,) = run.transitions.all()
+    assert (transition.from_state, transition.to_state) == (RunState.PENDING, RunState.ABANDONED)
+    assert "died before recording its claim" in transition.reason
+    assert "2 calls found the slot taken" in transition.reason
+    assert transition.owner.startswith("cleanup@")
+    assert [(a["sender"], a["run_id"]) for a in abandoned] == [(task, run.id)]
+    # on_stale="retry": the next call takes the recorded slot over, with a fence.
+    taker = hold(env, log, task, lease=LEASE, seconds=0, on_stale="retry")
+    assert taker.outcome() == {"result": "done"}
+    run = the_run(task)
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 2)
+    assert run.fence is not None
+    assert states_path(run) == ["abandoned", "retrying", "running", "succeeded"]
+    assert log_lines(log) == Counter({"start": 1, "end": 1})
     with redis_backend(redis_server) as lock:
-        assert list(lock.unrecorded_claims()) == []  # the lock is still held: not yet
-        wait_for(lambda: lock.holder(run_key("taskguard", task, BASE_SLOT)) is None)
-        (claim,) = lock.unrecorded_claims()
-        assert (claim.task_name, claim.slot, claim.duplicates) == (task, BASE_SLOT, 2)
-        assert lock.forget_claim(claim)
         assert list(lock.unrecorded_claims()) == []
-    assert log_lines(log) == Counter()
+
+
+def test_redis_gap__cleaners_at_once_record_each_slot_and_loser_once(child_env, redis_server):
+    env = child_redis_env(child_env, redis_server)
+    task, slots = "tests.gap_many", 150
+    with redis_backend(redis_server) as lock:
+        for index in range(slots):  # winners that never write their row, 1-3 losers each
+            key = run_key("taskguard", task, BASE_SLOT + timedelta(minutes=index))
+            assert lock.acquire(key, f"dead{index}", 1.0, task) is Acquired.WON
+            for loser in range(index % 3 + 1):
+                assert lock.acquire(key, f"loser{loser}", 1.0, task) is Acquired.LOST
+        wait_for(lambda: not list(lock.scan_run_keys()))
+        assert len(list(lock.unrecorded_claims())) == slots
+    cleaners = [
+        subprocess.Popen([python(), "-m", "django", "cleanup_locks", "--json"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]  # fmt: skip
+    reports = []
+    for cleaner in cleaners:
+        out, err = cleaner.communicate(timeout=120)
+        assert cleaner.returncode == 0, err
+        reports.append(json.loads(out))
+    assert sum(report["unrecorded_slots"] for report in reports) == slots
+    runs = TaskRun.objects.filter(task_name=task).order_by("slot")
+    assert set(runs.values_list("state", flat=True)) == {RunState.ABANDONED}
+    assert [run.duplicates for run in runs] == [index % 3 + 1 for index in range(slots)]
+    assert TaskRunTransition.objects.filter(run__task_name=task).count() == slots
+    with redis_backend(redis_server) as lock:
+        assert list(lock.unrecorded_claims()) == []
 
 
 # soak ----------------------------------------------------------------------------

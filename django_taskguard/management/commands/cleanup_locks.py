@@ -23,8 +23,9 @@ def task_name(value: str) -> str:
 class Command(BaseCommand):
     help = (
         "Mark runs whose lease expired (by the database clock) as abandoned, release their "
-        "Redis locks if they still hold that run's token, and remove Redis keys of no live "
-        "run. Never touches a live owner's run or lock; safe to run from every instance."
+        "Redis locks if they still hold that run's token, record the slots whose Redis winner "
+        "died before writing its row, and remove Redis keys of no live run. Never touches a "
+        "live owner's run or lock; safe to run from every instance. Run it at least daily."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -68,7 +69,12 @@ class Command(BaseCommand):
 
 
 def describe(result: CleanupResult) -> str:
-    """``Abandoned 3 stale runs, released 2 locks, removed 1 orphan key`` (or ``Would ...``)."""
+    """``Abandoned 3 stale runs, released 2 locks, removed 1 orphan key`` (or ``Would ...``).
+
+    Slots recorded for a Redis winner that died before its row are named only
+    when there are some.
+    """
+    unrecorded = result.unrecorded_slots
     if result.dry_run:
         parts = [
             ngettext("Would abandon %d stale run", "Would abandon %d stale runs", result.stale_runs)
@@ -80,6 +86,11 @@ def describe(result: CleanupResult) -> str:
             )
             % result.orphan_keys,
         ]
+        recorded = ngettext(
+            "would record %d slot whose Redis winner died",
+            "would record %d slots whose Redis winner died",
+            unrecorded,
+        )
     else:
         parts = [
             ngettext("Abandoned %d stale run", "Abandoned %d stale runs", result.stale_runs)
@@ -89,4 +100,11 @@ def describe(result: CleanupResult) -> str:
             ngettext("removed %d orphan key", "removed %d orphan keys", result.orphan_keys)
             % result.orphan_keys,
         ]
+        recorded = ngettext(
+            "recorded %d slot whose Redis winner died",
+            "recorded %d slots whose Redis winner died",
+            unrecorded,
+        )
+    if unrecorded:
+        parts.append(recorded % unrecorded)
     return ", ".join(parts) + "."
