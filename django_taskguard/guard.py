@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,6 +14,7 @@ from typing import Any, NoReturn, TypeVar
 from django.db import DatabaseError
 
 from . import ledger
+from .claim import Taken, claim_slot
 from .conf import taskguard_settings
 from .context import ActiveRun, _current
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
@@ -35,7 +35,6 @@ logger = logging.getLogger("taskguard.guard")
 
 R = TypeVar("R")
 HOST = socket.gethostname()
-CLAIM_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -44,14 +43,6 @@ class Policy:
     overlap: str = "allow"  # "allow" | "skip"
     on_stale: str = "abandon"  # "abandon" | "retry"
     lease_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class Taken:
-    """The slot belongs to another attempt (or is finished); this call does not run."""
-
-    state: str
-    lease_until: datetime | None = None  # of the live attempt, when state is running
 
 
 # Optional hooks a slot source (the Celery glue) passes for one call:
@@ -121,7 +112,9 @@ def execute(
         return None
     owner = new_owner(token)
     try:
-        outcome = claim_slot(alias, task_name, slot, owner, lease, policy, count_live=count)
+        outcome = claim_slot(
+            alias, task_name, slot, owner, lease, policy.on_stale, count_live=count
+        )
     except BaseException:
         if acquired is Acquired.WON:
             lock.release(key, token)
@@ -150,157 +143,6 @@ def _seconds_left(lease_until: datetime | None, lease: float) -> float:
         return lease
     left = (lease_until - datetime.now(tz=lease_until.tzinfo)).total_seconds()
     return min(max(left, 0.0), lease)
-
-
-def claim_slot(
-    alias: str,
-    task_name: str,
-    slot: datetime,
-    owner: str,
-    lease: float,
-    policy: Policy,
-    *,
-    count_live: bool = True,
-) -> ActiveRun | Taken:
-    """Make this call the slot's live attempt, or say who has it.
-
-    The first statement is the one-round-trip upsert; only a row that is
-    pending, retrying or stale needs a second, compare-and-set step, and a
-    lost compare-and-set goes round again against the fresh row.
-    ``count_live=False``: finding a live attempt does not count a duplicate.
-    """
-    abandon = policy.on_stale == "abandon"
-    for _ in range(CLAIM_ROUNDS):
-        sent = time.monotonic()
-        row = _claim_row(alias, task_name, slot, owner, lease, abandon, count_live)
-        if row is None:
-            continue
-        if row.owner == owner:
-            return _active(row, task_name, slot, lease, sent)
-        decided = _decide(alias, row, owner, lease, abandon, slot, task_name)
-        if isinstance(decided, Taken):
-            return decided
-        if decided is not None:
-            return _active(decided, task_name, slot, lease, sent)
-    raise TaskGuardError(
-        f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
-        f"{CLAIM_ROUNDS} rounds of contention"
-    )
-
-
-def _claim_row(
-    alias: str,
-    task_name: str,
-    slot: datetime,
-    owner: str,
-    lease: float,
-    abandon: bool,
-    count_live: bool = True,
-) -> Row | None:
-    try:
-        return ledger.claim(
-            alias, task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live
-        )
-    except DatabaseError as exc:
-        if not ledger.connection_lost(alias, exc):
-            raise _database_down(task_name, exc) from exc
-        # The insert may or may not have committed: read back before deciding.
-        logger.warning("taskguard claim of %s interrupted (%s); reading back", task_name, exc)
-        try:
-            ledger.settle_connection(alias)
-            row = ledger.read(alias, task_name, slot)
-        except DatabaseError as again:
-            raise _database_down(task_name, again) from again
-        return row if row is not None and row.owner == owner else None
-
-
-def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(
-        f"{task_name!r} did not run: the taskguard database is unreachable ({exc})"
-    )
-
-
-def _decide(
-    alias: str,
-    row: Row,
-    owner: str,
-    lease: float,
-    abandon: bool,
-    slot: datetime,
-    task_name: str,
-) -> Row | Taken | None:
-    """Decide a row someone else created. ``None``: it changed under us, go round."""
-    start = ledger.start_assignments(alias, owner, lease)
-    state = row.state
-    if state in (RunState.PENDING, RunState.RETRYING):
-        reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
-        return ledger.change(
-            alias, row, [Step(RunState.RUNNING, reason)], actor=owner, fenced=False, sets=start
-        )
-    if state == RunState.RUNNING and row.expired:
-        dead = f"lease of {row.owner} expired at {_iso(row.lease_until)}"
-        if abandon:
-            return _abandon_stale(alias, row, owner, dead, task_name, slot)
-        return ledger.change(
-            alias,
-            row,
-            [
-                Step(RunState.RETRYING, f"{dead}; on_stale=retry"),
-                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
-            ],
-            actor=owner,
-            lease="expired",
-            sets=start,
-        )
-    if state == RunState.ABANDONED and not abandon:
-        return ledger.change(
-            alias,
-            row,
-            [
-                Step(RunState.RETRYING, "on_stale=retry"),
-                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
-            ],
-            actor=owner,
-            fenced=False,
-            sets=start,
-        )
-    return Taken(state, row.lease_until if state == RunState.RUNNING else None)
-
-
-def _abandon_stale(
-    alias: str, row: Row, owner: str, dead: str, task_name: str, slot: datetime
-) -> Taken | None:
-    reason = f"{dead}; on_stale=abandon, so the slot is not run again"
-    changed = ledger.change(
-        alias,
-        row,
-        [Step(RunState.ABANDONED, reason)],
-        actor=owner,
-        lease="expired",
-        sets=[("duplicates = r.duplicates + 1", ())],
-    )
-    if changed is None:
-        return None
-    run_abandoned.send(sender=task_name, run_id=row.id, slot=slot, reason=reason)
-    return Taken(RunState.ABANDONED)
-
-
-def _active(row: Row, task_name: str, slot: datetime, lease: float, sent: float) -> ActiveRun:
-    assert row.fence is not None
-    return ActiveRun(
-        id=row.id,
-        task_name=task_name,
-        slot=slot,
-        attempt=row.attempt,
-        fence=int(row.fence),
-        owner=row.owner,
-        lease_seconds=lease,
-        deadline=sent + lease,
-    )
-
-
-def _iso(value: datetime | None) -> str:
-    return value.isoformat() if value else "?"
 
 
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:

@@ -160,7 +160,7 @@ def claim(
     or finished attempt) the row's ``duplicates`` is incremented in the same
     statement (a live attempt only with ``count_live``: a caller that will be
     put back is counted when it comes back); other cases (pending, retrying,
-    stale) are left to the caller (``guard._decide``, through :func:`change`).
+    stale) are left to the caller (``claim._decide``, through :func:`change`).
     """
     d = dialect(alias)
     duplicate = (

@@ -1,0 +1,185 @@
+"""Claim a slot: make this call the slot's live attempt, or say who has it.
+
+One upsert decides most calls; a row that is pending, retrying or stale
+(its owner's lease expired) is decided by a compare-and-set in
+:func:`ledger.change`, following ``on_stale``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DatabaseError
+
+from . import ledger
+from .context import ActiveRun
+from .exceptions import BackendUnavailable, TaskGuardError
+from .ledger import Row, Step
+from .signals import run_abandoned
+from .states import RunState
+
+logger = logging.getLogger("taskguard.guard")
+
+CLAIM_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Taken:
+    """The slot belongs to another attempt (or is finished); this call does not run."""
+
+    state: str
+    lease_until: datetime | None = None  # of the live attempt, when state is running
+
+
+def claim_slot(
+    alias: str,
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease: float,
+    on_stale: str,
+    *,
+    count_live: bool = True,
+) -> ActiveRun | Taken:
+    """Make this call the slot's live attempt, or say who has it.
+
+    The first statement is the one-round-trip upsert; only a row that is
+    pending, retrying or stale needs a second, compare-and-set step, and a
+    lost compare-and-set goes round again against the fresh row.
+    ``count_live=False``: finding a live attempt does not count a duplicate.
+    """
+    abandon = on_stale == "abandon"
+    for _ in range(CLAIM_ROUNDS):
+        sent = time.monotonic()
+        row = _claim_row(alias, task_name, slot, owner, lease, abandon, count_live)
+        if row is None:
+            continue
+        if row.owner == owner:
+            return _active(row, task_name, slot, lease, sent)
+        decided = _decide(alias, row, owner, lease, abandon, slot, task_name)
+        if isinstance(decided, Taken):
+            return decided
+        if decided is not None:
+            return _active(decided, task_name, slot, lease, sent)
+    raise TaskGuardError(
+        f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
+        f"{CLAIM_ROUNDS} rounds of contention"
+    )
+
+
+def _claim_row(
+    alias: str,
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease: float,
+    abandon: bool,
+    count_live: bool = True,
+) -> Row | None:
+    try:
+        return ledger.claim(
+            alias, task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live
+        )
+    except DatabaseError as exc:
+        if not ledger.connection_lost(alias, exc):
+            raise _database_down(task_name, exc) from exc
+        # The insert may or may not have committed: read back before deciding.
+        logger.warning("taskguard claim of %s interrupted (%s); reading back", task_name, exc)
+        try:
+            ledger.settle_connection(alias)
+            row = ledger.read(alias, task_name, slot)
+        except DatabaseError as again:
+            raise _database_down(task_name, again) from again
+        return row if row is not None and row.owner == owner else None
+
+
+def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"{task_name!r} did not run: the taskguard database is unreachable ({exc})"
+    )
+
+
+def _decide(
+    alias: str,
+    row: Row,
+    owner: str,
+    lease: float,
+    abandon: bool,
+    slot: datetime,
+    task_name: str,
+) -> Row | Taken | None:
+    """Decide a row someone else created. ``None``: it changed under us, go round."""
+    start = ledger.start_assignments(alias, owner, lease)
+    state = row.state
+    if state in (RunState.PENDING, RunState.RETRYING):
+        reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
+        return ledger.change(
+            alias, row, [Step(RunState.RUNNING, reason)], actor=owner, fenced=False, sets=start
+        )
+    if state == RunState.RUNNING and row.expired:
+        dead = f"lease of {row.owner} expired at {_iso(row.lease_until)}"
+        if abandon:
+            return _abandon_stale(alias, row, owner, dead, task_name, slot)
+        return ledger.change(
+            alias,
+            row,
+            [
+                Step(RunState.RETRYING, f"{dead}; on_stale=retry"),
+                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
+            ],
+            actor=owner,
+            lease="expired",
+            sets=start,
+        )
+    if state == RunState.ABANDONED and not abandon:
+        return ledger.change(
+            alias,
+            row,
+            [
+                Step(RunState.RETRYING, "on_stale=retry"),
+                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
+            ],
+            actor=owner,
+            fenced=False,
+            sets=start,
+        )
+    return Taken(state, row.lease_until if state == RunState.RUNNING else None)
+
+
+def _abandon_stale(
+    alias: str, row: Row, owner: str, dead: str, task_name: str, slot: datetime
+) -> Taken | None:
+    reason = f"{dead}; on_stale=abandon, so the slot is not run again"
+    changed = ledger.change(
+        alias,
+        row,
+        [Step(RunState.ABANDONED, reason)],
+        actor=owner,
+        lease="expired",
+        sets=[("duplicates = r.duplicates + 1", ())],
+    )
+    if changed is None:
+        return None
+    run_abandoned.send(sender=task_name, run_id=row.id, slot=slot, reason=reason)
+    return Taken(RunState.ABANDONED)
+
+
+def _active(row: Row, task_name: str, slot: datetime, lease: float, sent: float) -> ActiveRun:
+    assert row.fence is not None
+    return ActiveRun(
+        id=row.id,
+        task_name=task_name,
+        slot=slot,
+        attempt=row.attempt,
+        fence=int(row.fence),
+        owner=row.owner,
+        lease_seconds=lease,
+        deadline=sent + lease,
+    )
+
+
+def _iso(value: datetime | None) -> str:
+    return value.isoformat() if value else "?"

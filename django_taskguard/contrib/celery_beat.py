@@ -1,0 +1,219 @@
+"""Celery beat side: schedulers that stamp each message with the slot it was due for.
+
+``TaskguardScheduler`` (``beat_schedule`` in settings) and, in
+``celery_beat_db``, ``TaskguardDatabaseScheduler`` (django-celery-beat) add two
+headers to every message they publish: ``taskguard_slot`` (ISO-8601 UTC, the
+fire time the entry was due for) and ``taskguard_schedule`` (the entry's
+name). Interval entries fire on epoch-aligned multiples of their interval, so
+every beat, whenever it started, fires and stamps the same slots. Import the
+schedulers from ``django_taskguard.contrib.celery``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery.beat import PersistentScheduler, ScheduleEntry
+from celery.schedules import schedstate
+from celery.schedules import schedule as interval_schedule
+
+from .. import schedules
+from ..conf import taskguard_settings
+from ..locks.base import slot_label, task_digest
+from .celery import (
+    BEAT_CLAIM_TTL,
+    SCHEDULE_HEADER,
+    SLOT_HEADER,
+    UTC,
+    slot_for,
+    task_identity,
+    zone_name,
+)
+
+logger = logging.getLogger("taskguard.celery")
+
+
+# --- beat side -------------------------------------------------------------------
+
+
+class EpochInterval(interval_schedule):
+    """A celery interval that is due on multiples of ``run_every`` since the epoch.
+
+    Celery's own interval is due ``run_every`` after the entry last ran, so two
+    beats started at different times fire at different moments (and drift).
+    This one is due once per epoch-aligned slot that began after the entry
+    last ran: every beat fires at the same instants and stamps the same slot.
+    """
+
+    run_every: timedelta
+
+    def is_due(self, last_run_at: datetime) -> schedstate:
+        now = self.maybe_make_aware(self.now()).astimezone(UTC)
+        slot = schedules.IntervalSchedule(self.run_every).latest_slot(now)
+        until_next = (slot + self.run_every - now).total_seconds()
+        last = self.maybe_make_aware(last_run_at).astimezone(UTC)
+        return schedstate(is_due=last < slot, next=until_next)
+
+
+def aligned(schedule: Any) -> Any:
+    """``schedule`` with plain celery intervals of a second or more made epoch-aligned."""
+    if type(schedule) is not interval_schedule:
+        return schedule
+    plain: Any = schedule
+    if plain.run_every < timedelta(seconds=1):
+        return schedule
+    return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain._app)
+
+
+class TaskguardEntry(ScheduleEntry):
+    """A ``beat_schedule`` entry whose interval is epoch-aligned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.schedule = aligned(self.schedule)
+
+
+class StampingMixin:
+    """Publishes each due entry with ``taskguard_slot`` / ``taskguard_schedule`` headers."""
+
+    app: Any
+    _warned: set[str]
+
+    def apply_async(
+        self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        if advance:
+            entry = self.reserve(entry)  # type: ignore[attr-defined]
+        stamped = self.stamp(entry, datetime.now(tz=UTC))
+        if stamped is None:
+            return None
+        slot = stamped.options["headers"].get(SLOT_HEADER)
+        sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
+        if slot is not None and sent.get(entry.name) == slot:
+            # django-celery-beat reloads entries from rows that other beats may not
+            # have synced yet; never publish the same slot of an entry twice.
+            logger.info("taskguard beat: %s slot %s already sent by this beat", entry.name, slot)
+            return None
+        result = super().apply_async(  # type: ignore[misc]
+            stamped, producer=producer, advance=False, **kwargs
+        )
+        if slot is not None:
+            sent[entry.name] = slot
+        return result
+
+    def stamp(self, entry: Any, now: datetime) -> Any:
+        """A copy of ``entry`` that carries the slot headers; None: another beat sent it."""
+        try:
+            slot = slot_for(entry.schedule, now)
+        except Exception:
+            logger.exception("taskguard could not compute the slot of beat entry %s", entry.name)
+            slot = None
+        headers = dict(entry.options.get("headers") or {})
+        headers[SCHEDULE_HEADER] = entry.name
+        if slot is None:
+            self._warn_once(entry)
+        else:
+            headers[SLOT_HEADER] = slot.isoformat()
+            if taskguard_settings.BEAT_CLAIM and not beat_claim(entry.task, entry.name, slot):
+                logger.info(
+                    "taskguard beat: %s slot %s was already sent by another beat",
+                    entry.name,
+                    slot.isoformat(),
+                )
+                return None
+        # A shallow copy by hand: ScheduleEntry.__reduce__ (which copy.copy uses) does
+        # not fit ModelEntry's constructor.
+        stamped = object.__new__(type(entry))
+        stamped.__dict__.update(entry.__dict__)
+        stamped.options = {**entry.options, "headers": headers}
+        return stamped
+
+    def _warn_once(self, entry: Any) -> None:
+        warned = self.__dict__.setdefault("_warned", set())
+        if entry.name not in warned:
+            warned.add(entry.name)
+            logger.warning(
+                "taskguard beat: entry %s has a schedule without slots (%r); its messages "
+                "carry no taskguard_slot, so a guarded task needs its own cron=/every=",
+                entry.name,
+                entry.schedule,
+            )
+
+
+class TaskguardScheduler(StampingMixin, PersistentScheduler):
+    """Celery's file-backed scheduler, stamping slots; run any number of them."""
+
+    Entry = TaskguardEntry
+
+    def setup_schedule(self) -> None:
+        super().setup_schedule()
+        warn_timezone(self.app)
+
+
+def warn_timezone(app: Any) -> None:
+    """Say so when crontab entries fire in a zone other than Django's ``TIME_ZONE``."""
+    from django.conf import settings
+
+    beat_zone = zone_name(app.timezone)
+    if settings.USE_TZ and beat_zone != settings.TIME_ZONE:
+        logger.warning(
+            "taskguard beat: celery's timezone is %s but Django's TIME_ZONE is %s; crontab "
+            "entries fire (and are stamped) in %s, while @once_per_schedule(cron=...) reads "
+            "cron in %s. Set CELERY_TIMEZONE = TIME_ZONE to keep them the same.",
+            beat_zone,
+            settings.TIME_ZONE,
+            beat_zone,
+            settings.TIME_ZONE,
+        )
+
+
+# --- BEAT_CLAIM -------------------------------------------------------------------
+
+_claim_clients: dict[tuple[str, float], Any] = {}
+
+
+def beat_claim(task_name: str, entry_name: str, slot: datetime) -> bool:
+    """Claim the publishing of (entry, slot) for this beat; True also when Redis errs.
+
+    One ``SET NX EX`` on the REDIS_ALIAS cache's server, with its own short
+    socket timeout and no retries. An error means "send anyway": the worker's
+    claim is the guarantee, this only saves the duplicate messages.
+    """
+    key = (
+        f"{taskguard_settings.KEY_PREFIX}:beat:"
+        f"{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
+    )
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        return bool(_claim_client().set(key, owner, nx=True, ex=BEAT_CLAIM_TTL))
+    except Exception as exc:
+        logger.warning("taskguard beat claim of %s failed (%s); sending anyway", key, exc)
+        return True
+
+
+def _claim_client() -> Any:
+    alias = taskguard_settings.REDIS_ALIAS
+    timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
+    client = _claim_clients.get((alias, timeout))
+    if client is None:
+        import redis
+        from django_redis import get_redis_connection
+
+        pool = get_redis_connection(alias).connection_pool
+        options = dict(pool.connection_kwargs)
+        options.update(
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=None,
+            retry_on_timeout=False,
+            retry_on_error=[],
+        )
+        client = redis.Redis(
+            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **options)
+        )
+        _claim_clients[(alias, timeout)] = client
+    return client
