@@ -38,10 +38,6 @@ from .states import RunState, check_transition
 
 logger = logging.getLogger("taskguard.cleanup")
 
-# A Redis key whose token no row records may belong to a winner between its
-# SET NX and its row insert (milliseconds). It is only removed if it still has
-# no row this long after it was first seen.
-ORPHAN_GRACE_SECONDS = 5.0
 # Claim records are recorded by one cleaner at a time (two would both add a
 # record's count to its row): the others skip them. The guard lives this long
 # and is renewed while the sweep goes on.
@@ -51,10 +47,9 @@ SWEEP_SECONDS = 60
 def sweep(lock: LockBackend, task: str | None, dry_run: bool) -> tuple[int, int]:
     """Record unrecorded claims, then remove orphan keys; return both counts."""
     assert isinstance(lock, RedisLock)
-    # Claims first: a key removed below as an orphan (a winner stuck for more
-    # than ORPHAN_GRACE_SECONDS before its insert) leaves its claim record to
-    # the next run, so a slow winner gets a whole cleanup interval to write its
-    # row before its slot is recorded abandoned.
+    # A claim record is only looked at once its lock key is gone: the winner
+    # released it, or its lease lapsed (then, as with any lapsed lease, the
+    # slot is no longer that owner's to record).
     recorded = record_claims(lock, task, dry_run)
     return recorded, orphan_keys(lock, task, dry_run)
 
@@ -214,24 +209,23 @@ def _reason(claim: ClaimRecord) -> str:
 # -- orphan lock keys -------------------------------------------------------------
 
 
-def orphan_keys(lock: LockBackend, task: str | None, dry_run: bool) -> int:
-    """Remove keys whose token belongs to no live attempt (compare-and-delete)."""
+def orphan_keys(lock: RedisLock, task: str | None, dry_run: bool) -> int:
+    """Remove keys whose attempt is over, or that can never lapse (compare-and-delete).
+
+    A key whose token no row names yet may be a live winner's, between its
+    ``SET NX`` and its row insert (or stuck there: a pause, a slow database).
+    Its lease is the only word on whether that owner is alive, so such a key
+    is left to lapse with it; only one with no expiry at all (not written by
+    taskguard's acquire) is removed.
+    """
     digest = task_digest(task) if task is not None else None
     removed = 0
-    unrecorded: list[tuple[RunKey, float]] = []
     for found in call_backend(lambda: list(_scan(lock, digest))):
         verdict = _verdict(found)
-        if verdict == "dead":
+        if verdict == "unrecorded" and call_backend(lock.client.pttl, found.key) != -1:
+            continue  # a lease still runs: maybe a live winner's; it lapses by itself
+        if verdict in ("dead", "unrecorded"):
             removed += 1 if dry_run else bool(call_backend(lock.release, found.key, found.token))
-        elif verdict == "unrecorded":
-            unrecorded.append((found, time.monotonic()))
-    for found, seen in unrecorded:
-        if dry_run:
-            removed += 1
-            continue
-        time.sleep(max(0.0, seen + ORPHAN_GRACE_SECONDS - time.monotonic()))
-        if _verdict(found) == "unrecorded":
-            removed += bool(call_backend(lock.release, found.key, found.token))
     return removed
 
 

@@ -13,7 +13,6 @@ from django.core.management.base import CommandError
 from django.db.models.signals import pre_save
 from django.test import override_settings
 
-from django_taskguard import cleanup_redis
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.locks.base import run_key
@@ -55,21 +54,26 @@ def test_cleanup_locks_redis__releases_only_keys_holding_the_runs_token(redis_se
     assert client.get(key(taken)) == b"toknew"
 
 
-def test_cleanup_locks_redis__orphans_removed_live_keys_kept(redis_settings, monkeypatch):
-    monkeypatch.setattr(cleanup_redis, "ORPHAN_GRACE_SECONDS", 0.5)
+def test_cleanup_locks_redis__orphans_removed_live_keys_kept(redis_settings):
     client = redis_settings.client()
     live = make_run("tests.live", 0, owner="h:1:toklive", lease=3600)
     done = make_run("tests.done", 0, owner="h:1:tokdone", state=RunState.SUCCEEDED)
     client.set(key(live), "toklive", px=600_000)
     client.set(key(done), "tokdone", px=600_000)
-    client.set(run_key("tg", "tests.nobody", done.slot), "tokghost", px=600_000)
+    # No row names it, but its lease runs: maybe a winner before its insert. Kept.
+    unrecorded = run_key("tg", "tests.nobody", done.slot)
+    client.set(unrecorded, "tokwinner", px=600_000)
+    # No row names it and it never lapses (not written by taskguard's acquire). Removed.
+    immortal = run_key("tg", "tests.immortal", done.slot)
+    client.set(immortal, "tokghost")
     dry = cleanup_locks(dry_run=True)
     assert dry.orphan_keys == 2
     assert client.get(key(done)) == b"tokdone"
     assert cleanup_locks().orphan_keys == 2
     assert client.get(key(live)) == b"toklive"
     assert client.get(key(done)) is None
-    assert client.get(run_key("tg", "tests.nobody", done.slot)) is None
+    assert client.get(unrecorded) == b"tokwinner"
+    assert client.get(immortal) is None
     assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
 
 
@@ -160,10 +164,7 @@ def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
     assert not client.exists(claim_key(slot_key))
 
 
-def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
-    redis_settings, monkeypatch
-):
-    monkeypatch.setattr(cleanup_redis, "ORPHAN_GRACE_SECONDS", 0.1)
+def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(redis_settings):
     client = redis_settings.client()
     lock = get_backend()
     name = "tests.again"
@@ -173,17 +174,18 @@ def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
     def new_caller_wins_redis(sender: type[TaskRun], instance: TaskRun, **kwargs: object) -> None:
         # A new call wins the free Redis lock after cleanup read the record: the
         # record's count is now that call's to fold when it releases.
-        assert lock.acquire(slot_key, "toknew", 30, name) is Acquired.WON
+        assert lock.acquire(slot_key, "toknew", 0.3, name) is Acquired.WON
 
     pre_save.connect(new_caller_wins_redis, sender=TaskRun)
     try:
-        # The new call's key names no row: this same run removes it as an orphan.
-        assert cleanup_locks().as_dict() == counts(unrecorded_slots=1, orphan_keys=1)
+        # The new call's key names no row, but its lease runs: it is left alone.
+        assert cleanup_locks().as_dict() == counts(unrecorded_slots=1)
     finally:
         pre_save.disconnect(new_caller_wins_redis, sender=TaskRun)
     run = TaskRun.objects.get(task_name=name)
     assert (run.state, run.duplicates) == (RunState.ABANDONED, 0)  # the count went back
     assert client.hget(claim_key(slot_key), "count") == b"2"
+    wait_for(lambda: client.get(slot_key) is None, what="the new call's lease to lapse")
     assert cleanup_locks().as_dict() == counts()  # the new call died too: the next run folds it
     run.refresh_from_db()
     assert (run.state, run.duplicates, run.transitions.count()) == (RunState.ABANDONED, 2, 1)

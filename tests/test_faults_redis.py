@@ -22,7 +22,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 
-from django_taskguard import cleanup_redis, once_per_schedule
+from django_taskguard import once_per_schedule
 from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import claim_key
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
@@ -455,9 +455,8 @@ def counts(**nonzero: int) -> dict[str, object]:
 
 
 def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
-    child_env, redis_server, scratch, monkeypatch
+    child_env, redis_server, scratch
 ):
-    monkeypatch.setattr(cleanup_redis, "ORPHAN_GRACE_SECONDS", 0.2)
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.gap"
     # a lease long enough for the losers' interpreters to start on a busy machine
@@ -471,11 +470,15 @@ def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
     run_abandoned.connect(lambda **kw: abandoned.append(kw), weak=False, dispatch_uid="gap")
     try:
         with redis_backend(redis_server) as lock:
-            record = claim_key(run_key("taskguard", task, BASE_SLOT))
-            # The dead winner's key still holds its lease: its record is not for cleanup yet,
-            # but its key names no row, so it goes as an orphan (after the grace period).
-            assert cleanup_json("--dry-run") == counts(orphan_keys=1, dry_run=True)
-            assert cleanup_json() == counts(orphan_keys=1)
+            held = run_key("taskguard", task, BASE_SLOT)
+            record = claim_key(held)
+            # The dead winner's lease still runs: nothing can tell it from a live winner
+            # before its insert, so neither its key nor its record is touched.
+            assert cleanup_json("--dry-run") == counts(dry_run=True)
+            assert cleanup_json() == counts()
+            assert lock.client.exists(held) and lock.client.exists(record)
+            lock.client.pexpire(held, 1)  # its lease lapses (30 s in real time)
+            wait_for(lambda: not lock.client.exists(held))
             assert cleanup("--dry-run") == (
                 "Would abandon 0 stale runs, would release 0 locks, would remove 0 orphan keys, "
                 "would record 1 slot whose Redis winner died."
