@@ -324,10 +324,10 @@ class RedisLock(LockBackend):
     def unrecorded_claims(self) -> Iterator[ClaimRecord]:
         """Claim records whose lock is gone: slots to check against the ledger.
 
-        For each record, ``cleanup_locks`` should: if no ``TaskRun`` exists for
-        (task_name, slot), insert one ``abandoned`` (the Redis winner died
-        before its database claim; reason says so) with ``duplicates``; if the
-        row exists, add ``duplicates`` to it. Then :meth:`forget_claim`.
+        ``cleanup_locks`` (``cleanup_redis.record_claims``) records each: an
+        ``abandoned`` row with ``duplicates`` when no ``TaskRun`` exists for
+        (task_name, slot) (the Redis winner died before its row), else the
+        count is added to the row; then :meth:`forget_claim`.
         """
         match = _match(taskguard_settings.KEY_PREFIX, "dup")
         try:
