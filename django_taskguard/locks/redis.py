@@ -37,7 +37,7 @@ from redis.sentinel import SentinelConnectionPool
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 from .base import Acquired, LockBackend, parse_run_key
-from .redis_client import build_client, readable
+from .redis_client import build_client, call_int, readable
 from .redis_scripts import (
     ACQUIRE,
     EXTEND,
@@ -240,22 +240,21 @@ class RedisLock(LockBackend):
         """One script call: one round trip, never retried.
 
         The command is packed here and sent on a connection of our own, not
-        through ``Redis.execute_command`` and the pool's checkout, whose
-        per-command machinery costs a third of a loopback round trip.
+        through ``Redis.execute_command`` and the pool's checkout, and its
+        one-line integer reply is read without redis-py's parser (see
+        :func:`redis_client.call_int`): that machinery costs about as much as
+        the loopback round trip itself.
         """
         connection = self._checkout()
         try:
+            # Connect here (a no-op when connected): redis-py does the handshake
+            # (AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
+            connection.connect()  # type: ignore[no-untyped-call]
             try:
-                # Connect here, not in send: a Sentinel connection asks for the master in connect().
-                connection.connect()  # type: ignore[no-untyped-call]
-                packed = [pack("EVALSHA", script.sha, len(keys), *keys, *args)]
-                connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-                return connection.read_response()
+                return call_int(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
-                packed = [pack("EVAL", script.source, len(keys), *keys, *args)]
-                connection.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-                return connection.read_response()
+                return call_int(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
             raise  # the server answered: the connection is in step
         except BaseException:

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import SSLConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
@@ -98,3 +101,42 @@ def readable(connection: ConnectionInterface) -> bool:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
+
+
+def call_int(connection: ConnectionInterface, packed: bytes) -> int:
+    """Send one packed command on a connected connection; return its integer reply.
+
+    Every lock script answers an integer, so the reply is one line, ``:n`` or
+    ``-ERROR ...``: it is read straight off the socket (TLS included), not
+    through redis-py's parser. Failures come out as redis-py's exceptions:
+    ``ResponseError`` (``NoScriptError``) when the server answered and the
+    connection is in step, redis-py's ``ConnectionError``/``TimeoutError`` otherwise
+    (the caller then disconnects).
+    """
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        raise RedisConnectionError("the lock connection is not connected")
+    try:
+        sock.sendall(packed)
+        reply = sock.recv(512)
+        while not reply.endswith(b"\r\n"):
+            more = sock.recv(512)
+            if not more:
+                raise RedisConnectionError("Connection closed by server.")
+            reply += more
+    except TimeoutError as exc:  # socket.timeout
+        raise RedisTimeoutError("Timeout reading from the lock Redis") from exc
+    except OSError as exc:
+        raise RedisConnectionError(f"Error talking to the lock Redis: {exc}") from exc
+    kind, body = reply[:1], reply[1:-2]
+    if kind == b":" and b"\r\n" not in body:
+        return int(body)
+    if kind == b"-" and b"\r\n" not in body:
+        message = body.decode("utf-8", "replace")
+        if message.startswith("NOSCRIPT"):
+            raise NoScriptError(message)
+        if message.startswith(("READONLY", "LOADING", "MASTERDOWN")):
+            # A demoted master (failover), a restarting server: reconnect, ask again later.
+            raise RedisConnectionError(message)
+        raise ResponseError(message)
+    raise RedisConnectionError(f"unexpected reply from the lock Redis: {reply[:40]!r}")
