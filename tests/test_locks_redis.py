@@ -9,11 +9,15 @@ from datetime import datetime, timezone
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
 
 from django_taskguard import once_per_schedule
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
+from django_taskguard.locks.redis_client import call_int
+from django_taskguard.locks.redis_scripts import pack
 from django_taskguard.models import RunState, TaskRun
 
 from .redis_support import checkout, command, redis_backend, retries_of
@@ -135,6 +139,23 @@ def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_serv
         assert lock.release(KEY, "a" * 32)
         assert lock.errors == 0
         assert caplog.records == []
+
+
+def test_redis_lock__replies_read_off_the_socket(redis_server):
+    """Integer replies parsed by hand; an error reply leaves the connection in step."""
+    with redis_backend(redis_server) as lock:
+        connection = lock._checkout()
+        connection.connect()
+        command(redis_server, "set", "tests:word", "x")
+        with pytest.raises(ResponseError, match="not an integer"):
+            call_int(connection, pack("INCR", "tests:word"))
+        assert call_int(connection, pack("INCRBY", "tests:n", 41)) == 41
+        assert call_int(connection, pack("INCR", "tests:n")) == 42
+        with pytest.raises(NoScriptError):
+            call_int(connection, pack("EVALSHA", "0" * 40, 0))
+        with pytest.raises(RedisConnectionError, match="unexpected reply"):
+            call_int(connection, pack("GET", "tests:n"))  # a bulk reply: not ours to read
+        connection.disconnect()
 
 
 def test_redis_lock__works_without_select_poll(redis_server, monkeypatch):
