@@ -87,7 +87,6 @@ def slot_label(slot: datetime) -> str:
     return slot.astimezone(dt_timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
 
 
-@functools.lru_cache(maxsize=4096)
 def run_key(prefix: str, task_name: str, slot: datetime) -> str:
     """The fast-path lock key of one (task, slot); never raw user text."""
     return f"{prefix}:run:{task_digest(task_name)}:{slot_label(slot)}"

@@ -19,7 +19,6 @@ own slot. An acquire that errors is settled by reading the key back.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -63,7 +62,6 @@ CLAIM_RECORD_MS = CLAIM_RECORD_SECONDS * 1000
 PROBE_SECONDS = 1.0
 
 
-@functools.lru_cache(maxsize=4096)
 def claim_key(run_key: str) -> str:
     """The claim record that goes with a lock key made by ``base.run_key``."""
     head, _, tail = run_key.rpartition(":run:")
