@@ -19,8 +19,8 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 from datetime import datetime
+from typing import Any
 
 from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import F, QuerySet
