@@ -10,7 +10,14 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from .conf import BACKENDS, DEFAULTS, ON_REDIS_ERROR_CHOICES, taskguard_settings
+from .conf import (
+    BACKENDS,
+    BOUNDS,
+    DEFAULTS,
+    ON_REDIS_ERROR_CHOICES,
+    number_problem,
+    taskguard_settings,
+)
 from .locks import is_redis_cache
 
 
@@ -52,15 +59,16 @@ def check_settings(
                 id="taskguard.E003",
             )
         )
-    lease = raw.get("LEASE_SECONDS", DEFAULTS["LEASE_SECONDS"])
-    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
-        errors.append(
-            Error(
-                f"TASKGUARD['LEASE_SECONDS'] is {lease!r}.",
-                hint="Use a positive number of seconds (the default is 30).",
-                id="taskguard.E004",
+    for name in BOUNDS:
+        problem = number_problem(name, raw.get(name, DEFAULTS[name]))
+        if problem is not None:
+            errors.append(
+                Error(
+                    f"{problem}.",
+                    hint=f"The default is {DEFAULTS[name]!r}.",
+                    id="taskguard.E004" if name == "LEASE_SECONDS" else "taskguard.E009",
+                )
             )
-        )
     on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])
     if on_error not in ON_REDIS_ERROR_CHOICES:
         errors.append(

@@ -28,6 +28,8 @@ from django_taskguard.models import RunState, TaskRun
 from tests import celery_tasks
 from tests.celery_app import app
 
+from .slots import BASE_SLOT
+
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
 
@@ -146,7 +148,7 @@ def slot_headers(slot: datetime, name: str = "entry") -> dict[str, str]:
 
 def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
-    slot = utc(2026, 1, 1, 9, 0)
+    slot = BASE_SLOT + timedelta(hours=9)
     for _ in range(2):
         celery_tasks.tick.apply_async(
             kwargs={"log": str(log), "seconds": 0}, headers=slot_headers(slot, "nine")
@@ -174,7 +176,7 @@ def test_eager__no_slot_and_no_schedule_is_recorded_and_raised(eager, transactio
 
 def test_eager__autoretry_failures_are_attempts_on_one_row(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
-    slot = utc(2026, 1, 1, 9, 0)
+    slot = BASE_SLOT + timedelta(hours=9)
     result = celery_tasks.flaky.apply_async(kwargs={"log": str(log)}, headers=slot_headers(slot))
     assert result.get() == "finally"
     run = TaskRun.objects.get()
@@ -188,7 +190,7 @@ def test_eager__autoretry_exhausted_ends_failed_with_last_error(eager, transacti
     log = tmp_path / "log"
     with pytest.raises(OSError, match="attempt 3"):
         celery_tasks.hopeless.apply_async(
-            kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1))
+            kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT)
         ).get()
     run = TaskRun.objects.get()
     assert (run.state, run.attempt) == (RunState.FAILED, 3)
@@ -199,7 +201,7 @@ def test_eager__autoretry_exhausted_ends_failed_with_last_error(eager, transacti
 def test_eager__explicit_retry_is_an_attempt(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
     result = celery_tasks.explicit_retry.apply_async(
-        kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1))
+        kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT)
     )
     assert result.get() == "retried"
     run = TaskRun.objects.get()
@@ -210,7 +212,7 @@ def test_eager__guarded_function_called_from_a_task_keeps_its_own_identity(
     eager, transactional_db, tmp_path
 ):
     log = tmp_path / "log"
-    celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1)))
+    celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT))
     names = dict(TaskRun.objects.values_list("task_name", "state"))
     assert names == {"tests.celery_tasks.outer[entry]": "succeeded", "tests.inner": "succeeded"}
 

@@ -13,10 +13,11 @@ from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
 from .conftest import wait_for
+from .slots import BASE_SLOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-BASE = datetime(2026, 5, 1, tzinfo=dt_timezone.utc)
+BASE = BASE_SLOT
 
 
 def slot(minutes: int) -> datetime:

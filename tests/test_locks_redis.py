@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import datetime, timezone
+from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
@@ -22,8 +22,9 @@ from django_taskguard.models import RunState, TaskRun
 
 from .redis_support import checkout, command, redis_backend, retries_of
 from .runs import PutBack, busy_call
+from .slots import BASE_SLOT
 
-SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
+SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.lock", SLOT)
 # what the probing client itself sends (its handshake and INFO)
 PROBE_COMMANDS = {"hello", "client|setinfo", "info"}

@@ -16,10 +16,11 @@ from functools import lru_cache
 from django.db import connections
 
 from ..exceptions import TaskGuardError
-from ..models import TaskRun, TaskRunTransition
+from ..models import Ledger, TaskRun, TaskRunTransition
 from ..states import PRUNABLE_STATES
 
 RUN = TaskRun._meta.db_table
+LEDGER = Ledger._meta.db_table
 TRANSITION = TaskRunTransition._meta.db_table
 FENCE_SEQUENCE = "taskguard_fence"
 # What the hot paths read back. Unqualified: SQLite rejects qualified names in RETURNING.
@@ -49,9 +50,10 @@ SQLITE = Dialect(
     vendor="sqlite",
     now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
     lease_from_now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || %s || ' seconds')",
-    # SQLite runs one writer at a time and a write statement takes the write
-    # lock before it reads, so MAX()+1 here cannot hand out a fence twice.
-    next_fence=f"(SELECT COALESCE(MAX(fence), 0) + 1 FROM {RUN})",
+    # The ledger row's counter, moved on by :func:`bump_fence` first in the same
+    # transaction (SQLite runs one writer at a time). Never MAX(fence) + 1: that
+    # goes back when retention deletes the newest rows.
+    next_fence=f"(SELECT fence FROM {LEDGER} WHERE id = 1)",
     one_statement=False,
 )
 DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE}
@@ -189,8 +191,8 @@ START_ATTEMPT = (  # owner, lease seconds
     "finished_at = NULL",
 )
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
-# An attempt after which another follows (a Celery retry): no lease until it starts.
-PAUSE_ATTEMPT = ("error = %s", "lease_until = NULL", "duplicates = r.duplicates + %s")
+# An attempt after which another follows (a Celery retry): the lease says by when.
+PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
 ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
 
 
@@ -227,6 +229,28 @@ def insert_unheld(d: Dialect) -> str:
         "ON CONFLICT (task_name, slot) DO NOTHING RETURNING id",
         d,
     )
+
+
+# -- the ledger's own row ----------------------------------------------------------
+
+
+def bump_fence(d: Dialect) -> str:
+    """Move the fence counter on (SQLite; no row: nothing is updated)."""
+    return f"UPDATE {LEDGER} SET fence = fence + 1 WHERE id = 1"
+
+
+def fence_at_least(d: Dialect) -> str:
+    """Make the next fence larger than ``%s`` (rows imported with their fences)."""
+    if d.one_statement:
+        return (
+            f"SELECT setval('{FENCE_SEQUENCE}', GREATEST(%s, "
+            f"(SELECT last_value FROM {FENCE_SEQUENCE})))"
+        )
+    return f"UPDATE {LEDGER} SET fence = MAX(fence, %s) WHERE id = 1"
+
+
+def identity() -> str:
+    return f"SELECT identity FROM {LEDGER} WHERE id = 1"
 
 
 # -- retention ---------------------------------------------------------------------
