@@ -16,10 +16,11 @@ from django_taskguard import once_per_schedule
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
-from django_taskguard.locks.redis_client import call_int
+from django_taskguard.locks.redis_client import call
 from django_taskguard.locks.redis_scripts import pack
 from django_taskguard.models import RunState, TaskRun
 
+from .conftest import RedisServer
 from .redis_support import checkout, command, redis_backend, retries_of
 from .runs import PutBack, busy_call
 
@@ -141,32 +142,29 @@ def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_serv
         assert caplog.records == []
 
 
-def test_redis_lock__replies_read_off_the_socket(redis_server):
-    """Integer replies parsed by hand; an error reply leaves the connection in step."""
+def test_redis_lock__replies_through_redis_py(redis_server, tmp_path):
+    """Replies read by redis-py's parser: an error keeps the connection in step; READONLY drops."""
     with redis_backend(redis_server) as lock:
         connection = lock._checkout()
-        connection.connect()
         command(redis_server, "set", "tests:word", "x")
         with pytest.raises(ResponseError, match="not an integer"):
-            call_int(connection, pack("INCR", "tests:word"))
-        assert call_int(connection, pack("INCRBY", "tests:n", 41)) == 41
-        assert call_int(connection, pack("INCR", "tests:n")) == 42
+            call(connection, pack("INCR", "tests:word"))
+        assert call(connection, pack("INCRBY", "tests:n", 41)) == 41
+        assert call(connection, pack("INCR", "tests:n")) == 42
         with pytest.raises(NoScriptError):
-            call_int(connection, pack("EVALSHA", "0" * 40, 0))
-        with pytest.raises(RedisConnectionError, match="unexpected reply"):
-            call_int(connection, pack("GET", "tests:n"))  # a bulk reply: not ours to read
+            call(connection, pack("EVALSHA", "0" * 40, 0))
+        assert call(connection, pack("GET", "tests:n")) == "42"  # decoded
         connection.disconnect()
-
-
-def test_redis_lock__works_without_select_poll(redis_server, monkeypatch):
-    """eventlet.monkey_patch() deletes select.poll (and Windows never had it)."""
-    with redis_backend(redis_server) as lock:
-        monkeypatch.delattr("select.poll")
-        assert lock.acquire(KEY, "a" * 32, 3) is Acquired.WON  # a new connection
-        assert lock.acquire(KEY, "b" * 32, 3) is Acquired.LOST  # an idle one, checked
-        command(redis_server, "client_kill_filter", _type="normal", skipme=True)
-        assert lock.acquire(KEY, "c" * 32, 3) is Acquired.LOST  # a closed one, replaced
-        assert lock.errors == 0
+    replica = RedisServer(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
+    replica.start()
+    try:
+        with redis_backend(replica) as lock:
+            connection = lock._checkout()
+            with pytest.raises(RedisConnectionError, match="ReadOnlyError"):
+                call(connection, pack("SET", "tests:n", 1))  # a demoted master after failover
+            connection.disconnect()
+    finally:
+        replica.stop()
 
 
 def test_redis_lock__outage_logged_once_and_recovery_once(redis_server, caplog):

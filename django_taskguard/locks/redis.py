@@ -36,7 +36,7 @@ from redis.sentinel import SentinelConnectionPool
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 from .base import Acquired, LockBackend, parse_run_key
-from .redis_client import build_client, call_int, readable
+from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
     EXTEND,
@@ -106,6 +106,7 @@ class RedisLock(LockBackend):
         # Connections of the scripts' hot path, checked out without the pool's
         # bookkeeping (list.pop and append are atomic: no lock needed).
         self._idle: list[ConnectionInterface] = []
+        self._closed: list[ConnectionInterface] = []
         self._idle_pid = self.pid
 
     @classmethod
@@ -123,14 +124,18 @@ class RedisLock(LockBackend):
         """Disconnect and forget every cached lock client of this process."""
         locks, cls._instances = list(cls._instances.values()), {}
         for lock in locks:
-            idle, lock._idle = lock._idle, []
-            for connection in idle:
-                connection.disconnect()  # type: ignore[no-untyped-call]
-            pool = lock.client.connection_pool
-            pool.disconnect()
-            if isinstance(pool, SentinelConnectionPool):  # and the Sentinel queries' own
-                for sentinel in pool.sentinel_manager.sentinels:
-                    sentinel.connection_pool.disconnect()
+            lock.close()
+
+    def close(self) -> None:
+        """Disconnect this lock's connections (they reconnect on next use)."""
+        idle, self._idle, self._closed = self._idle, [], []
+        for connection in idle:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+        pool = self.client.connection_pool
+        pool.disconnect()
+        if isinstance(pool, SentinelConnectionPool):  # and the Sentinel queries' own
+            for sentinel in pool.sentinel_manager.sentinels:
+                sentinel.connection_pool.disconnect()
 
     # -- the hot path ---------------------------------------------------------
 
@@ -237,39 +242,48 @@ class RedisLock(LockBackend):
     def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """One script call: one round trip, never retried.
 
-        The command is packed here and sent on a connection of our own, not
-        through ``Redis.execute_command`` and the pool's checkout, and its
-        one-line integer reply is read without redis-py's parser (see
-        :func:`redis_client.call_int`): that machinery costs about as much as
-        the loopback round trip itself.
+        The command is packed here and sent on an idle connection of our own
+        (``send_packed_command``/``read_response``), not through
+        ``Redis.execute_command`` and the pool's checkout: that machinery costs
+        about a third of a loopback round trip.
         """
         connection = self._checkout()
         try:
-            # Connect here (a no-op when connected): redis-py does the handshake
-            # (AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
-            connection.connect()  # type: ignore[no-untyped-call]
+            # A new connection connects in the send: redis-py does the handshake
+            # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
             try:
-                return call_int(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
+                reply = call(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
-                return call_int(connection, pack("EVAL", script.source, len(keys), *keys, *args))
+                reply = call(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
-            raise  # the server answered: the connection is in step
-        except BaseException:
-            # A reply may still be on its way: never reuse this connection as is.
-            connection.disconnect()  # type: ignore[no-untyped-call]
+            self._idle.append(connection)  # the server answered: the connection is in step
             raise
-        finally:
-            self._idle.append(connection)
+        except BaseException:
+            # A reply may still be on its way: never reuse this socket (the
+            # connection object is kept: the pool counts every one it made).
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            self._closed.append(connection)
+            raise
+        self._idle.append(connection)
+        return reply
 
     def _checkout(self) -> ConnectionInterface:
-        """An idle connection of ours, or a new (unconnected) one from the client's pool."""
+        """A connection of ours: an idle connected one, else a closed one, else a new one.
+
+        ``_idle`` holds connected connections only; ``_closed`` those whose
+        socket was dropped after an error (the send connects them again).
+        """
         if self._idle_pid != os.getpid():
-            self._idle, self._idle_pid = [], os.getpid()  # forked: the sockets are the parent's
+            # Forked: the sockets are the parent's (dropped here, never closed).
+            self._idle, self._closed, self._idle_pid = [], [], os.getpid()
         try:
             connection = self._idle.pop()
         except IndexError:
-            return self.client.connection_pool.make_connection()
+            try:
+                return self._closed.pop()
+            except IndexError:
+                return self.client.connection_pool.make_connection()
         if readable(connection):
             # Readable while idle: the server closed it (or a reply is stray).
             # Start afresh rather than fail the next command.
