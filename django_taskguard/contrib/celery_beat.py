@@ -66,7 +66,7 @@ def aligned(schedule: Any) -> Any:
     plain: Any = schedule
     if plain.run_every < timedelta(seconds=1):
         return schedule
-    return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain._app)
+    return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain.app)
 
 
 class TaskguardEntry(ScheduleEntry):
