@@ -145,7 +145,7 @@ def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_serv
 def test_redis_lock__replies_through_redis_py(redis_server, tmp_path):
     """Replies read by redis-py's parser: an error keeps the connection in step; READONLY drops."""
     with redis_backend(redis_server) as lock:
-        connection = lock._checkout()
+        connection, _ = lock._checkout()
         command(redis_server, "set", "tests:word", "x")
         with pytest.raises(ResponseError, match="not an integer"):
             call(connection, pack("INCR", "tests:word"))
@@ -159,7 +159,7 @@ def test_redis_lock__replies_through_redis_py(redis_server, tmp_path):
     replica.start()
     try:
         with redis_backend(replica) as lock:
-            connection = lock._checkout()
+            connection, _ = lock._checkout()
             with pytest.raises(RedisConnectionError, match="ReadOnlyError"):
                 call(connection, pack("SET", "tests:n", 1))  # a demoted master after failover
             connection.disconnect()

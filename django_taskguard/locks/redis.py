@@ -247,10 +247,12 @@ class RedisLock(LockBackend):
         ``Redis.execute_command`` and the pool's checkout: that machinery costs
         about a third of a loopback round trip.
         """
-        connection = self._checkout()
+        connection, connected = self._checkout()
         try:
-            # A new connection connects in the send: redis-py does the handshake
-            # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
+            if not connected:
+                # connect(), not the send's own connect: redis-py does the handshake
+                # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
+                connection.connect()  # type: ignore[no-untyped-call]
             try:
                 reply = call(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
@@ -268,11 +270,12 @@ class RedisLock(LockBackend):
         self._idle.append(connection)
         return reply
 
-    def _checkout(self) -> ConnectionInterface:
-        """A connection of ours: an idle connected one, else a closed one, else a new one.
+    def _checkout(self) -> tuple[ConnectionInterface, bool]:
+        """A connection of ours and whether it is connected.
 
-        ``_idle`` holds connected connections only; ``_closed`` those whose
-        socket was dropped after an error (the send connects them again).
+        An idle connected one, else a closed one, else a new one. ``_idle``
+        holds connected connections only; ``_closed`` those whose socket was
+        dropped after an error.
         """
         if self._idle_pid != os.getpid():
             # Forked: the sockets are the parent's (dropped here, never closed).
@@ -281,14 +284,15 @@ class RedisLock(LockBackend):
             connection = self._idle.pop()
         except IndexError:
             try:
-                return self._closed.pop()
+                return self._closed.pop(), False
             except IndexError:
-                return self.client.connection_pool.make_connection()
+                return self.client.connection_pool.make_connection(), False
         if readable(connection):
             # Readable while idle: the server closed it (or a reply is stray).
             # Start afresh rather than fail the next command.
             connection.disconnect()  # type: ignore[no-untyped-call]
-        return connection
+            return connection, False
+        return connection, True
 
     def _quiet(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run a script whose failure must not stop the caller (the lease runs out anyway)."""

@@ -37,8 +37,12 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
     too; only the timeouts, the retries and the decoding are ours. The pool is
     new (not the factory's process-wide cached one) and always the master's.
     """
+    from django_redis import get_redis_connection
     from django_redis.pool import get_connection_factory
 
+    # The cache's own client first: django-redis refuses what cannot work (for
+    # example SentinelClient without the Sentinel connection factory).
+    get_redis_connection(alias, write=True)  # builds a client; connects to nothing
     config: dict[str, Any] = settings.CACHES[alias]
     options: dict[str, Any] = dict(config.get("OPTIONS") or {})
     client_class = options.get("REDIS_CLIENT_CLASS", "redis.client.Redis")
@@ -52,7 +56,6 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "retry": Retry(NoBackoff(), 0),
-        "retry_on_timeout": False,
     }
     pool_kwargs = {**(options.get("CONNECTION_POOL_KWARGS") or {}), **strict}
     pool_kwargs["decode_responses"] = True
