@@ -39,6 +39,8 @@ from .base import Acquired, LockBackend, parse_run_key
 from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
+    CLAIM_ONCE,
+    COMPARE_DELETE,
     EXTEND,
     FORGET_CLAIM,
     RELEASE,
@@ -188,6 +190,30 @@ class RedisLock(LockBackend):
 
     def take_duplicates(self, key: str) -> int:
         return int(self._quiet(TAKE_DUPLICATES, (claim_key(key),), ()) or 0)
+
+    # -- one-off claims (the beat's BEAT_CLAIM) ----------------------------------
+
+    def claim_once(self, key: str, value: str, ttl_seconds: int) -> bool:
+        """``SET key value NX EX ttl_seconds``: True when ``key`` is ours now.
+
+        One round trip on the lock's own connections; raises
+        ``BackendUnavailable`` when Redis does not answer.
+        """
+        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
+            raise ValueError(f"ttl_seconds must be a positive int, not {ttl_seconds!r}")
+        try:
+            return bool(self._eval(CLAIM_ONCE, (key,), (value, ttl_seconds)))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"claim {key}", exc) from exc
+
+    def release_claim(self, key: str, value: str) -> bool:
+        """Delete ``key`` only while it holds ``value`` (compare-and-delete); True if deleted."""
+        try:
+            return bool(self._eval(COMPARE_DELETE, (key,), (value,)))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"release {key}", exc) from exc
 
     # -- outage handling --------------------------------------------------------
 

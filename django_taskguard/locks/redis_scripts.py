@@ -70,6 +70,14 @@ FORGET_CLAIM = Script.of(
     "redis.call('HDEL', KEYS[2], 'token') else redis.call('DEL', KEYS[2]) end "
     "return 1"
 )
+# Set KEYS[1] to ARGV[1] for ARGV[2] seconds unless it exists. 1 = set (ours now).
+CLAIM_ONCE = Script.of(
+    "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 1 end return 0"
+)
+# Delete KEYS[1] only while it holds ARGV[1] (never a plain DEL). 1 = deleted.
+COMPARE_DELETE = Script.of(
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 def pack(*parts: str | int) -> bytes:
