@@ -14,14 +14,14 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from django_taskguard import once_per_schedule
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
-from django_taskguard.locks import Acquired, run_key
+from django_taskguard.locks import Acquired, claim_once, release_claim, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.locks.redis_client import call
 from django_taskguard.locks.redis_scripts import pack
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import RedisServer
-from .redis_support import checkout, command, redis_backend, retries_of
+from .redis_support import TlsRedisServer, checkout, command, redis_backend, retries_of
 from .runs import PutBack, busy_call
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
@@ -343,3 +343,63 @@ def test_checks__eviction_policy_warnings(redis_server):
         assert _lock_checks() == {"taskguard.W011"}
     with redis_backend(redis_server, BACKEND="database"):
         assert _lock_checks() == set()
+
+
+def _lock_connections(server) -> list[dict[str, str]]:
+    """The server's clients whose last command was a lock script."""
+    clients = command(server, "client_list")
+    return [c for c in clients if c["cmd"] in ("evalsha", "eval")]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_redis_lock__speaks_the_cache_protocol(redis_server, protocol):
+    """RESP3 for real: a cache with ``protocol: 3`` gives a lock client that says HELLO 3."""
+    options = {"CONNECTION_POOL_KWARGS": {"protocol": protocol}}
+    with redis_backend(redis_server, options=options) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert [c["resp"] for c in _lock_connections(redis_server)] == [str(protocol)]
+        assert lock.holder(KEY) == "a" * 32
+        assert lock.extend(KEY, "a" * 32, 30)
+        assert lock.release_counted(KEY, "a" * 32) == 1
+        assert lock.holder(KEY) is None
+        assert lock.claim_once("tests:claim", "me", 60)
+        assert lock.errors == 0
+
+
+def test_redis_lock__over_tls(tmp_path):
+    """TLS for real: a rediss:// cache with its CA; every lock operation goes over it."""
+    server = TlsRedisServer(tmp_path / "tls")
+    server.start()
+    try:
+        options = {"CONNECTION_POOL_KWARGS": {"ssl_ca_certs": str(server.ca_file)}}
+        with redis_backend(server, options=options) as lock:
+            assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.extend(KEY, "a" * 32, 30)
+            assert not lock.release(KEY, "b" * 32)
+            assert lock.release_counted(KEY, "a" * 32) == 1
+            assert server.client().exists(KEY) == 0
+            assert lock.errors == 0
+        # The same cache without the CA: the server's certificate is refused.
+        with redis_backend(server) as lock:
+            assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.BYPASSED
+            assert lock.errors == 2  # the acquire, then its read-back
+    finally:
+        server.stop()
+
+
+def test_claim_once__set_once_then_compare_and_delete(redis_server):
+    with redis_backend(redis_server, BACKEND="database"):
+        assert claim_once("tg:beat:x", "beat-1", 60)
+        assert not claim_once("tg:beat:x", "beat-2", 60)
+        assert 55 <= command(redis_server, "ttl", "tg:beat:x") <= 60
+        assert not release_claim("tg:beat:x", "beat-2")
+        assert command(redis_server, "get", "tg:beat:x") == b"beat-1"
+        assert release_claim("tg:beat:x", "beat-1")
+        assert claim_once("tg:beat:x", "beat-2", 60)
+        with pytest.raises(ValueError, match="positive int"):
+            claim_once("tg:beat:y", "beat-1", 0)
+        redis_server.stop()
+        with pytest.raises(BackendUnavailable, match="unreachable"):
+            claim_once("tg:beat:z", "beat-1", 60)
