@@ -30,7 +30,7 @@ from redis.lock import Lock
 from .cleanup import actor, backend_unreachable, call_backend, database_unreachable
 from .conf import taskguard_settings
 from .locks import LockBackend
-from .locks.base import parse_run_key, task_digest
+from .locks.keys import SlotKey, task_digest
 from .locks.redis import ClaimRecord, RedisLock
 from .models import TaskRun, TaskRunTransition
 from .signals import run_abandoned
@@ -239,10 +239,10 @@ class RunKey:
 
 def _scan(lock: LockBackend, digest: str | None) -> Iterator[RunKey]:
     for key, token in lock.scan_run_keys():
-        parsed = parse_run_key(key)
-        if parsed is None or not token or (digest is not None and parsed[0] != digest):
+        parsed = SlotKey.parse(key)
+        if parsed is None or not token or (digest is not None and parsed.digest != digest):
             continue
-        yield RunKey(key, token, parsed[0], parsed[1])
+        yield RunKey(key, token, parsed.digest, parsed.slot)
 
 
 def _verdict(found: RunKey) -> str:

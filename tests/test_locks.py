@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import ast
+from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
 import django_taskguard
+from django_taskguard.locks import keys
 
 PACKAGE = Path(django_taskguard.__file__).resolve().parent
 # Private names of redis-py's and django-redis's objects that code was once
@@ -51,3 +56,53 @@ def test_private_attributes__finds_one(tmp_path):
     copy = tmp_path / "copy.py"
     copy.write_text(text)
     assert [hit.rsplit(": ", 1)[-1] for hit in private_attributes(copy, tmp_path)] == ["._sock"]
+
+
+SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
+
+
+def test_keys__one_slot_shares_one_hash_tag():
+    run = keys.run_key("tg:app", "tests.k", SLOT)
+    digest = keys.task_digest("tests.k")
+    assert run == f"tg:app:run:{{{digest}:20260301T210000.000000Z}}"
+    assert keys.claim_key(run) == f"tg:app:dup:{{{digest}:20260301T210000.000000Z}}"
+    assert keys.lock_key(keys.claim_key(run)) == run
+    assert _tag(run) == _tag(keys.claim_key(run)) == f"{digest}:20260301T210000.000000Z"
+
+
+def test_keys__parse_is_format_inverted():
+    run = keys.run_key("tg:app", "tests.k", SLOT)
+    parsed = keys.SlotKey.parse(run)
+    assert parsed == keys.SlotKey("tg:app", keys.RUN, keys.task_digest("tests.k"), SLOT)
+    assert parsed.format() == run
+    assert keys.SlotKey.parse(keys.claim_key(run)).kind == keys.CLAIM
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "tg:run:0123456789abcdef0123456789abcdef:20260301T210000.000000Z",  # before hash tags
+        "tg:run:{0123456789abcdef0123456789abcdef:20260301T210000.000000Z",
+        "tg:beat:{0123456789abcdef0123456789abcdef:20260301T210000.000000Z}",
+        "tg:run:{short:20260301T210000.000000Z}",
+        "tg:run:{0123456789abcdef0123456789abcdef:yesterday}",
+        "tg:run{0123456789abcdef0123456789abcdef:20260301T210000.000000Z}",
+        ":run:{0123456789abcdef0123456789abcdef:20260301T210000.000000Z}",
+        "tg:cleanup:claims",
+    ],
+)
+def test_keys__other_keys_do_not_parse(key):
+    assert keys.SlotKey.parse(key) is None
+
+
+@pytest.mark.parametrize("prefix", ["tg{a}", "tg}", "{tg"])
+def test_keys__prefix_with_a_brace_is_refused(prefix):
+    with pytest.raises(ImproperlyConfigured, match="brace"):
+        keys.check_prefix(prefix)
+    assert keys.check_prefix("tg:app") == "tg:app"
+
+
+def _tag(key: str) -> str:
+    """The Redis Cluster hash tag of ``key`` (the rule of the cluster spec)."""
+    start = key.index("{")
+    return key[start + 1 : key.index("}", start + 1)]

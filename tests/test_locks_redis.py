@@ -7,6 +7,7 @@ import os
 from datetime import datetime, timezone
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -20,7 +21,7 @@ from django_taskguard.locks.redis_client import call
 from django_taskguard.locks.redis_scripts import pack
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import RedisServer
+from .conftest import RedisServer, wait_for
 from .redis_support import TlsRedisServer, checkout, command, redis_backend, retries_of
 from .runs import PutBack, busy_call
 
@@ -54,8 +55,8 @@ def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
         lock.acquire(KEY, "a" * 32, 3, "tests.lock")
         keys = {k.decode() for k in command(redis_server, "keys", "*")}
         assert keys == {KEY, claim_key(KEY)}
-        assert KEY.startswith("taskguard:run:")
-        assert KEY.endswith(":20260301T210000.000000Z")
+        assert KEY.startswith("taskguard:run:{")
+        assert KEY.endswith(":20260301T210000.000000Z}")
         assert list(lock.scan_run_keys()) == [(KEY, "a" * 32)]
 
 
@@ -403,3 +404,35 @@ def test_claim_once__set_once_then_compare_and_delete(redis_server):
         redis_server.stop()
         with pytest.raises(BackendUnavailable, match="unreachable"):
             claim_once("tg:beat:z", "beat-1", 60)
+
+
+def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
+    """Each script's keys share one hash slot: a cluster-mode node runs them (no CROSSSLOT)."""
+    server = RedisServer(tmp_path / "cluster", "--cluster-enabled", "yes")
+    server.start()
+    try:
+        command(server, "execute_command", "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        wait_for(
+            lambda: b"cluster_state:ok" in command(server, "execute_command", "CLUSTER", "INFO")
+        )
+        with pytest.raises(ResponseError, match="same slot"):  # CROSSSLOT: the node does check
+            command(server, "eval", "return 1", 2, "tests:a", "tests:b")
+        with redis_backend(server) as lock:
+            assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.extend(KEY, "a" * 32, 30)
+            assert not lock.release(KEY, "b" * 32)
+            assert lock.release_counted(KEY, "a" * 32) == 1
+            assert lock.acquire(KEY, "d" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.take_duplicates(KEY) == 1
+            assert lock.release(KEY, "d" * 32)
+            assert lock.errors == 0
+    finally:
+        server.stop()
+
+
+def test_redis_lock__key_prefix_with_a_brace_is_refused(redis_server):
+    with pytest.raises(ImproperlyConfigured, match="brace"):  # noqa: SIM117
+        with redis_backend(redis_server, KEY_PREFIX="tg{app}"):
+            pass

@@ -1,10 +1,10 @@
 """The Redis backend: one round trip decides a losing call; the database row still decides.
 
-Keys are fixed and versionless on a raw redis-py client of our own (never
-``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
+Keys (named in ``keys``) are fixed and versionless on a raw redis-py client of
+our own (never ``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
 
-- ``{prefix}:run:{digest}:{slot}`` holds the winner's token with a lease (``PX``);
-- ``{prefix}:dup:{digest}:{slot}`` is the slot's *claim record*, a hash with the
+- ``{prefix}:run:{<digest>:<slot>}`` holds the winner's token with a lease (``PX``);
+- ``{prefix}:dup:{<digest>:<slot>}`` is the slot's *claim record*, a hash with the
   task name, the winner's token and the count of losing calls. The winner
   folds the count into ``TaskRun.duplicates`` when it finishes; if the winner
   died between its Redis claim and its database row, ``cleanup_locks`` finds
@@ -35,7 +35,8 @@ from redis.sentinel import SentinelConnectionPool
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
-from .base import Acquired, LockBackend, parse_run_key
+from .base import Acquired, LockBackend
+from .keys import CLAIM, RUN, SlotKey, check_prefix, claim_key, lock_key, scan_pattern
 from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
@@ -62,22 +63,6 @@ CLAIM_RECORD_MS = CLAIM_RECORD_SECONDS * 1000
 # While Redis is unreachable, try it again at most this often (other calls
 # go straight to ON_REDIS_ERROR instead of waiting for a socket timeout each).
 PROBE_SECONDS = 1.0
-
-
-def claim_key(run_key: str) -> str:
-    """The claim record that goes with a lock key made by ``base.run_key``."""
-    head, _, tail = run_key.rpartition(":run:")
-    return f"{head}:dup:{tail}"
-
-
-def lock_key(claim: str) -> str:
-    head, _, tail = claim.rpartition(":dup:")
-    return f"{head}:run:{tail}"
-
-
-def _match(prefix: str, kind: str) -> str:
-    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
-    return f"{escaped}:{kind}:*"
 
 
 @dataclass(frozen=True)
@@ -113,6 +98,7 @@ class RedisLock(LockBackend):
 
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
+        check_prefix(taskguard_settings.KEY_PREFIX)
         source = settings.CACHES.get(alias)
         timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
         lock = cls._instances.get((alias, timeout))
@@ -349,7 +335,7 @@ class RedisLock(LockBackend):
 
     def scan_run_keys(self) -> Iterator[tuple[str, str | None]]:
         """Every lock key under ``KEY_PREFIX`` and its token, by ``SCAN`` (never ``KEYS``)."""
-        match = _match(taskguard_settings.KEY_PREFIX, "run")
+        match = scan_pattern(taskguard_settings.KEY_PREFIX, RUN)
         try:
             batch: list[str] = []
             for key in self.client.scan_iter(match=match, count=500):
@@ -370,7 +356,7 @@ class RedisLock(LockBackend):
         (task_name, slot) (the Redis winner died before its row), else the
         count is added to the row; then :meth:`forget_claim`.
         """
-        match = _match(taskguard_settings.KEY_PREFIX, "dup")
+        match = scan_pattern(taskguard_settings.KEY_PREFIX, CLAIM)
         try:
             for key in self.client.scan_iter(match=match, count=500):
                 record = self._claim_record(str(key))
@@ -384,13 +370,13 @@ class RedisLock(LockBackend):
         pipe.exists(lock_key(key))
         pipe.hgetall(key)
         held, fields = pipe.execute()
-        parsed = parse_run_key(lock_key(key))
+        parsed = SlotKey.parse(key)
         if held or not fields or parsed is None or not fields.get("task"):
             return None
         return ClaimRecord(
             key=key,
             task_name=fields["task"],
-            slot=parsed[1],
+            slot=parsed.slot,
             duplicates=int(fields.get("count", 0)),
             token=fields.get("token", ""),
         )
