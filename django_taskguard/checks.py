@@ -10,7 +10,13 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from .conf import BACKENDS, DEFAULTS, ON_REDIS_ERROR_CHOICES, taskguard_settings
+from .conf import (
+    BACKENDS,
+    DEFAULTS,
+    ON_REDIS_ERROR_CHOICES,
+    finished_marker_problem,
+    taskguard_settings,
+)
 from .locks import is_redis_cache
 
 
@@ -68,6 +74,18 @@ def check_settings(
                 f"TASKGUARD['ON_REDIS_ERROR'] is {on_error!r}.",
                 hint="Use 'database' or 'fail'.",
                 id="taskguard.E005",
+            )
+        )
+    marker = finished_marker_problem(
+        raw.get("FINISHED_MARKER_SECONDS", DEFAULTS["FINISHED_MARKER_SECONDS"])
+    )
+    if marker is not None:
+        errors.append(
+            Error(
+                f"{marker}.",
+                hint="How long a finished slot's Redis lock key answers late calls "
+                "(the default is 3600; 0 deletes it at once).",
+                id="taskguard.E012",
             )
         )
     errors += _check_database()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
 DEFAULTS: dict[str, Any] = {
@@ -23,10 +24,24 @@ DEFAULTS: dict[str, Any] = {
     "STARTUP_CLEANUP": False,
     "PRUNE_AFTER_DAYS": 30,
     "BEAT_CLAIM": False,
+    "FINISHED_MARKER_SECONDS": 3600,
 }
 
 BACKENDS = ("auto", "redis", "database")
 ON_REDIS_ERROR_CHOICES = ("database", "fail")
+FINISHED_MARKER_MAX_SECONDS = 604800  # a week
+
+
+def finished_marker_problem(value: Any) -> str | None:
+    """Why ``value`` is no FINISHED_MARKER_SECONDS (a number from 0 to a week), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"TASKGUARD['FINISHED_MARKER_SECONDS'] is {value!r}, not a number of seconds"
+    if not 0 <= value <= FINISHED_MARKER_MAX_SECONDS:
+        return (
+            f"TASKGUARD['FINISHED_MARKER_SECONDS'] is {value!r}; use 0 (no marker) to "
+            f"{FINISHED_MARKER_MAX_SECONDS} (a week)"
+        )
+    return None
 
 
 class Settings:
@@ -106,6 +121,15 @@ class Settings:
     @property
     def BEAT_CLAIM(self) -> bool:
         return bool(self._get("BEAT_CLAIM"))
+
+    @property
+    def FINISHED_MARKER_SECONDS(self) -> float:
+        """How long a finished slot's lock key answers late calls (0: deleted at once)."""
+        value = self._get("FINISHED_MARKER_SECONDS")
+        problem = finished_marker_problem(value)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        return float(value)
 
 
 taskguard_settings = Settings()

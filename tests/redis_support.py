@@ -15,6 +15,7 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 
 from django_taskguard.locks import get_backend
 from django_taskguard.locks.redis import RedisLock
+from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 
 from .conftest import RedisServer, free_port, wait_for, wait_until_serving
 
@@ -257,6 +258,20 @@ def sentinel_backend(
         finally:
             RedisLock.close_all()
             caches["redis"].close()
+
+
+def unfinished_keys(server: RedisServer, db: int = 0) -> list[str]:
+    """Keys on ``server``'s database ``db`` but finished-slot markers (which lapse alone)."""
+    client = server.client(db=db)
+    try:
+        marker = FINISHED_MARKER.encode()
+        return sorted(
+            key.decode()
+            for key in client.scan_iter()
+            if client.type(key) != b"string" or client.get(key) != marker
+        )
+    finally:
+        client.close()
 
 
 def on_db(server: RedisServer, db: int, name: str, *args: Any) -> Any:

@@ -14,14 +14,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from django_taskguard import once_per_schedule
+from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.locks import Acquired, claim_once, release_claim, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.locks.redis_client import call
-from django_taskguard.locks.redis_scripts import pack
+from django_taskguard.locks.redis_scripts import FINISHED_MARKER, pack
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.signals import duplicate_suppressed
 
-from .conftest import RedisServer, wait_for
+from .conftest import RedisServer, free_port, wait_for
 from .redis_support import TlsRedisServer, checkout, command, redis_backend, retries_of
 from .runs import PutBack, busy_call
 
@@ -299,10 +301,17 @@ def test_guard__put_back_call_is_not_counted_in_redis(redis_server, transactiona
     with redis_backend(redis_server) as lock:
         assert body.run_for_slot(SLOT) == "ran"
         assert hints == [3]  # Redis said "held": the hint is the whole lease
-        assert (
-            busy_call("tests.busy", hints, slot=SLOT, lease=3) is None
-        )  # the slot ended: a duplicate
-        assert lock.holder(run_key("taskguard", "tests.busy", SLOT)) is None
+        key = run_key("taskguard", "tests.busy", SLOT)
+        # The slot ended: the put-back call meets the finished marker, is not put
+        # back, and is counted on the claim record (no query), folded in by cleanup.
+        with CaptureQueriesContext(connection) as queries:
+            assert busy_call("tests.busy", hints, slot=SLOT, lease=3) is None
+        assert len(queries) == 0, queries.captured_queries
+        assert lock.holder(key) is None
+        assert command(redis_server, "hget", claim_key(key), "count") == b"1"
+        assert TaskRun.objects.get().duplicates == 0
+        assert cleanup_locks().unrecorded_slots == 0
+        assert command(redis_server, "exists", claim_key(key)) == 0
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates, len(hints)) == (RunState.SUCCEEDED, 1, 1)
 
@@ -381,6 +390,9 @@ def test_redis_lock__over_tls(tmp_path):
             assert not lock.release(KEY, "b" * 32)
             assert lock.release_counted(KEY, "a" * 32) == 1
             assert server.client().exists(KEY) == 0
+            assert lock.acquire(KEY, "d" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.finish(KEY, "d" * 32) == 0
+            assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.FINISHED
             assert lock.errors == 0
         # The same cache without the CA: the server's certificate is refused.
         with redis_backend(server) as lock:
@@ -408,7 +420,9 @@ def test_claim_once__set_once_then_compare_and_delete(redis_server):
 
 def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
     """Each script's keys share one hash slot: a cluster-mode node runs them (no CROSSSLOT)."""
-    server = RedisServer(tmp_path / "cluster", "--cluster-enabled", "yes")
+    # (the cluster bus needs a port of its own: port + 10000 may not exist)
+    bus = ("--cluster-port", str(free_port()))
+    server = RedisServer(tmp_path / "cluster", "--cluster-enabled", "yes", *bus)
     server.start()
     try:
         command(server, "execute_command", "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
@@ -427,6 +441,11 @@ def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
             assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.LOST
             assert lock.take_duplicates(KEY) == 1
             assert lock.release(KEY, "d" * 32)
+            assert lock.acquire(KEY, "f" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.finish(KEY, "f" * 32) == 0
+            assert lock.acquire(KEY, "g" * 32, 3, "tests.lock") is Acquired.FINISHED
+            assert [record.duplicates for record in lock.unrecorded_claims()] == [1]
+            assert list(lock.scan_run_keys()) == []
             assert lock.errors == 0
     finally:
         server.stop()
@@ -436,3 +455,108 @@ def test_redis_lock__key_prefix_with_a_brace_is_refused(redis_server):
     with pytest.raises(ImproperlyConfigured, match="brace"):  # noqa: SIM117
         with redis_backend(redis_server, KEY_PREFIX="tg{app}"):
             pass
+
+
+# The finished-slot marker --------------------------------------------------------
+
+
+def test_redis_lock__finish_leaves_a_marker_that_answers_late_calls(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert lock.finish(KEY, "a" * 32) == 1  # the live loser, collected
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+        assert 3_590_000 < command(redis_server, "pttl", KEY) <= 3_600_000
+        assert command(redis_server, "exists", claim_key(KEY)) == 0
+        assert lock.holder(KEY) is None  # a marker is no token
+        assert list(lock.scan_run_keys()) == []
+        # Late calls: FINISHED, and always counted (a put-back call too).
+        assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.FINISHED
+        assert lock.acquire(KEY, "d" * 32, 3, "tests.lock", count=False) is Acquired.FINISHED
+        assert command(redis_server, "hgetall", claim_key(KEY)) == {
+            b"task": b"tests.lock",
+            b"count": b"2",
+        }
+        # No token ever matches the marker.
+        assert not lock.extend(KEY, "a" * 32, 30)
+        assert not lock.release(KEY, "a" * 32)
+        assert lock.release_counted(KEY, "a" * 32) == 0
+        assert lock.finish(KEY, "a" * 32) == 0  # again: the marker stays, the count too
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+        assert command(redis_server, "hget", claim_key(KEY), "count") == b"2"
+        assert lock.errors == 0
+
+
+def test_redis_lock__finish_after_the_lease_lapsed_still_marks(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 0.2, "tests.lock") is Acquired.WON
+        wait_for(lambda: command(redis_server, "exists", KEY) == 0, what="the lease to lapse")
+        assert lock.finish(KEY, "a" * 32) == 0
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+
+
+def test_redis_lock__finish_leaves_another_holder_alone(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 0.2, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "x" * 32, 3, "tests.lock") is Acquired.LOST
+        wait_for(lambda: command(redis_server, "exists", KEY) == 0, what="the lease to lapse")
+        assert lock.acquire(KEY, "b" * 32, 30, "tests.lock") is Acquired.WON  # took over
+        assert lock.finish(KEY, "a" * 32) == 0  # not a's record any more
+        assert lock.holder(KEY) == "b" * 32
+        assert lock.finish(KEY, "b" * 32) == 1  # b's record holds the count
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+
+
+def test_redis_lock__finish_without_marker_deletes_the_lock(redis_server):
+    with redis_backend(redis_server, FINISHED_MARKER_SECONDS=0) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert lock.finish(KEY, "a" * 32) == 1
+        assert command(redis_server, "exists", KEY, claim_key(KEY)) == 0
+        assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.WON
+
+
+@pytest.mark.parametrize("value", [-1, 604801, "3600", True, None])
+def test_redis_lock__bad_finished_marker_seconds_is_refused(redis_server, value):
+    with pytest.raises(ImproperlyConfigured, match="FINISHED_MARKER_SECONDS"):  # noqa: SIM117
+        with redis_backend(redis_server, FINISHED_MARKER_SECONDS=value):
+            pass
+
+
+def test_guard__late_call_after_the_slot_finished_costs_one_round_trip(
+    redis_server, transactional_db
+):
+    seen: list[str] = []
+
+    def suppressed(sender: str, state: str, **kwargs: object) -> None:
+        seen.append(state)
+
+    @once_per_schedule(name="tests.late")
+    def body():
+        return "ran"
+
+    with redis_backend(redis_server) as lock:
+        key = run_key("taskguard", "tests.late", SLOT)
+        assert body.run_for_slot(SLOT) == "ran"
+        assert command(redis_server, "get", key) == FINISHED_MARKER.encode()
+        duplicate_suppressed.connect(suppressed)
+        try:
+            before = _calls(redis_server)
+            with CaptureQueriesContext(connection) as queries:
+                assert body.run_for_slot(SLOT) is None
+                assert body.run_for_slot(SLOT) is None
+            after = _calls(redis_server)
+        finally:
+            duplicate_suppressed.disconnect(suppressed)
+        assert len(queries) == 0, queries.captured_queries
+        made = {name: after[name] - before.get(name, 0) for name in after}
+        made = {name: n for name, n in made.items() if n and name not in PROBE_COMMANDS}
+        assert made == {"evalsha": 2, "set": 2, "hincrby": 2, "hsetnx": 2, "pexpire": 2}
+        assert len(seen) == 2
+        assert TaskRun.objects.get().duplicates == 0
+        assert cleanup_locks().as_dict()["unrecorded_slots"] == 0  # folded, not abandoned
+        assert TaskRun.objects.get().duplicates == 2
+        assert command(redis_server, "exists", claim_key(key)) == 0
+        assert command(redis_server, "get", key) == FINISHED_MARKER.encode()  # it lapses
+        assert cleanup_locks().as_dict()["orphan_keys"] == 0
+        assert lock.errors == 0

@@ -43,6 +43,8 @@ from .redis_scripts import (
     CLAIM_ONCE,
     COMPARE_DELETE,
     EXTEND,
+    FINISH,
+    FINISHED_MARKER,
     FORGET_CLAIM,
     RELEASE,
     RELEASE_COUNTED,
@@ -72,8 +74,12 @@ class ClaimRecord:
     key: str  # the claim record's key
     task_name: str
     slot: datetime
-    duplicates: int  # losing calls counted in Redis, not yet in TaskRun.duplicates
+    duplicates: int  # calls counted in Redis, not yet in TaskRun.duplicates
     token: str  # the Redis winner's token ("" when the winner already finished)
+
+
+# ACQUIRE's answer (0, 1, 2) as the outcome of the call.
+_OUTCOMES = (Acquired.LOST, Acquired.WON, Acquired.FINISHED)
 
 
 class RedisLock(LockBackend):
@@ -99,6 +105,7 @@ class RedisLock(LockBackend):
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
         check_prefix(taskguard_settings.KEY_PREFIX)
+        taskguard_settings.FINISHED_MARKER_SECONDS  # noqa: B018 - refused here, not at finish
         source = settings.CACHES.get(alias)
         timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
         lock = cls._instances.get((alias, timeout))
@@ -146,7 +153,7 @@ class RedisLock(LockBackend):
             return self._settle(key, token, task_name, exc)
         if self._down_since is not None:
             self._up()
-        return Acquired.WON if won == 1 else Acquired.LOST
+        return _OUTCOMES[won]
 
     def _settle(self, key: str, token: str, task_name: str, exc: RedisError) -> Acquired:
         """The acquire's outcome is unknown: read back whether the key holds our token."""
@@ -173,6 +180,17 @@ class RedisLock(LockBackend):
 
     def release_counted(self, key: str, token: str) -> int:
         return int(self._quiet(RELEASE_COUNTED, (key, claim_key(key)), (token,)) or 0)
+
+    def finish(self, key: str, token: str) -> int:
+        """Leave the finished marker for ``FINISHED_MARKER_SECONDS``; return the duplicates.
+
+        One round trip: if ``key`` holds ``token`` (or has lapsed) it is set to the
+        marker, so a late call is answered by Redis alone (``Acquired.FINISHED``);
+        the claim record's count is returned and the record deleted if it is
+        this token's. Call it only once the row is recorded finished.
+        """
+        ms = int(taskguard_settings.FINISHED_MARKER_SECONDS * 1000)
+        return int(self._quiet(FINISH, (key, claim_key(key)), (token, ms)) or 0)
 
     def take_duplicates(self, key: str) -> int:
         return int(self._quiet(TAKE_DUPLICATES, (claim_key(key),), ()) or 0)
@@ -331,25 +349,41 @@ class RedisLock(LockBackend):
             value = self.client.get(key)
         except RedisError as exc:
             raise self._loud(f"read {key}", exc) from exc
-        return None if value is None else str(value)
+        return None if value is None or value == FINISHED_MARKER else str(value)
 
     def scan_run_keys(self) -> Iterator[tuple[str, str | None]]:
-        """Every lock key under ``KEY_PREFIX`` and its token, by ``SCAN`` (never ``KEYS``)."""
+        """Every lock key under ``KEY_PREFIX`` that holds a token, with it, by ``SCAN``.
+
+        Finished markers are left out (they lapse on their own). The values are
+        read 500 at a time by a pipeline of single-key ``GET``s, not one ``MGET``
+        (whose keys would span hash slots).
+        """
         match = scan_pattern(taskguard_settings.KEY_PREFIX, RUN)
         try:
             batch: list[str] = []
             for key in self.client.scan_iter(match=match, count=500):
                 batch.append(str(key))
                 if len(batch) == 500:
-                    yield from zip(batch, self.client.mget(batch), strict=True)
+                    yield from self._held(batch)
                     batch = []
             if batch:
-                yield from zip(batch, self.client.mget(batch), strict=True)
+                yield from self._held(batch)
         except RedisError as exc:
             raise self._loud("scan the lock keys", exc) from exc
 
+    def _held(self, keys: list[str]) -> Iterator[tuple[str, str | None]]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        for key, value in zip(keys, pipe.execute(), strict=True):
+            if value != FINISHED_MARKER:
+                yield key, value
+
     def unrecorded_claims(self) -> Iterator[ClaimRecord]:
-        """Claim records whose lock is gone: slots to check against the ledger.
+        """Claim records whose lock is gone (or holds the finished marker): slots to check.
+
+        A record on a finished slot holds the late calls counted after the
+        winner's finish: cleanup adds them to the row.
 
         ``cleanup_locks`` (``cleanup_redis.record_claims``) records each: an
         ``abandoned`` row with ``duplicates`` when no ``TaskRun`` exists for
@@ -367,10 +401,11 @@ class RedisLock(LockBackend):
 
     def _claim_record(self, key: str) -> ClaimRecord | None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.exists(lock_key(key))
+        pipe.get(lock_key(key))
         pipe.hgetall(key)
-        held, fields = pipe.execute()
+        holder, fields = pipe.execute()
         parsed = SlotKey.parse(key)
+        held = holder is not None and holder != FINISHED_MARKER  # a marker: the lock is gone
         if held or not fields or parsed is None or not fields.get("task"):
             return None
         return ClaimRecord(
