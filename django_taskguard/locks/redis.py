@@ -24,8 +24,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
@@ -35,6 +33,7 @@ from redis.sentinel import SentinelConnectionPool
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
+from . import redis_sweep
 from .base import Acquired, LockBackend
 from .keys import CLAIM, RUN, SlotKey, check_prefix, claim_key, lock_key, scan_pattern
 from .redis_client import build_client, call, readable
@@ -52,6 +51,7 @@ from .redis_scripts import (
     Script,
     pack,
 )
+from .redis_sweep import ClaimRecord
 
 if TYPE_CHECKING:  # redis-py >= 5.1 only; annotations are never evaluated
     from redis.connection import ConnectionInterface
@@ -65,17 +65,6 @@ CLAIM_RECORD_MS = CLAIM_RECORD_SECONDS * 1000
 # While Redis is unreachable, try it again at most this often (other calls
 # go straight to ON_REDIS_ERROR instead of waiting for a socket timeout each).
 PROBE_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class ClaimRecord:
-    """A slot someone claimed in Redis whose lock is gone: the row may be missing."""
-
-    key: str  # the claim record's key
-    task_name: str
-    slot: datetime
-    duplicates: int  # calls counted in Redis, not yet in TaskRun.duplicates
-    token: str  # the Redis winner's token ("" when the winner already finished)
 
 
 # ACQUIRE's answer (0, 1, 2) as the outcome of the call.
@@ -385,7 +374,7 @@ class RedisLock(LockBackend):
         A record on a finished slot holds the late calls counted after the
         winner's finish: cleanup adds them to the row.
 
-        ``cleanup_locks`` (``cleanup_redis.record_claims``) records each: an
+        ``cleanup_locks`` (``redis_sweep.record_claims``) records each: an
         ``abandoned`` row with ``duplicates`` when no ``TaskRun`` exists for
         (task_name, slot) (the Redis winner died before its row), else the
         count is added to the row; then :meth:`forget_claim`.
@@ -425,9 +414,8 @@ class RedisLock(LockBackend):
             raise self._loud(f"forget {record.key}", exc) from exc
 
     def sweep(self, task: str | None, dry_run: bool) -> tuple[int, int]:
-        from ..cleanup_redis import sweep  # (moving into the locks package)
-
-        return sweep(self, task, dry_run)
+        """Record the claim records of unrecorded slots; remove orphan lock keys."""
+        return redis_sweep.sweep(self, task, dry_run)
 
     def eviction_policy(self) -> str:
         """The server's ``maxmemory-policy`` (raises ``RedisError`` when unknown)."""
