@@ -9,11 +9,13 @@ from datetime import datetime, timezone
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from django_taskguard import once_per_schedule
+from django_taskguard.checks import check_lock_redis
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.locks import Acquired, claim_once, release_claim, run_key
@@ -24,7 +26,14 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.signals import duplicate_suppressed
 
 from .conftest import RedisServer, free_port, wait_for
-from .redis_support import TlsRedisServer, checkout, command, redis_backend, retries_of
+from .redis_support import (
+    TlsRedisServer,
+    checkout,
+    command,
+    redis_backend,
+    redis_caches,
+    retries_of,
+)
 from .runs import PutBack, busy_call
 
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
@@ -560,3 +569,14 @@ def test_guard__late_call_after_the_slot_finished_costs_one_round_trip(
         assert command(redis_server, "get", key) == FINISHED_MARKER.encode()  # it lapses
         assert cleanup_locks().as_dict()["orphan_keys"] == 0
         assert lock.errors == 0
+
+
+def test_checks__redis_cluster_client_class_is_e010(redis_server):
+    """The lock is a plain redis-py client: a cache built on RedisCluster is refused."""
+    options = {"REDIS_CLIENT_CLASS": "redis.cluster.RedisCluster"}
+    caches = redis_caches(redis_server, **options)
+    taskguard = {"BACKEND": "redis", "REDIS_ALIAS": "redis"}
+    with override_settings(CACHES=caches, TASKGUARD=taskguard):
+        messages = check_lock_redis()
+    assert [message.id for message in messages] == ["taskguard.E010"]
+    assert "needs a plain redis.Redis client" in messages[0].msg

@@ -40,9 +40,6 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
     from django_redis import get_redis_connection
     from django_redis.pool import get_connection_factory
 
-    # The cache's own client first: django-redis refuses what cannot work (for
-    # example SentinelClient without the Sentinel connection factory).
-    get_redis_connection(alias, write=True)  # builds a client; connects to nothing
     config: dict[str, Any] = settings.CACHES[alias]
     options: dict[str, Any] = dict(config.get("OPTIONS") or {})
     client_class = options.get("REDIS_CLIENT_CLASS", "redis.client.Redis")
@@ -52,6 +49,9 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
             f"needs a plain redis.Redis client (for Redis Cluster, use a cluster proxy; see "
             f"docs/redis.md)"
         )
+    # The cache's own client next: django-redis refuses what cannot work (for
+    # example SentinelClient without the Sentinel connection factory).
+    get_redis_connection(alias, write=True)  # builds a client; connects to nothing
     strict: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
