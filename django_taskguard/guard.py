@@ -208,6 +208,11 @@ def _record_raised(active: ActiveRun, exc: BaseException, will_retry: WillRetry 
             )
         else:
             run_failed.send(sender=active.task_name, run=active, exception=exc)
+    except LeaseLost:
+        logger.warning(
+            "taskguard run %s was taken over; its end (%s) is not recorded", active.id, state
+        )
+        return False
     except Exception:
         logger.exception(
             "taskguard could not record that run %s ended %s; the function's own "

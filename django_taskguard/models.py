@@ -10,6 +10,7 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from ._compat import check_constraint
+from .owner import Owner
 from .states import TERMINAL_STATES, RunState
 
 __all__ = ["RunState", "TaskRun", "TaskRunTransition"]
@@ -96,13 +97,14 @@ class TaskRun(models.Model):
 
     @property
     def host(self) -> str:
-        """The host part of ``owner`` ("host:pid:token")."""
-        return self.owner.rsplit(":", 2)[0] if self.owner.count(":") >= 2 else ""
+        """The host part of ``owner`` (see ``owner.Owner``)."""
+        parsed = Owner.parse(self.owner)
+        return parsed.host if parsed is not None else ""
 
     @property
     def pid(self) -> int | None:
-        parts = self.owner.rsplit(":", 2)
-        return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        parsed = Owner.parse(self.owner)
+        return parsed.pid if parsed is not None else None
 
 
 class TaskRunTransition(models.Model):

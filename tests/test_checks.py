@@ -128,7 +128,7 @@ def test_manage_py_check__as_a_real_command_is_clean():
     assert "no issues" in done.stdout
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(databases=["default", "ledger"])
 def test_makemigrations__check_reports_no_changes():
     out = io.StringIO()
     call_command("makemigrations", "taskguard", "--check", "--dry-run", stdout=out)

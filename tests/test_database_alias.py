@@ -126,7 +126,8 @@ def test_child_process__sees_the_ledger_database(on_ledger, child_env):
     # the ledger database this test created.
     code = (
         "import django; django.setup(); from datetime import datetime, timezone; "
-        "from django.test import override_settings; from django_taskguard import once_per_schedule\n"
+        "from django.test import override_settings\n"
+        "from django_taskguard import once_per_schedule\n"
         "with override_settings(TASKGUARD={'BACKEND': 'database', 'DATABASE_ALIAS': 'ledger'}):\n"
         "    print(once_per_schedule(name='tests.alias.child')(lambda: 'ran')"
         ".run_for_slot(datetime(2026, 1, 1, tzinfo=timezone.utc)))"
