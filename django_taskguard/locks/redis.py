@@ -33,7 +33,6 @@ from redis.sentinel import SentinelConnectionPool
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
-from . import redis_sweep
 from .base import Acquired, LockBackend
 from .keys import CLAIM, RUN, SlotKey, check_prefix, claim_key, lock_key, scan_pattern
 from .redis_client import build_client, call, readable
@@ -52,6 +51,7 @@ from .redis_scripts import (
     pack,
 )
 from .redis_sweep import ClaimRecord
+from .redis_sweep import sweep as sweep_redis
 
 if TYPE_CHECKING:  # redis-py >= 5.1 only; annotations are never evaluated
     from redis.connection import ConnectionInterface
@@ -415,7 +415,7 @@ class RedisLock(LockBackend):
 
     def sweep(self, task: str | None, dry_run: bool) -> tuple[int, int]:
         """Record the claim records of unrecorded slots; remove orphan lock keys."""
-        return redis_sweep.sweep(self, task, dry_run)
+        return sweep_redis(self, task, dry_run)
 
     def eviction_policy(self) -> str:
         """The server's ``maxmemory-policy`` (raises ``RedisError`` when unknown)."""
