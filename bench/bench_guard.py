@@ -11,12 +11,17 @@ taskguard tables there if needed, and times in one process:
   NOTHING`` + ``UPDATE`` on the raw redis-py client and the raw psycopg cursor;
 - an unguarded call of the same function;
 - a guarded winning call (a fresh slot each time);
-- a guarded losing call (a new slot each time, its key held by someone else);
+- a guarded call that loses to a live winner (a new slot each time, its key
+  held by someone else);
+- a guarded call that comes after its slot finished (a new slot each time,
+  its key holding the finished-slot marker);
 - one Redis ``PING`` with redis-py, and one on a bare socket (no client library).
 
-Prints medians, p99 and the ratios guarded/floor (bar 2.0, aim 1.5) and
-loser/PING (bar 1.5; the PING made with redis-py, the client everyone's code
-uses), plus loser/bare PING for scale.
+Before timing, it checks with Django's ``CaptureQueriesContext`` that both
+losing calls make no database query. Prints medians, p99 and three ratios:
+winner/floor (bar 1.5), loser to a live winner/PING and loser to a finished
+slot/PING (bar 1.5 each; the PING made with redis-py, the client everyone's
+code uses), plus the losers/bare PING for scale.
 """
 
 from __future__ import annotations
@@ -146,12 +151,14 @@ def main() -> None:
 def run(rounds: int, port: int) -> None:
     import redis
     from django.db import connection
+    from django.test.utils import CaptureQueriesContext
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     from django_taskguard import once_per_schedule
-    from django_taskguard.locks import run_key
-    from django_taskguard.locks.redis import RedisLock, claim_key
+    from django_taskguard.locks import Acquired, run_key
+    from django_taskguard.locks.keys import claim_key
+    from django_taskguard.locks.redis import RedisLock
     from django_taskguard.locks.redis_scripts import RELEASE
     from django_taskguard.models import TaskRun
 
@@ -167,7 +174,7 @@ def run(rounds: int, port: int) -> None:
     table = TaskRun._meta.db_table
 
     def floor(i: int) -> None:
-        key, token = f"bench:floor:{tag}:{i}", uuid.uuid4().hex
+        key, token = run_key("bench", f"floor.{tag}", slot(i)), uuid.uuid4().hex
         raw.set(key, token, nx=True, px=30000)
         cursor.execute(
             f"INSERT INTO {table} (task_name, slot, state, attempt, owner, created_at, error, "
@@ -189,11 +196,20 @@ def run(rounds: int, port: int) -> None:
 
     guarded = once_per_schedule(name=f"bench.guarded.{tag}")(work)
     losing = once_per_schedule(name=f"bench.losing.{tag}")(work)
-    # The loser meets a new slot every round, as in production (no warm key caches),
-    # each one already held by someone else.
+    late = once_per_schedule(name=f"bench.late.{tag}")(work)
+    # The losers meet a new slot every round, as in production (no warm key caches):
+    # each one held by someone else, or finished (its key holds the marker).
     lock = RedisLock.for_alias("default")
-    for i in range(-50, rounds):
-        lock.acquire(run_key("taskguard", losing.task_name or "", slot(i)), "someone-else", 3600)
+    for i in range(-52, rounds):
+        lock.acquire(run_key("taskguard", losing.task_name or "", slot(i)), "0" * 32, 3600)
+        finished = run_key("taskguard", late.task_name or "", slot(i))
+        assert lock.acquire(finished, "f" * 32, 3600) is Acquired.WON
+        lock.finish(finished, "f" * 32)
+    # Both losers: one Redis round trip, no database query (the bar's condition).
+    for call in (losing, late):
+        with CaptureQueriesContext(connection) as queries:
+            assert call.run_for_slot(slot(-52)) is None
+        assert len(queries) == 0, f"{call.task_name} queried: {queries.captured_queries}"
 
     # One round trip with no client library at all, for scale.
     bare = socket.create_connection(("127.0.0.1", port))
@@ -212,7 +228,8 @@ def run(rounds: int, port: int) -> None:
             "unguarded call": lambda i: work(),
             "floor": floor,
             "guarded winner": lambda i: guarded.run_for_slot(slot(i) + timedelta(days=1)),
-            "guarded loser": lambda i: losing.run_for_slot(slot(i)),
+            "loser, live winner": lambda i: losing.run_for_slot(slot(i)),
+            "loser, finished": lambda i: late.run_for_slot(slot(i)),
         },
         rounds,
     )
@@ -220,14 +237,19 @@ def run(rounds: int, port: int) -> None:
     print(f"{rounds} interleaved rounds; loopback Redis :{port}, PostgreSQL database {database}")
     for name, samples in results.items():
         print(
-            f"  {name:18} median {statistics.median(samples) * 1e6:9.1f} us   "
+            f"  {name:19} median {statistics.median(samples) * 1e6:9.1f} us   "
             f"p99 {p99(samples) * 1e6:9.1f} us"
         )
     med = {name: statistics.median(samples) for name, samples in results.items()}
-    print(f"guarded/floor = {med['guarded winner'] / med['floor']:.2f}  (bar 2.0, aim 1.5)")
-    print(f"loser/PING    = {med['guarded loser'] / med['PING']:.2f}  (bar 1.5; redis-py's PING)")
-    bare_ratio = med["guarded loser"] / med["PING, bare socket"]
-    print(f"loser/bare    = {bare_ratio:.2f}  (for scale: a PING with no client library)")
+    ping, bare_ping_ = med["PING"], med["PING, bare socket"]
+    live, done = med["loser, live winner"], med["loser, finished"]
+    print(f"winner/floor           = {med['guarded winner'] / med['floor']:.2f}  (bar 1.5)")
+    print(f"loser to a live winner = {live / ping:.2f} x PING  (bar 1.5; redis-py's PING)")
+    print(f"loser to a finished    = {done / ping:.2f} x PING  (bar 1.5; 0 queries, checked)")
+    print(
+        f"for scale, x a bare-socket PING: live {live / bare_ping_:.2f}, "
+        f"finished {done / bare_ping_:.2f}"
+    )
     bare.close()
     TaskRun.objects.filter(task_name__endswith=tag).delete()
     raw.close()

@@ -20,6 +20,9 @@ from .conf import (
 )
 from .locks import is_redis_cache
 
+# Bounded numbers with a check id of their own; the others share E009.
+NUMBER_CHECK_IDS = {"LEASE_SECONDS": "taskguard.E004", "FINISHED_MARKER_SECONDS": "taskguard.E012"}
+
 
 @register(Tags.compatibility)
 def check_settings(
@@ -66,7 +69,7 @@ def check_settings(
                 Error(
                     f"{problem}.",
                     hint=f"The default is {DEFAULTS[name]!r}.",
-                    id="taskguard.E004" if name == "LEASE_SECONDS" else "taskguard.E009",
+                    id=NUMBER_CHECK_IDS.get(name, "taskguard.E009"),
                 )
             )
     on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])

@@ -26,6 +26,7 @@ DEFAULTS: dict[str, Any] = {
     "PRUNE_AFTER_DAYS": 30,
     "BEAT_CLAIM": False,
     "RETRY_GRACE_SECONDS": 7200,
+    "FINISHED_MARKER_SECONDS": 3600,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read
@@ -36,6 +37,7 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "REDIS_SOCKET_TIMEOUT": (0.01, 60, "seconds"),
     "PRUNE_AFTER_DAYS": (1, 36_500, "days"),
     "RETRY_GRACE_SECONDS": (60, 604_800, "seconds"),
+    "FINISHED_MARKER_SECONDS": (0, 604_800, "seconds"),
 }
 
 BACKENDS = ("auto", "redis", "database")
@@ -155,6 +157,11 @@ class Settings:
     @property
     def RETRY_GRACE_SECONDS(self) -> float:
         return float(self._number("RETRY_GRACE_SECONDS"))
+
+    @property
+    def FINISHED_MARKER_SECONDS(self) -> float:
+        """How long a finished slot's lock key answers late calls (0: deleted at once)."""
+        return float(self._number("FINISHED_MARKER_SECONDS"))
 
 
 taskguard_settings = Settings()

@@ -15,6 +15,7 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 
 from django_taskguard.locks import get_backend
 from django_taskguard.locks.redis import RedisLock
+from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 
 from .conftest import RedisServer, free_port, wait_for, wait_until_serving
 
@@ -31,10 +32,15 @@ def redis_caches(server: RedisServer, **options: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def redis_backend(server: RedisServer, **taskguard: Any) -> Iterator[RedisLock]:
-    """Point TASKGUARD at ``server`` (BACKEND redis) for the block; yield the lock."""
+def redis_backend(
+    server: RedisServer, *, options: dict[str, Any] | None = None, **taskguard: Any
+) -> Iterator[RedisLock]:
+    """Point TASKGUARD at ``server`` (BACKEND redis) for the block; yield the lock.
+
+    ``options``: the django-redis cache's ``OPTIONS``.
+    """
     config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", "LEASE_SECONDS": 3, **taskguard}
-    with override_settings(CACHES=redis_caches(server), TASKGUARD=config):
+    with override_settings(CACHES=redis_caches(server, **(options or {})), TASKGUARD=config):
         try:
             lock = get_backend()
             assert isinstance(lock, RedisLock) or config["BACKEND"] != "redis"
@@ -42,6 +48,65 @@ def redis_backend(server: RedisServer, **taskguard: Any) -> Iterator[RedisLock]:
         finally:
             RedisLock.close_all()
             caches["redis"].close()
+
+
+class TlsRedisServer(RedisServer):
+    """A private ``redis-server`` that speaks TLS only (``--port 0``), with a CA made here.
+
+    ``openssl`` makes a throwaway CA and a server certificate for 127.0.0.1 in
+    ``directory``; clients must trust ``ca_file``.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.ca_file = directory / "ca.crt"
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0"
+
+    def _certificates(self) -> list[str]:
+        d = self.directory
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        for argv in (
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.crt", "-days", "1", "-subj", "/CN=taskguard test CA"],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+             "server.csr", "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext"],
+        ):  # fmt: skip
+            subprocess.run(["openssl", *argv], cwd=d, check=True, capture_output=True)
+        return ["--tls-cert-file", str(d / "server.crt"), "--tls-key-file",
+                str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"),
+                "--tls-auth-clients", "no"]  # fmt: skip
+
+    def start(self) -> None:
+        tls = self._certificates()
+        self.process = subprocess.Popen(
+            [self.binary, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+             "--maxmemory-policy", "noeviction", *tls],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for(self._answers, timeout=10, what="the TLS redis-server to answer")
+
+    def _answers(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"TLS redis-server exited with {self.process.returncode}")
+        try:
+            return bool(self.client().ping())
+        except Exception:
+            return False
+
+    def client(self, db: int = 0):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, db=db, ssl=True,
+            ssl_ca_certs=str(self.ca_file), socket_timeout=5,
+        )  # fmt: skip
 
 
 def child_redis_env(env: dict[str, str], server: RedisServer) -> dict[str, str]:
@@ -193,6 +258,20 @@ def sentinel_backend(
         finally:
             RedisLock.close_all()
             caches["redis"].close()
+
+
+def unfinished_keys(server: RedisServer, db: int = 0) -> list[str]:
+    """Keys on ``server``'s database ``db`` but finished-slot markers (which lapse alone)."""
+    client = server.client(db=db)
+    try:
+        marker = FINISHED_MARKER.encode()
+        return sorted(
+            key.decode()
+            for key in client.scan_iter()
+            if client.type(key) != b"string" or client.get(key) != marker
+        )
+    finally:
+        client.close()
 
 
 def on_db(server: RedisServer, db: int, name: str, *args: Any) -> Any:

@@ -59,6 +59,10 @@ def ids(**overrides: object) -> list[str]:
         pytest.param({"ON_REDIS_ERROR": "ignore"}, ["taskguard.E005"], id="E005"),
         pytest.param({"DATABASE_ALIAS": "nope"}, ["taskguard.E006"], id="E006"),
         pytest.param({"DATABASE_ALIAS": "unsupported"}, ["taskguard.E007"], id="E007"),
+        pytest.param({"FINISHED_MARKER_SECONDS": -1}, ["taskguard.E012"], id="E012-negative"),
+        pytest.param({"FINISHED_MARKER_SECONDS": 604801}, ["taskguard.E012"], id="E012-too-long"),
+        pytest.param({"FINISHED_MARKER_SECONDS": "60"}, ["taskguard.E012"], id="E012-string"),
+        pytest.param({"FINISHED_MARKER_SECONDS": True}, ["taskguard.E012"], id="E012-bool"),
         pytest.param({"LEASE_SECOND": 30}, ["taskguard.W001"], id="W001-typo"),
         pytest.param(
             {"BACKEND": "x", "LEASE_SECONDS": 0, "ON_REDIS_ERROR": "x", "COLOUR": 1},
@@ -94,6 +98,7 @@ def test_check_settings__taskguard_not_a_dict_is_e008():
                 "LEASE_SECONDS": 2.5,
                 "ON_REDIS_ERROR": "fail",
                 "DATABASE_ALIAS": "default",
+                "FINISHED_MARKER_SECONDS": 0,
             },
             id="every-key",
         ),

@@ -6,13 +6,14 @@ import json
 import subprocess
 from datetime import datetime
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db.models.signals import pre_save
 from django.test import override_settings
 
+from django_taskguard import ledger
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.locks.base import run_key
@@ -131,29 +132,28 @@ def test_cleanup_locks_redis__claim_of_a_recorded_slot_adds_its_count(redis_sett
 
 
 def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
-    redis_settings, child_env, scratch
+    redis_settings, child_env, scratch, monkeypatch
 ):
     client = redis_settings.client()
     name = "tests.meanwhile"
     slot_key = claim(name, BASE, "tokdead", 2, lease=0.3)
     wait_for(lambda: client.get(slot_key) is None, what="the dead winner's lease to lapse")
     children = []
+    insert_abandoned = ledger.insert_abandoned
 
-    def caller_claims_first(sender: type[TaskRun], instance: TaskRun, **kwargs: object) -> None:
+    def caller_claims_first(task_name: str, slot: datetime, **kwargs: Any) -> int | None:
         # Between cleanup's UPDATE (no row yet) and its INSERT, a real caller on
         # the database path claims the slot, runs it and commits.
-        if instance.task_name == name and not children:
+        if task_name == name and not children:
             argv = [python(), "-m", "tests.proc", "hold", "--task", name, "--log",
                     str(scratch / "x.log"), "--seconds", "0"]  # fmt: skip
             children.append(
                 subprocess.run(argv, env=child_env, capture_output=True, text=True, timeout=120)
             )
+        return insert_abandoned(task_name, slot, **kwargs)
 
-    pre_save.connect(caller_claims_first, sender=TaskRun)
-    try:
-        result = cleanup_locks()
-    finally:
-        pre_save.disconnect(caller_claims_first, sender=TaskRun)
+    monkeypatch.setattr(ledger, "insert_abandoned", caller_claims_first)
+    result = cleanup_locks()
     (child,) = children
     assert child.returncode == 0, child.stderr
     assert json.loads(child.stdout.splitlines()[-1]) == {"result": "done"}
@@ -164,24 +164,27 @@ def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
     assert not client.exists(claim_key(slot_key))
 
 
-def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(redis_settings):
+def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
+    redis_settings, monkeypatch
+):
     client = redis_settings.client()
     lock = get_backend()
     name = "tests.again"
     slot_key = claim(name, BASE, "tokdead", 2, lease=0.3)
     wait_for(lambda: client.get(slot_key) is None, what="the dead winner's lease to lapse")
 
-    def new_caller_wins_redis(sender: type[TaskRun], instance: TaskRun, **kwargs: object) -> None:
+    insert_abandoned = ledger.insert_abandoned
+
+    def new_caller_wins_redis(task_name: str, slot: datetime, **kwargs: Any) -> int | None:
         # A new call wins the free Redis lock after cleanup read the record: the
         # record's count is now that call's to fold when it releases.
         assert lock.acquire(slot_key, "toknew", 0.3, name) is Acquired.WON
+        return insert_abandoned(task_name, slot, **kwargs)
 
-    pre_save.connect(new_caller_wins_redis, sender=TaskRun)
-    try:
-        # The new call's key names no row, but its lease runs: it is left alone.
-        assert cleanup_locks().as_dict() == counts(unrecorded_slots=1)
-    finally:
-        pre_save.disconnect(new_caller_wins_redis, sender=TaskRun)
+    monkeypatch.setattr(ledger, "insert_abandoned", new_caller_wins_redis)
+    # The new call's key names no row, but its lease runs: it is left alone.
+    assert cleanup_locks().as_dict() == counts(unrecorded_slots=1)
+    monkeypatch.undo()
     run = TaskRun.objects.get(task_name=name)
     assert (run.state, run.duplicates) == (RunState.ABANDONED, 0)  # the count went back
     assert client.hget(claim_key(slot_key), "count") == b"2"

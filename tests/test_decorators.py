@@ -184,7 +184,7 @@ def test_task_name__long_and_unicode_names_work_end_to_end(name):
     run = TaskRun.objects.get()
     assert (run.task_name, run.state, run.duplicates) == (name, RunState.SUCCEEDED, 1)
     key = run_key("taskguard", name, SLOT)
-    assert key == f"taskguard:run:{task_digest(name)}:{SLOT:%Y%m%dT%H%M%S}.000000Z"
+    assert key == f"taskguard:run:{{{task_digest(name)}:{SLOT:%Y%m%dT%H%M%S}.000000Z}}"
     assert len(task_digest(name)) == 32 and key.isascii()
 
 

@@ -7,20 +7,33 @@ import os
 from datetime import timedelta
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from django_taskguard import once_per_schedule
+from django_taskguard.checks import check_lock_redis
+from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
-from django_taskguard.locks import Acquired, run_key
+from django_taskguard.locks import Acquired, claim_once, release_claim, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
-from django_taskguard.locks.redis_client import call_int
-from django_taskguard.locks.redis_scripts import pack
+from django_taskguard.locks.redis_client import call
+from django_taskguard.locks.redis_scripts import FINISHED_MARKER, pack
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.signals import duplicate_suppressed
 
-from .redis_support import checkout, command, redis_backend, retries_of
+from .conftest import RedisServer, free_port, wait_for
+from .redis_support import (
+    TlsRedisServer,
+    checkout,
+    command,
+    redis_backend,
+    redis_caches,
+    retries_of,
+)
 from .runs import PutBack, busy_call
 from .slots import BASE_SLOT
 
@@ -54,8 +67,8 @@ def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
         lock.acquire(KEY, "a" * 32, 3, "tests.lock")
         keys = {k.decode() for k in command(redis_server, "keys", "*")}
         assert keys == {KEY, claim_key(KEY)}
-        assert KEY.startswith("taskguard:run:")
-        assert KEY.endswith(":20260301T210000.000000Z")
+        assert KEY.startswith("taskguard:run:{")
+        assert KEY.endswith(":20260301T210000.000000Z}")
         assert list(lock.scan_run_keys()) == [(KEY, "a" * 32)]
 
 
@@ -142,32 +155,29 @@ def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_serv
         assert caplog.records == []
 
 
-def test_redis_lock__replies_read_off_the_socket(redis_server):
-    """Integer replies parsed by hand; an error reply leaves the connection in step."""
+def test_redis_lock__replies_through_redis_py(redis_server, tmp_path):
+    """Replies read by redis-py's parser: an error keeps the connection in step; READONLY drops."""
     with redis_backend(redis_server) as lock:
-        connection = lock._checkout()
-        connection.connect()
+        connection, _ = lock._checkout()
         command(redis_server, "set", "tests:word", "x")
         with pytest.raises(ResponseError, match="not an integer"):
-            call_int(connection, pack("INCR", "tests:word"))
-        assert call_int(connection, pack("INCRBY", "tests:n", 41)) == 41
-        assert call_int(connection, pack("INCR", "tests:n")) == 42
+            call(connection, pack("INCR", "tests:word"))
+        assert call(connection, pack("INCRBY", "tests:n", 41)) == 41
+        assert call(connection, pack("INCR", "tests:n")) == 42
         with pytest.raises(NoScriptError):
-            call_int(connection, pack("EVALSHA", "0" * 40, 0))
-        with pytest.raises(RedisConnectionError, match="unexpected reply"):
-            call_int(connection, pack("GET", "tests:n"))  # a bulk reply: not ours to read
+            call(connection, pack("EVALSHA", "0" * 40, 0))
+        assert call(connection, pack("GET", "tests:n")) == "42"  # decoded
         connection.disconnect()
-
-
-def test_redis_lock__works_without_select_poll(redis_server, monkeypatch):
-    """eventlet.monkey_patch() deletes select.poll (and Windows never had it)."""
-    with redis_backend(redis_server) as lock:
-        monkeypatch.delattr("select.poll")
-        assert lock.acquire(KEY, "a" * 32, 3) is Acquired.WON  # a new connection
-        assert lock.acquire(KEY, "b" * 32, 3) is Acquired.LOST  # an idle one, checked
-        command(redis_server, "client_kill_filter", _type="normal", skipme=True)
-        assert lock.acquire(KEY, "c" * 32, 3) is Acquired.LOST  # a closed one, replaced
-        assert lock.errors == 0
+    replica = RedisServer(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
+    replica.start()
+    try:
+        with redis_backend(replica) as lock:
+            connection, _ = lock._checkout()
+            with pytest.raises(RedisConnectionError, match="ReadOnlyError"):
+                call(connection, pack("SET", "tests:n", 1))  # a demoted master after failover
+            connection.disconnect()
+    finally:
+        replica.stop()
 
 
 def test_redis_lock__outage_logged_once_and_recovery_once(redis_server, caplog):
@@ -301,10 +311,17 @@ def test_guard__put_back_call_is_not_counted_in_redis(redis_server, transactiona
     with redis_backend(redis_server) as lock:
         assert body.run_for_slot(SLOT) == "ran"
         assert hints == [3]  # Redis said "held": the hint is the whole lease
-        assert (
-            busy_call("tests.busy", hints, slot=SLOT, lease=3) is None
-        )  # the slot ended: a duplicate
-        assert lock.holder(run_key("taskguard", "tests.busy", SLOT)) is None
+        key = run_key("taskguard", "tests.busy", SLOT)
+        # The slot ended: the put-back call meets the finished marker, is not put
+        # back, and is counted on the claim record (no query), folded in by cleanup.
+        with CaptureQueriesContext(connection) as queries:
+            assert busy_call("tests.busy", hints, slot=SLOT, lease=3) is None
+        assert len(queries) == 0, queries.captured_queries
+        assert lock.holder(key) is None
+        assert command(redis_server, "hget", claim_key(key), "count") == b"1"
+        assert TaskRun.objects.get().duplicates == 0
+        assert cleanup_locks().unrecorded_slots == 0
+        assert command(redis_server, "exists", claim_key(key)) == 0
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates, len(hints)) == (RunState.SUCCEEDED, 1, 1)
 
@@ -346,3 +363,221 @@ def test_checks__eviction_policy_warnings(redis_server):
         assert _lock_checks() == {"taskguard.W011"}
     with redis_backend(redis_server, BACKEND="database"):
         assert _lock_checks() == set()
+
+
+def _lock_connections(server) -> list[dict[str, str]]:
+    """The server's clients whose last command was a lock script."""
+    clients = command(server, "client_list")
+    return [c for c in clients if c["cmd"] in ("evalsha", "eval")]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_redis_lock__speaks_the_cache_protocol(redis_server, protocol):
+    """RESP3 for real: a cache with ``protocol: 3`` gives a lock client that says HELLO 3."""
+    options = {"CONNECTION_POOL_KWARGS": {"protocol": protocol}}
+    with redis_backend(redis_server, options=options) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert [c["resp"] for c in _lock_connections(redis_server)] == [str(protocol)]
+        assert lock.holder(KEY) == "a" * 32
+        assert lock.extend(KEY, "a" * 32, 30)
+        assert lock.release_counted(KEY, "a" * 32) == 1
+        assert lock.holder(KEY) is None
+        assert lock.claim_once("tests:claim", "me", 60)
+        assert lock.errors == 0
+
+
+def test_redis_lock__over_tls(tmp_path):
+    """TLS for real: a rediss:// cache with its CA; every lock operation goes over it."""
+    server = TlsRedisServer(tmp_path / "tls")
+    server.start()
+    try:
+        options = {"CONNECTION_POOL_KWARGS": {"ssl_ca_certs": str(server.ca_file)}}
+        with redis_backend(server, options=options) as lock:
+            assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.extend(KEY, "a" * 32, 30)
+            assert not lock.release(KEY, "b" * 32)
+            assert lock.release_counted(KEY, "a" * 32) == 1
+            assert server.client().exists(KEY) == 0
+            assert lock.acquire(KEY, "d" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.finish(KEY, "d" * 32) == 0
+            assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.FINISHED
+            assert lock.errors == 0
+        # The same cache without the CA: the server's certificate is refused.
+        with redis_backend(server) as lock:
+            assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.BYPASSED
+            assert lock.errors == 2  # the acquire, then its read-back
+    finally:
+        server.stop()
+
+
+def test_claim_once__set_once_then_compare_and_delete(redis_server):
+    with redis_backend(redis_server, BACKEND="database"):
+        assert claim_once("tg:beat:x", "beat-1", 60)
+        assert not claim_once("tg:beat:x", "beat-2", 60)
+        assert 55 <= command(redis_server, "ttl", "tg:beat:x") <= 60
+        assert not release_claim("tg:beat:x", "beat-2")
+        assert command(redis_server, "get", "tg:beat:x") == b"beat-1"
+        assert release_claim("tg:beat:x", "beat-1")
+        assert claim_once("tg:beat:x", "beat-2", 60)
+        with pytest.raises(ValueError, match="positive int"):
+            claim_once("tg:beat:y", "beat-1", 0)
+        redis_server.stop()
+        with pytest.raises(BackendUnavailable, match="unreachable"):
+            claim_once("tg:beat:z", "beat-1", 60)
+
+
+def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
+    """Each script's keys share one hash slot: a cluster-mode node runs them (no CROSSSLOT)."""
+    # (the cluster bus needs a port of its own: port + 10000 may not exist)
+    bus = ("--cluster-port", str(free_port()))
+    server = RedisServer(tmp_path / "cluster", "--cluster-enabled", "yes", *bus)
+    server.start()
+    try:
+        command(server, "execute_command", "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        wait_for(
+            lambda: b"cluster_state:ok" in command(server, "execute_command", "CLUSTER", "INFO")
+        )
+        with pytest.raises(ResponseError, match="same slot"):  # CROSSSLOT: the node does check
+            command(server, "eval", "return 1", 2, "tests:a", "tests:b")
+        with redis_backend(server) as lock:
+            assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.extend(KEY, "a" * 32, 30)
+            assert not lock.release(KEY, "b" * 32)
+            assert lock.release_counted(KEY, "a" * 32) == 1
+            assert lock.acquire(KEY, "d" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.take_duplicates(KEY) == 1
+            assert lock.release(KEY, "d" * 32)
+            assert lock.acquire(KEY, "f" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.finish(KEY, "f" * 32) == 0
+            assert lock.acquire(KEY, "g" * 32, 3, "tests.lock") is Acquired.FINISHED
+            assert [record.duplicates for record in lock.unrecorded_claims()] == [1]
+            assert list(lock.scan_run_keys()) == []
+            assert lock.errors == 0
+    finally:
+        server.stop()
+
+
+def test_redis_lock__key_prefix_with_a_brace_is_refused(redis_server):
+    with pytest.raises(ImproperlyConfigured, match="brace"):  # noqa: SIM117
+        with redis_backend(redis_server, KEY_PREFIX="tg{app}"):
+            pass
+
+
+# The finished-slot marker --------------------------------------------------------
+
+
+def test_redis_lock__finish_leaves_a_marker_that_answers_late_calls(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert lock.finish(KEY, "a" * 32) == 1  # the live loser, collected
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+        assert 3_590_000 < command(redis_server, "pttl", KEY) <= 3_600_000
+        assert command(redis_server, "exists", claim_key(KEY)) == 0
+        assert lock.holder(KEY) is None  # a marker is no token
+        assert list(lock.scan_run_keys()) == []
+        # Late calls: FINISHED, and always counted (a put-back call too).
+        assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.FINISHED
+        assert lock.acquire(KEY, "d" * 32, 3, "tests.lock", count=False) is Acquired.FINISHED
+        assert command(redis_server, "hgetall", claim_key(KEY)) == {
+            b"task": b"tests.lock",
+            b"count": b"2",
+        }
+        # No token ever matches the marker.
+        assert not lock.extend(KEY, "a" * 32, 30)
+        assert not lock.release(KEY, "a" * 32)
+        assert lock.release_counted(KEY, "a" * 32) == 0
+        assert lock.finish(KEY, "a" * 32) == 0  # again: the marker stays, the count too
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+        assert command(redis_server, "hget", claim_key(KEY), "count") == b"2"
+        assert lock.errors == 0
+
+
+def test_redis_lock__finish_after_the_lease_lapsed_still_marks(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 0.2, "tests.lock") is Acquired.WON
+        wait_for(lambda: command(redis_server, "exists", KEY) == 0, what="the lease to lapse")
+        assert lock.finish(KEY, "a" * 32) == 0
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+
+
+def test_redis_lock__finish_leaves_another_holder_alone(redis_server):
+    with redis_backend(redis_server) as lock:
+        assert lock.acquire(KEY, "a" * 32, 0.2, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "x" * 32, 3, "tests.lock") is Acquired.LOST
+        wait_for(lambda: command(redis_server, "exists", KEY) == 0, what="the lease to lapse")
+        assert lock.acquire(KEY, "b" * 32, 30, "tests.lock") is Acquired.WON  # took over
+        assert lock.finish(KEY, "a" * 32) == 0  # not a's record any more
+        assert lock.holder(KEY) == "b" * 32
+        assert lock.finish(KEY, "b" * 32) == 1  # b's record holds the count
+        assert command(redis_server, "get", KEY) == FINISHED_MARKER.encode()
+
+
+def test_redis_lock__finish_without_marker_deletes_the_lock(redis_server):
+    with redis_backend(redis_server, FINISHED_MARKER_SECONDS=0) as lock:
+        assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
+        assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
+        assert lock.finish(KEY, "a" * 32) == 1
+        assert command(redis_server, "exists", KEY, claim_key(KEY)) == 0
+        assert lock.acquire(KEY, "c" * 32, 3, "tests.lock") is Acquired.WON
+
+
+@pytest.mark.parametrize("value", [-1, 604801, "3600", True, None])
+def test_redis_lock__bad_finished_marker_seconds_is_refused(redis_server, value):
+    with pytest.raises(ImproperlyConfigured, match="FINISHED_MARKER_SECONDS"):  # noqa: SIM117
+        with redis_backend(redis_server, FINISHED_MARKER_SECONDS=value):
+            pass
+
+
+def test_guard__late_call_after_the_slot_finished_costs_one_round_trip(
+    redis_server, transactional_db
+):
+    seen: list[str] = []
+
+    def suppressed(sender: str, state: str, **kwargs: object) -> None:
+        seen.append(state)
+
+    @once_per_schedule(name="tests.late")
+    def body():
+        return "ran"
+
+    with redis_backend(redis_server) as lock:
+        key = run_key("taskguard", "tests.late", SLOT)
+        assert body.run_for_slot(SLOT) == "ran"
+        assert command(redis_server, "get", key) == FINISHED_MARKER.encode()
+        duplicate_suppressed.connect(suppressed)
+        try:
+            before = _calls(redis_server)
+            with CaptureQueriesContext(connection) as queries:
+                assert body.run_for_slot(SLOT) is None
+                assert body.run_for_slot(SLOT) is None
+            after = _calls(redis_server)
+        finally:
+            duplicate_suppressed.disconnect(suppressed)
+        assert len(queries) == 0, queries.captured_queries
+        made = {name: after[name] - before.get(name, 0) for name in after}
+        made = {name: n for name, n in made.items() if n and name not in PROBE_COMMANDS}
+        assert made == {"evalsha": 2, "set": 2, "hincrby": 2, "hsetnx": 2, "pexpire": 2}
+        assert len(seen) == 2
+        assert TaskRun.objects.get().duplicates == 0
+        assert cleanup_locks().as_dict()["unrecorded_slots"] == 0  # folded, not abandoned
+        assert TaskRun.objects.get().duplicates == 2
+        assert command(redis_server, "exists", claim_key(key)) == 0
+        assert command(redis_server, "get", key) == FINISHED_MARKER.encode()  # it lapses
+        assert cleanup_locks().as_dict()["orphan_keys"] == 0
+        assert lock.errors == 0
+
+
+def test_checks__redis_cluster_client_class_is_e010(redis_server):
+    """The lock is a plain redis-py client: a cache built on RedisCluster is refused."""
+    options = {"REDIS_CLIENT_CLASS": "redis.cluster.RedisCluster"}
+    caches = redis_caches(redis_server, **options)
+    taskguard = {"BACKEND": "redis", "REDIS_ALIAS": "redis"}
+    with override_settings(CACHES=caches, TASKGUARD=taskguard):
+        messages = check_lock_redis()
+    assert [message.id for message in messages] == ["taskguard.E010"]
+    assert "needs a plain redis.Redis client" in messages[0].msg

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -13,7 +13,18 @@ from ..conf import taskguard_settings
 from .base import Acquired, LockBackend, run_key
 from .database import DatabaseLock
 
-__all__ = ["Acquired", "LockBackend", "get_backend", "is_redis_cache", "run_key"]
+if TYPE_CHECKING:
+    from .redis import RedisLock
+
+__all__ = [
+    "Acquired",
+    "LockBackend",
+    "claim_once",
+    "get_backend",
+    "is_redis_cache",
+    "release_claim",
+    "run_key",
+]
 
 
 def is_redis_cache(alias: str) -> bool:
@@ -72,3 +83,29 @@ def _build_backend() -> LockBackend:
             ) from exc
         return RedisLock.for_alias(taskguard_settings.REDIS_ALIAS)
     raise ImproperlyConfigured(f"unknown TASKGUARD BACKEND {name!r} (auto, redis or database)")
+
+
+def claim_once(key: str, value: str, ttl_seconds: int) -> bool:
+    """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; True when taken.
+
+    ``SET NX EX`` on the ``REDIS_ALIAS`` cache's server, through the lock's own
+    client (its timeout, no retries, Sentinel and TLS as the cache has them),
+    whatever ``BACKEND`` says. Raises ``BackendUnavailable`` when Redis does
+    not answer. The beat's ``BEAT_CLAIM`` uses it.
+    """
+    return _redis_lock().claim_once(key, value, ttl_seconds)
+
+
+def release_claim(key: str, value: str) -> bool:
+    """Delete ``key`` only while it holds ``value`` (compare-and-delete); True when deleted."""
+    return _redis_lock().release_claim(key, value)
+
+
+def _redis_lock() -> RedisLock:
+    try:
+        from .redis import RedisLock
+    except ImportError as exc:  # pragma: no cover - depends on the extra
+        raise ImproperlyConfigured(
+            f"a taskguard Redis claim needs django-taskguard[redis]: {exc}"
+        ) from exc
+    return RedisLock.for_alias(taskguard_settings.REDIS_ALIAS)

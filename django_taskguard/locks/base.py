@@ -1,4 +1,4 @@
-"""What a lock backend must do, and how its keys are named.
+"""What a lock backend must do (its keys are named in ``keys``).
 
 The database row always decides (G4). A lock backend is the fast path in
 front of it: it lets a losing call return after one round trip without
@@ -10,12 +10,12 @@ goes straight to the row.
 from __future__ import annotations
 
 import enum
-import functools
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from datetime import datetime
-from datetime import timezone as dt_timezone
+
+from .keys import run_key, slot_label, task_digest
+
+__all__ = ["Acquired", "LockBackend", "run_key", "slot_label", "task_digest"]
 
 
 class Acquired(enum.Enum):
@@ -83,32 +83,3 @@ class LockBackend(ABC):
     def scan_run_keys(self) -> Iterator[tuple[str, str | None]]:
         """Every run key under the prefix with its token, found incrementally (``SCAN``)."""
         return iter(())
-
-
-@functools.lru_cache(maxsize=1024)
-def task_digest(task_name: str) -> str:
-    """A fixed-length, key-safe stand-in for a task name of any length or alphabet."""
-    return hashlib.sha256(task_name.encode("utf-8")).hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=1024)
-def slot_label(slot: datetime) -> str:
-    """``20261121T210000.000000Z``: sortable, fixed-width, UTC."""
-    return slot.astimezone(dt_timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-
-
-def run_key(prefix: str, task_name: str, slot: datetime) -> str:
-    """The fast-path lock key of one (task, slot); never raw user text."""
-    return f"{prefix}:run:{task_digest(task_name)}:{slot_label(slot)}"
-
-
-def parse_run_key(key: str) -> tuple[str, datetime] | None:
-    """``(task_digest, slot)`` of a key made by :func:`run_key`, or None for other keys."""
-    parts = key.rsplit(":", 3)
-    if len(parts) != 4 or parts[1] != "run":
-        return None
-    try:
-        slot = datetime.strptime(parts[3], "%Y%m%dT%H%M%S.%fZ").replace(tzinfo=dt_timezone.utc)
-    except ValueError:
-        return None
-    return parts[2], slot

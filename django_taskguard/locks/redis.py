@@ -1,10 +1,10 @@
 """The Redis backend: one round trip decides a losing call; the database row still decides.
 
-Keys are fixed and versionless on a raw redis-py client of our own (never
-``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
+Keys (named in ``keys``) are fixed and versionless on a raw redis-py client of
+our own (never ``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
 
-- ``{prefix}:run:{digest}:{slot}`` holds the winner's token with a lease (``PX``);
-- ``{prefix}:dup:{digest}:{slot}`` is the slot's *claim record*, a hash with the
+- ``{prefix}:run:{<digest>:<slot>}`` holds the winner's token with a lease (``PX``);
+- ``{prefix}:dup:{<digest>:<slot>}`` is the slot's *claim record*, a hash with the
   task name, the winner's token and the count of losing calls. The winner
   folds the count into ``TaskRun.duplicates`` when it finishes; if the winner
   died between its Redis claim and its database row, ``cleanup_locks`` finds
@@ -24,8 +24,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
@@ -35,11 +33,16 @@ from redis.sentinel import SentinelConnectionPool
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
-from .base import Acquired, LockBackend, parse_run_key
-from .redis_client import build_client, call_int, readable
+from .base import Acquired, LockBackend
+from .keys import CLAIM, RUN, SlotKey, check_prefix, claim_key, lock_key, scan_pattern
+from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
+    CLAIM_ONCE,
+    COMPARE_DELETE,
     EXTEND,
+    FINISH,
+    FINISHED_MARKER,
     FORGET_CLAIM,
     RELEASE,
     RELEASE_COUNTED,
@@ -47,6 +50,8 @@ from .redis_scripts import (
     Script,
     pack,
 )
+from .redis_sweep import ClaimRecord
+from .redis_sweep import sweep as sweep_redis
 
 if TYPE_CHECKING:  # redis-py >= 5.1 only; annotations are never evaluated
     from redis.connection import ConnectionInterface
@@ -62,31 +67,8 @@ CLAIM_RECORD_MS = CLAIM_RECORD_SECONDS * 1000
 PROBE_SECONDS = 1.0
 
 
-def claim_key(run_key: str) -> str:
-    """The claim record that goes with a lock key made by ``base.run_key``."""
-    head, _, tail = run_key.rpartition(":run:")
-    return f"{head}:dup:{tail}"
-
-
-def lock_key(claim: str) -> str:
-    head, _, tail = claim.rpartition(":dup:")
-    return f"{head}:run:{tail}"
-
-
-def _match(prefix: str, kind: str) -> str:
-    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
-    return f"{escaped}:{kind}:*"
-
-
-@dataclass(frozen=True)
-class ClaimRecord:
-    """A slot someone claimed in Redis whose lock is gone: the row may be missing."""
-
-    key: str  # the claim record's key
-    task_name: str
-    slot: datetime
-    duplicates: int  # losing calls counted in Redis, not yet in TaskRun.duplicates
-    token: str  # the Redis winner's token ("" when the winner already finished)
+# ACQUIRE's answer (0, 1, 2) as the outcome of the call.
+_OUTCOMES = (Acquired.LOST, Acquired.WON, Acquired.FINISHED)
 
 
 class RedisLock(LockBackend):
@@ -106,10 +88,13 @@ class RedisLock(LockBackend):
         # Connections of the scripts' hot path, checked out without the pool's
         # bookkeeping (list.pop and append are atomic: no lock needed).
         self._idle: list[ConnectionInterface] = []
+        self._closed: list[ConnectionInterface] = []
         self._idle_pid = self.pid
 
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
+        check_prefix(taskguard_settings.KEY_PREFIX)
+        taskguard_settings.FINISHED_MARKER_SECONDS  # noqa: B018 - refused here, not at finish
         source = settings.CACHES.get(alias)
         timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
         lock = cls._instances.get((alias, timeout))
@@ -123,14 +108,18 @@ class RedisLock(LockBackend):
         """Disconnect and forget every cached lock client of this process."""
         locks, cls._instances = list(cls._instances.values()), {}
         for lock in locks:
-            idle, lock._idle = lock._idle, []
-            for connection in idle:
-                connection.disconnect()  # type: ignore[no-untyped-call]
-            pool = lock.client.connection_pool
-            pool.disconnect()
-            if isinstance(pool, SentinelConnectionPool):  # and the Sentinel queries' own
-                for sentinel in pool.sentinel_manager.sentinels:
-                    sentinel.connection_pool.disconnect()
+            lock.close()
+
+    def close(self) -> None:
+        """Disconnect this lock's connections (they reconnect on next use)."""
+        idle, self._idle, self._closed = self._idle, [], []
+        for connection in idle:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+        pool = self.client.connection_pool
+        pool.disconnect()
+        if isinstance(pool, SentinelConnectionPool):  # and the Sentinel queries' own
+            for sentinel in pool.sentinel_manager.sentinels:
+                sentinel.connection_pool.disconnect()
 
     # -- the hot path ---------------------------------------------------------
 
@@ -153,7 +142,7 @@ class RedisLock(LockBackend):
             return self._settle(key, token, task_name, exc)
         if self._down_since is not None:
             self._up()
-        return Acquired.WON if won == 1 else Acquired.LOST
+        return _OUTCOMES[won]
 
     def _settle(self, key: str, token: str, task_name: str, exc: RedisError) -> Acquired:
         """The acquire's outcome is unknown: read back whether the key holds our token."""
@@ -181,8 +170,43 @@ class RedisLock(LockBackend):
     def release_counted(self, key: str, token: str) -> int:
         return int(self._quiet(RELEASE_COUNTED, (key, claim_key(key)), (token,)) or 0)
 
+    def finish(self, key: str, token: str) -> int:
+        """Leave the finished marker for ``FINISHED_MARKER_SECONDS``; return the duplicates.
+
+        One round trip: if ``key`` holds ``token`` (or has lapsed) it is set to the
+        marker, so a late call is answered by Redis alone (``Acquired.FINISHED``);
+        the claim record's count is returned and the record deleted if it is
+        this token's. Call it only once the row is recorded finished.
+        """
+        ms = int(taskguard_settings.FINISHED_MARKER_SECONDS * 1000)
+        return int(self._quiet(FINISH, (key, claim_key(key)), (token, ms)) or 0)
+
     def take_duplicates(self, key: str) -> int:
         return int(self._quiet(TAKE_DUPLICATES, (claim_key(key),), ()) or 0)
+
+    # -- one-off claims (the beat's BEAT_CLAIM) ----------------------------------
+
+    def claim_once(self, key: str, value: str, ttl_seconds: int) -> bool:
+        """``SET key value NX EX ttl_seconds``: True when ``key`` is ours now.
+
+        One round trip on the lock's own connections; raises
+        ``BackendUnavailable`` when Redis does not answer.
+        """
+        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
+            raise ValueError(f"ttl_seconds must be a positive int, not {ttl_seconds!r}")
+        try:
+            return bool(self._eval(CLAIM_ONCE, (key,), (value, ttl_seconds)))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"claim {key}", exc) from exc
+
+    def release_claim(self, key: str, value: str) -> bool:
+        """Delete ``key`` only while it holds ``value`` (compare-and-delete); True if deleted."""
+        try:
+            return bool(self._eval(COMPARE_DELETE, (key,), (value,)))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"release {key}", exc) from exc
 
     # -- outage handling --------------------------------------------------------
 
@@ -237,44 +261,57 @@ class RedisLock(LockBackend):
     def _eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """One script call: one round trip, never retried.
 
-        The command is packed here and sent on a connection of our own, not
-        through ``Redis.execute_command`` and the pool's checkout, and its
-        one-line integer reply is read without redis-py's parser (see
-        :func:`redis_client.call_int`): that machinery costs about as much as
-        the loopback round trip itself.
+        The command is packed here and sent on an idle connection of our own
+        (``send_packed_command``/``read_response``), not through
+        ``Redis.execute_command`` and the pool's checkout: that machinery costs
+        about a third of a loopback round trip.
         """
-        connection = self._checkout()
+        connection, connected = self._checkout()
         try:
-            # Connect here (a no-op when connected): redis-py does the handshake
-            # (AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
-            connection.connect()  # type: ignore[no-untyped-call]
+            if not connected:
+                # connect(), not the send's own connect: redis-py does the handshake
+                # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
+                connection.connect()  # type: ignore[no-untyped-call]
             try:
-                return call_int(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
+                reply = call(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
-                return call_int(connection, pack("EVAL", script.source, len(keys), *keys, *args))
+                reply = call(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
-            raise  # the server answered: the connection is in step
-        except BaseException:
-            # A reply may still be on its way: never reuse this connection as is.
-            connection.disconnect()  # type: ignore[no-untyped-call]
+            self._idle.append(connection)  # the server answered: the connection is in step
             raise
-        finally:
-            self._idle.append(connection)
+        except BaseException:
+            # A reply may still be on its way: never reuse this socket (the
+            # connection object is kept: the pool counts every one it made).
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            self._closed.append(connection)
+            raise
+        self._idle.append(connection)
+        return reply
 
-    def _checkout(self) -> ConnectionInterface:
-        """An idle connection of ours, or a new (unconnected) one from the client's pool."""
+    def _checkout(self) -> tuple[ConnectionInterface, bool]:
+        """A connection of ours and whether it is connected.
+
+        An idle connected one, else a closed one, else a new one. ``_idle``
+        holds connected connections only; ``_closed`` those whose socket was
+        dropped after an error.
+        """
         if self._idle_pid != os.getpid():
-            self._idle, self._idle_pid = [], os.getpid()  # forked: the sockets are the parent's
+            # Forked: the sockets are the parent's (dropped here, never closed).
+            self._idle, self._closed, self._idle_pid = [], [], os.getpid()
         try:
             connection = self._idle.pop()
         except IndexError:
-            return self.client.connection_pool.make_connection()
+            try:
+                return self._closed.pop(), False
+            except IndexError:
+                return self.client.connection_pool.make_connection(), False
         if readable(connection):
             # Readable while idle: the server closed it (or a reply is stray).
             # Start afresh rather than fail the next command.
             connection.disconnect()  # type: ignore[no-untyped-call]
-        return connection
+            return connection, False
+        return connection, True
 
     def _quiet(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run a script whose failure must not stop the caller (the lease runs out anyway)."""
@@ -301,32 +338,48 @@ class RedisLock(LockBackend):
             value = self.client.get(key)
         except RedisError as exc:
             raise self._loud(f"read {key}", exc) from exc
-        return None if value is None else str(value)
+        return None if value is None or value == FINISHED_MARKER else str(value)
 
     def scan_run_keys(self) -> Iterator[tuple[str, str | None]]:
-        """Every lock key under ``KEY_PREFIX`` and its token, by ``SCAN`` (never ``KEYS``)."""
-        match = _match(taskguard_settings.KEY_PREFIX, "run")
+        """Every lock key under ``KEY_PREFIX`` that holds a token, with it, by ``SCAN``.
+
+        Finished markers are left out (they lapse on their own). The values are
+        read 500 at a time by a pipeline of single-key ``GET``s, not one ``MGET``
+        (whose keys would span hash slots).
+        """
+        match = scan_pattern(taskguard_settings.KEY_PREFIX, RUN)
         try:
             batch: list[str] = []
             for key in self.client.scan_iter(match=match, count=500):
                 batch.append(str(key))
                 if len(batch) == 500:
-                    yield from zip(batch, self.client.mget(batch), strict=True)
+                    yield from self._held(batch)
                     batch = []
             if batch:
-                yield from zip(batch, self.client.mget(batch), strict=True)
+                yield from self._held(batch)
         except RedisError as exc:
             raise self._loud("scan the lock keys", exc) from exc
 
-    def unrecorded_claims(self) -> Iterator[ClaimRecord]:
-        """Claim records whose lock is gone: slots to check against the ledger.
+    def _held(self, keys: list[str]) -> Iterator[tuple[str, str | None]]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        for key, value in zip(keys, pipe.execute(), strict=True):
+            if value != FINISHED_MARKER:
+                yield key, value
 
-        ``cleanup_locks`` (``cleanup_redis.record_claims``) records each: an
+    def unrecorded_claims(self) -> Iterator[ClaimRecord]:
+        """Claim records whose lock is gone (or holds the finished marker): slots to check.
+
+        A record on a finished slot holds the late calls counted after the
+        winner's finish: cleanup adds them to the row.
+
+        ``cleanup_locks`` (``redis_sweep.record_claims``) records each: an
         ``abandoned`` row with ``duplicates`` when no ``TaskRun`` exists for
         (task_name, slot) (the Redis winner died before its row), else the
         count is added to the row; then :meth:`forget_claim`.
         """
-        match = _match(taskguard_settings.KEY_PREFIX, "dup")
+        match = scan_pattern(taskguard_settings.KEY_PREFIX, CLAIM)
         try:
             for key in self.client.scan_iter(match=match, count=500):
                 record = self._claim_record(str(key))
@@ -337,16 +390,17 @@ class RedisLock(LockBackend):
 
     def _claim_record(self, key: str) -> ClaimRecord | None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.exists(lock_key(key))
+        pipe.get(lock_key(key))
         pipe.hgetall(key)
-        held, fields = pipe.execute()
-        parsed = parse_run_key(lock_key(key))
+        holder, fields = pipe.execute()
+        parsed = SlotKey.parse(key)
+        held = holder is not None and holder != FINISHED_MARKER  # a marker: the lock is gone
         if held or not fields or parsed is None or not fields.get("task"):
             return None
         return ClaimRecord(
             key=key,
             task_name=fields["task"],
-            slot=parsed[1],
+            slot=parsed.slot,
             duplicates=int(fields.get("count", 0)),
             token=fields.get("token", ""),
         )
@@ -360,9 +414,8 @@ class RedisLock(LockBackend):
             raise self._loud(f"forget {record.key}", exc) from exc
 
     def sweep(self, task: str | None, dry_run: bool) -> tuple[int, int]:
-        from ..cleanup_redis import sweep  # (moving into the locks package)
-
-        return sweep(self, task, dry_run)
+        """Record the claim records of unrecorded slots; remove orphan lock keys."""
+        return sweep_redis(self, task, dry_run)
 
     def eviction_policy(self) -> str:
         """The server's ``maxmemory-policy`` (raises ``RedisError`` when unknown)."""

@@ -23,6 +23,7 @@ from celery.schedules import schedule as interval_schedule
 
 from ... import schedules
 from ...conf import taskguard_settings
+from ...locks import claim_once
 from ...locks.base import slot_label, task_digest
 from .headers import SCHEDULE_HEADER, SLOT_HEADER, UTC, slot_for, task_identity, zone_name
 
@@ -167,15 +168,13 @@ def warn_timezone(app: Any) -> None:
 
 # --- BEAT_CLAIM -------------------------------------------------------------------
 
-_claim_clients: dict[tuple[str, float], Any] = {}
-
 
 def beat_claim(task_name: str, entry_name: str, slot: datetime) -> bool:
     """Claim the publishing of (entry, slot) for this beat; True also when Redis errs.
 
-    One ``SET NX EX`` on the REDIS_ALIAS cache's server, with its own short
-    socket timeout and no retries. An error means "send anyway": the worker's
-    claim is the guarantee, this only saves the duplicate messages.
+    One ``SET NX EX`` on the REDIS_ALIAS cache's server, through the lock's own
+    client (short socket timeout, no retries). An error means "send anyway":
+    the worker's claim is the guarantee, this only saves the duplicate messages.
     """
     key = (
         f"{taskguard_settings.KEY_PREFIX}:beat:"
@@ -183,31 +182,7 @@ def beat_claim(task_name: str, entry_name: str, slot: datetime) -> bool:
     )
     owner = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        return bool(_claim_client().set(key, owner, nx=True, ex=BEAT_CLAIM_TTL))
+        return claim_once(key, owner, BEAT_CLAIM_TTL)
     except Exception as exc:
         logger.warning("taskguard beat claim of %s failed (%s); sending anyway", key, exc)
         return True
-
-
-def _claim_client() -> Any:
-    alias = taskguard_settings.REDIS_ALIAS
-    timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
-    client = _claim_clients.get((alias, timeout))
-    if client is None:
-        import redis
-        from django_redis import get_redis_connection
-
-        pool = get_redis_connection(alias).connection_pool
-        options = dict(pool.connection_kwargs)
-        options.update(
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=None,
-            retry_on_timeout=False,
-            retry_on_error=[],
-        )
-        client = redis.Redis(
-            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **options)
-        )
-        _claim_clients[(alias, timeout)] = client
-    return client

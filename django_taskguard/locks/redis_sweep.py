@@ -1,66 +1,45 @@
-"""The Redis half of ``cleanup_locks``: claim records of unrecorded slots, orphan lock keys.
+"""The Redis lock's sweep (``RedisLock.sweep``, run by ``cleanup_locks``).
 
-Imported by :func:`cleanup.cleanup_locks` only when the backend is redis (so
-the redis extra is installed).
-
-- A *claim record* (``{prefix}:dup:{digest}:{slot}``, see ``locks/redis.py``)
-  whose lock key is gone names a slot that some call won in Redis, with the
-  count of the calls that lost to it. If the winner never wrote its row (it
-  died, or lost the database, between its Redis claim and its insert), the
-  losers returned ``None`` and nothing else records the slot: this module
-  records it ``abandoned`` (G3). If the row exists, the count is added to it.
+- A *claim record* (``{prefix}:dup:{<digest>:<slot>}``) whose lock key is gone
+  (or holds the finished marker) names a slot that some call won in Redis,
+  with the count of the calls that lost to it. If the winner never wrote its
+  row (it died, or lost the database, between its Redis claim and its
+  insert), the losers returned ``None`` and nothing else records the slot:
+  the sweep records it ``abandoned`` (G3). If the row exists (the winner lost
+  to the row, its final release never reached Redis, or late calls met the
+  finished marker), the count is added to it.
 - An *orphan key* is a lock key whose token no live attempt holds; it is
-  removed by compare-and-delete on that token.
+  removed by compare-and-delete on that token. Finished markers are never
+  touched: they lapse.
+
+Every ledger read and write goes through :mod:`django_taskguard.ledger`
+(which raises ``BackendUnavailable`` when the database is unreachable); Redis
+errors come out as ``BackendUnavailable`` too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Protocol, TypeVar
 
-from django.db import DatabaseError, IntegrityError, transaction
-from django.db.models import F, QuerySet
-from django.db.models.functions import Now
+import redis
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 
-from .conf import taskguard_settings
-from .exceptions import BackendUnavailable
-from .locks import LockBackend
-from .locks.base import parse_run_key, task_digest
-from .locks.redis import ClaimRecord, RedisLock
-from .models import TaskRun, TaskRunTransition
-from .owner import actor as _actor
-from .signals import run_abandoned
-from .states import RunState, check_transition
+from .. import ledger
+from ..conf import taskguard_settings
+from ..exceptions import BackendUnavailable
+from ..owner import actor
+from ..signals import run_abandoned
+from .keys import SlotKey, task_digest
 
 logger = logging.getLogger("taskguard.cleanup")
 
-
-def actor() -> str:
-    return _actor("cleanup")
-
-
-def backend_unreachable(exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})")
-
-
-def database_unreachable(exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
-
-
-def call_backend(method: Any, *args: Any) -> Any:
-    try:
-        return method(*args)
-    except BackendUnavailable:
-        raise
-    except (RedisError, OSError) as exc:
-        raise backend_unreachable(exc) from exc
-
+T = TypeVar("T")
 
 # Claim records are recorded by one cleaner at a time (two would both add a
 # record's count to its row): the others skip them. The guard lives this long
@@ -68,14 +47,43 @@ def call_backend(method: Any, *args: Any) -> Any:
 SWEEP_SECONDS = 60
 
 
-def sweep(lock: LockBackend, task: str | None, dry_run: bool) -> tuple[int, int]:
+@dataclass(frozen=True)
+class ClaimRecord:
+    """A slot someone claimed in Redis whose lock is gone: the row may be missing."""
+
+    key: str  # the claim record's key
+    task_name: str
+    slot: datetime
+    duplicates: int  # calls counted in Redis, not yet in TaskRun.duplicates
+    token: str  # the Redis winner's token ("" when the winner already finished)
+
+
+class RedisLock(Protocol):
+    """What the sweep uses of ``locks.redis.RedisLock``."""
+
+    client: redis.Redis
+
+    def unrecorded_claims(self) -> Iterator[ClaimRecord]: ...
+    def forget_claim(self, record: ClaimRecord) -> bool: ...
+    def scan_run_keys(self) -> Iterator[tuple[str, str | None]]: ...
+    def release(self, key: str, token: str) -> bool: ...
+
+
+def sweep(lock: RedisLock, task: str | None, dry_run: bool) -> tuple[int, int]:
     """Record unrecorded claims, then remove orphan keys; return both counts."""
-    assert isinstance(lock, RedisLock)
     # A claim record is only looked at once its lock key is gone: the winner
     # released it, or its lease lapsed (then, as with any lapsed lease, the
-    # slot is no longer that owner's to record).
+    # slot is no longer that owner's to record), or it holds the finished marker.
     recorded = record_claims(lock, task, dry_run)
     return recorded, orphan_keys(lock, task, dry_run)
+
+
+def _redis(call: Callable[..., T], *args: object) -> T:
+    """``call(*args)``, a Redis error raised as ``BackendUnavailable``."""
+    try:
+        return call(*args)
+    except (RedisError, OSError) as exc:
+        raise BackendUnavailable(f"the taskguard lock Redis is unreachable ({exc})") from exc
 
 
 # -- claim records ----------------------------------------------------------------
@@ -84,7 +92,8 @@ def sweep(lock: LockBackend, task: str | None, dry_run: bool) -> tuple[int, int]
 def record_claims(lock: RedisLock, task: str | None, dry_run: bool) -> int:
     """Record every claimed slot that has no row; return how many (or would be)."""
     if dry_run:
-        return sum(not _row_exists(claim) for claim in _claims(lock, task))
+        claims = _claims(lock, task)
+        return sum(not ledger.row_exists(claim.task_name, claim.slot) for claim in claims)
     guard = Lock(
         lock.client,
         f"{taskguard_settings.KEY_PREFIX}:cleanup:claims",
@@ -92,7 +101,7 @@ def record_claims(lock: RedisLock, task: str | None, dry_run: bool) -> int:
         blocking=False,
         thread_local=False,
     )
-    if not call_backend(guard.acquire):
+    if not _redis(guard.acquire):
         logger.info("taskguard claim records are being recorded by another cleanup_locks")
         return 0
     try:
@@ -120,11 +129,13 @@ def _while_held(guard: Lock, claims: Iterator[ClaimRecord]) -> Iterator[ClaimRec
         if time.monotonic() - renewed > SWEEP_SECONDS / 3:
             try:
                 guard.reacquire()
-            except LockError:
+            except LockError:  # (a RedisError too: caught first)
                 logger.warning("taskguard cleanup lost its claim guard; the rest is left")
                 return
             except RedisError as exc:
-                raise backend_unreachable(exc) from exc
+                raise BackendUnavailable(
+                    f"the taskguard lock Redis is unreachable ({exc})"
+                ) from exc
             renewed = time.monotonic()
         yield claim
 
@@ -139,86 +150,37 @@ def _record(lock: RedisLock, claim: ClaimRecord) -> bool:
     in the milliseconds between our read and our write costs the same.
     """
     created = _write(claim)
-    if not call_backend(lock.forget_claim, claim):
+    if not lock.forget_claim(claim):
         # The slot's lock was taken again since we read the record. The new
         # holder folds the record's whole count into the row when it releases
         # (or the next sweep does, if it dies too): take our count back so it is
         # not counted twice. The abandoned row, if we made it, stays recorded.
-        _add_duplicates(claim, -claim.duplicates)
+        ledger.add_duplicates(claim.task_name, claim.slot, -claim.duplicates)
         logger.info("taskguard claim %s is held again; its count is left to it", claim.key)
     return created
 
 
 def _write(claim: ClaimRecord) -> bool:
     """Add the count to the slot's row, or insert the row ``abandoned``; True if inserted."""
-    if _add_duplicates(claim, claim.duplicates):
+    if ledger.add_duplicates(claim.task_name, claim.slot, claim.duplicates):
         return False
-    try:
-        run_id, reason = _insert_abandoned(claim)
-    except IntegrityError:
+    reason = _reason(claim)
+    run_id = ledger.insert_abandoned(
+        claim.task_name,
+        claim.slot,
+        reason=reason,
+        duplicates=claim.duplicates,
+        actor=actor("cleanup"),
+    )
+    if run_id is None:
         # A caller inserted the row between our UPDATE and INSERT: count on its row.
-        _add_duplicates(claim, claim.duplicates)
+        ledger.add_duplicates(claim.task_name, claim.slot, claim.duplicates)
         return False
-    except DatabaseError as exc:
-        raise database_unreachable(exc) from exc
     logger.warning(
         "taskguard %s slot %s recorded abandoned: %s", claim.task_name, claim.slot, reason
     )
     run_abandoned.send(sender=claim.task_name, run_id=run_id, slot=claim.slot, reason=reason)
     return True
-
-
-def _runs(claim: ClaimRecord) -> QuerySet[TaskRun]:
-    alias = taskguard_settings.DATABASE_ALIAS
-    return TaskRun.objects.using(alias).filter(task_name=claim.task_name, slot=claim.slot)
-
-
-def _row_exists(claim: ClaimRecord) -> bool:
-    try:
-        return bool(_runs(claim).exists())
-    except DatabaseError as exc:
-        raise database_unreachable(exc) from exc
-
-
-def _add_duplicates(claim: ClaimRecord, count: int) -> bool:
-    """Add ``count`` to the slot's row; False when there is no row."""
-    try:
-        return bool(_runs(claim).update(duplicates=F("duplicates") + count))
-    except DatabaseError as exc:
-        raise database_unreachable(exc) from exc
-
-
-def _insert_abandoned(claim: ClaimRecord) -> tuple[int, str]:
-    """The slot's row, ``abandoned``, and its transition, in one transaction.
-
-    No attempt ever held the row, so it has no owner, no fence and attempt 0;
-    an ``on_stale="retry"`` takeover starts attempt 1 with a new fence.
-    """
-    check_transition(RunState.PENDING, RunState.ABANDONED)
-    reason = _reason(claim)
-    alias = taskguard_settings.DATABASE_ALIAS
-    with transaction.atomic(using=alias):
-        run = TaskRun.objects.using(alias).create(
-            task_name=claim.task_name,
-            slot=claim.slot,
-            state=RunState.ABANDONED,
-            attempt=0,
-            fence=None,
-            owner="",
-            created_at=Now(),
-            finished_at=Now(),
-            error=reason,
-            duplicates=claim.duplicates,
-        )
-        TaskRunTransition.objects.using(alias).create(
-            run=run,
-            from_state=RunState.PENDING,
-            to_state=RunState.ABANDONED,
-            at=Now(),
-            reason=reason,
-            owner=actor(),
-        )
-    return run.pk, reason
 
 
 def _reason(claim: ClaimRecord) -> str:
@@ -240,16 +202,16 @@ def orphan_keys(lock: RedisLock, task: str | None, dry_run: bool) -> int:
     ``SET NX`` and its row insert (or stuck there: a pause, a slow database).
     Its lease is the only word on whether that owner is alive, so such a key
     is left to lapse with it; only one with no expiry at all (not written by
-    taskguard's acquire) is removed.
+    taskguard's acquire) is removed. Finished markers are not lock keys here.
     """
     digest = task_digest(task) if task is not None else None
     removed = 0
-    for found in call_backend(lambda: list(_scan(lock, digest))):
+    for found in list(_scan(lock, digest)):
         verdict = _verdict(found)
-        if verdict == "unrecorded" and call_backend(lock.client.pttl, found.key) != -1:
+        if verdict == "unrecorded" and _redis(lock.client.pttl, found.key) != -1:
             continue  # a lease still runs: maybe a live winner's; it lapses by itself
         if verdict in ("dead", "unrecorded"):
-            removed += 1 if dry_run else bool(call_backend(lock.release, found.key, found.token))
+            removed += 1 if dry_run else int(lock.release(found.key, found.token))
     return removed
 
 
@@ -261,25 +223,17 @@ class RunKey:
     slot: datetime
 
 
-def _scan(lock: LockBackend, digest: str | None) -> Iterator[RunKey]:
+def _scan(lock: RedisLock, digest: str | None) -> Iterator[RunKey]:
     for key, token in lock.scan_run_keys():
-        parsed = parse_run_key(key)
-        if parsed is None or not token or (digest is not None and parsed[0] != digest):
+        parsed = SlotKey.parse(key)
+        if parsed is None or not token or (digest is not None and parsed.digest != digest):
             continue
-        yield RunKey(key, token, parsed[0], parsed[1])
+        yield RunKey(key, token, parsed.digest, parsed.slot)
 
 
 def _verdict(found: RunKey) -> str:
     """``live``, ``dead`` (its attempt is over) or ``unrecorded`` (no row names the token)."""
-    try:
-        rows = list(
-            TaskRun.objects.using(taskguard_settings.DATABASE_ALIAS)
-            .filter(slot=found.slot, owner__endswith=f":{found.token}")
-            .with_lease()
-            .values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
-        )
-    except DatabaseError as exc:
-        raise database_unreachable(exc) from exc
+    rows = ledger.token_holders(found.slot, found.token)
     mine = [alive for name, alive in rows if task_digest(name) == found.digest]
     if not mine:
         return "unrecorded"

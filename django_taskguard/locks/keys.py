@@ -1,0 +1,103 @@
+"""How the fast path's keys are named and read back: formatted and parsed here only.
+
+The keys of one (task, slot) share a Redis Cluster hash tag, the part in
+braces, so that every script (which touches the lock key and the claim record
+together) stays in one hash slot:
+
+- ``{prefix}:run:{<digest>:<slot>}``: the lock key (a token, or the finished
+  marker);
+- ``{prefix}:dup:{<digest>:<slot>}``: the slot's claim record.
+
+``digest`` is a fixed-length hash of the task name (never raw user text),
+``slot`` the slot in UTC (``20261121T210000.000000Z``). The prefix may not
+contain braces: the first ``{`` of a key opens its hash tag.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+from datetime import timezone as dt_timezone
+
+from django.core.exceptions import ImproperlyConfigured
+
+RUN = "run"  # the lock key
+CLAIM = "dup"  # the claim record
+_LABEL = "%Y%m%dT%H%M%S.%fZ"
+
+
+@functools.lru_cache(maxsize=1024)
+def task_digest(task_name: str) -> str:
+    """A fixed-length, key-safe stand-in for a task name of any length or alphabet."""
+    return hashlib.sha256(task_name.encode("utf-8")).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1024)
+def slot_label(slot: datetime) -> str:
+    """``20261121T210000.000000Z``: sortable, fixed-width, UTC."""
+    return slot.astimezone(dt_timezone.utc).strftime(_LABEL)
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix``, or ``ImproperlyConfigured`` if it would break the keys' hash tag."""
+    if "{" in prefix or "}" in prefix:
+        raise ImproperlyConfigured(
+            f"TASKGUARD['KEY_PREFIX'] {prefix!r} contains a brace: taskguard puts each "
+            f"slot's keys in one Redis Cluster hash tag, {{...}}, after the prefix"
+        )
+    return prefix
+
+
+def run_key(prefix: str, task_name: str, slot: datetime) -> str:
+    """The lock key of one (task, slot)."""
+    return f"{prefix}:{RUN}:{{{task_digest(task_name)}:{slot_label(slot)}}}"
+
+
+def claim_key(run_key: str) -> str:
+    """The claim record that goes with a lock key made by :func:`run_key`."""
+    head, _, tail = run_key.rpartition(f":{RUN}:{{")
+    return f"{head}:{CLAIM}:{{{tail}"
+
+
+def lock_key(claim_key: str) -> str:
+    """The lock key that goes with a claim record."""
+    head, _, tail = claim_key.rpartition(f":{CLAIM}:{{")
+    return f"{head}:{RUN}:{{{tail}"
+
+
+def scan_pattern(prefix: str, kind: str) -> str:
+    """The ``SCAN MATCH`` pattern of every key of ``kind`` (``RUN``/``CLAIM``) under ``prefix``."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:{kind}:{{*}}"
+
+
+@dataclass(frozen=True)
+class SlotKey:
+    """A lock key or claim record, read back."""
+
+    prefix: str
+    kind: str  # RUN or CLAIM
+    digest: str
+    slot: datetime
+
+    def format(self) -> str:
+        return f"{self.prefix}:{self.kind}:{{{self.digest}:{slot_label(self.slot)}}}"
+
+    @classmethod
+    def parse(cls, key: str) -> SlotKey | None:
+        """The parts of a key made here, or None for any other key."""
+        head, brace, tail = key.partition("{")
+        if not brace or not tail.endswith("}"):
+            return None
+        prefix, _, kind = head.removesuffix(":").rpartition(":")
+        digest, _, label = tail[:-1].partition(":")
+        if kind not in (RUN, CLAIM) or not prefix or len(digest) != 32:
+            return None
+        try:
+            slot = datetime.strptime(label, _LABEL).replace(tzinfo=dt_timezone.utc)
+        except ValueError:
+            return None
+        parsed = cls(prefix, kind, digest, slot)
+        return parsed if parsed.format() == key else None
