@@ -68,7 +68,7 @@ def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
         keys = {k.decode() for k in command(redis_server, "keys", "*")}
         assert keys == {KEY, claim_key(KEY)}
         assert KEY.startswith("taskguard:run:{")
-        assert KEY.endswith(":20260301T210000.000000Z}")
+        assert KEY.endswith(f":{SLOT:%Y%m%dT%H%M%S}.000000Z}}")
         assert list(lock.scan_run_keys()) == [(KEY, "a" * 32)]
 
 
