@@ -26,6 +26,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
+from . import ledger
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
 from .models import TaskRun, TaskRunQuerySet, TaskRunTransition
@@ -75,18 +76,7 @@ class TaskNameFilter(admin.SimpleListFilter):
     parameter_name = "task_name"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        # One query: a recursive CTE hops from name to next name through the
-        # index (PostgreSQL has no skip scan; SQLite and PostgreSQL both run it).
-        table = TaskRun._meta.db_table
-        sql = (
-            f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {table} "
-            f"UNION ALL SELECT (SELECT MIN(task_name) FROM {table} WHERE task_name > names.name) "
-            f"FROM names WHERE names.name IS NOT NULL) "
-            f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
-        )
-        with connections[TaskRun.objects.db].cursor() as cursor:
-            cursor.execute(sql, [MAX_TASK_CHOICES])
-            return [(name, name) for (name,) in cursor.fetchall()]
+        return [(name, name) for name in ledger.task_names(MAX_TASK_CHOICES)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -141,6 +131,9 @@ class TransitionInline(TransitionInlineBase):
     extra = 0
     can_delete = False
     show_change_link = False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[TaskRunTransition]:
+        return super().get_queryset(request).using(ledger.alias())
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # The history is part of the run: whoever may view the run sees it.
@@ -206,7 +199,7 @@ class TaskRunAdmin(RunAdminBase):
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[TaskRun]:
-        queryset = super().get_queryset(request)
+        queryset = super().get_queryset(request).using(ledger.alias())
         admin_queryset = AdminRunQuerySet(model=TaskRun, query=queryset.query, using=queryset.db)
         return admin_queryset.with_lease()
 

@@ -18,4 +18,6 @@ class TaskguardConfig(AppConfig):
 
         if find_spec("celery") is not None:
             # Registers the slot source that reads the beat-stamped message headers.
-            from .contrib import celery  # noqa: F401
+            from .contrib.celery.worker import register
+
+            register()

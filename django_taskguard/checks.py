@@ -8,7 +8,7 @@ from typing import Any
 from django.apps import AppConfig
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import connections
+from django.db import connections, router
 
 from .conf import BACKENDS, DEFAULTS, ON_REDIS_ERROR_CHOICES, taskguard_settings
 from .locks import is_redis_cache
@@ -100,7 +100,38 @@ def _check_database() -> list[CheckMessage]:
                 id="taskguard.E007",
             )
         ]
-    return []
+    return _check_routing(alias)
+
+
+def _check_routing(alias: str) -> list[CheckMessage]:
+    """The ledger lives on ``alias``: the routers must let it be migrated there, and
+    should send the project's own TaskRun queries there too."""
+    from .models import TaskRun
+
+    errors: list[CheckMessage] = []
+    if not router.allow_migrate_model(alias, TaskRun):
+        errors.append(
+            Error(
+                f"TASKGUARD['DATABASE_ALIAS'] is {alias!r}, but the database routers do not "
+                f"allow taskguard's migrations there, so its tables will not exist.",
+                hint=f"Let allow_migrate() return True for app 'taskguard' on {alias!r}, then "
+                f"run: manage.py migrate taskguard --database {alias}",
+                id="taskguard.E011",
+            )
+        )
+    routed = {router.db_for_read(TaskRun), router.db_for_write(TaskRun)}
+    if routed != {alias}:
+        errors.append(
+            Warning(
+                f"TASKGUARD['DATABASE_ALIAS'] is {alias!r}, but the database routers send "
+                f"TaskRun queries to {', '.join(sorted(map(repr, routed)))}.",
+                hint="taskguard itself always uses DATABASE_ALIAS; your own TaskRun queries "
+                "(TaskRun.objects...) would read another database. Route app 'taskguard' to "
+                f"{alias!r}, or use TaskRun.objects.using({alias!r}).",
+                id="taskguard.W013",
+            )
+        )
+    return errors
 
 
 @register(Tags.caches)

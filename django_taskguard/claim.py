@@ -1,8 +1,9 @@
 """Claim a slot: make this call the slot's live attempt, or say who has it.
 
 One upsert decides most calls; a row that is pending, retrying or stale
-(its owner's lease expired) is decided by a compare-and-set in
-:func:`ledger.change`, following ``on_stale``.
+(its owner's lease expired) is decided by a compare-and-set in the ledger
+(:func:`ledger.start_attempt`, :func:`ledger.take_over`, :func:`ledger.abandon`),
+following ``on_stale``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from django.db import DatabaseError
 from . import ledger
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, TaskGuardError
-from .ledger import Row, Step
+from .ledger import Row
 from .signals import run_abandoned
 from .states import RunState
 
@@ -35,7 +36,6 @@ class Taken:
 
 
 def claim_slot(
-    alias: str,
     task_name: str,
     slot: datetime,
     owner: str,
@@ -54,12 +54,15 @@ def claim_slot(
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
         sent = time.monotonic()
-        row = _claim_row(alias, task_name, slot, owner, lease, abandon, count_live)
+        row = _claim_row(task_name, slot, owner, lease, abandon, count_live)
         if row is None:
             continue
         if row.owner == owner:
             return _active(row, task_name, slot, lease, sent)
-        decided = _decide(alias, row, owner, lease, abandon, slot, task_name)
+        try:
+            decided = _decide(row, owner, lease, abandon, slot, task_name)
+        except DatabaseError as exc:
+            raise _database_down(task_name, exc) from exc
         if isinstance(decided, Taken):
             return decided
         if decided is not None:
@@ -71,7 +74,6 @@ def claim_slot(
 
 
 def _claim_row(
-    alias: str,
     task_name: str,
     slot: datetime,
     owner: str,
@@ -81,16 +83,16 @@ def _claim_row(
 ) -> Row | None:
     try:
         return ledger.claim(
-            alias, task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live
+            task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live
         )
     except DatabaseError as exc:
-        if not ledger.connection_lost(alias, exc):
+        if not ledger.connection_lost(exc):
             raise _database_down(task_name, exc) from exc
         # The insert may or may not have committed: read back before deciding.
         logger.warning("taskguard claim of %s interrupted (%s); reading back", task_name, exc)
         try:
-            ledger.settle_connection(alias)
-            row = ledger.read(alias, task_name, slot)
+            ledger.settle_connection()
+            row = ledger.read(task_name, slot)
         except DatabaseError as again:
             raise _database_down(task_name, again) from again
         return row if row is not None and row.owner == owner else None
@@ -103,7 +105,6 @@ def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
 
 
 def _decide(
-    alias: str,
     row: Row,
     owner: str,
     lease: float,
@@ -112,56 +113,23 @@ def _decide(
     task_name: str,
 ) -> Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
-    start = ledger.start_assignments(alias, owner, lease)
     state = row.state
     if state in (RunState.PENDING, RunState.RETRYING):
         reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
-        return ledger.change(
-            alias, row, [Step(RunState.RUNNING, reason)], actor=owner, fenced=False, sets=start
-        )
+        return ledger.start_attempt(row, owner, lease, reason)
     if state == RunState.RUNNING and row.expired:
         dead = f"lease of {row.owner} expired at {_iso(row.lease_until)}"
         if abandon:
-            return _abandon_stale(alias, row, owner, dead, task_name, slot)
-        return ledger.change(
-            alias,
-            row,
-            [
-                Step(RunState.RETRYING, f"{dead}; on_stale=retry"),
-                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
-            ],
-            actor=owner,
-            lease="expired",
-            sets=start,
-        )
+            return _abandon_stale(row, owner, dead, task_name, slot)
+        return ledger.take_over(row, owner, lease, f"{dead}; on_stale=retry")
     if state == RunState.ABANDONED and not abandon:
-        return ledger.change(
-            alias,
-            row,
-            [
-                Step(RunState.RETRYING, "on_stale=retry"),
-                Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
-            ],
-            actor=owner,
-            fenced=False,
-            sets=start,
-        )
+        return ledger.take_over(row, owner, lease, "on_stale=retry")
     return Taken(state, row.lease_until if state == RunState.RUNNING else None)
 
 
-def _abandon_stale(
-    alias: str, row: Row, owner: str, dead: str, task_name: str, slot: datetime
-) -> Taken | None:
+def _abandon_stale(row: Row, owner: str, dead: str, task_name: str, slot: datetime) -> Taken | None:
     reason = f"{dead}; on_stale=abandon, so the slot is not run again"
-    changed = ledger.change(
-        alias,
-        row,
-        [Step(RunState.ABANDONED, reason)],
-        actor=owner,
-        lease="expired",
-        sets=[("duplicates = r.duplicates + 1", ())],
-    )
-    if changed is None:
+    if ledger.abandon(row, actor=owner, reason=reason, count_duplicate=True) is None:
         return None
     run_abandoned.send(sender=task_name, run_id=row.id, slot=slot, reason=reason)
     return Taken(RunState.ABANDONED)

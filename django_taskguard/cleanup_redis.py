@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import F, QuerySet
@@ -27,16 +28,39 @@ from django.db.models.functions import Now
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 
-from .cleanup import actor, backend_unreachable, call_backend, database_unreachable
 from .conf import taskguard_settings
+from .exceptions import BackendUnavailable
 from .locks import LockBackend
 from .locks.base import parse_run_key, task_digest
 from .locks.redis import ClaimRecord, RedisLock
 from .models import TaskRun, TaskRunTransition
+from .owner import actor as _actor
 from .signals import run_abandoned
 from .states import RunState, check_transition
 
 logger = logging.getLogger("taskguard.cleanup")
+
+
+def actor() -> str:
+    return _actor("cleanup")
+
+
+def backend_unreachable(exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})")
+
+
+def database_unreachable(exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
+
+
+def call_backend(method: Any, *args: Any) -> Any:
+    try:
+        return method(*args)
+    except BackendUnavailable:
+        raise
+    except (RedisError, OSError) as exc:
+        raise backend_unreachable(exc) from exc
+
 
 # Claim records are recorded by one cleaner at a time (two would both add a
 # record's count to its row): the others skip them. The guard lives this long
@@ -249,7 +273,8 @@ def _verdict(found: RunKey) -> str:
     """``live``, ``dead`` (its attempt is over) or ``unrecorded`` (no row names the token)."""
     try:
         rows = list(
-            TaskRun.objects.filter(slot=found.slot, owner__endswith=f":{found.token}")
+            TaskRun.objects.using(taskguard_settings.DATABASE_ALIAS)
+            .filter(slot=found.slot, owner__endswith=f":{found.token}")
             .with_lease()
             .values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
         )

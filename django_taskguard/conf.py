@@ -52,16 +52,12 @@ class Settings:
             value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
             return value
 
-    def for_claim(self) -> tuple[str, float, str]:
-        """``(DATABASE_ALIAS, LEASE_SECONDS, KEY_PREFIX)``: read together by every guarded call."""
+    def for_claim(self) -> tuple[float, str]:
+        """``(LEASE_SECONDS, KEY_PREFIX)``: read together by every guarded call."""
         try:
-            claim: tuple[str, float, str] = self._cache["(claim)"]
+            claim: tuple[float, str] = self._cache["(claim)"]
         except KeyError:
-            claim = self._cache["(claim)"] = (
-                self.DATABASE_ALIAS,
-                self.LEASE_SECONDS,
-                self.KEY_PREFIX,
-            )
+            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, self.KEY_PREFIX)
         return claim
 
     def reload(self) -> None:
@@ -118,9 +114,6 @@ taskguard_settings = Settings()
 def _reload(*, setting: str, **kwargs: Any) -> None:
     if setting in ("TASKGUARD", "CACHES", "DATABASES"):
         taskguard_settings.reload()
-        from .locks import forget_backend
-
-        forget_backend()
 
 
 setting_changed.connect(_reload, dispatch_uid="taskguard-settings-reload")

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
-from .conf import taskguard_settings
+from . import ledger
 from .exceptions import LeaseLost, TaskGuardError
 from .models import TaskRun
+from .owner import token_of
 from .signals import lease_lost
 
 logger = logging.getLogger("taskguard.guard")
@@ -40,12 +43,12 @@ class ActiveRun:
 
     @property
     def token(self) -> str:
-        return self.owner.rsplit(":", 1)[-1]
+        return token_of(self.owner)
 
     @cached_property
     def run(self) -> TaskRun:
-        """The ``TaskRun`` row (read from the database on first access)."""
-        return TaskRun.objects.using(taskguard_settings.DATABASE_ALIAS).get(pk=self.id)
+        """The ``TaskRun`` row (read from the ledger's database on first access)."""
+        return ledger.runs().get(pk=self.id)
 
     def lease_valid(self) -> bool:
         return not self.lost.is_set() and time.monotonic() < self.deadline
@@ -87,6 +90,21 @@ class ActiveRun:
 
 
 _current: ContextVar[ActiveRun | None] = ContextVar("taskguard_current_run", default=None)
+
+
+@contextmanager
+def activate(run: ActiveRun) -> Iterator[ActiveRun]:
+    """Make ``run`` what ``current_run()`` returns for the block (and reset it after)."""
+    token = _current.set(run)
+    try:
+        yield run
+    finally:
+        _current.reset(token)
+
+
+def active_run() -> ActiveRun | None:
+    """The attempt the calling code runs under, or None outside a guarded call."""
+    return _current.get()
 
 
 def current_run() -> ActiveRun:

@@ -86,6 +86,14 @@ def _tolerance(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def guarded_policy(func: Any) -> guard.Policy | None:
+    """The policy of a function made by ``@once_per_schedule``, or None for any other."""
+    policy = getattr(func, "policy", None)
+    if isinstance(policy, guard.Policy) and callable(getattr(func, "run_for_slot", None)):
+        return policy
+    return None
+
+
 def _context() -> CallContext | None:
     for source in SLOT_SOURCES:
         context = source()

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,11 +13,11 @@ from django.db import DatabaseError
 from . import ledger
 from .claim import Taken, claim_slot
 from .conf import taskguard_settings
-from .context import ActiveRun, _current
+from .context import ActiveRun, activate
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
 from .heartbeat import heartbeats
-from .ledger import Row, Step
 from .locks import Acquired, LockBackend, get_backend, run_key
+from .owner import new_owner, new_token
 from .signals import (
     duplicate_suppressed,
     run_abandoned,
@@ -34,7 +31,6 @@ from .states import RunState
 logger = logging.getLogger("taskguard.guard")
 
 R = TypeVar("R")
-HOST = socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -46,38 +42,16 @@ class Policy:
 
 
 # Optional hooks a slot source (the Celery glue) passes for one call:
-#   will_retry(exc) -> True when the caller's framework will run this slot again
-#     after ``exc`` (Celery's autoretry_for): the attempt ends ``retrying``, not ``failed``.
+#   will_retry(exc) -> a reason when the caller's framework will run this slot again
+#     after ``exc`` (Celery's retry, autoretry_for): the attempt ends ``retrying`` with
+#     that reason, not ``failed``; None otherwise.
 #   on_busy(seconds) is called when another attempt holds a live lease on the slot
 #     (``seconds``: a hint of how long that lease has left) and must raise, to have the
 #     call come back later (a broker redelivery) instead of being dropped as a duplicate.
 #     Such a call is not counted in ``duplicates`` then; it is when it comes back to a
 #     finished slot.
-WillRetry = Callable[[BaseException], bool]
+WillRetry = Callable[[BaseException], "str | None"]
 OnBusy = Callable[[float], None]
-
-
-# Attempt tokens: 64 random bits per process, then a counter (no system call but
-# getpid per call). The random part is drawn again whenever the pid changes: a
-# fork that skips Python's at-fork hooks (uWSGI without py-call-osafterfork)
-# must not hand two workers the same tokens.
-_token_prefix = ("", 0)  # (random part, the pid it was drawn in)
-_token_counter = itertools.count()
-
-
-def new_token() -> str:
-    """A token unique to one attempt: the fast-path lock's value, the owner's tail."""
-    global _token_prefix
-    prefix, pid = _token_prefix
-    if pid != os.getpid():
-        prefix, pid = os.urandom(8).hex(), os.getpid()
-        _token_prefix = (prefix, pid)
-    return f"{prefix}{next(_token_counter):016x}"
-
-
-def new_owner(token: str | None = None) -> str:
-    """``host:pid:token``, the token unique to this attempt."""
-    return f"{HOST}:{os.getpid()}:{token or new_token()}"
 
 
 def execute(
@@ -92,11 +66,11 @@ def execute(
     on_busy: OnBusy | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
-    alias, default_lease, prefix = taskguard_settings.for_claim()
+    default_lease, prefix = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
-    ledger.ensure_autocommit(alias)
+    ledger.ensure_autocommit()
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
@@ -110,11 +84,12 @@ def execute(
             _put_back(on_busy, lease, task_name)
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
+    if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
+        _duplicate(task_name, slot, RunState.SUCCEEDED, policy)
+        return None
     owner = new_owner(token)
     try:
-        outcome = claim_slot(
-            alias, task_name, slot, owner, lease, policy.on_stale, count_live=count
-        )
+        outcome = claim_slot(task_name, slot, owner, lease, policy.on_stale, count_live=count)
     except BaseException:
         if acquired is Acquired.WON:
             lock.release(key, token)
@@ -126,10 +101,7 @@ def execute(
             _put_back(on_busy, _seconds_left(outcome.lease_until, lease), task_name)
         _duplicate(task_name, slot, outcome.state, policy)
         return None
-    if policy.overlap == "skip" and _skip_for_overlap(alias, outcome):
-        lock.release(key, token)
-        return None
-    return _run(outcome, lock, key, alias, func, args, kwargs, will_retry)
+    return _run(outcome, lock, key, policy, func, args, kwargs, will_retry)
 
 
 def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
@@ -152,171 +124,168 @@ def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> No
         raise DuplicateRun(task_name, slot, state)
 
 
-def _skip_for_overlap(alias: str, active: ActiveRun) -> bool:
-    earlier = ledger.earlier_slot_running(alias, active.task_name, active.slot)
-    if earlier is None:
-        return False
-    reason = f"overlap: slot {earlier.isoformat()} of this task is still running"
-    _finish(alias, active, RunState.SKIPPED, reason)
-    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
-    return True
-
-
 def _run(
     active: ActiveRun,
     lock: LockBackend,
     key: str,
-    alias: str,
+    policy: Policy,
     func: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    will_retry: WillRetry | None = None,
-) -> R:
-    context = _current.set(active)
-    beat = heartbeats.start(active, lock, key, alias)
-    released = False
+    will_retry: WillRetry | None,
+) -> R | None:
+    """Run the function as ``active``; record how it ended; free or mark the lock."""
+    ended = False  # the row is recorded finished: the lock may say so too
     try:
-        try:
-            # Inside the inner try: a receiver that raises fails this attempt
-            # (recorded), instead of leaving the row running until its lease lapses.
-            run_started.send(sender=active.task_name, run=active)
-            result = func(*args, **kwargs)
-        except BaseException as exc:
-            heartbeats.stop(beat)
-            # The fast-path lock goes first, in the same round trip that collects
-            # the duplicates to fold into the row; the row (still running, fenced)
-            # keeps deciding for anyone who wins Redis in between.
-            duplicates, released = lock.release_counted(key, active.token), True
-            if isinstance(exc, Exception):
-                _record_raised(alias, active, exc, duplicates, will_retry)
-                raise
-            # KeyboardInterrupt, SystemExit: the process is going away, and it
-            # must, whatever recording the interruption runs into.
+        if policy.overlap == "skip" and _skip_for_overlap(active):
+            ended = True
+            return None
+        with activate(active):
+            beat = heartbeats.start(active, lock, key)
             try:
-                _record_raised(alias, active, exc, duplicates, will_retry)
-            except Exception:
-                logger.exception("taskguard could not record interrupted run %s", active.id)
-            raise
-        heartbeats.stop(beat)
-        duplicates, released = lock.release_counted(key, active.token), True
-        _finish(alias, active, RunState.SUCCEEDED, "returned", duplicates=duplicates)
+                # Inside the try: a receiver that raises fails this attempt
+                # (recorded), instead of leaving the row running until its lease lapses.
+                run_started.send(sender=active.task_name, run=active)
+                result = func(*args, **kwargs)
+            except BaseException as exc:
+                heartbeats.stop(beat)
+                ended = _record_raised(active, exc, will_retry)
+                raise
+            finally:
+                heartbeats.stop(beat)
+        _finish(active, RunState.SUCCEEDED, "returned")
+        ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
     finally:
-        heartbeats.stop(beat)
-        _current.reset(context)
-        if not released:
-            lock.release(key, active.token)
+        _free(active, lock, key, ended)
 
 
-def _record_raised(
-    alias: str,
-    active: ActiveRun,
-    exc: BaseException,
-    duplicates: int,
-    will_retry: WillRetry | None,
-) -> None:
-    """Record a raising attempt's end and send the signal that goes with it."""
-    state, reason = _finish_raised(alias, active, exc, duplicates, will_retry)
-    if state == RunState.ABANDONED:
-        run_abandoned.send(
-            sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
-        )
-    else:
-        run_failed.send(sender=active.task_name, run=active, exception=exc)
+def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool) -> None:
+    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row."""
+    duplicates = (
+        lock.finish(key, active.token) if ended else lock.release_counted(key, active.token)
+    )
+    if duplicates:
+        try:
+            ledger.add_duplicates(active.task_name, active.slot, duplicates)
+        except BackendUnavailable:
+            logger.warning(
+                "taskguard could not add %d duplicate calls to run %s", duplicates, active.id
+            )
 
 
-def _finish_raised(
-    alias: str,
-    active: ActiveRun,
-    exc: BaseException,
-    duplicates: int,
-    will_retry: WillRetry | None = None,
-) -> tuple[str, str]:
-    """Record how a raising attempt ended; return the state and the reason recorded."""
+def _skip_for_overlap(active: ActiveRun) -> bool:
+    earlier = ledger.earlier_slot_running(active.task_name, active.slot)
+    if earlier is None:
+        return False
+    reason = f"overlap: slot {earlier.isoformat()} of this task is still running"
+    _finish(active, RunState.SKIPPED, reason)
+    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
+    return True
+
+
+def _record_raised(active: ActiveRun, exc: BaseException, will_retry: WillRetry | None) -> bool:
+    """Record a raising attempt's end and send its signal; True when the slot is over.
+
+    Never raises: the caller re-raises the function's own exception, whatever
+    recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
+    """
+    retry = _will_retry(will_retry, exc)
     error = f"{type(exc).__name__}: {exc}"
-    retry = _is_celery_retry(exc)
-    ended = True
-    if retry or _will_retry(will_retry, exc):
-        state, ended = RunState.RETRYING, False
-        reason = f"retry requested: {exc}" if retry else f"{error[:400]}; a retry will follow"
+    if retry is not None:
+        state, reason = RunState.RETRYING, retry
     elif isinstance(exc, Exception):
-        state, reason = RunState.FAILED, error[:500]
+        state, reason = RunState.FAILED, error
     else:
         # KeyboardInterrupt, SystemExit: the process is going away mid-run.
         state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
-    _finish(
-        alias, active, state, reason, error=error, ended=ended, duplicates=duplicates, cause=exc
-    )
-    return state, reason
-
-
-def _will_retry(will_retry: WillRetry | None, exc: BaseException) -> bool:
-    if will_retry is None or not isinstance(exc, Exception):
-        return False
     try:
-        return bool(will_retry(exc))
+        _finish(active, state, reason, error=error, ended=state != RunState.RETRYING)
+        if state == RunState.ABANDONED:
+            run_abandoned.send(
+                sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
+            )
+        else:
+            run_failed.send(sender=active.task_name, run=active, exception=exc)
+    except Exception:
+        logger.exception(
+            "taskguard could not record that run %s ended %s; the function's own "
+            "exception is raised",
+            active.id,
+            state,
+        )
+        return False
+    return state == RunState.FAILED
+
+
+def _will_retry(will_retry: WillRetry | None, exc: BaseException) -> str | None:
+    if will_retry is None:
+        return None
+    try:
+        return will_retry(exc)
     except Exception:
         logger.exception("taskguard will_retry hook failed; recording the attempt as failed")
-        return False
-
-
-def _is_celery_retry(exc: BaseException) -> bool:
-    try:
-        from celery.exceptions import Retry
-    except ImportError:  # pragma: no cover - celery is an extra
-        return False
-    return isinstance(exc, Retry)
+        return None
 
 
 def _finish(
-    alias: str,
-    active: ActiveRun,
-    to_state: str,
-    reason: str,
-    *,
-    error: str = "",
-    ended: bool = True,
-    duplicates: int = 0,
-    cause: BaseException | None = None,
+    active: ActiveRun, to_state: str, reason: str, *, error: str = "", ended: bool = True
 ) -> None:
     """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
     if not active.lease_valid():
         reason += " (after its lease had expired; no other attempt had taken over)"
-    row = Row(active.id, RunState.RUNNING, active.attempt, active.fence, active.owner, None)
-    sets = ledger.finish_assignments(alias, error, duplicates, ended=ended)
-    step = [Step(to_state, reason)]
     try:
-        updated = ledger.change(alias, row, step, actor=active.owner, sets=sets)
+        updated = ledger.finish(
+            active.id,
+            active.attempt,
+            active.fence,
+            active.owner,
+            to_state,
+            reason,
+            error=error,
+            ended=ended,
+        )
     except DatabaseError as exc:
-        if not ledger.connection_lost(alias, exc):
-            raise
-        updated = _settle_finish(alias, row, to_state, step, sets)
+        if not ledger.connection_lost(exc):
+            raise BackendUnavailable(
+                f"the outcome of run {active.id} could not be recorded ({exc})"
+            ) from exc
+        updated = _settle_finish(active, to_state, reason, error, ended)
     if updated is None:
         active.mark_lost(f"fenced out: finishing as {to_state} was refused")
         raise LeaseLost(
             f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
             f"finishing as {to_state} was refused because another attempt took the slot over "
             f"or it was marked abandoned (fence {active.fence})"
-        ) from cause
+        )
 
 
 def _settle_finish(
-    alias: str, row: Row, to_state: str, step: list[Step], sets: list[ledger.Assignment]
-) -> Row | None:
+    active: ActiveRun, to_state: str, reason: str, error: str, ended: bool
+) -> ledger.Row | None:
     """The finish's outcome is unknown after a connection error: read back, retry once."""
     try:
-        ledger.settle_connection(alias)
-        current = ledger.read_by_id(alias, row.id)
-        if current is None or current.fence != row.fence:
+        ledger.settle_connection()
+        current = ledger.read_by_id(active.id)
+        if current is None or current.fence != active.fence:
             return None
         if current.state == to_state:
             return current
         if current.state != RunState.RUNNING:
             return None
-        return ledger.change(alias, row, step, actor=row.owner, sets=sets)
+        return ledger.finish(
+            active.id,
+            active.attempt,
+            active.fence,
+            active.owner,
+            to_state,
+            reason,
+            error=error,
+            ended=ended,
+        )
     except DatabaseError as exc:
         raise BackendUnavailable(
-            f"the outcome of run {row.id} could not be recorded: database unreachable ({exc}); "
+            f"the outcome of run {active.id} could not be recorded: database unreachable ({exc}); "
             f"the run stays 'running' until its lease expires and cleanup_locks abandons it"
         ) from exc

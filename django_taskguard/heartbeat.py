@@ -31,7 +31,6 @@ class Beat:
     active: ActiveRun
     lock: LockBackend
     key: str
-    alias: str
     next_at: float = field(default=0.0)
     failures: int = 0
     beats: int = 0
@@ -59,10 +58,10 @@ class Heartbeats:
         # A new attempt wakes it only when due sooner: a short call wakes no thread.
         self._wake_at = float("-inf")
 
-    def start(self, active: ActiveRun, lock: LockBackend, key: str, alias: str) -> Beat:
+    def start(self, active: ActiveRun, lock: LockBackend, key: str) -> Beat:
         if self._pid != os.getpid():
             self._reset()  # forked: the parent's thread (and maybe its lock) is not ours
-        beat = Beat(active, lock, key, alias)
+        beat = Beat(active, lock, key)
         beat.next_at = time.monotonic() + beat.interval
         with self._cond:
             self._beats.add(beat)
@@ -144,7 +143,7 @@ def renew(beat: Beat) -> None:
         _lost(beat, "the lease expired before it could be renewed (process paused?)")
         return
     try:
-        renewed = ledger.renew(beat.alias, active.id, active.fence, active.lease_seconds)
+        renewed = ledger.renew(active.id, active.fence, active.lease_seconds)
     except Exception:
         beat.failures += 1
         logger.warning(
@@ -153,7 +152,7 @@ def renew(beat: Beat) -> None:
             beat.failures,
             exc_info=True,
         )
-        connections[beat.alias].close()
+        ledger.settle_connection()
         # Retry soon, but never sleep past the deadline.
         beat.next_at = min(time.monotonic() + beat.interval, active.deadline)
         return

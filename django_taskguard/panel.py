@@ -7,12 +7,13 @@ from datetime import datetime, timedelta
 
 from django.utils.translation import gettext as _
 
-from .cleanup import database_now, token_of
+from . import ledger
 from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
-from .locks import backend_name, get_backend
-from .locks.base import run_key
+from .locks import get_backend, run_key
+from .locks.database import DatabaseLock
 from .models import TaskRun
+from .owner import token_of
 from .states import RunState
 
 
@@ -25,8 +26,8 @@ class Why:
 
 def why_not_running(run: TaskRun) -> Why:
     """Explain a run's state from its row, its last transition and its lock key."""
-    now = database_now()
-    last = run.transitions.order_by("-at", "-id").first()
+    now = ledger.database_now()
+    last = ledger.last_transition(run.pk)
     reason = last.reason if last is not None else ""
     why = Why(_summary(run, now, reason))
     why.facts.append((_("holder"), run.owner or "—"))
@@ -43,7 +44,7 @@ def why_not_running(run: TaskRun) -> Why:
         )
     if last is not None:
         why.facts.append((_("last transition"), f"{last.from_state} → {last.to_state}: {reason}"))
-    if backend_name() == "redis":
+    if not isinstance(get_backend(), DatabaseLock):
         why.facts.append((_("Redis key holder"), _redis_holder(run)))
     return why
 

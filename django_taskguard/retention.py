@@ -13,17 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import connections, transaction
+from . import ledger
 
-from .conf import taskguard_settings
-from .models import TaskRun, TaskRunQuerySet, TaskRunTransition
-from .states import TERMINAL_STATES, RunState
-
-RUN = TaskRun._meta.db_table
-TRANSITION = TaskRunTransition._meta.db_table
-# Finished for good: no attempt is live and none is running. Never running,
-# pending or retrying.
-PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED}))
 BATCH_SIZE = 1000
 
 
@@ -37,12 +28,6 @@ class PruneResult:
     durations: list[float] = field(default_factory=list, repr=False)
 
 
-def prunable(before: datetime) -> TaskRunQuerySet:
-    """Finished runs whose slot is older than ``before``."""
-    queryset: TaskRunQuerySet = TaskRun.objects.filter(state__in=PRUNABLE_STATES, slot__lt=before)
-    return queryset
-
-
 def prune_runs(
     before: datetime,
     *,
@@ -52,21 +37,17 @@ def prune_runs(
 ) -> PruneResult:
     """Delete finished runs whose slot is older than ``before``, with their transitions."""
     result = PruneResult(dry_run=dry_run)
-    queryset = prunable(before)
     if dry_run:
-        result.runs = queryset.count()
-        result.transitions = TaskRunTransition.objects.filter(run__in=queryset.values("pk")).count()
+        result.runs, result.transitions = ledger.count_prunable(before)
         return result
     last = 0
     while True:
-        ids = list(
-            queryset.filter(pk__gt=last).order_by("pk").values_list("pk", flat=True)[:batch_size]
-        )
+        ids = ledger.prunable_ids(before, last, batch_size)
         if not ids:
             return result
         last = ids[-1]
         started = time.monotonic()
-        runs, transitions = _delete_batch(ids)
+        runs, transitions = ledger.delete_finished(ids)
         elapsed = time.monotonic() - started
         result.runs += runs
         result.transitions += transitions
@@ -74,21 +55,3 @@ def prune_runs(
         result.longest_batch_seconds = max(result.longest_batch_seconds, elapsed)
         if progress is not None:
             progress(result)
-
-
-def _delete_batch(ids: list[int]) -> tuple[int, int]:
-    """One short transaction: the runs (state re-checked), then their transitions."""
-    alias = taskguard_settings.DATABASE_ALIAS
-    marks = ", ".join(["%s"] * len(ids))
-    states = ", ".join(["%s"] * len(PRUNABLE_STATES))
-    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-        cursor.execute(
-            f"DELETE FROM {RUN} WHERE id IN ({marks}) AND state IN ({states}) RETURNING id",
-            [*ids, *PRUNABLE_STATES],
-        )
-        deleted = [row[0] for row in cursor.fetchall()]
-        if not deleted:
-            return 0, 0
-        marks = ", ".join(["%s"] * len(deleted))
-        cursor.execute(f"DELETE FROM {TRANSITION} WHERE run_id IN ({marks})", deleted)
-        return len(deleted), max(cursor.rowcount, 0)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.db import connections
-
+from . import ledger
 from .conf import taskguard_settings
 
 logger = logging.getLogger("taskguard.cleanup")
@@ -30,7 +29,7 @@ def run_startup_cleanup(**kwargs: Any) -> None:
     finally:
         # The Celery main process forks pool children later: leave no
         # connection behind for them to inherit.
-        connections[taskguard_settings.DATABASE_ALIAS].close()
+        ledger.settle_connection()
     if count:
         logger.warning("taskguard startup cleanup abandoned %d run(s) of dead processes", count)
 

@@ -49,6 +49,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 # States in which no attempt is live and none will follow on its own.
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
+# Finished for good: what retention may delete. Never running, pending or retrying.
+PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED}))
 
 
 def check_transition(from_state: str, to_state: str) -> None:

@@ -138,6 +138,7 @@ def child_env(transactional_db: None) -> dict[str, str]:
     env["DJANGO_SETTINGS_MODULE"] = "tests.settings"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["TASKGUARD_TEST_DB_NAME"] = str(connections["default"].settings_dict["NAME"])
+    env["TASKGUARD_TEST_LEDGER_DB_NAME"] = str(connections["ledger"].settings_dict["NAME"])
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

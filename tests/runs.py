@@ -23,11 +23,14 @@ def make_run(
     lease: float = -3600.0,
     slot: datetime | None = None,
     transitions: int = 1,
+    using: str = "default",
+    pk: int | None = None,
 ) -> TaskRun:
     """A run of ``task`` at ``BASE + minute``; ``lease`` seconds from now (negative: expired)."""
     now = dj_timezone.now()
     running = state == RunState.RUNNING
-    run = TaskRun.objects.create(
+    run = TaskRun.objects.using(using).create(
+        pk=pk,
         task_name=task,
         slot=slot or BASE + timedelta(minutes=minute),
         state=state,
@@ -39,8 +42,8 @@ def make_run(
         finished_at=None if running or state == RunState.PENDING else now,
     )
     for index in range(transitions):
-        TaskRunTransition.objects.create(
-            run=run,
+        TaskRunTransition.objects.using(using).create(
+            run_id=run.pk,
             from_state=RunState.PENDING,
             to_state=RunState.RUNNING,
             reason=f"claimed {index}",

@@ -80,6 +80,27 @@ elif DB_KIND == "sqlite":
 else:
     raise RuntimeError(f"TASKGUARD_TEST_DB must be 'sqlite' or 'postgres', not {DB_KIND!r}")
 
+# A second database for the ledger (TASKGUARD["DATABASE_ALIAS"] = "ledger"), a real one:
+# tests that ask for it get it created, migrated and flushed like "default".
+if DB_KIND == "postgres":
+    DATABASES["ledger"] = {
+        **DATABASES["default"],
+        "NAME": os.environ.get("TASKGUARD_TEST_LEDGER_DB_NAME", "taskguard_ledger"),
+        "TEST": {"NAME": f"test_taskguard_ledger_{os.getpid()}"}
+        if not os.environ.get("TASKGUARD_TEST_LEDGER_DB_NAME")
+        else {},
+    }
+else:
+    ledger_file = os.environ.get("TASKGUARD_TEST_LEDGER_DB_NAME") or str(
+        SCRATCH / f"taskguard-test-ledger-{os.getpid()}.sqlite3"
+    )
+    DATABASES["ledger"] = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": ledger_file,
+        "TEST": {"NAME": ledger_file},
+        "OPTIONS": {"timeout": 30},
+    }
+
 # Aliases that tests point TASKGUARD["DATABASE_ALIAS"] at, never set up as test databases
 # (pytest-django only creates the aliases a test asks for): "down" is a PostgreSQL port
 # nothing listens on (the guard must fail closed), "unsupported" a vendor taskguard refuses.

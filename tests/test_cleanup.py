@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from django.test import override_settings
 
 from django_taskguard.cleanup import cleanup_locks, startup_cleanup
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+from django_taskguard.owner import Owner, pid_space
 from django_taskguard.signals import run_abandoned
 
 from .conftest import free_port, python, wait_for
@@ -198,35 +200,70 @@ def test_cleanup_locks__database_unreachable_is_a_clear_error(child_env):
     assert "Traceback" not in err
 
 
-def test_startup_cleanup__only_this_hosts_dead_pids():
+def dead_pid() -> int:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    dead_pid = int(gone.stdout)
+    return int(gone.stdout)
+
+
+def owner(pid: int, token: str, space: str | None = None) -> str:
+    return Owner(HOST, pid, pid_space() if space is None else space, token).format()
+
+
+def test_startup_cleanup__only_dead_pids_of_this_pid_space():
+    pid = dead_pid()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        dead = make_run(minute=0, owner=f"{HOST}:{dead_pid}:aa", lease=3600)
-        live = make_run(minute=1, owner=f"{HOST}:{sleeper.pid}:bb", lease=3600)
-        mine = make_run(minute=2, owner=f"{HOST}:{os.getpid()}:cc", lease=-3600)
-        other = make_run(minute=3, owner=f"not-{HOST}:{dead_pid}:dd", lease=-3600)
-        prefix = make_run(minute=4, owner=f"{HOST}x:{dead_pid}:ee", lease=3600)
+        dead = make_run(minute=0, owner=owner(pid, "aa"), lease=3600)
+        live = make_run(minute=1, owner=owner(sleeper.pid, "bb"), lease=3600)
+        mine = make_run(minute=2, owner=owner(os.getpid(), "cc"), lease=-3600)
+        # A container of the same pod: same host name, its own pid namespace.
+        sibling = make_run(minute=3, owner=owner(pid, "dd", "0123456789ab.4026530001"), lease=3600)
+        # Written before pid spaces were recorded: nobody can judge its pid.
+        legacy = make_run(minute=4, owner=f"{HOST}:{pid}:ee", lease=3600)
         assert startup_cleanup() == 1
     finally:
         sleeper.kill()
         sleeper.wait()
     states = {r.pk: r.state for r in TaskRun.objects.all()}
     assert states[dead.pk] == RunState.ABANDONED
-    for untouched in (live, mine, other, prefix):
+    for untouched in (live, mine, sibling, legacy):
         assert states[untouched.pk] == RunState.RUNNING
     (transition,) = abandon_transitions(dead)
-    assert f"{HOST}:{dead_pid} is gone" in transition.reason
+    assert f"{HOST}:{pid} is gone" in transition.reason
+
+
+def test_startup_cleanup__a_run_from_another_pid_namespace_is_never_judged(child_env):
+    # A real process in a new pid namespace (what a second container of a pod
+    # is): its pids mean nothing here, even where the same pid is dead here.
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "util-linux's unshare is needed for this test"
+    code = (
+        "import django; django.setup(); from django_taskguard.owner import new_owner, "
+        "pid_space; print(new_owner(), pid_space())"
+    )
+    child = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+        env=child_env, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    their_owner, their_space = child.stdout.split()
+    parsed = Owner.parse(their_owner)
+    assert parsed is not None and parsed.host == HOST
+    assert parsed.space == their_space != pid_space()
+    # Their run, with a pid that is dead in this namespace (host + pid alone would
+    # call it dead and abandon it), and a run of ours with the same dead pid.
+    pid = dead_pid()
+    theirs = make_run(minute=0, owner=owner(pid, "aa", their_space), lease=3600)
+    ours = make_run(minute=1, owner=owner(pid, "bb"), lease=3600)
+    assert startup_cleanup() == 1
+    assert TaskRun.objects.get(pk=theirs.pk).state == RunState.RUNNING
+    assert TaskRun.objects.get(pk=ours.pk).state == RunState.ABANDONED
 
 
 def test_startup_cleanup__celery_worker_ready_honours_the_setting():
     from celery.signals import worker_ready
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    run = make_run(minute=0, owner=f"{HOST}:{int(gone.stdout)}:aa", lease=3600)
+    run = make_run(minute=0, owner=owner(dead_pid(), "aa"), lease=3600)
     worker_ready.send(sender=None)
     assert TaskRun.objects.get(pk=run.pk).state == RunState.RUNNING
     with override_settings(TASKGUARD={"BACKEND": "database", "STARTUP_CLEANUP": True}):

@@ -27,9 +27,10 @@ from django.db.models import F
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_taskguard import current_run, guard, once_per_schedule
+from django_taskguard import current_run, once_per_schedule
 from django_taskguard.exceptions import DuplicateRun, LeaseLost, TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+from django_taskguard.owner import new_token
 from django_taskguard.signals import (
     duplicate_suppressed,
     lease_lost,
@@ -497,14 +498,14 @@ def test_body_interrupted__the_interrupt_survives_a_failing_receiver(caplog):
 def test_new_token__unique_in_children_forked_without_python_hooks():
     """uWSGI forks its workers in C: Python's at-fork hooks never run there."""
     libc_fork = ctypes.PyDLL(None).fork  # PyDLL: the GIL stays held across the fork
-    parent = guard.new_token()
-    tokens = [parent, guard.new_token()]
+    parent = new_token()
+    tokens = [parent, new_token()]
     for _ in range(2):
         read, write = os.pipe()
         pid = libc_fork()
         if pid == 0:  # pragma: no cover - the child reports through the pipe
             try:
-                os.write(write, f"{guard.new_token()} {guard.new_token()}".encode())
+                os.write(write, f"{new_token()} {new_token()}".encode())
             finally:
                 os._exit(0)
         os.close(write)

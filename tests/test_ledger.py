@@ -16,7 +16,6 @@ from .conftest import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ALIAS = "default"
 BASE = datetime(2026, 5, 1, tzinfo=dt_timezone.utc)
 
 
@@ -25,7 +24,7 @@ def slot(minutes: int) -> datetime:
 
 
 def test_claim__new_row_is_ours_running_with_a_database_lease():
-    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    row = ledger.claim("tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
     assert (row.owner, row.state, row.attempt) == ("h:1:a", RunState.RUNNING, 1)
     assert row.fence is not None and row.fence > 0
     assert row.expired is False
@@ -39,8 +38,8 @@ def test_claim__new_row_is_ours_running_with_a_database_lease():
 
 
 def test_claim__taken_slot_returns_the_holder_and_counts_the_duplicate():
-    first = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
-    second = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:2:b", 30, abandon_is_final=True)
+    first = ledger.claim("tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    second = ledger.claim("tests.ledger", slot(0), "h:2:b", 30, abandon_is_final=True)
     assert second.owner == "h:1:a" and second.id == first.id and second.fence == first.fence
     run = TaskRun.objects.get(pk=first.id)
     assert run.duplicates == 1
@@ -49,18 +48,17 @@ def test_claim__taken_slot_returns_the_holder_and_counts_the_duplicate():
 
 def test_claim__expired_running_row_is_not_counted_as_a_duplicate():
     """A stale row is left to the takeover decision, which counts (or takes over) itself."""
-    first = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 0.2, abandon_is_final=True)
+    first = ledger.claim("tests.ledger", slot(0), "h:1:a", 0.2, abandon_is_final=True)
     wait_for(lambda: TaskRun.objects.stale().filter(pk=first.id).exists(), what="expiry")
-    again = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:2:b", 30, abandon_is_final=True)
+    again = ledger.claim("tests.ledger", slot(0), "h:2:b", 30, abandon_is_final=True)
     assert again.owner == "h:1:a" and again.expired is True
     assert TaskRun.objects.get(pk=first.id).duplicates == 0
 
 
 def test_claim__same_slot_in_another_task_or_instant_is_a_new_row():
-    a = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
-    b = ledger.claim(ALIAS, "tests.ledger.other", slot(0), "h:1:b", 30, abandon_is_final=True)
+    a = ledger.claim("tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    b = ledger.claim("tests.ledger.other", slot(0), "h:1:b", 30, abandon_is_final=True)
     c = ledger.claim(
-        ALIAS,
         "tests.ledger",
         slot(0) + timedelta(microseconds=1),
         "h:1:c",
@@ -73,21 +71,21 @@ def test_claim__same_slot_in_another_task_or_instant_is_a_new_row():
 
 def test_claim__inside_atomic_block_is_refused_and_writes_nothing():
     with pytest.raises(TaskGuardError, match="open transaction"), transaction.atomic():
-        ledger.ensure_autocommit(ALIAS)
+        ledger.ensure_autocommit()
     assert not TaskRun.objects.exists()
 
 
 def test_renew__extends_only_for_the_fence_holder():
-    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 5, abandon_is_final=True)
+    row = ledger.claim("tests.ledger", slot(0), "h:1:a", 5, abandon_is_final=True)
     assert row.fence is not None
     before = TaskRun.objects.get(pk=row.id).lease_until
     assert before is not None
-    renewed = ledger.renew(ALIAS, row.id, row.fence, 60)
+    renewed = ledger.renew(row.id, row.fence, 60)
     assert renewed is not None and renewed - before > timedelta(seconds=50)
     assert TaskRun.objects.get(pk=row.id).lease_until == renewed
-    assert ledger.renew(ALIAS, row.id, row.fence + 1000, 60) is None
+    assert ledger.renew(row.id, row.fence + 1000, 60) is None
     TaskRun.objects.filter(pk=row.id).update(state=RunState.SUCCEEDED)
-    assert ledger.renew(ALIAS, row.id, row.fence, 60) is None, "a finished run is not renewed"
+    assert ledger.renew(row.id, row.fence, 60) is None, "a finished run is not renewed"
 
 
 def test_fence__strictly_increases_per_task_across_slots_and_attempts():
@@ -108,7 +106,7 @@ def test_fence__strictly_increases_per_task_across_slots_and_attempts():
         for guarded in tasks.values():
             guarded.run_for_slot(slot(minute))
     # A dead owner's row for slot 10, taken over by a new attempt once it expires.
-    dead = ledger.claim(ALIAS, "tests.fence.a", slot(10), "h:9:dead", 0.2, abandon_is_final=False)
+    dead = ledger.claim("tests.fence.a", slot(10), "h:9:dead", 0.2, abandon_is_final=False)
     wait_for(lambda: TaskRun.objects.stale().filter(pk=dead.id).exists(), what="expiry")
     tasks["tests.fence.a"].run_for_slot(slot(10))
 
@@ -124,7 +122,7 @@ def test_fence__strictly_increases_per_task_across_slots_and_attempts():
 
 
 def test_timestamps__stored_in_utc_from_the_database_clock():
-    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    row = ledger.claim("tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
     run = TaskRun.objects.get(pk=row.id)
     assert run.started_at is not None
     skew = abs((run.started_at - datetime.now(dt_timezone.utc)).total_seconds())
@@ -133,9 +131,9 @@ def test_timestamps__stored_in_utc_from_the_database_clock():
 
 
 def test_read__finds_the_row_by_task_and_slot():
-    assert ledger.read(ALIAS, "tests.ledger", slot(0)) is None
-    row = ledger.claim(ALIAS, "tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
-    found = ledger.read(ALIAS, "tests.ledger", slot(0))
+    assert ledger.read("tests.ledger", slot(0)) is None
+    row = ledger.claim("tests.ledger", slot(0), "h:1:a", 30, abandon_is_final=True)
+    found = ledger.read("tests.ledger", slot(0))
     assert found is not None and (found.id, found.owner, found.fence) == (
         row.id,
         row.owner,

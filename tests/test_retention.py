@@ -11,8 +11,9 @@ from django.core.management.base import CommandError
 from django.test import override_settings
 from django.utils import timezone
 
+from django_taskguard import ledger as ledger_api
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
-from django_taskguard.retention import _delete_batch, prune_runs
+from django_taskguard.retention import prune_runs
 
 from .runs import make_run
 
@@ -89,7 +90,7 @@ def test_prune_runs__the_delete_rechecks_the_state(ledger):
     taken_over = ledger[("old", RunState.ABANDONED)]
     TaskRun.objects.filter(pk=taken_over.pk).update(state=RunState.RETRYING)
     done = ledger[("old", RunState.SUCCEEDED)]
-    assert _delete_batch([taken_over.pk, done.pk]) == (1, 2)
+    assert ledger_api.delete_finished([taken_over.pk, done.pk]) == (1, 2)
     assert TaskRun.objects.filter(pk=taken_over.pk).exists()
     assert taken_over.transitions.count() == 2
 

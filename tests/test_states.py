@@ -40,7 +40,6 @@ ALLOWED = {
 ALL_PAIRS = list(itertools.product(RunState.values, RunState.values))
 ILLEGAL = [pair for pair in ALL_PAIRS if pair not in ALLOWED]
 SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=dt_timezone.utc)
-ALIAS = "default"
 
 
 def make_row(state: str, *, task: str = "tests.states", fence: int = 7) -> Row:
@@ -80,7 +79,7 @@ def test_check_transition__unknown_state_raises():
 def test_change__illegal_step_refused_before_any_query(from_state, to_state):
     row = Row(123456, from_state, 1, 1, "h:1:tok", None)
     with CaptureQueriesContext(connection) as queries, pytest.raises(IllegalTransition):
-        ledger.change(ALIAS, row, [Step(to_state, "test")], actor="x", fenced=False)
+        ledger.change(row, [Step(to_state, "test")], actor="x", fenced=False)
     assert len(queries) == 0
 
 
@@ -90,7 +89,7 @@ def test_change__illegal_later_step_refuses_the_whole_path():
     row = make_row(S.RUNNING)
     path = [Step(S.SUCCEEDED, "done"), Step(S.RUNNING, "again")]
     with CaptureQueriesContext(connection) as queries, pytest.raises(IllegalTransition):
-        ledger.change(ALIAS, row, path, actor="x")
+        ledger.change(row, path, actor="x")
     assert len(queries) == 0
     assert TaskRun.objects.get(pk=row.id).state == S.RUNNING
     assert not TaskRunTransition.objects.exists()
@@ -100,7 +99,7 @@ def test_change__illegal_later_step_refuses_the_whole_path():
 @pytest.mark.parametrize(("from_state", "to_state"), sorted(ALLOWED))
 def test_change__allowed_step_writes_state_and_one_transition(from_state, to_state):
     row = make_row(from_state)
-    changed = ledger.change(ALIAS, row, [Step(to_state, "because")], actor="me:1:t")
+    changed = ledger.change(row, [Step(to_state, "because")], actor="me:1:t")
     assert changed is not None and changed.state == to_state
     assert TaskRun.objects.get(pk=row.id).state == to_state
     transitions = list(
@@ -115,7 +114,7 @@ def test_change__allowed_step_writes_state_and_one_transition(from_state, to_sta
 def test_change__multi_step_path_writes_one_row_per_step_in_order():
     row = make_row(S.RUNNING)
     path = [Step(S.RETRYING, "expired"), Step(S.RUNNING, "taken over")]
-    changed = ledger.change(ALIAS, row, path, actor="me:1:t")
+    changed = ledger.change(row, path, actor="me:1:t")
     assert changed is not None and changed.state == S.RUNNING
     got = list(
         TaskRunTransition.objects.filter(run_id=row.id)
@@ -136,7 +135,7 @@ def test_change__multi_step_path_writes_one_row_per_step_in_order():
 def test_change__refused_by_compare_and_set_writes_nothing(stale):
     row = make_row(S.RUNNING)
     TaskRun.objects.filter(pk=row.id).update(**stale)
-    changed = ledger.change(ALIAS, row, [Step(S.SUCCEEDED, "late")], actor="me:1:t")
+    changed = ledger.change(row, [Step(S.SUCCEEDED, "late")], actor="me:1:t")
     assert changed is None
     run = TaskRun.objects.get(pk=row.id)
     assert run.state == stale.get("state", S.RUNNING)
@@ -150,14 +149,14 @@ def test_change__lease_condition_judged_by_database_clock():
     row = make_row(S.RUNNING)
     TaskRun.objects.filter(pk=row.id).update(lease_until=SLOT + timedelta(days=3650))
     path = [Step(S.ABANDONED, "dead")]
-    assert ledger.change(ALIAS, row, path, actor="x", lease="expired") is None
-    assert ledger.change(ALIAS, row, path, actor="x", lease="live") is not None
+    assert ledger.change(row, path, actor="x", lease="expired") is None
+    assert ledger.change(row, path, actor="x", lease="live") is not None
     assert TaskRunTransition.objects.count() == 1
 
     other = make_row(S.RUNNING, task="tests.states.other")
     TaskRun.objects.filter(pk=other.id).update(lease_until=SLOT)
-    assert ledger.change(ALIAS, other, path, actor="x", lease="live") is None
-    assert ledger.change(ALIAS, other, path, actor="x", lease="expired") is not None
+    assert ledger.change(other, path, actor="x", lease="live") is None
+    assert ledger.change(other, path, actor="x", lease="expired") is not None
     assert TaskRunTransition.objects.count() == 2
 
 
@@ -195,7 +194,7 @@ def test_change__state_rolls_back_when_its_transition_row_cannot_be_written():
             cursor.execute(sql)
     try:
         with pytest.raises(DatabaseError, match="refused by test trigger"):
-            ledger.change(ALIAS, row, [Step(S.SUCCEEDED, "done")], actor="x")
+            ledger.change(row, [Step(S.SUCCEEDED, "done")], actor="x")
     finally:
         with connection.cursor() as cursor:
             for sql in DROP_SQL[connection.vendor]:
@@ -203,4 +202,4 @@ def test_change__state_rolls_back_when_its_transition_row_cannot_be_written():
     run = TaskRun.objects.get(pk=row.id)
     assert run.state == S.RUNNING
     assert run.finished_at is None
-    assert ledger.change(ALIAS, row, [Step(S.SUCCEEDED, "done")], actor="x") is not None
+    assert ledger.change(row, [Step(S.SUCCEEDED, "done")], actor="x") is not None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
 
 from ..conf import taskguard_settings
 from .base import Acquired, LockBackend, run_key
@@ -46,6 +48,14 @@ def forget_backend() -> None:
     """Drop the cached backend (the settings changed)."""
     global _cached
     _cached = None
+
+
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("TASKGUARD", "CACHES"):
+        forget_backend()
+
+
+setting_changed.connect(_settings_changed, dispatch_uid="taskguard-locks-reload")
 
 
 def _build_backend() -> LockBackend:

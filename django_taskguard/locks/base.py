@@ -22,6 +22,7 @@ class Acquired(enum.Enum):
     WON = "won"  # we hold the fast-path lock; go on to claim the row
     LOST = "lost"  # someone else holds it; the duplicate was counted by the backend
     BYPASSED = "bypassed"  # the backend could not answer; decide on the database alone
+    FINISHED = "finished"  # the slot is over (a finished-slot marker); counted as a duplicate
 
 
 class LockBackend(ABC):
@@ -61,6 +62,15 @@ class LockBackend(ABC):
         count = self.take_duplicates(key)
         self.release(key, token)
         return count
+
+    def finish(self, key: str, token: str) -> int:
+        """The winner's row is recorded finished: release ``key`` (leaving a finished-slot
+        marker where the backend keeps one) and return the duplicates counted for it."""
+        return self.release_counted(key, token)
+
+    def sweep(self, task: str | None, dry_run: bool) -> tuple[int, int]:
+        """Backend-side cleanup: ``(unrecorded slots recorded, orphan keys removed)``."""
+        return 0, 0
 
     def take_duplicates(self, key: str) -> int:
         """Return and reset the duplicates counted for ``key`` (folded into the row)."""

@@ -359,6 +359,11 @@ class RedisLock(LockBackend):
         except RedisError as exc:
             raise self._loud(f"forget {record.key}", exc) from exc
 
+    def sweep(self, task: str | None, dry_run: bool) -> tuple[int, int]:
+        from ..cleanup_redis import sweep  # (moving into the locks package)
+
+        return sweep(self, task, dry_run)
+
     def eviction_policy(self) -> str:
         """The server's ``maxmemory-policy`` (raises ``RedisError`` when unknown)."""
         return str(self.client.config_get("maxmemory-policy")["maxmemory-policy"])

@@ -9,7 +9,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.translation import ngettext
 
-from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks, ensure_database
+from ... import ledger
+from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
 from ..arguments import whole_number
 
@@ -58,7 +59,7 @@ class Command(BaseCommand):
         **options: Any,
     ) -> None:
         try:
-            ensure_database()
+            ledger.ensure_reachable()
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
         except BackendUnavailable as exc:
             raise CommandError(f"cleanup_locks failed: {exc}") from exc

@@ -10,9 +10,11 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 from django.utils.translation import ngettext
 
-from ...cleanup import database_now
+from ... import ledger
 from ...conf import taskguard_settings
-from ...retention import BATCH_SIZE, PRUNABLE_STATES, prune_runs
+from ...exceptions import BackendUnavailable
+from ...retention import BATCH_SIZE, prune_runs
+from ...states import PRUNABLE_STATES
 from ..arguments import whole_number
 
 
@@ -52,9 +54,9 @@ class Command(BaseCommand):
     ) -> None:
         age = taskguard_settings.PRUNE_AFTER_DAYS if older_than is None else older_than
         try:
-            before = database_now() - timedelta(days=age)
+            before = ledger.database_now() - timedelta(days=age)
             result = prune_runs(before, dry_run=dry_run, batch_size=batch_size)
-        except DatabaseError as exc:
+        except (BackendUnavailable, DatabaseError) as exc:
             raise CommandError(f"prune_runs failed: the database is unreachable ({exc})") from exc
         runs = ngettext("%d finished run", "%d finished runs", result.runs) % result.runs
         transitions = (

@@ -1,12 +1,12 @@
 """Celery beat side: schedulers that stamp each message with the slot it was due for.
 
-``TaskguardScheduler`` (``beat_schedule`` in settings) and, in
-``celery_beat_db``, ``TaskguardDatabaseScheduler`` (django-celery-beat) add two
-headers to every message they publish: ``taskguard_slot`` (ISO-8601 UTC, the
-fire time the entry was due for) and ``taskguard_schedule`` (the entry's
-name). Interval entries fire on epoch-aligned multiples of their interval, so
-every beat, whenever it started, fires and stamps the same slots. Import the
-schedulers from ``django_taskguard.contrib.celery``.
+``TaskguardScheduler`` (``beat_schedule`` in settings) and, in :mod:`.beat_db`,
+``TaskguardDatabaseScheduler`` (django-celery-beat) add two headers to every
+message they publish: ``taskguard_slot`` (ISO-8601 UTC, the fire time the
+entry was due for) and ``taskguard_schedule`` (the entry's name). Interval
+entries fire on epoch-aligned multiples of their interval, so every beat,
+whenever it started, fires and stamps the same slots. Import the schedulers
+from ``django_taskguard.contrib.celery``.
 """
 
 from __future__ import annotations
@@ -21,18 +21,12 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import schedstate
 from celery.schedules import schedule as interval_schedule
 
-from .. import schedules
-from ..conf import taskguard_settings
-from ..locks.base import slot_label, task_digest
-from .celery import (
-    BEAT_CLAIM_TTL,
-    SCHEDULE_HEADER,
-    SLOT_HEADER,
-    UTC,
-    slot_for,
-    task_identity,
-    zone_name,
-)
+from ... import schedules
+from ...conf import taskguard_settings
+from ...locks.base import slot_label, task_digest
+from .headers import SCHEDULE_HEADER, SLOT_HEADER, UTC, slot_for, task_identity, zone_name
+
+BEAT_CLAIM_TTL = 3600  # seconds a beat's claim on (entry, slot) is kept in Redis
 
 logger = logging.getLogger("taskguard.celery")
 
@@ -66,7 +60,7 @@ def aligned(schedule: Any) -> Any:
     plain: Any = schedule
     if plain.run_every < timedelta(seconds=1):
         return schedule
-    return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain._app)
+    return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain.app)
 
 
 class TaskguardEntry(ScheduleEntry):

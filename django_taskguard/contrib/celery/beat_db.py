@@ -10,7 +10,7 @@ from typing import Any
 
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 
-from .celery_beat import StampingMixin, aligned, warn_timezone
+from .beat import StampingMixin, aligned, warn_timezone
 
 
 class TaskguardModelEntry(ModelEntry):  # type: ignore[misc]

@@ -1,0 +1,96 @@
+"""What taskguard's beat schedulers and worker glue agree on: headers, identities, slots.
+
+Beat stamps two headers on every message: ``taskguard_slot`` (ISO-8601 UTC, the
+fire time the entry was due for) and ``taskguard_schedule`` (the entry's
+name); the worker reads them back. A put-back message carries
+``taskguard_deferred``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from typing import Any
+
+from celery.schedules import crontab
+from celery.schedules import schedule as interval_schedule
+from django.utils import timezone
+
+from ... import schedules
+from ...exceptions import TaskGuardError
+from ...models import TASK_NAME_MAX_LENGTH
+
+UTC = dt_timezone.utc
+SLOT_HEADER = "taskguard_slot"
+SCHEDULE_HEADER = "taskguard_schedule"
+PERIODIC_TASK_HEADER = "periodic_task_name"  # django-celery-beat's own header
+DEFERRED_HEADER = "taskguard_deferred"  # how often a redelivery was put back
+HEADERS = (SLOT_HEADER, SCHEDULE_HEADER, PERIODIC_TASK_HEADER, DEFERRED_HEADER)
+
+
+def task_identity(task_name: str, schedule_name: str | None) -> str:
+    """The ``TaskRun.task_name`` of a Celery task sent for one schedule entry.
+
+    ``"app.tasks.report[nightly-eu]"``: the Celery task name, and the beat
+    entry's (or django-celery-beat periodic task's) name in brackets, so that
+    one Celery task backing several schedules runs once per slot *per
+    schedule*. No schedule name, or one equal to the task name: the task name
+    alone. Longer than 255 characters: cut, with ``~`` and 16 hex digits of
+    the full name's SHA-256 at the end (stable, and distinct in practice).
+    """
+    if not schedule_name or schedule_name == task_name:
+        return task_name
+    full = f"{task_name}[{schedule_name}]"
+    if len(full) <= TASK_NAME_MAX_LENGTH:
+        return full
+    digest = hashlib.sha256(full.encode("utf-8")).hexdigest()[:16]
+    return f"{full[: TASK_NAME_MAX_LENGTH - 17]}~{digest}"
+
+
+def message_headers(request: Any) -> dict[str, Any]:
+    """The taskguard headers of a request: in ``request.headers`` (eager, retries) or
+    as request attributes (a worker merges message headers into the request)."""
+    headers = dict(getattr(request, "headers", None) or {})
+    for name in HEADERS:
+        value = getattr(request, name, None)
+        if value is not None:
+            headers.setdefault(name, value)
+    return headers
+
+
+def slot_for(schedule: Any, now: datetime) -> datetime | None:
+    """The slot a beat entry with ``schedule`` is due for at ``now`` (aware), or None.
+
+    crontab: its latest fire time at or before ``now`` in the crontab's time
+    zone (celery's ``timezone`` setting unless the crontab has its own), with
+    celery's field semantics and :mod:`django_taskguard.schedules`' DST rule.
+    Interval: the latest epoch-aligned multiple of ``run_every``. Clocked
+    (django-celery-beat): the clocked time. An object with ``latest_slot(now)``
+    (a taskguard schedule): what it says. Anything else (solar): None.
+    """
+    now = now.astimezone(UTC)
+    clocked_time = getattr(schedule, "clocked_time", None)
+    if isinstance(clocked_time, datetime):
+        return clocked_time.astimezone(UTC) if timezone.is_aware(clocked_time) else None
+    if isinstance(schedule, crontab):
+        expression = schedules.celery_cron_expression(schedule)
+        cron = schedules.CronSchedule(expression, tz_name=zone_name(schedule.tz), day_or=False)
+        return cron.latest_slot(now)
+    if isinstance(schedule, interval_schedule):
+        every: timedelta = getattr(schedule, "run_every")  # noqa: B009 (untyped in stubs)
+        if every < timedelta(seconds=1):
+            return None
+        return schedules.IntervalSchedule(every).latest_slot(now)
+    if isinstance(schedule, schedules.Schedule):
+        return schedule.latest_slot(now)
+    return None
+
+
+def zone_name(tz: Any) -> str:
+    name = getattr(tz, "key", None) or getattr(tz, "zone", None)
+    if name:
+        return str(name)
+    if tz is None or tz.utcoffset(None) == timedelta(0):
+        return "UTC"
+    raise TaskGuardError(f"cannot name the time zone {tz!r} of a crontab")

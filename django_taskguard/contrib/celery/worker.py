@@ -1,0 +1,154 @@
+"""Worker side: the slot source of guarded Celery tasks, and how their retries go.
+
+A guarded Celery task (``@shared_task`` over ``@once_per_schedule()``) takes
+its slot from the ``taskguard_slot`` header and its identity from the Celery
+task name plus the schedule name (:func:`headers.task_identity`). Retries and
+redeliveries of the message are attempts on the same row.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, NoReturn, cast
+
+from celery import Task, current_app
+from celery.exceptions import Ignore, Reject, Retry
+from django.utils import timezone
+
+from ... import ledger
+from ...context import active_run
+from ...decorators import SLOT_SOURCES, CallContext, guarded_policy
+from ...exceptions import TaskGuardError
+from ...owner import actor
+from .headers import (
+    DEFERRED_HEADER,
+    PERIODIC_TASK_HEADER,
+    SCHEDULE_HEADER,
+    SLOT_HEADER,
+    message_headers,
+    task_identity,
+)
+
+logger = logging.getLogger("taskguard.celery")
+
+
+def celery_call_context() -> CallContext | None:
+    """The slot source for guarded Celery tasks (registered in ``SLOT_SOURCES``).
+
+    Answers only for the body of the Celery task being executed, and only when
+    that body is a guarded function and no guarded run is active yet (so a
+    guarded function called *from* a task body keeps its own name and slot).
+    """
+    task = current_app.current_task
+    if task is None or active_run() is not None:
+        return None
+    body = getattr(task, "__wrapped__", None)  # the function given to @task
+    if body is None or guarded_policy(body) is None:
+        return None
+    request = task.request
+    headers = message_headers(request)
+    schedule_name = headers.get(SCHEDULE_HEADER) or headers.get(PERIODIC_TASK_HEADER)
+    name = task_identity(task.name, schedule_name)
+    if request.called_directly:
+        return CallContext(task_name=name)
+    slot = headers.get(SLOT_HEADER)
+    if slot is None and getattr(body, "schedule", None) is None:
+        record_no_slot(getattr(body, "task_name", None) or name, request)
+    return CallContext(
+        slot=slot,
+        task_name=name,
+        will_retry=partial(will_retry, task, request),
+        on_busy=partial(defer, task, request) if _may_be_stranded(request, headers) else None,
+    )
+
+
+def will_retry(task: Task[Any, Any], request: Any, exc: BaseException) -> str | None:
+    """Why Celery will run this message again after ``exc``, or None when it will not.
+
+    ``self.retry()`` (``Retry``); ``autoretry_for`` (minus ``dont_autoretry_for``)
+    while retries are left (``retry_kwargs["max_retries"]`` or the task's
+    ``max_retries``; None is unlimited); ``Reject(requeue=True)``.
+    """
+    if isinstance(exc, Retry):
+        return f"retry requested: {exc}"
+    if isinstance(exc, Reject):
+        return f"rejected and requeued: {exc}" if getattr(exc, "requeue", False) else None
+    if isinstance(exc, Ignore) or request.called_directly:
+        return None
+    autoretry_for = tuple(getattr(task, "autoretry_for", ()) or ())
+    if not autoretry_for or not isinstance(exc, autoretry_for):
+        return None
+    dont = tuple(getattr(task, "dont_autoretry_for", ()) or ())
+    if dont and isinstance(exc, dont):
+        return None
+    retry_kwargs = getattr(task, "retry_kwargs", None) or {}
+    max_retries = retry_kwargs.get("max_retries", task.max_retries)
+    if max_retries is None or request.retries + 1 <= max_retries:
+        return f"{type(exc).__name__}: {exc}; a retry will follow (autoretry_for)"
+    return None
+
+
+def _may_be_stranded(request: Any, headers: dict[str, Any]) -> bool:
+    """A message that may be the only one left for its slot while another attempt's
+    lease still runs: a broker redelivery (its worker may be dead), a message we
+    put back before, or a retry (it may overtake the end of its own previous
+    attempt). Such a message is put back, never acked as a duplicate."""
+    if request.is_eager:
+        return False
+    redelivered = bool((request.delivery_info or {}).get("redelivered"))
+    return redelivered or DEFERRED_HEADER in headers or bool(request.retries)
+
+
+def defer(task: Task[Any, Any], request: Any, seconds_left: float) -> NoReturn:
+    """Put the message back until the live attempt's lease has run out.
+
+    Republishes the same task id with the same headers (and the same retry
+    count: this is not a Celery retry of the body) and a countdown, then raises
+    ``Retry`` so the worker acks this copy. When it comes back, the slot has
+    either ended (the message is a plain duplicate) or its owner is dead (the
+    lease expired: on_stale decides, takeover or ``abandoned``).
+    """
+    countdown = max(1.0, seconds_left + 1.0)
+    headers = dict(request.headers or {})
+    headers.update(message_headers(request))
+    headers[DEFERRED_HEADER] = int(headers.get(DEFERRED_HEADER) or 0) + 1
+    signature = task.signature_from_request(
+        request, request.args, request.kwargs, countdown=countdown, headers=headers
+    )
+    signature.apply_async()
+    logger.warning(
+        "taskguard: %s slot %s is held by a live attempt; message %s (redelivered or "
+        "retried) put back for %.1fs",
+        task.name,
+        headers.get(SLOT_HEADER),
+        request.id,
+        countdown,
+    )
+    raise Retry(
+        f"taskguard: the slot is held by a live attempt; checking again in {countdown:.1f}s",
+        when=cast(Any, countdown),
+        sig=signature,
+    )
+
+
+def record_no_slot(task_name: str, request: Any) -> NoReturn:
+    """Record a message that has no slot as a ``skipped`` run, then raise.
+
+    The row is keyed by the time the worker received the message (there is no
+    slot to key it by); its reason says which task id came without a slot.
+    """
+    reason = (
+        f"no slot: message {request.id} carried no {SLOT_HEADER} header (not sent by a "
+        f"taskguard beat scheduler) and the task has no cron=, every= or schedule="
+    )
+    ledger.ensure_autocommit()
+    run_id = ledger.insert_skipped(task_name, timezone.now(), reason=reason, actor=actor("worker"))
+    recorded = f"recorded as run {run_id}" if run_id is not None else "not recorded"
+    raise TaskGuardError(f"{task_name!r} did not run: {reason} ({recorded})")
+
+
+def register() -> None:
+    """Make guarded Celery tasks find their slot in the message (idempotent)."""
+    if celery_call_context not in SLOT_SOURCES:
+        SLOT_SOURCES.append(celery_call_context)

@@ -1,0 +1,551 @@
+"""The run ledger: the only code that reads or writes ``TaskRun`` and ``TaskRunTransition``.
+
+Every function takes values and uses the database named by
+``TASKGUARD["DATABASE_ALIAS"]``; the SQL is in :mod:`.sql`, named. State
+changes are checked against ``states.TRANSITIONS`` and compare-and-set on the
+row as it was read (its state, and its fence for an owner's write, and its
+lease by the database's clock where asked), so a stale writer changes
+nothing; each is written with its transition rows in one transaction.
+
+The hot paths (:func:`claim`, :func:`finish`, :func:`renew`) raise the
+database's own errors, because their callers settle a lost reply by reading
+back; maintenance functions raise ``BackendUnavailable`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from datetime import timezone as dt_timezone
+from typing import Any
+
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.db.models import QuerySet
+from django.utils.dateparse import parse_datetime
+
+from ..conf import taskguard_settings
+from ..exceptions import BackendUnavailable, TaskGuardError
+from ..models import TaskRun, TaskRunQuerySet, TaskRunTransition
+from ..owner import token_of
+from ..states import PRUNABLE_STATES, RunState, check_transition
+from . import sql
+
+__all__ = [
+    "Row",
+    "RunRef",
+    "Step",
+    "abandon",
+    "add_duplicates",
+    "claim",
+    "finish",
+    "read",
+    "renew",
+    "runs",
+]
+
+logger = logging.getLogger("taskguard.ledger")
+
+CONNECTION_ERRORS = (OperationalError, InterfaceError)
+# Text the ledger stores for people: reasons and errors are cut to this.
+REASON_MAX_LENGTH = 500
+ERROR_MAX_LENGTH = 10_000
+
+
+def alias() -> str:
+    """The database that holds the ledger."""
+    return taskguard_settings.DATABASE_ALIAS
+
+
+def runs() -> TaskRunQuerySet:
+    """Every run, read from the ledger's database (for the admin and other readers)."""
+    queryset: TaskRunQuerySet = TaskRun.objects.using(alias())
+    return queryset
+
+
+def transitions(run_id: int) -> QuerySet[TaskRunTransition]:
+    """One run's transition log, oldest first."""
+    return TaskRunTransition.objects.using(alias()).filter(run_id=run_id).order_by("at", "id")
+
+
+@dataclass(frozen=True)
+class Row:
+    """The columns of a ``TaskRun`` that the hot paths read back."""
+
+    id: int
+    state: str
+    attempt: int
+    fence: int | None
+    owner: str
+    lease_until: datetime | None
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A run as maintenance reads it: a :class:`Row` with its task and slot."""
+
+    id: int
+    task_name: str
+    slot: datetime
+    state: str
+    attempt: int
+    fence: int | None
+    owner: str
+    lease_until: datetime | None
+
+    @property
+    def row(self) -> Row:
+        return Row(self.id, self.state, self.attempt, self.fence, self.owner, self.lease_until)
+
+    @property
+    def token(self) -> str:
+        return token_of(self.owner)
+
+
+@dataclass(frozen=True)
+class Step:
+    to_state: str
+    reason: str
+
+
+# -- plumbing ----------------------------------------------------------------------
+
+
+def connection_lost(exc: Exception) -> bool:
+    """True when ``exc`` may have cut a statement off mid-flight (outcome unknown).
+
+    Only a networked database loses connections; SQLite raises
+    ``OperationalError`` for real errors too, which must not be retried.
+    """
+    return isinstance(exc, CONNECTION_ERRORS) and connections[alias()].vendor != "sqlite"
+
+
+def settle_connection() -> None:
+    """Drop a connection that failed mid-statement so the next statement reconnects."""
+    connections[alias()].close()
+
+
+def unreachable(exc: Exception) -> BackendUnavailable:
+    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
+
+
+def ensure_reachable() -> None:
+    """Raise ``BackendUnavailable`` unless the ledger's database answers."""
+    try:
+        connections[alias()].ensure_connection()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def ensure_autocommit() -> None:
+    """Refuse to claim inside the caller's transaction.
+
+    A claim inside an open ``atomic`` block would hold the row lock (and hide
+    the row from every other instance) until the caller commits, and would
+    vanish if the caller rolled back: the opposite of a durable claim.
+    """
+    connection = transaction.get_connection(alias())
+    # Not get_autocommit(): it would connect, and an unreachable database must
+    # surface from the claim as BackendUnavailable. A closed connection opens
+    # with the configured AUTOCOMMIT.
+    opened = connection.connection is not None
+    autocommit = connection.autocommit if opened else connection.settings_dict["AUTOCOMMIT"]
+    if connection.in_atomic_block or not autocommit:
+        raise TaskGuardError(
+            "a taskguard claim cannot run inside an open transaction (transaction.atomic, "
+            "ATOMIC_REQUESTS or autocommit turned off): it must commit on its own so other "
+            "instances see it. Call the guarded function outside the atomic block, or from "
+            "transaction.on_commit()."
+        )
+
+
+def _dialect() -> sql.Dialect:
+    return sql.dialect(alias())
+
+
+def _one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.fetchone() if cursor.description else None
+
+
+def _all(statement: str, params: Sequence[Any]) -> list[Sequence[Any]]:
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        return list(cursor.fetchall())
+
+
+def _slot(slot: datetime) -> Any:
+    return connections[alias()].ops.adapt_datetimefield_value(slot)
+
+
+def aware(value: Any) -> datetime | None:
+    """A datetime column's value as an aware UTC datetime (SQLite hands back text)."""
+    dt = value if value is None or isinstance(value, datetime) else parse_datetime(str(value))
+    if dt is not None and dt.tzinfo is None:
+        dt = dt.replace(tzinfo=dt_timezone.utc)
+    return dt
+
+
+def _row(values: Sequence[Any] | None) -> Row | None:
+    if values is None:
+        return None
+    expired = bool(values[6]) if len(values) > 6 else False
+    return Row(
+        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), expired
+    )
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, marked when cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# -- the hot paths -----------------------------------------------------------------
+
+
+def claim(
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease_seconds: float,
+    *,
+    abandon_is_final: bool,
+    count_live: bool = True,
+) -> Row:
+    """Insert the (task, slot) row as ``running`` for ``owner``, or find it taken.
+
+    One round trip either way. The returned row's ``owner`` equals ``owner``
+    exactly when this call created it. When the slot is plainly taken (a live
+    or finished attempt) the row's ``duplicates`` is incremented in the same
+    statement (a live attempt only with ``count_live``: a caller that will be
+    put back is counted when it comes back); the other cases (pending,
+    retrying, stale) are for the caller to decide (:func:`start_attempt`,
+    :func:`take_over`, :func:`abandon`).
+    """
+    d = _dialect()
+    params = [task_name, _slot(slot), owner, lease_seconds, count_live, abandon_is_final]
+    if d.one_statement:
+        row = _row(_one(sql.claim(d), [*params, owner]))
+    else:
+        with transaction.atomic(using=alias()):
+            row = _row(_one(sql.claim(d), params))
+            if row is not None and row.owner == owner:
+                _one(sql.claimed_transition(d), [row.id])
+    assert row is not None
+    return row
+
+
+def read(task_name: str, slot: datetime) -> Row | None:
+    return _row(_one(sql.read_slot(_dialect()), [task_name, _slot(slot)]))
+
+
+def read_by_id(run_id: int) -> Row | None:
+    return _row(_one(sql.read_id(_dialect()), [run_id]))
+
+
+def start_attempt(row: Row, owner: str, lease_seconds: float, reason: str) -> Row | None:
+    """A pending or retrying row becomes ``owner``'s running attempt (``None``: it changed)."""
+    return change(
+        row,
+        [Step(RunState.RUNNING, reason)],
+        actor=owner,
+        fenced=False,
+        sets=sql.START_ATTEMPT,
+        values=(owner, lease_seconds),
+    )
+
+
+def take_over(row: Row, owner: str, lease_seconds: float, why: str) -> Row | None:
+    """A dead attempt's row (running past its lease, or abandoned) becomes ``owner``'s.
+
+    A running row is taken only while its lease has expired by the database's
+    clock: the compare-and-set checks it, so a live owner is never displaced.
+    """
+    running = row.state == RunState.RUNNING
+    return change(
+        row,
+        [
+            Step(RunState.RETRYING, why),
+            Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
+        ],
+        actor=owner,
+        fenced=running,
+        lease="expired" if running else "",
+        sets=sql.START_ATTEMPT,
+        values=(owner, lease_seconds),
+    )
+
+
+def abandon(
+    row: Row, *, actor: str, reason: str, lease: str = "expired", count_duplicate: bool = False
+) -> Row | None:
+    """A running row whose owner is dead becomes ``abandoned`` (``None``: it changed).
+
+    ``lease="expired"``: only while its lease has expired by the database's
+    clock; ``""``: the caller has other proof (its process is gone).
+    ``count_duplicate``: the caller that found it counts as a duplicate.
+    """
+    return change(
+        row,
+        [Step(RunState.ABANDONED, reason)],
+        actor=actor,
+        lease=lease,
+        sets=sql.ABANDON,
+        values=(clip(reason, ERROR_MAX_LENGTH), int(count_duplicate)),
+    )
+
+
+def finish(
+    run_id: int,
+    attempt: int,
+    fence: int,
+    owner: str,
+    to_state: str,
+    reason: str,
+    *,
+    error: str = "",
+    duplicates: int = 0,
+    ended: bool = True,
+) -> Row | None:
+    """Record how an attempt ended, fenced: ``None`` when it no longer owns the row.
+
+    ``ended=False``: another attempt follows (a retry), so the row keeps no lease.
+    """
+    row = Row(run_id, RunState.RUNNING, attempt, fence, owner, None)
+    return change(
+        row,
+        [Step(to_state, reason)],
+        actor=owner,
+        sets=sql.END_ATTEMPT if ended else sql.PAUSE_ATTEMPT,
+        values=(clip(error, ERROR_MAX_LENGTH), duplicates),
+    )
+
+
+def renew(run_id: int, fence: int, lease_seconds: float) -> datetime | None:
+    """Extend a live attempt's lease; ``None`` when the attempt no longer owns the row."""
+    values = _one(sql.renew(_dialect()), [lease_seconds, run_id, fence])
+    return aware(values[0]) if values else None
+
+
+def earlier_slot_running(task_name: str, slot: datetime) -> datetime | None:
+    """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
+    values = _one(sql.earlier_running(_dialect()), [task_name, _slot(slot)])
+    return aware(values[0]) if values else None
+
+
+def change(
+    row: Row,
+    path: Sequence[Step],
+    *,
+    actor: str,
+    fenced: bool = True,
+    lease: str = "",
+    sets: tuple[str, ...] = (),
+    values: tuple[Any, ...] = (),
+) -> Row | None:
+    """Move ``row`` along ``path`` if it is still as read; write one transition per step."""
+    state = row.state
+    steps: list[tuple[str, str, str]] = []
+    for step in path:
+        check_transition(state, step.to_state)
+        steps.append((state, step.to_state, clip(step.reason, REASON_MAX_LENGTH)))
+        state = step.to_state
+    d = _dialect()
+    params: list[Any] = [state, *values, row.id, row.state]
+    if fenced:
+        params.append(row.fence)
+    assignments = sql.assignments(d, sets)
+    if d.one_statement:
+        statement = sql.change_logged(d, assignments, fenced, lease, len(steps))
+        step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
+        return _row(_one(statement, [*params, actor, *step_params]))
+    with transaction.atomic(using=alias()):
+        updated = _row(_one(sql.change(d, assignments, fenced, lease), params))
+        if updated is not None:
+            with connections[alias()].cursor() as cursor:
+                cursor.executemany(
+                    sql.transition(d), [(row.id, f, t, r, actor) for f, t, r in steps]
+                )
+        return updated
+
+
+# -- what no attempt wrote -----------------------------------------------------------
+
+
+def add_duplicates(task_name: str, slot: datetime, count: int) -> bool:
+    """Add ``count`` duplicate calls to the slot's row; False when there is no row."""
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.add_duplicates(_dialect()), [count, task_name, _slot(slot)])
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def insert_abandoned(
+    task_name: str, slot: datetime, *, reason: str, duplicates: int, actor: str
+) -> int | None:
+    """Record a slot no attempt ever held as ``abandoned``; None when it has a row already."""
+    return _insert_unheld(task_name, slot, RunState.ABANDONED, reason, duplicates, actor)
+
+
+def insert_skipped(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
+    """Record a slot that will not run as ``skipped``; None when it has a row already."""
+    return _insert_unheld(task_name, slot, RunState.SKIPPED, reason, 0, actor)
+
+
+def _insert_unheld(
+    task_name: str, slot: datetime, state: str, reason: str, duplicates: int, actor: str
+) -> int | None:
+    """A row no attempt ever held (attempt 0, no owner, no fence), with its transition."""
+    check_transition(RunState.PENDING, state)
+    d = _dialect()
+    reason = clip(reason, REASON_MAX_LENGTH)
+    try:
+        with transaction.atomic(using=alias()):
+            inserted = _one(
+                sql.insert_unheld(d), [task_name, _slot(slot), state, reason, duplicates]
+            )
+            if inserted is None:
+                return None
+            _one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(inserted[0])
+
+
+def row_exists(task_name: str, slot: datetime) -> bool:
+    try:
+        return runs().filter(task_name=task_name, slot=slot).exists()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def token_holders(slot: datetime, token: str) -> list[tuple[str, bool]]:
+    """``(task_name, lease alive)`` of the runs at ``slot`` whose owner holds ``token``."""
+    try:
+        found = runs().filter(slot=slot, owner__endswith=f":{token}").with_lease()
+        pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
+        return [(name, bool(alive)) for name, alive in pairs]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+# -- maintenance -------------------------------------------------------------------
+
+
+def stale_runs(
+    *, task: str | None = None, among: QuerySet[TaskRun] | None = None, batch_size: int = 500
+) -> Iterator[RunRef]:
+    """Running rows whose lease expired by the database's clock, by ascending id.
+
+    ``among`` limits them to a queryset's runs (read as a subquery).
+    """
+    queryset = runs().stale()
+    if task is not None:
+        queryset = queryset.filter(task_name=task)
+    if among is not None:
+        queryset = queryset.filter(pk__in=among.order_by().values("pk"))
+    return _refs(queryset, batch_size)
+
+
+def running_in_pid_space(space: str, batch_size: int = 500) -> Iterator[RunRef]:
+    """Running rows whose owner's pid space is ``space`` (see ``owner.Owner``)."""
+    return _refs(runs().running().filter(owner__contains=f":{space}:"), batch_size)
+
+
+def run_ref(run_id: int) -> tuple[RunRef, bool] | None:
+    """One run and whether its lease is alive by the database's clock."""
+    try:
+        found = runs().filter(pk=run_id).with_lease().values(*_REF_FIELDS, "lease_alive").first()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    if found is None:
+        return None
+    alive = bool(found.pop("lease_alive"))
+    return RunRef(**found), alive
+
+
+_REF_FIELDS = ("id", "task_name", "slot", "state", "attempt", "fence", "owner", "lease_until")
+
+
+def _refs(queryset: QuerySet[TaskRun], batch_size: int) -> Iterator[RunRef]:
+    last = 0
+    while True:
+        try:
+            batch = list(
+                queryset.filter(pk__gt=last).order_by("pk").values(*_REF_FIELDS)[:batch_size]
+            )
+        except DatabaseError as exc:
+            raise unreachable(exc) from exc
+        for values in batch:
+            yield RunRef(**values)
+        if len(batch) < batch_size:
+            return
+        last = batch[-1]["id"]
+
+
+def database_now() -> datetime:
+    """The database's clock (every instance judges deadlines against the same time)."""
+    try:
+        value = aware(_one(sql.now(_dialect()), [])[0])  # type: ignore[index]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    assert value is not None
+    return value
+
+
+def last_transition(run_id: int) -> TaskRunTransition | None:
+    return transitions(run_id).order_by("-at", "-id").first()
+
+
+def prunable(before: datetime) -> TaskRunQuerySet:
+    """Finished runs whose slot is older than ``before``."""
+    queryset: TaskRunQuerySet = runs().filter(state__in=PRUNABLE_STATES, slot__lt=before)
+    return queryset
+
+
+def count_prunable(before: datetime) -> tuple[int, int]:
+    """How many runs, and transitions of theirs, :func:`prunable` finds."""
+    queryset = prunable(before)
+    pks = queryset.values("pk")
+    return queryset.count(), TaskRunTransition.objects.using(alias()).filter(run__in=pks).count()
+
+
+def prunable_ids(before: datetime, after_id: int, limit: int) -> list[int]:
+    return list(
+        prunable(before).filter(pk__gt=after_id).order_by("pk").values_list("pk", flat=True)[:limit]
+    )
+
+
+def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
+    """Delete these runs if still finished (state re-checked), with their transitions.
+
+    One short transaction; returns (runs, transitions) deleted.
+    """
+    d = _dialect()
+    with transaction.atomic(using=alias()):
+        deleted = [
+            run_id for (run_id,) in _all(sql.delete_finished(d, len(ids)), [*ids, *PRUNABLE_STATES])
+        ]
+        if not deleted:
+            return 0, 0
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.delete_transitions(d, len(deleted)), deleted)
+            return len(deleted), max(cursor.rowcount, 0)
+
+
+def task_names(limit: int) -> list[str]:
+    """Distinct task names by a loose index scan on (task_name, slot), not a DISTINCT scan."""
+    # A recursive CTE hops from name to next name through the index (PostgreSQL
+    # has no skip scan; SQLite and PostgreSQL both run it).
+    statement = (
+        f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {sql.RUN} "
+        f"UNION ALL SELECT (SELECT MIN(task_name) FROM {sql.RUN} WHERE task_name > names.name) "
+        f"FROM names WHERE names.name IS NOT NULL) "
+        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+    )
+    return [name for (name,) in _all(statement, [limit])]

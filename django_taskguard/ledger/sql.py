@@ -1,0 +1,258 @@
+"""The ledger's SQL, one named statement per job, for each database taskguard supports.
+
+Only :mod:`django_taskguard.ledger` runs these. Every statement takes ``%s``
+parameters; state names are parameters too, never pasted. Deadlines are
+judged by the database's clock (``now``).
+
+On PostgreSQL a state change and its transition row are one statement (a
+data-modifying CTE); elsewhere they are two statements in one transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from django.db import connections
+
+from ..exceptions import TaskGuardError
+from ..models import TaskRun, TaskRunTransition
+from ..states import PRUNABLE_STATES
+
+RUN = TaskRun._meta.db_table
+TRANSITION = TaskRunTransition._meta.db_table
+FENCE_SEQUENCE = "taskguard_fence"
+# What the hot paths read back. Unqualified: SQLite rejects qualified names in RETURNING.
+ROW = "id, state, attempt, fence, owner, lease_until"
+# The same, with the run's identity, for maintenance.
+REF = "id, task_name, slot, state, attempt, fence, owner, lease_until"
+TRANSITION_COLUMNS = "run_id, from_state, to_state, at, reason, owner"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    vendor: str
+    now: str
+    lease_from_now: str  # one %s parameter: seconds
+    next_fence: str
+    one_statement: bool  # True: data-modifying CTEs (PostgreSQL)
+
+
+POSTGRES = Dialect(
+    vendor="postgresql",
+    now="statement_timestamp()",
+    lease_from_now="statement_timestamp() + make_interval(secs => %s)",
+    next_fence=f"nextval('{FENCE_SEQUENCE}')",
+    one_statement=True,
+)
+SQLITE = Dialect(
+    vendor="sqlite",
+    now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
+    lease_from_now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || %s || ' seconds')",
+    # SQLite runs one writer at a time and a write statement takes the write
+    # lock before it reads, so MAX()+1 here cannot hand out a fence twice.
+    next_fence=f"(SELECT COALESCE(MAX(fence), 0) + 1 FROM {RUN})",
+    one_statement=False,
+)
+DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE}
+
+
+def dialect(alias: str) -> Dialect:
+    vendor = connections[alias].vendor
+    try:
+        return DIALECTS[vendor]
+    except KeyError:
+        raise TaskGuardError(
+            f"database vendor {vendor!r} is not supported (PostgreSQL or SQLite)"
+        ) from None
+
+
+# -- claiming --------------------------------------------------------------------
+
+# Parameters: task, slot, owner, lease seconds, count_live, abandon_is_final.
+# A plainly taken slot (finished; live; abandoned for good) counts a duplicate.
+_CLAIM = (
+    "INSERT INTO {run} AS r (task_name, slot, state, attempt, fence, owner, created_at, "
+    "started_at, lease_until, error, duplicates) "
+    "VALUES (%s, %s, 'running', 1, {fence}, %s, {now}, {now}, {lease}, '', 0) "
+    "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
+    "CASE WHEN r.state IN ('succeeded', 'failed', 'skipped') "
+    "OR (r.state = 'running' AND r.lease_until > {now} AND %s) "
+    "OR (r.state = 'abandoned' AND %s) THEN 1 ELSE 0 END "
+    "RETURNING {row}, lease_until <= {now}"
+)
+_CLAIMED = (
+    "INSERT INTO {transition} ({columns}) SELECT id, 'pending', 'running', {now}, 'claimed', owner "
+)
+
+
+@lru_cache
+def claim(d: Dialect) -> str:
+    """Upsert the (task, slot) row as ``running``; with the ``claimed`` transition on PostgreSQL.
+
+    PostgreSQL takes one more parameter, the owner again (the transition is
+    written only when this call created the row).
+    """
+    upsert = _format(_CLAIM, d)
+    if not d.one_statement:
+        return upsert
+    log = _format(_CLAIMED, d)
+    return f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) SELECT * FROM u"
+
+
+@lru_cache
+def claimed_transition(d: Dialect) -> str:
+    """The ``claimed`` transition of run ``%s`` (SQLite: after :func:`claim`)."""
+    return _format(_CLAIMED, d) + f"FROM {RUN} WHERE id = %s"
+
+
+# -- reading ---------------------------------------------------------------------
+
+
+@lru_cache
+def read_slot(d: Dialect) -> str:
+    return _format(
+        "SELECT {row}, lease_until <= {now} FROM {run} WHERE task_name = %s AND slot = %s", d
+    )
+
+
+@lru_cache
+def read_id(d: Dialect) -> str:
+    return _format("SELECT {row}, lease_until <= {now} FROM {run} WHERE id = %s", d)
+
+
+@lru_cache
+def earlier_running(d: Dialect) -> str:
+    return _format(
+        "SELECT slot FROM {run} WHERE task_name = %s AND slot < %s AND state = 'running' "
+        "AND lease_until > {now} ORDER BY slot LIMIT 1",
+        d,
+    )
+
+
+@lru_cache
+def now(d: Dialect) -> str:
+    return f"SELECT {d.now}".replace("%%", "%")
+
+
+# -- changing a row --------------------------------------------------------------
+
+
+@lru_cache
+def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -> str:
+    """Compare-and-set one row: ``SET state = %s, <assignments> WHERE id, state[, fence][, lease]``.
+
+    Parameters: the new state, the assignments' own, the id, the expected
+    state, the fence when ``fenced``.
+    """
+    where = "r.id = %s AND r.state = %s"
+    if fenced:
+        where += " AND r.fence = %s"
+    if lease == "expired":
+        where += " AND r.lease_until <= {now}"
+    elif lease == "live":
+        where += " AND r.lease_until > {now}"
+    sets = ", ".join(("state = %s", *assignments))
+    return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where} RETURNING {{row}}", d)
+
+
+@lru_cache
+def change_logged(
+    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+) -> str:
+    """:func:`change` and its ``steps`` transition rows in one statement (PostgreSQL).
+
+    Parameters: :func:`change`'s, the actor, then (from, to, reason, order) per step.
+    """
+    update = change(d, assignments, fenced, lease)
+    values = ", ".join(["(%s, %s, %s, %s)"] * steps)
+    return (
+        f"WITH u AS ({update}), t AS (INSERT INTO {TRANSITION} ({TRANSITION_COLUMNS}) "
+        f"SELECT u.id, v.f, v.t, {d.now}, v.r, %s FROM u, (VALUES {values}) AS v(f, t, r, n) "
+        f"ORDER BY v.n) SELECT * FROM u"
+    )
+
+
+@lru_cache
+def transition(d: Dialect) -> str:
+    """One transition row: run, from, to, reason, actor (at = the database's now)."""
+    return _format("INSERT INTO {transition} ({columns}) VALUES (%s, %s, %s, {now}, %s, %s)", d)
+
+
+# The SET clauses of the changes, named. Parameters in the order of their %s.
+START_ATTEMPT = (  # owner, lease seconds
+    "attempt = r.attempt + 1",
+    "fence = {fence}",
+    "owner = %s",
+    "started_at = {now}",
+    "lease_until = {lease}",
+    "finished_at = NULL",
+)
+END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
+# An attempt after which another follows (a Celery retry): no lease until it starts.
+PAUSE_ATTEMPT = ("error = %s", "lease_until = NULL", "duplicates = r.duplicates + %s")
+ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
+
+
+@lru_cache
+def assignments(d: Dialect, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_format(name, d) for name in names)
+
+
+@lru_cache
+def renew(d: Dialect) -> str:
+    return _format(
+        "UPDATE {run} AS r SET lease_until = {lease} "
+        "WHERE r.id = %s AND r.fence = %s AND r.state = 'running' RETURNING lease_until",
+        d,
+    )
+
+
+# -- counting and recording what no attempt wrote --------------------------------
+
+
+@lru_cache
+def add_duplicates(d: Dialect) -> str:
+    return _format(
+        "UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND slot = %s", d
+    )
+
+
+# task, slot, state, reason (the error), duplicates: a row no attempt ever held.
+@lru_cache
+def insert_unheld(d: Dialect) -> str:
+    return _format(
+        "INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+        "finished_at, error, duplicates) VALUES (%s, %s, %s, 0, NULL, '', {now}, {now}, %s, %s) "
+        "ON CONFLICT (task_name, slot) DO NOTHING RETURNING id",
+        d,
+    )
+
+
+# -- retention ---------------------------------------------------------------------
+
+
+@lru_cache
+def delete_finished(d: Dialect, count: int) -> str:
+    """Delete ``count`` runs by id if they are (still) in one of the prunable states."""
+    ids = ", ".join(["%s"] * count)
+    states = ", ".join(["%s"] * len(PRUNABLE_STATES))
+    return f"DELETE FROM {RUN} WHERE id IN ({ids}) AND state IN ({states}) RETURNING id"
+
+
+@lru_cache
+def delete_transitions(d: Dialect, count: int) -> str:
+    ids = ", ".join(["%s"] * count)
+    return f"DELETE FROM {TRANSITION} WHERE run_id IN ({ids})"
+
+
+def _format(template: str, d: Dialect) -> str:
+    return template.format(
+        run=RUN,
+        transition=TRANSITION,
+        columns=TRANSITION_COLUMNS,
+        now=d.now,
+        lease=d.lease_from_now,
+        fence=d.next_fence,
+        row=ROW,
+    )
