@@ -42,7 +42,10 @@ class Command(BaseCommand):
             f"{DEMO_EVERY.total_seconds():g}s for {ticks} ticks "
             f"(backend: {backend_name()}, database: {db})"
         )
-        log = Path(tempfile.mkdtemp(prefix="taskguard-demo-")) / "executions.log"
+        with tempfile.TemporaryDirectory(prefix="taskguard-demo-") as directory:
+            self._run(Path(directory) / "executions.log", instances, ticks)
+
+    def _run(self, log: Path, instances: int, ticks: int) -> None:
         period = DEMO_EVERY.total_seconds()
         # Start on a fresh slot boundary, late enough for every process to be up.
         start_at = (int((time.time() + 4) / period) + 1) * period
