@@ -23,10 +23,9 @@ from django.db import DatabaseError
 from django.db.models import QuerySet
 
 from . import ledger
-from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
 from .ledger import RunRef
-from .locks import LockBackend, get_backend, run_key
+from .locks import LockBackend, get_backend
 from .models import TaskRun
 from .owner import Owner, actor, pid_space
 from .signals import run_abandoned
@@ -161,19 +160,17 @@ def _why(run: RunRef, by: str) -> str:
     return f"lease of {run.owner} expired at {_iso(run.lease_until)}; {by}"
 
 
-def _key(run: RunRef) -> str:
-    return run_key(taskguard_settings.KEY_PREFIX, run.task_name, run.slot)
-
-
 def _holds(lock: LockBackend, run: RunRef) -> bool:
-    return bool(run.token) and call_backend(lock.holder, _key(run)) == run.token
+    return bool(run.token) and call_backend(lock.holder, lock.key(run.task_name, run.slot)) == (
+        run.token
+    )
 
 
 def release_if_held(lock: LockBackend, run: RunRef) -> bool:
     """Delete the run's lock key only while it still holds the run's token."""
     if not _holds(lock, run):
         return False
-    return bool(call_backend(lock.release, _key(run), run.token))
+    return bool(call_backend(lock.release, lock.key(run.task_name, run.slot), run.token))
 
 
 def call_backend(method: Callable[..., T], *args: Any) -> T:

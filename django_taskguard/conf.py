@@ -87,13 +87,13 @@ class Settings:
             value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
             return value
 
-    def for_claim(self) -> tuple[float, str, timedelta]:
-        """``(LEASE_SECONDS, KEY_PREFIX, retention horizon)``: read by every guarded call."""
+    def for_claim(self) -> tuple[float, timedelta]:
+        """``(LEASE_SECONDS, retention horizon)``: read by every guarded call."""
         try:
-            claim: tuple[float, str, timedelta] = self._cache["(claim)"]
+            claim: tuple[float, timedelta] = self._cache["(claim)"]
         except KeyError:
             horizon = timedelta(days=self.PRUNE_AFTER_DAYS)
-            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, self.KEY_PREFIX, horizon)
+            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, horizon)
         return claim
 
     def reload(self) -> None:

@@ -242,7 +242,7 @@ def test_eager__beat_claim_lets_one_beat_publish_a_slot(
     ):
         sent = [beat.apply_async(TaskguardEntry(**entry_options), advance=False) for beat in beats]
     assert sum(result is not None for result in sent) == 1
-    assert len(redis_server.client().keys("taskguard:beat:*")) == 1
+    assert len(redis_server.client().keys("taskguard:*:beat:*")) == 1
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 0)
 
@@ -311,6 +311,6 @@ def test_eager__beat_claim_is_given_back_when_the_publish_fails(
                 first.apply_async(entry, advance=False)
         finally:
             del task.apply_async
-        assert redis_server.client().keys("taskguard:beat:*") == [], "the claim was given back"
+        assert redis_server.client().keys("taskguard:*:beat:*") == [], "the claim was given back"
         assert second.apply_async(entry, advance=False) is not None
     assert len(executions(log)) == 1

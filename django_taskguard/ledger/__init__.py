@@ -429,10 +429,19 @@ def identity() -> str:
     return value
 
 
-def ensure_ledger_row() -> Ledger:
-    """The ledger's row; made (fences counted on from the highest stored) when missing."""
-    last = runs().aggregate(last=Max("fence"))["last"] or 0
-    row, _ = Ledger.objects.using(alias()).get_or_create(id=1, defaults={"fence": last})
+def ensure_ledger_row(using: str | None = None) -> Ledger:
+    """The ledger's row; made (fences counted on from the highest stored) when missing.
+
+    A new row keeps the identity this process already knows for that database,
+    if any: a flushed table (``manage.py flush``, a test case) must not give the
+    ledger a second identity while its keys are in use.
+    """
+    using = using or alias()
+    last = TaskRun.objects.using(using).aggregate(last=Max("fence"))["last"] or 0
+    defaults: dict[str, Any] = {"fence": last}
+    if using in _identities:
+        defaults["identity"] = uuid.UUID(_identities[using])
+    row, _ = Ledger.objects.using(using).get_or_create(id=1, defaults=defaults)
     return row
 
 

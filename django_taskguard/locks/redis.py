@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
@@ -31,10 +32,20 @@ from django.conf import settings
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
+from .. import ledger
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 from .base import Acquired, LockBackend
-from .keys import CLAIM, RUN, SlotKey, check_prefix, claim_key, lock_key, scan_pattern
+from .keys import (
+    CLAIM,
+    RUN,
+    SlotKey,
+    check_prefix,
+    claim_key,
+    lock_key,
+    run_key,
+    scan_pattern,
+)
 from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
@@ -90,6 +101,24 @@ class RedisLock(LockBackend):
         self._idle: list[ConnectionInterface] = []
         self._closed: list[ConnectionInterface] = []
         self._idle_pid = self.pid
+        self._prefixes: dict[tuple[str, str], str] = {}
+
+    def key_prefix(self) -> str:
+        """``KEY_PREFIX`` and this ledger's identity: ``taskguard:<12 hex>``.
+
+        Two projects on one Redis (staging and production, two sites) have two
+        ledgers, so their keys never meet, whatever their ``KEY_PREFIX``. The
+        identity is read from the ledger once per process and database.
+        """
+        wanted = (taskguard_settings.KEY_PREFIX, ledger.alias())
+        try:
+            return self._prefixes[wanted]
+        except KeyError:
+            prefix = self._prefixes[wanted] = f"{wanted[0]}:{ledger.identity()[:12]}"
+            return prefix
+
+    def key(self, task_name: str, slot: datetime) -> str:
+        return run_key(self.key_prefix(), task_name, slot)
 
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
@@ -347,7 +376,7 @@ class RedisLock(LockBackend):
         read 500 at a time by a pipeline of single-key ``GET``s, not one ``MGET``
         (whose keys would span hash slots).
         """
-        match = scan_pattern(taskguard_settings.KEY_PREFIX, RUN)
+        match = scan_pattern(self.key_prefix(), RUN)
         try:
             batch: list[str] = []
             for key in self.client.scan_iter(match=match, count=500):
@@ -379,7 +408,7 @@ class RedisLock(LockBackend):
         (task_name, slot) (the Redis winner died before its row), else the
         count is added to the row; then :meth:`forget_claim`.
         """
-        match = scan_pattern(taskguard_settings.KEY_PREFIX, CLAIM)
+        match = scan_pattern(self.key_prefix(), CLAIM)
         try:
             for key in self.client.scan_iter(match=match, count=500):
                 record = self._claim_record(str(key))

@@ -23,7 +23,7 @@ from celery.schedules import schedule as interval_schedule
 
 from ... import schedules
 from ...conf import taskguard_settings
-from ...locks import claim_once, release_claim
+from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.base import slot_label, task_digest
 from ...owner import host, new_token
 from .headers import SCHEDULE_HEADER, SLOT_HEADER, UTC, slot_for, task_identity, zone_name
@@ -204,12 +204,10 @@ def beat_claim(task_name: str, entry_name: str, slot: datetime) -> BeatClaim | N
     (a claim with no key): the worker's claim is the guarantee, this only saves
     the duplicate messages. The caller releases the claim if its publish fails.
     """
-    key = (
-        f"{taskguard_settings.KEY_PREFIX}:beat:"
-        f"{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
-    )
     owner = f"{host()}:{os.getpid()}:{new_token()}"
+    key = f"beat:{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
     try:
+        key = f"{redis_key_prefix()}:{key}"
         return BeatClaim(key, owner) if claim_once(key, owner, BEAT_CLAIM_TTL) else None
     except Exception as exc:
         logger.warning("taskguard beat claim of %s failed (%s); sending anyway", key, exc)
