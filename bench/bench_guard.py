@@ -164,7 +164,7 @@ def run(rounds: int, port: int) -> None:
 
     tag = uuid.uuid4().hex[:8]
     # Recent slots: guarded calls refuse (and record) slots older than PRUNE_AFTER_DAYS.
-    base = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(days=1)
+    base = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(days=3)
 
     def slot(i: int) -> datetime:
         return base + timedelta(seconds=i + 100)  # warm-up rounds use i = -1 ... -50
