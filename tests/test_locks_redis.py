@@ -580,3 +580,16 @@ def test_checks__redis_cluster_client_class_is_e010(redis_server):
         messages = check_lock_redis()
     assert [message.id for message in messages] == ["taskguard.E010"]
     assert "needs a plain redis.Redis client" in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("taskguard", "expected"),
+    [
+        pytest.param({"KEY_PREFIX": "tg{x}"}, ["taskguard.E010"], id="brace-in-prefix"),
+        pytest.param({"FINISHED_MARKER_SECONDS": -1}, [], id="bad-marker-is-E012-only"),
+    ],
+)
+def test_checks__lock_settings_refused_where_the_lock_is_built(redis_server, taskguard, expected):
+    config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", **taskguard}
+    with override_settings(CACHES=redis_caches(redis_server), TASKGUARD=config):
+        assert [message.id for message in check_lock_redis()] == expected
