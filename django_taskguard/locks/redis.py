@@ -272,13 +272,18 @@ class RedisLock(LockBackend):
                 # connect(), not the send's own connect: redis-py does the handshake
                 # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
                 connection.connect()  # type: ignore[no-untyped-call]
+                connected = True
             try:
                 reply = call(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
                 reply = call(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
-            self._idle.append(connection)  # the server answered: the connection is in step
+            if connected:  # the server answered a command: the connection is in step
+                self._idle.append(connection)
+                raise
+            connection.disconnect()  # type: ignore[no-untyped-call]  # (refused in the handshake)
+            self._closed.append(connection)
             raise
         except BaseException:
             # A reply may still be on its way: never reuse this socket (the
