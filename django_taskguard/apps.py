@@ -12,8 +12,9 @@ class TaskguardConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
-        from .signal_handlers import connect_celery
+        from .signal_handlers import connect, connect_celery
 
+        connect()
         connect_celery()
 
         if find_spec("celery") is not None:

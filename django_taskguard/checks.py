@@ -12,12 +12,16 @@ from django.db import connections, router
 
 from .conf import (
     BACKENDS,
+    BOUNDS,
     DEFAULTS,
     ON_REDIS_ERROR_CHOICES,
-    finished_marker_problem,
+    number_problem,
     taskguard_settings,
 )
 from .locks import is_redis_cache
+
+# Bounded numbers with a check id of their own; the others share E009.
+NUMBER_CHECK_IDS = {"LEASE_SECONDS": "taskguard.E004", "FINISHED_MARKER_SECONDS": "taskguard.E012"}
 
 
 @register(Tags.compatibility)
@@ -58,15 +62,16 @@ def check_settings(
                 id="taskguard.E003",
             )
         )
-    lease = raw.get("LEASE_SECONDS", DEFAULTS["LEASE_SECONDS"])
-    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
-        errors.append(
-            Error(
-                f"TASKGUARD['LEASE_SECONDS'] is {lease!r}.",
-                hint="Use a positive number of seconds (the default is 30).",
-                id="taskguard.E004",
+    for name in BOUNDS:
+        problem = number_problem(name, raw.get(name, DEFAULTS[name]))
+        if problem is not None:
+            errors.append(
+                Error(
+                    f"{problem}.",
+                    hint=f"The default is {DEFAULTS[name]!r}.",
+                    id=NUMBER_CHECK_IDS.get(name, "taskguard.E009"),
+                )
             )
-        )
     on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])
     if on_error not in ON_REDIS_ERROR_CHOICES:
         errors.append(
@@ -74,18 +79,6 @@ def check_settings(
                 f"TASKGUARD['ON_REDIS_ERROR'] is {on_error!r}.",
                 hint="Use 'database' or 'fail'.",
                 id="taskguard.E005",
-            )
-        )
-    marker = finished_marker_problem(
-        raw.get("FINISHED_MARKER_SECONDS", DEFAULTS["FINISHED_MARKER_SECONDS"])
-    )
-    if marker is not None:
-        errors.append(
-            Error(
-                f"{marker}.",
-                hint="How long a finished slot's Redis lock key answers late calls "
-                "(the default is 3600; 0 deletes it at once).",
-                id="taskguard.E012",
             )
         )
     errors += _check_database()

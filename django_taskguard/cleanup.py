@@ -78,8 +78,7 @@ def cleanup_locks(
             result.stale_runs += 1
             result.released_locks += _holds(lock, run)
             continue
-        reason = f"lease of {run.owner} expired at {_iso(run.lease_until)}; cleanup_locks"
-        if abandon(run, reason, lease="expired"):
+        if abandon(run, _why(run, "cleanup_locks"), lease="expired"):
             result.stale_runs += 1
             result.released_locks += release_if_held(lock, run)
     if scan_orphans and runs is None:
@@ -99,6 +98,15 @@ def abandon(run: RunRef, reason: str, *, lease: str) -> bool:
     logger.warning("taskguard run %s (%s) abandoned: %s", run.id, run.task_name, reason)
     run_abandoned.send(sender=run.task_name, run_id=run.id, slot=run.slot, reason=reason)
     return True
+
+
+def _why(run: RunRef, by: str) -> str:
+    if run.state == RunState.RETRYING:
+        return (
+            f"retry never came: attempt {run.attempt} asked for a retry, due by "
+            f"{_iso(run.lease_until)} (its wait plus RETRY_GRACE_SECONDS); {by}"
+        )
+    return f"lease of {run.owner} expired at {_iso(run.lease_until)}; {by}"
 
 
 def _key(run: RunRef) -> str:
@@ -143,8 +151,7 @@ def release_lock(run: TaskRun) -> str:
     if ref.state == RunState.RUNNING:
         if alive:
             return "live"
-        reason = f"lease of {ref.owner} expired at {_iso(ref.lease_until)}; released by admin"
-        if not abandon(ref, reason, lease="expired"):
+        if not abandon(ref, _why(ref, "released by admin"), lease="expired"):
             return "live"
         release_if_held(lock, ref)
         return "abandoned"

@@ -6,6 +6,7 @@ working in tests and in long-lived processes alike.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings as django_settings
@@ -24,24 +25,43 @@ DEFAULTS: dict[str, Any] = {
     "STARTUP_CLEANUP": False,
     "PRUNE_AFTER_DAYS": 30,
     "BEAT_CLAIM": False,
+    "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
 }
 
+# Every number a user gives: (lowest, highest, unit). Checked where it is read
+# (ImproperlyConfigured) and by ``manage.py check``, which not every process runs.
+BOUNDS: dict[str, tuple[float, float, str]] = {
+    "LEASE_SECONDS": (1, 86_400, "seconds"),
+    "SLOT_TOLERANCE_SECONDS": (0, 3_600, "seconds"),
+    "REDIS_SOCKET_TIMEOUT": (0.01, 60, "seconds"),
+    "PRUNE_AFTER_DAYS": (1, 36_500, "days"),
+    "RETRY_GRACE_SECONDS": (60, 604_800, "seconds"),
+    "FINISHED_MARKER_SECONDS": (0, 604_800, "seconds"),
+}
+
 BACKENDS = ("auto", "redis", "database")
-ON_REDIS_ERROR_CHOICES = ("database", "fail")
-FINISHED_MARKER_MAX_SECONDS = 604800  # a week
 
 
-def finished_marker_problem(value: Any) -> str | None:
-    """Why ``value`` is no FINISHED_MARKER_SECONDS (a number from 0 to a week), or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"TASKGUARD['FINISHED_MARKER_SECONDS'] is {value!r}, not a number of seconds"
-    if not 0 <= value <= FINISHED_MARKER_MAX_SECONDS:
-        return (
-            f"TASKGUARD['FINISHED_MARKER_SECONDS'] is {value!r}; use 0 (no marker) to "
-            f"{FINISHED_MARKER_MAX_SECONDS} (a week)"
-        )
+def number_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the setting ``name`` (a bounded number), or None."""
+    low, high, unit = BOUNDS[name]
+    whole = unit == "days"
+    kinds = (int,) if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        noun = "a whole number" if whole else "a number"
+        bounds = f"{noun} of {unit} from {low:g} to {high:g}"
+        return f"TASKGUARD[{name!r}] is {value!r}; it must be {bounds}"
     return None
+
+
+def lease_problem(value: Any, argument: str = "TASKGUARD['LEASE_SECONDS']") -> str | None:
+    """Why ``value`` cannot be a lease length, or None (for settings and decorators alike)."""
+    problem = number_problem("LEASE_SECONDS", value)
+    return problem.replace("TASKGUARD['LEASE_SECONDS']", argument) if problem else None
+
+
+ON_REDIS_ERROR_CHOICES = ("database", "fail")
 
 
 class Settings:
@@ -67,16 +87,28 @@ class Settings:
             value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
             return value
 
-    def for_claim(self) -> tuple[float, str]:
-        """``(LEASE_SECONDS, KEY_PREFIX)``: read together by every guarded call."""
+    def for_claim(self) -> tuple[float, str, timedelta]:
+        """``(LEASE_SECONDS, KEY_PREFIX, retention horizon)``: read by every guarded call."""
         try:
-            claim: tuple[float, str] = self._cache["(claim)"]
+            claim: tuple[float, str, timedelta] = self._cache["(claim)"]
         except KeyError:
-            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, self.KEY_PREFIX)
+            horizon = timedelta(days=self.PRUNE_AFTER_DAYS)
+            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, self.KEY_PREFIX, horizon)
         return claim
 
     def reload(self) -> None:
         self._cache.clear()
+
+    def _number(self, name: str) -> float:
+        try:
+            value: float = self._cache[name]
+        except KeyError:
+            value = self.raw().get(name, DEFAULTS[name])
+            problem = number_problem(name, value)
+            if problem is not None:
+                raise ImproperlyConfigured(problem) from None
+            self._cache[name] = value
+        return value
 
     @property
     def BACKEND(self) -> str:
@@ -92,7 +124,7 @@ class Settings:
 
     @property
     def LEASE_SECONDS(self) -> float:
-        return float(self._get("LEASE_SECONDS"))
+        return float(self._number("LEASE_SECONDS"))
 
     @property
     def ON_REDIS_ERROR(self) -> str:
@@ -104,11 +136,11 @@ class Settings:
 
     @property
     def SLOT_TOLERANCE_SECONDS(self) -> float:
-        return float(self._get("SLOT_TOLERANCE_SECONDS"))
+        return float(self._number("SLOT_TOLERANCE_SECONDS"))
 
     @property
     def REDIS_SOCKET_TIMEOUT(self) -> float:
-        return float(self._get("REDIS_SOCKET_TIMEOUT"))
+        return float(self._number("REDIS_SOCKET_TIMEOUT"))
 
     @property
     def STARTUP_CLEANUP(self) -> bool:
@@ -116,20 +148,20 @@ class Settings:
 
     @property
     def PRUNE_AFTER_DAYS(self) -> int:
-        return int(self._get("PRUNE_AFTER_DAYS"))
+        return int(self._number("PRUNE_AFTER_DAYS"))
 
     @property
     def BEAT_CLAIM(self) -> bool:
         return bool(self._get("BEAT_CLAIM"))
 
     @property
+    def RETRY_GRACE_SECONDS(self) -> float:
+        return float(self._number("RETRY_GRACE_SECONDS"))
+
+    @property
     def FINISHED_MARKER_SECONDS(self) -> float:
         """How long a finished slot's lock key answers late calls (0: deleted at once)."""
-        value = self._get("FINISHED_MARKER_SECONDS")
-        problem = finished_marker_problem(value)
-        if problem is not None:
-            raise ImproperlyConfigured(problem)
-        return float(value)
+        return float(self._number("FINISHED_MARKER_SECONDS"))
 
 
 taskguard_settings = Settings()

@@ -10,10 +10,12 @@ from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, ov
 
 from django.utils import timezone
 
-from . import guard, schedules
-from .conf import taskguard_settings
+from . import guard, ledger, schedules
+from .conf import lease_problem, taskguard_settings
 from .exceptions import InvalidSchedule, TaskGuardError
 from .models import TASK_NAME_MAX_LENGTH
+from .owner import actor
+from .signals import run_skipped
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -29,9 +31,9 @@ class CallContext:
 
     slot: datetime | str | None = None
     task_name: str | None = None
-    # See guard.WillRetry / guard.OnBusy: how the caller's framework retries and
+    # See guard.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
     # redelivers, so retries and redeliveries are attempts, never lost slots.
-    will_retry: guard.WillRetry | None = None
+    classify_raise: guard.ClassifyRaise | None = None
     on_busy: guard.OnBusy | None = None
 
 
@@ -69,10 +71,12 @@ class _Spec(Generic[P, R]):
         now = timezone.now()  # Django's clock: what tests and time-travel libraries patch
         tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
         name = self.name or (context.task_name if context else None) or _dotted(self.func)
-        if explicit is not None:
-            return name, schedules.normalize_slot(explicit, now=now, tolerance=tolerance)
-        if context is not None and context.slot is not None:
-            return name, schedules.normalize_slot(context.slot, now=now, tolerance=tolerance)
+        given = explicit if explicit is not None else context.slot if context is not None else None
+        if given is not None:
+            slot = schedules.normalize_slot(given)
+            if slot - now > tolerance:
+                refuse_future_slot(name, slot, tolerance)
+            return name, slot
         if self.schedule is not None:
             return name, self.schedule.latest_slot(now)
         raise TaskGuardError(
@@ -92,6 +96,24 @@ def guarded_policy(func: Any) -> guard.Policy | None:
     if isinstance(policy, guard.Policy) and callable(getattr(func, "run_for_slot", None)):
         return policy
     return None
+
+
+def refuse_future_slot(task_name: str, slot: datetime, tolerance: timedelta) -> None:
+    """A slot ahead of this clock by more than ``tolerance``: judged again on the
+    database's clock (this one may be the one that is wrong); refused and recorded
+    ``skipped`` when that one agrees."""
+    now = ledger.database_now()
+    if slot - now <= tolerance:
+        return
+    reason = (
+        f"slot {slot.isoformat()} is in the future (the database's clock says "
+        f"{now.isoformat()}); a slot may be at most {tolerance.total_seconds():g}s ahead "
+        f"(SLOT_TOLERANCE_SECONDS): a clock is wrong, the caller's or a beat's"
+    )
+    run_id = ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("guard"))
+    if run_id is not None:
+        run_skipped.send(sender=task_name, slot=slot, reason=reason)
+    raise InvalidSchedule(reason)
 
 
 def _context() -> CallContext | None:
@@ -170,12 +192,10 @@ def once_per_schedule(
     built = schedules.build(cron, every, schedule)
     if name is not None:
         validate_task_name(name)
-    if lease_seconds is not None and (
-        isinstance(lease_seconds, bool)
-        or not isinstance(lease_seconds, (int, float))
-        or not lease_seconds > 0
-    ):
-        raise InvalidSchedule(f"lease_seconds= must be a positive number, got {lease_seconds!r}")
+    if lease_seconds is not None:
+        problem = lease_problem(lease_seconds, "lease_seconds=")
+        if problem is not None:
+            raise InvalidSchedule(problem)
     policy = guard.Policy(
         on_duplicate=_choice("on_duplicate", on_duplicate, ("skip", "raise")),
         overlap=_choice("overlap", overlap, ("allow", "skip")),
@@ -204,7 +224,7 @@ def once_per_schedule(
                 target,
                 args,
                 kwargs,
-                will_retry=hooks.will_retry,
+                classify_raise=hooks.classify_raise,
                 on_busy=hooks.on_busy,
             )
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NoReturn, TypeVar
 
 from django.db import DatabaseError
+from django.utils import timezone
 
 from . import ledger
 from .claim import Taken, claim_slot
@@ -17,7 +18,7 @@ from .context import ActiveRun, activate
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
 from .heartbeat import heartbeats
 from .locks import Acquired, LockBackend, get_backend, run_key
-from .owner import new_owner, new_token
+from .owner import actor, new_owner, new_token
 from .signals import (
     duplicate_suppressed,
     run_abandoned,
@@ -41,16 +42,29 @@ class Policy:
     lease_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a raising attempt ends when its framework says so (see ``ClassifyRaise``).
+
+    ``state`` is ``retrying`` (another attempt follows, due within ``retry_within``
+    seconds when known) or ``skipped`` (the framework dropped the call on purpose).
+    """
+
+    state: str
+    reason: str
+    retry_within: float | None = None
+
+
 # Optional hooks a slot source (the Celery glue) passes for one call:
-#   will_retry(exc) -> a reason when the caller's framework will run this slot again
-#     after ``exc`` (Celery's retry, autoretry_for): the attempt ends ``retrying`` with
-#     that reason, not ``failed``; None otherwise.
+#   classify_raise(exc) -> an Ending when the caller's framework gives ``exc`` a
+#     meaning (Celery: a retry follows, the task asked to be ignored); None: it
+#     is a failure.
 #   on_busy(seconds) is called when another attempt holds a live lease on the slot
 #     (``seconds``: a hint of how long that lease has left) and must raise, to have the
 #     call come back later (a broker redelivery) instead of being dropped as a duplicate.
 #     Such a call is not counted in ``duplicates`` then; it is when it comes back to a
 #     finished slot.
-WillRetry = Callable[[BaseException], "str | None"]
+ClassifyRaise = Callable[[BaseException], "Ending | None"]
 OnBusy = Callable[[float], None]
 
 
@@ -62,15 +76,17 @@ def execute(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    will_retry: WillRetry | None = None,
+    classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
-    default_lease, prefix = taskguard_settings.for_claim()
+    default_lease, prefix, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
     ledger.ensure_autocommit()
+    if timezone.now() - slot > horizon and _refused_as_pruned(task_name, slot, horizon):
+        return None
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
@@ -98,23 +114,38 @@ def execute(
         if acquired is Acquired.WON:
             lock.release(key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
-            _put_back(on_busy, _seconds_left(outcome.lease_until, lease), task_name)
+            left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
+            _put_back(on_busy, left, task_name)
         _duplicate(task_name, slot, outcome.state, policy)
         return None
-    return _run(outcome, lock, key, policy, func, args, kwargs, will_retry)
+    return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
+
+
+def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
+    """A slot older than retention may have had its row pruned: never run it again.
+
+    Recorded ``skipped`` unless its row is still there (then the row decides, as
+    for any slot). The database decides which: one insert that does nothing when
+    the row exists.
+    """
+    reason = (
+        f"slot {slot.isoformat()} is older than the retention horizon (PRUNE_AFTER_DAYS = "
+        f"{horizon.days}): its record may have been pruned, so it is never run"
+    )
+    try:
+        run_id = ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("guard"))
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
+    if run_id is None:
+        return False
+    logger.warning("taskguard %s: %s", task_name, reason)
+    run_skipped.send(sender=task_name, slot=slot, reason=reason)
+    return True
 
 
 def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     on_busy(seconds)
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
-
-
-def _seconds_left(lease_until: datetime | None, lease: float) -> float:
-    """How long a live lease has left (a hint: this clock, not the database's)."""
-    if lease_until is None:
-        return lease
-    left = (lease_until - datetime.now(tz=lease_until.tzinfo)).total_seconds()
-    return min(max(left, 0.0), lease)
 
 
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
@@ -132,7 +163,7 @@ def _run(
     func: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    will_retry: WillRetry | None,
+    classify_raise: ClassifyRaise | None,
 ) -> R | None:
     """Run the function as ``active``; record how it ended; free or mark the lock."""
     ended = False  # the row is recorded finished: the lock may say so too
@@ -149,7 +180,7 @@ def _run(
                 result = func(*args, **kwargs)
             except BaseException as exc:
                 heartbeats.stop(beat)
-                ended = _record_raised(active, exc, will_retry)
+                ended = _record_raised(active, exc, classify_raise)
                 raise
             finally:
                 heartbeats.stop(beat)
@@ -185,24 +216,32 @@ def _skip_for_overlap(active: ActiveRun) -> bool:
     return True
 
 
-def _record_raised(active: ActiveRun, exc: BaseException, will_retry: WillRetry | None) -> bool:
+def _record_raised(
+    active: ActiveRun, exc: BaseException, classify_raise: ClassifyRaise | None
+) -> bool:
     """Record a raising attempt's end and send its signal; True when the slot is over.
 
     Never raises: the caller re-raises the function's own exception, whatever
     recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
     """
-    retry = _will_retry(will_retry, exc)
+    ending = _classify(classify_raise, exc)
     error = f"{type(exc).__name__}: {exc}"
-    if retry is not None:
-        state, reason = RunState.RETRYING, retry
+    retry_within = None
+    if ending is not None:
+        state, reason = ending.state, ending.reason
+        if state == RunState.RETRYING:
+            grace = taskguard_settings.RETRY_GRACE_SECONDS
+            retry_within = (ending.retry_within or 0.0) + grace
     elif isinstance(exc, Exception):
         state, reason = RunState.FAILED, error
     else:
         # KeyboardInterrupt, SystemExit: the process is going away mid-run.
         state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
     try:
-        _finish(active, state, reason, error=error, ended=state != RunState.RETRYING)
-        if state == RunState.ABANDONED:
+        _finish(active, state, reason, error=error, retry_within=retry_within)
+        if state == RunState.SKIPPED:
+            run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
+        elif state == RunState.ABANDONED:
             run_abandoned.send(
                 sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
             )
@@ -221,21 +260,26 @@ def _record_raised(active: ActiveRun, exc: BaseException, will_retry: WillRetry 
             state,
         )
         return False
-    return state == RunState.FAILED
+    return state in (RunState.FAILED, RunState.SKIPPED)
 
 
-def _will_retry(will_retry: WillRetry | None, exc: BaseException) -> str | None:
-    if will_retry is None:
+def _classify(classify_raise: ClassifyRaise | None, exc: BaseException) -> Ending | None:
+    if classify_raise is None:
         return None
     try:
-        return will_retry(exc)
+        return classify_raise(exc)
     except Exception:
-        logger.exception("taskguard will_retry hook failed; recording the attempt as failed")
+        logger.exception("taskguard classify_raise hook failed; recording the attempt as failed")
         return None
 
 
 def _finish(
-    active: ActiveRun, to_state: str, reason: str, *, error: str = "", ended: bool = True
+    active: ActiveRun,
+    to_state: str,
+    reason: str,
+    *,
+    error: str = "",
+    retry_within: float | None = None,
 ) -> None:
     """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
     if not active.lease_valid():
@@ -249,14 +293,14 @@ def _finish(
             to_state,
             reason,
             error=error,
-            ended=ended,
+            retry_within=retry_within,
         )
     except DatabaseError as exc:
         if not ledger.connection_lost(exc):
             raise BackendUnavailable(
                 f"the outcome of run {active.id} could not be recorded ({exc})"
             ) from exc
-        updated = _settle_finish(active, to_state, reason, error, ended)
+        updated = _settle_finish(active, to_state, reason, error, retry_within)
     if updated is None:
         active.mark_lost(f"fenced out: finishing as {to_state} was refused")
         raise LeaseLost(
@@ -267,7 +311,7 @@ def _finish(
 
 
 def _settle_finish(
-    active: ActiveRun, to_state: str, reason: str, error: str, ended: bool
+    active: ActiveRun, to_state: str, reason: str, error: str, retry_within: float | None
 ) -> ledger.Row | None:
     """The finish's outcome is unknown after a connection error: read back, retry once."""
     try:
@@ -287,7 +331,7 @@ def _settle_finish(
             to_state,
             reason,
             error=error,
-            ended=ended,
+            retry_within=retry_within,
         )
     except DatabaseError as exc:
         raise BackendUnavailable(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 from django.db import models
@@ -13,7 +14,7 @@ from ._compat import check_constraint
 from .owner import Owner
 from .states import TERMINAL_STATES, RunState
 
-__all__ = ["RunState", "TaskRun", "TaskRunTransition"]
+__all__ = ["Ledger", "RunState", "TaskRun", "TaskRunTransition"]
 
 TASK_NAME_MAX_LENGTH = 255
 
@@ -25,6 +26,10 @@ class TaskRunQuerySet(models.QuerySet["TaskRun"]):
     def stale(self) -> TaskRunQuerySet:
         """Running rows whose lease expired by the database's clock (owner presumed dead)."""
         return self.filter(state=RunState.RUNNING, lease_until__lte=Now())
+
+    def overdue(self) -> TaskRunQuerySet:
+        """Stale running rows, and retrying rows whose retry is overdue (its deadline passed)."""
+        return self.filter(state__in=(RunState.RUNNING, RunState.RETRYING), lease_until__lte=Now())
 
     def live(self) -> TaskRunQuerySet:
         """Running rows whose lease is still valid by the database's clock."""
@@ -126,3 +131,24 @@ class TaskRunTransition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.from_state} -> {self.to_state}"
+
+
+class Ledger(models.Model):
+    """This ledger database itself: one row, written by a migration.
+
+    ``identity`` tells this ledger's Redis keys from another project's on a
+    shared Redis; ``fence`` is the fence counter where the database has no
+    sequence (SQLite). Neither ever goes back: retention never touches this row.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    identity = models.UUIDField(_("identity"), default=uuid.uuid4, editable=False)
+    fence = models.BigIntegerField(_("last fence"), default=0)
+
+    class Meta:
+        verbose_name = _("ledger")
+        verbose_name_plural = _("ledger")
+        constraints = [check_constraint(models.Q(id=1), "taskguard_ledger_single_row")]
+
+    def __str__(self) -> str:
+        return f"ledger {self.identity}"

@@ -11,11 +11,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from . import ledger
+from .conf import taskguard_settings
+from .exceptions import TaskGuardError
 
 BATCH_SIZE = 1000
+# Guarded calls judge a slot's age on their own clock, prune on the database's:
+# prune keeps this much more, so that a clock that is a little behind never
+# sees a pruned slot as young enough to run.
+CLOCK_MARGIN = timedelta(hours=1)
 
 
 @dataclass
@@ -35,7 +41,20 @@ def prune_runs(
     batch_size: int = BATCH_SIZE,
     progress: Callable[[PruneResult], None] | None = None,
 ) -> PruneResult:
-    """Delete finished runs whose slot is older than ``before``, with their transitions."""
+    """Delete finished runs whose slot is older than ``before``, with their transitions.
+
+    ``before`` may not be later than the retention horizon (``PRUNE_AFTER_DAYS``
+    ago by the database's clock, less :data:`CLOCK_MARGIN`): guarded calls
+    refuse only slots older than it, so a younger pruned slot would run again.
+    """
+    days = taskguard_settings.PRUNE_AFTER_DAYS
+    horizon = ledger.database_now() - timedelta(days=days) - CLOCK_MARGIN
+    if before > horizon:
+        raise TaskGuardError(
+            f"cannot prune runs younger than PRUNE_AFTER_DAYS "
+            f"({taskguard_settings.PRUNE_AFTER_DAYS}): before={before.isoformat()} is after "
+            f"{horizon.isoformat()}"
+        )
     result = PruneResult(dry_run=dry_run)
     if dry_run:
         result.runs, result.transitions = ledger.count_prunable(before)

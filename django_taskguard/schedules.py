@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
 from croniter import CroniterBadDateError, croniter
@@ -180,12 +180,10 @@ def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule 
     return from_celery(schedule)
 
 
-def normalize_slot(slot: Any, *, now: datetime, tolerance: timedelta) -> datetime:
-    """Validate an explicit slot and return it in UTC."""
+def normalize_slot(slot: Any) -> datetime:
+    """Validate an explicit (or stamped) slot and return it as an aware UTC datetime."""
     if type(slot) is datetime and slot.tzinfo is UTC:
-        if slot - now > tolerance:  # the common case, checked without conversions
-            _too_far_ahead(slot, now, tolerance)
-        return slot
+        return slot  # the common case, without conversions
     if isinstance(slot, str):
         try:
             slot = datetime.fromisoformat(slot.replace("Z", "+00:00"))
@@ -196,13 +194,4 @@ def normalize_slot(slot: Any, *, now: datetime, tolerance: timedelta) -> datetim
     if timezone.is_naive(slot):
         raise InvalidSchedule(f"slot must be timezone-aware (got naive {slot.isoformat()})")
     utc: datetime = slot.astimezone(UTC)
-    if utc - now > tolerance:
-        _too_far_ahead(utc, now, tolerance)
     return utc
-
-
-def _too_far_ahead(utc: datetime, now: datetime, tolerance: timedelta) -> NoReturn:
-    raise InvalidSchedule(
-        f"slot {utc.isoformat()} is in the future (now is {now.isoformat()}); "
-        f"a slot may be at most {tolerance.total_seconds():g}s ahead"
-    )

@@ -1,4 +1,5 @@
-"""Receivers taskguard connects: startup cleanup when a Celery worker starts."""
+"""Receivers taskguard connects: startup cleanup when a Celery worker starts; the
+fence source moved past fences that arrive with imported rows."""
 
 from __future__ import annotations
 
@@ -32,6 +33,23 @@ def run_startup_cleanup(**kwargs: Any) -> None:
         ledger.settle_connection()
     if count:
         logger.warning("taskguard startup cleanup abandoned %d run(s) of dead processes", count)
+
+
+def fence_imported(
+    sender: Any, instance: Any, raw: bool = False, using: str = "", **kwargs: Any
+) -> None:
+    """A ``TaskRun`` loaded as it is (``loaddata``): never hand out its fence again."""
+    if raw and instance.fence is not None and using == ledger.alias():
+        ledger.fence_at_least(int(instance.fence))
+
+
+def connect() -> None:
+    """Connect the receivers that need no optional package."""
+    from django.db.models.signals import post_save
+
+    from .models import TaskRun
+
+    post_save.connect(fence_imported, sender=TaskRun, dispatch_uid="taskguard.fence_imported")
 
 
 def connect_celery() -> None:

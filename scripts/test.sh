@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test run: lint, types, the suite on SQLite and on PostgreSQL, and a
+# The whole test run: lint, the package, types, the suite on SQLite and on PostgreSQL, and a
 # brief soak. What CI runs (.ci/run) and what the README tells developers to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,8 @@ PY=.venv/bin/python
 echo "== ruff"
 .venv/bin/ruff check django_taskguard tests example_project bench
 .venv/bin/ruff format --check django_taskguard tests example_project bench
+echo "== package (build, contents, the wheel in a new startproject site)"
+bash scripts/package-check.sh
 echo "== mypy (strict, django-stubs)"
 $PY -m mypy
 

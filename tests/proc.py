@@ -13,12 +13,12 @@ import json
 import os
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 import django
 
-BASE_SLOT = datetime(2026, 1, 1, tzinfo=timezone.utc)
+from tests.slots import BASE_SLOT
 
 
 def record(log: str, line: str) -> None:

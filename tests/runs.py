@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 from django.utils import timezone as dj_timezone
 
 from django_taskguard import guard
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
-BASE = datetime(2026, 1, 1, tzinfo=timezone.utc)
+from .slots import BASE_SLOT
+
+BASE = BASE_SLOT
 _fences = itertools.count(10_000)
 
 

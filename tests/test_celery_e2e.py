@@ -38,6 +38,8 @@ from tests.conftest import RedisServer, python
 from tests.conftest import wait_for as poll
 from tests.redis_support import child_redis_env, redis_backend
 
+from .slots import BASE_SLOT
+
 TICK = "tests.celery_tasks.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 PERSISTENT = "django_taskguard.contrib.celery:TaskguardScheduler"
@@ -388,7 +390,7 @@ def test_e2e__autoretry_twice_then_success_and_exhausted(cluster, scratch):
     cluster.worker("w1")
     cluster.worker("w2")
     app.conf.broker_url = cluster.env["TASKGUARD_TEST_BROKER_URL"]
-    slot = datetime.fromisoformat("2026-01-01T10:00:00+00:00")
+    slot = BASE_SLOT + timedelta(hours=10)
     headers = {"taskguard_slot": slot.isoformat(), "taskguard_schedule": "ten"}
     with app.connection_for_write() as connection:
         celery_tasks.flaky.apply_async(
@@ -427,7 +429,7 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
     name = f"{task.name}[slow]"
     cluster.worker("w1")
     cluster.worker("w2")
-    slot = datetime.fromisoformat("2026-01-01T11:00:00+00:00")
+    slot = BASE_SLOT + timedelta(hours=11)
     cluster.publish(task, slot, "slow", log=str(log), seconds=4)
     wait_for(lambda: lines(log), 60, "the task to start")
     started_pid = int(lines(log)[0][4])
@@ -500,7 +502,7 @@ def test_e2e__redelivery_while_the_attempt_lives_is_put_back_then_counted_once(
     name = f"{celery_tasks.gated.name}[gated]"
     cluster.worker("w1")
     cluster.worker("w2")
-    slot = datetime.fromisoformat("2026-01-01T12:00:00+00:00")
+    slot = BASE_SLOT + timedelta(hours=12)
     task_id = cluster.publish(celery_tasks.gated, slot, "gated", log=str(log), gate=str(gate))
     wait_for(lambda: lines(log), 60, "attempt 1 to start", cluster)
     wait_for(lambda: cluster.events("put-back"), 30, "the redelivered copy to be put back", cluster)
@@ -548,7 +550,7 @@ def test_e2e__redelivery_of_a_killed_attempt_is_put_back_then_takes_over(cluster
     cluster.env["TASKGUARD_TEST_VISIBILITY"] = "30"
     cluster.worker("w1")
     cluster.worker("w2")
-    slot = datetime.fromisoformat("2026-01-01T13:00:00+00:00")
+    slot = BASE_SLOT + timedelta(hours=13)
     never = scratch / "never"  # attempt 1 waits for it until it is killed
     task = celery_tasks.gated_long_lease
     task_id = cluster.publish(task, slot, "gated", log=str(log), gate=str(never))

@@ -7,12 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.test import override_settings
 
+from django_taskguard import once_per_schedule
 from django_taskguard.checks import check_settings
+from django_taskguard.models import TaskRun
 
 from .conftest import ROOT
+from .slots import BASE_SLOT
 
 DJANGO_REDIS = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}
 LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
@@ -44,6 +48,14 @@ def ids(**overrides: object) -> list[str]:
         pytest.param({"LEASE_SECONDS": None}, ["taskguard.E004"], id="E004-none"),
         pytest.param({"LEASE_SECONDS": True}, ["taskguard.E004"], id="E004-bool"),
         pytest.param({"LEASE_SECONDS": float("nan")}, ["taskguard.E004"], id="E004-nan"),
+        pytest.param({"LEASE_SECONDS": float("inf")}, ["taskguard.E004"], id="E004-inf"),
+        pytest.param({"LEASE_SECONDS": 1e15}, ["taskguard.E004"], id="E004-huge"),
+        pytest.param({"LEASE_SECONDS": 0.0005}, ["taskguard.E004"], id="E004-sub-millisecond"),
+        pytest.param({"REDIS_SOCKET_TIMEOUT": 0}, ["taskguard.E009"], id="E009-socket-zero"),
+        pytest.param({"SLOT_TOLERANCE_SECONDS": -1}, ["taskguard.E009"], id="E009-tolerance"),
+        pytest.param({"PRUNE_AFTER_DAYS": 0}, ["taskguard.E009"], id="E009-prune-zero"),
+        pytest.param({"PRUNE_AFTER_DAYS": 1.5}, ["taskguard.E009"], id="E009-prune-fraction"),
+        pytest.param({"RETRY_GRACE_SECONDS": 1}, ["taskguard.E009"], id="E009-retry-grace"),
         pytest.param({"ON_REDIS_ERROR": "ignore"}, ["taskguard.E005"], id="E005"),
         pytest.param({"DATABASE_ALIAS": "nope"}, ["taskguard.E006"], id="E006"),
         pytest.param({"DATABASE_ALIAS": "unsupported"}, ["taskguard.E007"], id="E007"),
@@ -133,3 +145,27 @@ def test_makemigrations__check_reports_no_changes():
     out = io.StringIO()
     call_command("makemigrations", "taskguard", "--check", "--dry-run", stdout=out)
     assert "No changes detected" in out.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("LEASE_SECONDS", 0),
+        ("LEASE_SECONDS", float("inf")),
+        ("SLOT_TOLERANCE_SECONDS", -1),
+        ("PRUNE_AFTER_DAYS", 0),
+    ],
+)
+def test_settings__checked_where_they_are_read(name, value):
+    # manage.py shell, gunicorn and Celery workers run no system checks: a guarded
+    # call with a bad setting refuses to run and records nothing.
+    calls: list[int] = []
+    job = once_per_schedule(name="tests.checks.bad_setting")(lambda: calls.append(1))
+    with (
+        override_settings(TASKGUARD={"BACKEND": "database", name: value}),
+        pytest.raises(ImproperlyConfigured, match=rf"TASKGUARD\['{name}'\] is"),
+    ):
+        job.run_for_slot(BASE_SLOT)
+    assert calls == []
+    assert not TaskRun.objects.exists()

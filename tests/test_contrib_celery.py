@@ -8,6 +8,7 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from celery.beat import SchedulingError
 from celery.schedules import crontab, schedule
 from django.test import override_settings
 from django_celery_beat.clockedschedule import clocked
@@ -27,6 +28,8 @@ from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun
 from tests import celery_tasks
 from tests.celery_app import app
+
+from .slots import BASE_SLOT
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
@@ -146,7 +149,7 @@ def slot_headers(slot: datetime, name: str = "entry") -> dict[str, str]:
 
 def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
-    slot = utc(2026, 1, 1, 9, 0)
+    slot = BASE_SLOT + timedelta(hours=9)
     for _ in range(2):
         celery_tasks.tick.apply_async(
             kwargs={"log": str(log), "seconds": 0}, headers=slot_headers(slot, "nine")
@@ -174,7 +177,7 @@ def test_eager__no_slot_and_no_schedule_is_recorded_and_raised(eager, transactio
 
 def test_eager__autoretry_failures_are_attempts_on_one_row(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
-    slot = utc(2026, 1, 1, 9, 0)
+    slot = BASE_SLOT + timedelta(hours=9)
     result = celery_tasks.flaky.apply_async(kwargs={"log": str(log)}, headers=slot_headers(slot))
     assert result.get() == "finally"
     run = TaskRun.objects.get()
@@ -188,7 +191,7 @@ def test_eager__autoretry_exhausted_ends_failed_with_last_error(eager, transacti
     log = tmp_path / "log"
     with pytest.raises(OSError, match="attempt 3"):
         celery_tasks.hopeless.apply_async(
-            kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1))
+            kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT)
         ).get()
     run = TaskRun.objects.get()
     assert (run.state, run.attempt) == (RunState.FAILED, 3)
@@ -199,7 +202,7 @@ def test_eager__autoretry_exhausted_ends_failed_with_last_error(eager, transacti
 def test_eager__explicit_retry_is_an_attempt(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
     result = celery_tasks.explicit_retry.apply_async(
-        kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1))
+        kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT)
     )
     assert result.get() == "retried"
     run = TaskRun.objects.get()
@@ -210,7 +213,7 @@ def test_eager__guarded_function_called_from_a_task_keeps_its_own_identity(
     eager, transactional_db, tmp_path
 ):
     log = tmp_path / "log"
-    celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(utc(2026, 1, 1)))
+    celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT))
     names = dict(TaskRun.objects.values_list("task_name", "state"))
     assert names == {"tests.celery_tasks.outer[entry]": "succeeded", "tests.inner": "succeeded"}
 
@@ -274,3 +277,40 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
     assert {run.state for run in runs} == {RunState.SUCCEEDED}
     assert len(executions(log)) == len(runs)
     assert sum(run.duplicates for run in runs) == 2 - len(runs)
+
+
+def test_eager__beat_claim_is_given_back_when_the_publish_fails(
+    eager, transactional_db, tmp_path, redis_server
+):
+    # Before: the claim was kept when the publish raised (broker down), so every other
+    # beat skipped that entry and slot, and nothing recorded it.
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    log = tmp_path / "log"
+    entry = TaskguardEntry(
+        name="tick-2s-broker-down",
+        task="tests.celery_tasks.tick",
+        schedule=timedelta(seconds=2),
+        kwargs={"log": str(log), "seconds": 0},
+        app=app,
+    )
+    first = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat1"), lazy=True)
+    second = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat2"), lazy=True)
+    settings = {"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+
+    def broken_publish(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("broker down")
+
+    task = app.tasks["tests.celery_tasks.tick"]
+    with override_settings(CACHES=caches, TASKGUARD=settings):
+        task.apply_async = broken_publish  # an instance attribute: the publish fails
+        try:
+            with pytest.raises(SchedulingError, match="broker down"):
+                first.apply_async(entry, advance=False)
+        finally:
+            del task.apply_async
+        assert redis_server.client().keys("taskguard:beat:*") == [], "the claim was given back"
+        assert second.apply_async(entry, advance=False) is not None
+    assert len(executions(log)) == 1

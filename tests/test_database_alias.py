@@ -130,7 +130,7 @@ def test_child_process__sees_the_ledger_database(on_ledger, child_env):
         "from django_taskguard import once_per_schedule\n"
         "with override_settings(TASKGUARD={'BACKEND': 'database', 'DATABASE_ALIAS': 'ledger'}):\n"
         "    print(once_per_schedule(name='tests.alias.child')(lambda: 'ran')"
-        ".run_for_slot(datetime(2026, 1, 1, tzinfo=timezone.utc)))"
+        ".run_for_slot(datetime.now(timezone.utc)))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=60

@@ -14,11 +14,16 @@ from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.locks.base import run_key, task_digest
 from django_taskguard.models import RunState, TaskRun
 
-SLOT = datetime(2026, 2, 1, 21, 0, tzinfo=dt_timezone.utc)
+from .slots import BASE_SLOT
+
+SLOT = BASE_SLOT + timedelta(hours=21)
 
 
 def body() -> str:
     return "ran"
+
+
+LEASE_BOUNDS = r"lease_seconds= is .*; it must be a number of seconds from 1 to 86400"
 
 
 @pytest.mark.parametrize(
@@ -41,10 +46,16 @@ def body() -> str:
         ({"on_duplicate": "ignore"}, "on_duplicate= must be one of skip, raise"),
         ({"overlap": "queue"}, "overlap= must be one of allow, skip"),
         ({"on_stale": "forget"}, "on_stale= must be one of abandon, retry"),
-        ({"lease_seconds": 0}, "lease_seconds= must be a positive number"),
-        ({"lease_seconds": -1}, "lease_seconds= must be a positive number"),
-        ({"lease_seconds": "30"}, "lease_seconds= must be a positive number"),
-        ({"lease_seconds": True}, "lease_seconds= must be a positive number"),
+        ({"lease_seconds": 0}, LEASE_BOUNDS),
+        ({"lease_seconds": -1}, LEASE_BOUNDS),
+        ({"lease_seconds": "30"}, LEASE_BOUNDS),
+        ({"lease_seconds": True}, LEASE_BOUNDS),
+        ({"lease_seconds": 0.0005}, LEASE_BOUNDS),
+        ({"lease_seconds": 0.5}, LEASE_BOUNDS),
+        ({"lease_seconds": 86_401}, LEASE_BOUNDS),
+        ({"lease_seconds": 1e11}, LEASE_BOUNDS),
+        ({"lease_seconds": float("inf")}, LEASE_BOUNDS),
+        ({"lease_seconds": float("nan")}, LEASE_BOUNDS),
         ({"name": ""}, "non-empty"),
         ({"name": "   "}, "non-empty"),
         ({"name": "x" * 256}, "at most 255"),
@@ -105,10 +116,28 @@ def test_run_for_slot__future_slot_beyond_tolerance_is_refused_within_it_accepte
     far = timezone.now() + timedelta(minutes=10)
     with pytest.raises(InvalidSchedule, match="in the future"):
         guarded.run_for_slot(far)
+    refused = TaskRun.objects.get(slot=far)  # recorded, never silent
+    assert (refused.state, refused.attempt) == (RunState.SKIPPED, 0)
+    (step,) = refused.transitions.all()
+    assert "the database's clock says" in step.reason and "SLOT_TOLERANCE_SECONDS" in step.reason
     near = timezone.now() + timedelta(seconds=2)  # SLOT_TOLERANCE_SECONDS is 5
     guarded.run_for_slot(near)
     assert calls == [near]
-    assert TaskRun.objects.get().slot == near
+    assert TaskRun.objects.get(slot=near).state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_for_slot__a_slow_local_clock_is_judged_by_the_database_clock(monkeypatch):
+    # This process's clock is 10 minutes slow; a beat with a good clock stamped a
+    # slot 2 s ahead of real time. The database's clock says it is fine: it runs.
+    calls: list[datetime] = []
+    guarded = once_per_schedule(name="tests.future.skewed")(lambda: calls.append(1))
+    stamped = timezone.now() + timedelta(seconds=2)
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(minutes=10))
+    guarded.run_for_slot(stamped)
+    assert calls == [1]
+    assert TaskRun.objects.get().state == RunState.SUCCEEDED
 
 
 @pytest.mark.django_db(transaction=True)
@@ -119,8 +148,8 @@ def test_run_for_slot__iso_string_and_other_offsets_are_normalised_to_utc():
     def guarded() -> None:
         seen.append(current_run().slot)
 
-    guarded.run_for_slot("2026-02-01T21:00:00Z")
-    paris = datetime(2026, 2, 1, 22, 0, tzinfo=dt_timezone(timedelta(hours=1)))
+    guarded.run_for_slot(SLOT.isoformat().replace("+00:00", "Z"))
+    paris = SLOT.astimezone(dt_timezone(timedelta(hours=1)))
     assert guarded.run_for_slot(paris) is None, "the same instant is the same slot"
     assert seen == [SLOT] and seen[0].tzinfo is dt_timezone.utc
     assert TaskRun.objects.get().duplicates == 1
@@ -155,7 +184,7 @@ def test_task_name__long_and_unicode_names_work_end_to_end(name):
     run = TaskRun.objects.get()
     assert (run.task_name, run.state, run.duplicates) == (name, RunState.SUCCEEDED, 1)
     key = run_key("taskguard", name, SLOT)
-    assert key == f"taskguard:run:{{{task_digest(name)}:20260201T210000.000000Z}}"
+    assert key == f"taskguard:run:{{{task_digest(name)}:{SLOT:%Y%m%dT%H%M%S}.000000Z}}"
     assert len(task_digest(name)) == 32 and key.isascii()
 
 

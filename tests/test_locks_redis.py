@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import datetime, timezone
+from datetime import timedelta
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -35,8 +35,9 @@ from .redis_support import (
     retries_of,
 )
 from .runs import PutBack, busy_call
+from .slots import BASE_SLOT
 
-SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
+SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.lock", SLOT)
 # what the probing client itself sends (its handshake and INFO)
 PROBE_COMMANDS = {"hello", "client|setinfo", "info"}
@@ -67,7 +68,7 @@ def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
         keys = {k.decode() for k in command(redis_server, "keys", "*")}
         assert keys == {KEY, claim_key(KEY)}
         assert KEY.startswith("taskguard:run:{")
-        assert KEY.endswith(":20260301T210000.000000Z}")
+        assert KEY.endswith(f":{SLOT:%Y%m%dT%H%M%S}.000000Z}}")
         assert list(lock.scan_run_keys()) == [(KEY, "a" * 32)]
 
 

@@ -8,7 +8,7 @@ the master and a real promotion by the Sentinel.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -31,8 +31,9 @@ from .redis_support import (
     sentinel_backend,
     unfinished_keys,
 )
+from .slots import BASE_SLOT
 
-SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=timezone.utc)
+SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.sentinel", SLOT)
 A, B = "a" * 32, "b" * 32
 

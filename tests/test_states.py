@@ -8,8 +8,7 @@ change and one transition row per step in the same transaction.
 from __future__ import annotations
 
 import itertools
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import timedelta
 
 import pytest
 from django.db import DatabaseError, connection
@@ -20,6 +19,8 @@ from django_taskguard.exceptions import IllegalTransition, TaskGuardError
 from django_taskguard.ledger import Row, Step
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.states import TRANSITIONS, check_transition
+
+from .slots import BASE_SLOT
 
 S = RunState
 # The contract, spelled out independently of states.TRANSITIONS.
@@ -39,7 +40,7 @@ ALLOWED = {
 }
 ALL_PAIRS = list(itertools.product(RunState.values, RunState.values))
 ILLEGAL = [pair for pair in ALL_PAIRS if pair not in ALLOWED]
-SLOT = datetime(2026, 3, 1, 21, 0, tzinfo=dt_timezone.utc)
+SLOT = BASE_SLOT + timedelta(hours=21)
 
 
 def make_row(state: str, *, task: str = "tests.states", fence: int = 7) -> Row:

@@ -15,6 +15,7 @@ back; maintenance functions raise ``BackendUnavailable`` instead.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,12 +23,12 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
-from django.db.models import QuerySet
+from django.db.models import Max, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable, TaskGuardError
-from ..models import TaskRun, TaskRunQuerySet, TaskRunTransition
+from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition
 from ..owner import token_of
 from ..states import PRUNABLE_STATES, RunState, check_transition
 from . import sql
@@ -79,7 +80,12 @@ class Row:
     fence: int | None
     owner: str
     lease_until: datetime | None
-    expired: bool = False
+    lease_left: float | None = None  # seconds, by the database's clock (read rows only)
+
+    @property
+    def expired(self) -> bool:
+        """The lease ran out, by the database's clock."""
+        return self.lease_left is not None and self.lease_left <= 0
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,18 @@ def settle_connection() -> None:
 
 
 def unreachable(exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
+
+
+def describe_error(exc: Exception) -> str:
+    """``is unreachable (...)``, or ``is busy (...)`` for SQLite's lock timeout."""
+    if "database is locked" in str(exc):
+        return (
+            f"is busy: another connection held SQLite's write lock past its timeout ({exc}); "
+            f"raise DATABASES[...]['OPTIONS']['timeout'] or use PostgreSQL for many writers"
+        )
+    return f"is unreachable ({exc})"
 
 
 def ensure_reachable() -> None:
@@ -192,14 +209,23 @@ def aware(value: Any) -> datetime | None:
 def _row(values: Sequence[Any] | None) -> Row | None:
     if values is None:
         return None
-    expired = bool(values[6]) if len(values) > 6 else False
+    left = float(values[6]) if len(values) > 6 and values[6] is not None else None
     return Row(
-        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), expired
+        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), left
     )
 
 
 def clip(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, marked when cut."""
+    """``text`` made storable and cut to ``limit`` characters (marked when cut).
+
+    What a database refuses becomes visible instead: NUL (PostgreSQL rejects it
+    in text) as ``\\x00``, lone surrogates (no encoding takes them) as
+    ``\\udcxx``. A message is the user's, any text at all.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -231,6 +257,7 @@ def claim(
         row = _row(_one(sql.claim(d), [*params, owner]))
     else:
         with transaction.atomic(using=alias()):
+            _bump_fence(d)
             row = _row(_one(sql.claim(d), params))
             if row is not None and row.owner == owner:
                 _one(sql.claimed_transition(d), [row.id])
@@ -308,20 +335,22 @@ def finish(
     *,
     error: str = "",
     duplicates: int = 0,
-    ended: bool = True,
+    retry_within: float | None = None,
 ) -> Row | None:
     """Record how an attempt ended, fenced: ``None`` when it no longer owns the row.
 
-    ``ended=False``: another attempt follows (a retry), so the row keeps no lease.
+    ``retry_within``: another attempt follows (a retry) within that many
+    seconds; the row's lease says by when, so that ``cleanup_locks`` records it
+    ``abandoned`` if the retry never comes.
     """
     row = Row(run_id, RunState.RUNNING, attempt, fence, owner, None)
-    return change(
-        row,
-        [Step(to_state, reason)],
-        actor=owner,
-        sets=sql.END_ATTEMPT if ended else sql.PAUSE_ATTEMPT,
-        values=(clip(error, ERROR_MAX_LENGTH), duplicates),
-    )
+    stored = clip(error, ERROR_MAX_LENGTH)
+    values: tuple[Any, ...]
+    if retry_within is None:
+        sets, values = sql.END_ATTEMPT, (stored, duplicates)
+    else:
+        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates)
+    return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
 
 def renew(run_id: int, fence: int, lease_seconds: float) -> datetime | None:
@@ -363,6 +392,8 @@ def change(
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return _row(_one(statement, [*params, actor, *step_params]))
     with transaction.atomic(using=alias()):
+        if sets is sql.START_ATTEMPT:
+            _bump_fence(d)
         updated = _row(_one(sql.change(d, assignments, fenced, lease), params))
         if updated is not None:
             with connections[alias()].cursor() as cursor:
@@ -370,6 +401,61 @@ def change(
                     sql.transition(d), [(row.id, f, t, r, actor) for f, t, r in steps]
                 )
         return updated
+
+
+# -- the ledger's own row: identity and fences ------------------------------------
+
+_identities: dict[str, str] = {}
+
+
+def identity() -> str:
+    """This ledger's identity (a UUID's hex), read once per process and database.
+
+    Written by the migration that made the table; made again if the row is gone
+    (a flushed test database): what matters is that two ledgers differ.
+    """
+    name = alias()
+    try:
+        return _identities[name]
+    except KeyError:
+        pass
+    try:
+        found = _one(sql.identity(), [])
+        if found is None:
+            found = (ensure_ledger_row().identity,)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    value = _identities[name] = uuid.UUID(str(found[0])).hex
+    return value
+
+
+def ensure_ledger_row() -> Ledger:
+    """The ledger's row; made (fences counted on from the highest stored) when missing."""
+    last = runs().aggregate(last=Max("fence"))["last"] or 0
+    row, _ = Ledger.objects.using(alias()).get_or_create(id=1, defaults={"fence": last})
+    return row
+
+
+def _bump_fence(d: sql.Dialect) -> None:
+    """SQLite: move the fence counter on, inside the caller's transaction."""
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(sql.bump_fence(d))
+        if cursor.rowcount == 0:
+            ensure_ledger_row()
+            cursor.execute(sql.bump_fence(d))
+
+
+def fence_at_least(value: int) -> None:
+    """Make every fence handed out from now on larger than ``value``.
+
+    For rows that arrive with their fences (``loaddata``, a restore): the fence
+    source must never hand out one of theirs again.
+    """
+    d = _dialect()
+    with transaction.atomic(using=alias()):
+        if not d.one_statement:
+            ensure_ledger_row()
+        _one(sql.fence_at_least(d), [value])
 
 
 # -- what no attempt wrote -----------------------------------------------------------
@@ -440,11 +526,12 @@ def token_holders(slot: datetime, token: str) -> list[tuple[str, bool]]:
 def stale_runs(
     *, task: str | None = None, among: QuerySet[TaskRun] | None = None, batch_size: int = 500
 ) -> Iterator[RunRef]:
-    """Running rows whose lease expired by the database's clock, by ascending id.
+    """Rows whose owner is presumed gone, by the database's clock, by ascending id:
+    running past their lease, and retrying past the deadline of their retry.
 
     ``among`` limits them to a queryset's runs (read as a subquery).
     """
-    queryset = runs().stale()
+    queryset = runs().overdue()
     if task is not None:
         queryset = queryset.filter(task_name=task)
     if among is not None:

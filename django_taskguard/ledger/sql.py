@@ -16,10 +16,11 @@ from functools import lru_cache
 from django.db import connections
 
 from ..exceptions import TaskGuardError
-from ..models import TaskRun, TaskRunTransition
+from ..models import Ledger, TaskRun, TaskRunTransition
 from ..states import PRUNABLE_STATES
 
 RUN = TaskRun._meta.db_table
+LEDGER = Ledger._meta.db_table
 TRANSITION = TaskRunTransition._meta.db_table
 FENCE_SEQUENCE = "taskguard_fence"
 # What the hot paths read back. Unqualified: SQLite rejects qualified names in RETURNING.
@@ -34,6 +35,7 @@ class Dialect:
     vendor: str
     now: str
     lease_from_now: str  # one %s parameter: seconds
+    lease_left: str  # seconds until lease_until, by the database's clock (NULL: no lease)
     next_fence: str
     one_statement: bool  # True: data-modifying CTEs (PostgreSQL)
 
@@ -42,6 +44,7 @@ POSTGRES = Dialect(
     vendor="postgresql",
     now="statement_timestamp()",
     lease_from_now="statement_timestamp() + make_interval(secs => %s)",
+    lease_left="EXTRACT(EPOCH FROM lease_until - statement_timestamp())",
     next_fence=f"nextval('{FENCE_SEQUENCE}')",
     one_statement=True,
 )
@@ -49,9 +52,11 @@ SQLITE = Dialect(
     vendor="sqlite",
     now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
     lease_from_now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || %s || ' seconds')",
-    # SQLite runs one writer at a time and a write statement takes the write
-    # lock before it reads, so MAX()+1 here cannot hand out a fence twice.
-    next_fence=f"(SELECT COALESCE(MAX(fence), 0) + 1 FROM {RUN})",
+    lease_left="(julianday(lease_until) - julianday('now')) * 86400.0",
+    # The ledger row's counter, moved on by :func:`bump_fence` first in the same
+    # transaction (SQLite runs one writer at a time). Never MAX(fence) + 1: that
+    # goes back when retention deletes the newest rows.
+    next_fence=f"(SELECT fence FROM {LEDGER} WHERE id = 1)",
     one_statement=False,
 )
 DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE}
@@ -79,7 +84,7 @@ _CLAIM = (
     "CASE WHEN r.state IN ('succeeded', 'failed', 'skipped') "
     "OR (r.state = 'running' AND r.lease_until > {now} AND %s) "
     "OR (r.state = 'abandoned' AND %s) THEN 1 ELSE 0 END "
-    "RETURNING {row}, lease_until <= {now}"
+    "RETURNING {row}, {left}"
 )
 _CLAIMED = (
     "INSERT INTO {transition} ({columns}) SELECT id, 'pending', 'running', {now}, 'claimed', owner "
@@ -111,14 +116,12 @@ def claimed_transition(d: Dialect) -> str:
 
 @lru_cache
 def read_slot(d: Dialect) -> str:
-    return _format(
-        "SELECT {row}, lease_until <= {now} FROM {run} WHERE task_name = %s AND slot = %s", d
-    )
+    return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
 
 
 @lru_cache
 def read_id(d: Dialect) -> str:
-    return _format("SELECT {row}, lease_until <= {now} FROM {run} WHERE id = %s", d)
+    return _format("SELECT {row}, {left} FROM {run} WHERE id = %s", d)
 
 
 @lru_cache
@@ -189,8 +192,8 @@ START_ATTEMPT = (  # owner, lease seconds
     "finished_at = NULL",
 )
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
-# An attempt after which another follows (a Celery retry): no lease until it starts.
-PAUSE_ATTEMPT = ("error = %s", "lease_until = NULL", "duplicates = r.duplicates + %s")
+# An attempt after which another follows (a Celery retry): the lease says by when.
+PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
 ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
 
 
@@ -229,6 +232,28 @@ def insert_unheld(d: Dialect) -> str:
     )
 
 
+# -- the ledger's own row ----------------------------------------------------------
+
+
+def bump_fence(d: Dialect) -> str:
+    """Move the fence counter on (SQLite; no row: nothing is updated)."""
+    return f"UPDATE {LEDGER} SET fence = fence + 1 WHERE id = 1"
+
+
+def fence_at_least(d: Dialect) -> str:
+    """Make the next fence larger than ``%s`` (rows imported with their fences)."""
+    if d.one_statement:
+        return (
+            f"SELECT setval('{FENCE_SEQUENCE}', GREATEST(%s, "
+            f"(SELECT last_value FROM {FENCE_SEQUENCE})))"
+        )
+    return f"UPDATE {LEDGER} SET fence = MAX(fence, %s) WHERE id = 1"
+
+
+def identity() -> str:
+    return f"SELECT identity FROM {LEDGER} WHERE id = 1"
+
+
 # -- retention ---------------------------------------------------------------------
 
 
@@ -255,4 +280,5 @@ def _format(template: str, d: Dialect) -> str:
         lease=d.lease_from_now,
         fence=d.next_fence,
         row=ROW,
+        left=d.lease_left,
     )

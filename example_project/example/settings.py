@@ -104,4 +104,6 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": timedelta(minutes=1),
         "kwargs": {"region": "us"},
     },
+    # Runs 40 s: kill its worker mid-run and watch cleanup_locks record it (README).
+    "slow-1m": {"task": "example.tasks.slow", "schedule": timedelta(minutes=1)},
 }

@@ -9,6 +9,7 @@ redeliveries of the message are attempts on the same row.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from functools import partial
 from typing import Any, NoReturn, cast
 
@@ -20,7 +21,9 @@ from ... import ledger
 from ...context import active_run
 from ...decorators import SLOT_SOURCES, CallContext, guarded_policy
 from ...exceptions import TaskGuardError
+from ...guard import Ending
 from ...owner import actor
+from ...states import RunState
 from .headers import (
     DEFERRED_HEADER,
     PERIODIC_TASK_HEADER,
@@ -58,23 +61,30 @@ def celery_call_context() -> CallContext | None:
     return CallContext(
         slot=slot,
         task_name=name,
-        will_retry=partial(will_retry, task, request),
+        classify_raise=partial(classify_raise, task, request),
         on_busy=partial(defer, task, request) if _may_be_stranded(request, headers) else None,
     )
 
 
-def will_retry(task: Task[Any, Any], request: Any, exc: BaseException) -> str | None:
-    """Why Celery will run this message again after ``exc``, or None when it will not.
+def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> Ending | None:
+    """What ``exc`` means to Celery: a retry follows, the call is dropped on purpose, or
+    None (a failure).
 
-    ``self.retry()`` (``Retry``); ``autoretry_for`` (minus ``dont_autoretry_for``)
-    while retries are left (``retry_kwargs["max_retries"]`` or the task's
-    ``max_retries``; None is unlimited); ``Reject(requeue=True)``.
+    A retry follows ``self.retry()`` (``Retry``), ``Reject(requeue=True)`` and
+    ``autoretry_for`` (minus ``dont_autoretry_for``) while retries are left
+    (``retry_kwargs["max_retries"]`` or the task's ``max_retries``; None is
+    unlimited). ``Ignore`` (which ``self.replace()`` raises too) and
+    ``Reject(requeue=False)`` drop the call: ``skipped``, with the reason.
     """
     if isinstance(exc, Retry):
-        return f"retry requested: {exc}"
+        return Ending(RunState.RETRYING, f"retry requested: {exc}", _seconds_until(exc.when))
     if isinstance(exc, Reject):
-        return f"rejected and requeued: {exc}" if getattr(exc, "requeue", False) else None
-    if isinstance(exc, Ignore) or request.called_directly:
+        if getattr(exc, "requeue", False):
+            return Ending(RunState.RETRYING, f"rejected and requeued: {exc}")
+        return Ending(RunState.SKIPPED, f"rejected by the task (celery Reject): {exc}")
+    if isinstance(exc, Ignore):
+        return Ending(RunState.SKIPPED, "ignored by the task (celery Ignore, or self.replace())")
+    if request.called_directly:
         return None
     autoretry_for = tuple(getattr(task, "autoretry_for", ()) or ())
     if not autoretry_for or not isinstance(exc, autoretry_for):
@@ -85,8 +95,32 @@ def will_retry(task: Task[Any, Any], request: Any, exc: BaseException) -> str | 
     retry_kwargs = getattr(task, "retry_kwargs", None) or {}
     max_retries = retry_kwargs.get("max_retries", task.max_retries)
     if max_retries is None or request.retries + 1 <= max_retries:
-        return f"{type(exc).__name__}: {exc}; a retry will follow (autoretry_for)"
+        reason = f"{type(exc).__name__}: {exc}; a retry will follow (autoretry_for)"
+        return Ending(RunState.RETRYING, reason, _autoretry_delay(task, request, retry_kwargs))
     return None
+
+
+def _seconds_until(when: Any) -> float | None:
+    """A Celery retry's ``when`` (seconds, or an ETA) as seconds from now."""
+    if isinstance(when, (int, float)) and not isinstance(when, bool):
+        return max(float(when), 0.0)
+    if isinstance(when, datetime):
+        return max((when - timezone.now()).total_seconds(), 0.0)
+    return None
+
+
+def _autoretry_delay(task: Task[Any, Any], request: Any, retry_kwargs: dict[str, Any]) -> float:
+    """The longest delay Celery's autoretry may pick for this retry (jitter only shortens it)."""
+    if "countdown" in retry_kwargs:
+        return float(retry_kwargs["countdown"])
+    backoff = getattr(task, "retry_backoff", False)
+    if backoff:
+        factor = 1 if backoff is True else int(backoff)
+        longest = float(getattr(task, "retry_backoff_max", 600) or 600)
+        retries = int(request.retries or 0)
+        return min(longest, factor * 2.0**retries)
+    delay: float = float(task.default_retry_delay or 0)
+    return delay
 
 
 def _may_be_stranded(request: Any, headers: dict[str, Any]) -> bool:
