@@ -163,7 +163,8 @@ def run(rounds: int, port: int) -> None:
     from django_taskguard.models import TaskRun
 
     tag = uuid.uuid4().hex[:8]
-    base = datetime(2020, 1, 1, tzinfo=timezone.utc)
+    # Recent slots: older ones than PRUNE_AFTER_DAYS are refused (and recorded).
+    base = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(days=2)
 
     def slot(i: int) -> datetime:
         return base + timedelta(seconds=i + 100)  # warm-up rounds use i = -1 ... -50
