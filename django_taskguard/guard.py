@@ -17,7 +17,7 @@ from .conf import taskguard_settings
 from .context import ActiveRun, activate
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
 from .heartbeat import heartbeats
-from .locks import Acquired, LockBackend, get_backend, run_key
+from .locks import Acquired, LockBackend, get_backend
 from .owner import actor, new_owner, new_token
 from .signals import (
     duplicate_suppressed,
@@ -78,9 +78,10 @@ def execute(
     *,
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
+    instance: str | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
-    default_lease, prefix, horizon = taskguard_settings.for_claim()
+    default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
@@ -90,7 +91,7 @@ def execute(
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
-    key = run_key(prefix, task_name, slot)
+    key = lock.key(task_name, slot)
 
     # The losing call ends here: one round trip, no database query.
     count = on_busy is None  # a call that will be put back is no duplicate (yet)
@@ -103,7 +104,7 @@ def execute(
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
         _duplicate(task_name, slot, RunState.SUCCEEDED, policy)
         return None
-    owner = new_owner(token)
+    owner = new_owner(token, instance)
     try:
         outcome = claim_slot(task_name, slot, owner, lease, policy.on_stale, count_live=count)
     except BaseException:
@@ -114,7 +115,8 @@ def execute(
         if acquired is Acquired.WON:
             lock.release(key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
-            _put_back(on_busy, _seconds_left(outcome.lease_until, lease), task_name)
+            left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
+            _put_back(on_busy, left, task_name)
         _duplicate(task_name, slot, outcome.state, policy)
         return None
     return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
@@ -145,14 +147,6 @@ def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bo
 def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     on_busy(seconds)
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
-
-
-def _seconds_left(lease_until: datetime | None, lease: float) -> float:
-    """How long a live lease has left (a hint: this clock, not the database's)."""
-    if lease_until is None:
-        return lease
-    left = (lease_until - datetime.now(tz=lease_until.tzinfo)).total_seconds()
-    return min(max(left, 0.0), lease)
 
 
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from celery.beat import SchedulingError
 from celery.schedules import crontab, schedule
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from django_celery_beat.clockedschedule import clocked
 from django_celery_beat.tzcrontab import TzAwareCrontab
@@ -241,7 +243,7 @@ def test_eager__beat_claim_lets_one_beat_publish_a_slot(
     ):
         sent = [beat.apply_async(TaskguardEntry(**entry_options), advance=False) for beat in beats]
     assert sum(result is not None for result in sent) == 1
-    assert len(redis_server.client().keys("taskguard:beat:*")) == 1
+    assert len(redis_server.client().keys("taskguard:*:beat:*")) == 1
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 0)
 
@@ -276,3 +278,66 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
     assert {run.state for run in runs} == {RunState.SUCCEEDED}
     assert len(executions(log)) == len(runs)
     assert sum(run.duplicates for run in runs) == 2 - len(runs)
+
+
+def test_eager__beat_claim_is_given_back_when_the_publish_fails(
+    eager, transactional_db, tmp_path, redis_server
+):
+    # Before: the claim was kept when the publish raised (broker down), so every other
+    # beat skipped that entry and slot, and nothing recorded it.
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    log = tmp_path / "log"
+    entry = TaskguardEntry(
+        name="tick-2s-broker-down",
+        task="tests.celery_tasks.tick",
+        schedule=timedelta(seconds=2),
+        kwargs={"log": str(log), "seconds": 0},
+        app=app,
+    )
+    first = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat1"), lazy=True)
+    second = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat2"), lazy=True)
+    settings = {"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+
+    def broken_publish(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("broker down")
+
+    task = app.tasks["tests.celery_tasks.tick"]
+    with override_settings(CACHES=caches, TASKGUARD=settings):
+        task.apply_async = broken_publish  # an instance attribute: the publish fails
+        try:
+            with pytest.raises(SchedulingError, match="broker down"):
+                first.apply_async(entry, advance=False)
+        finally:
+            del task.apply_async
+        assert redis_server.client().keys("taskguard:*:beat:*") == [], "the claim was given back"
+        assert second.apply_async(entry, advance=False) is not None
+    assert len(executions(log)) == 1
+
+
+@pytest.mark.parametrize(
+    ("zone", "every", "now", "slot"),
+    [
+        # Daily, relative, in New York: local midnight (05:00 UTC in winter), not 00:00 UTC.
+        ("America/New_York", timedelta(days=1), utc(2026, 1, 10, 12, 0), utc(2026, 1, 10, 5, 0)),
+        # Hourly, relative, in Kolkata (UTC+05:30): the top of the local hour, :30 UTC.
+        ("Asia/Kolkata", timedelta(hours=1), utc(2026, 1, 10, 12, 45), utc(2026, 1, 10, 12, 30)),
+        ("Asia/Kolkata", timedelta(minutes=15), utc(2026, 1, 10, 12, 44), utc(2026, 1, 10, 12, 30)),
+    ],
+)
+def test_aligned__relative_interval_is_aligned_in_the_apps_time_zone(zone, every, now, slot):
+    # Before: relative=True was ignored and the interval aligned to UTC: a daily entry
+    # in New York fired at 19:00 EST instead of midnight, silently.
+    from celery import Celery
+
+    local = Celery("tests.relative", set_as_current=False)
+    local.conf.timezone = zone
+    entry = aligned(schedule(every, relative=True, app=local))
+    assert slot_for(entry, now) == slot
+
+
+def test_aligned__relative_interval_with_no_aligned_equivalent_is_refused():
+    with pytest.raises(ImproperlyConfigured, match="a relative=True interval of 0:07:00 has no"):
+        aligned(schedule(timedelta(minutes=7), relative=True, app=app))

@@ -23,7 +23,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
-from django.db.models import Max, QuerySet
+from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from ..conf import taskguard_settings
@@ -80,7 +80,12 @@ class Row:
     fence: int | None
     owner: str
     lease_until: datetime | None
-    expired: bool = False
+    lease_left: float | None = None  # seconds, by the database's clock (read rows only)
+
+    @property
+    def expired(self) -> bool:
+        """The lease ran out, by the database's clock."""
+        return self.lease_left is not None and self.lease_left <= 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,18 @@ def settle_connection() -> None:
 
 
 def unreachable(exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
+
+
+def describe_error(exc: Exception) -> str:
+    """``is unreachable (...)``, or ``is busy (...)`` for SQLite's lock timeout."""
+    if "database is locked" in str(exc):
+        return (
+            f"is busy: another connection held SQLite's write lock past its timeout ({exc}); "
+            f"raise DATABASES[...]['OPTIONS']['timeout'] or use PostgreSQL for many writers"
+        )
+    return f"is unreachable ({exc})"
 
 
 def ensure_reachable() -> None:
@@ -193,9 +209,9 @@ def aware(value: Any) -> datetime | None:
 def _row(values: Sequence[Any] | None) -> Row | None:
     if values is None:
         return None
-    expired = bool(values[6]) if len(values) > 6 else False
+    left = float(values[6]) if len(values) > 6 and values[6] is not None else None
     return Row(
-        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), expired
+        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), left
     )
 
 
@@ -434,10 +450,19 @@ def identity() -> str:
     return value
 
 
-def ensure_ledger_row() -> Ledger:
-    """The ledger's row; made (fences counted on from the highest stored) when missing."""
-    last = runs().aggregate(last=Max("fence"))["last"] or 0
-    row, _ = Ledger.objects.using(alias()).get_or_create(id=1, defaults={"fence": last})
+def ensure_ledger_row(using: str | None = None) -> Ledger:
+    """The ledger's row; made (fences counted on from the highest stored) when missing.
+
+    A new row keeps the identity this process already knows for that database,
+    if any: a flushed table (``manage.py flush``, a test case) must not give the
+    ledger a second identity while its keys are in use.
+    """
+    using = using or alias()
+    last = TaskRun.objects.using(using).aggregate(last=Max("fence"))["last"] or 0
+    defaults: dict[str, Any] = {"fence": last}
+    if using in _identities:
+        defaults["identity"] = uuid.UUID(_identities[using])
+    row, _ = Ledger.objects.using(using).get_or_create(id=1, defaults=defaults)
     return row
 
 
@@ -536,12 +561,47 @@ def stale_runs(
 
     ``among`` limits them to a queryset's runs (read as a subquery).
     """
-    queryset = runs().overdue()
-    if task is not None:
-        queryset = queryset.filter(task_name=task)
+    queryset = _for_task(runs().overdue(), task)
     if among is not None:
         queryset = queryset.filter(pk__in=among.order_by().values("pk"))
     return _refs(queryset, batch_size)
+
+
+def in_flight(
+    *, task: str | None = None, among: QuerySet[TaskRun] | None = None, limit: int = 100
+) -> list[tuple[str, datetime, str, datetime, float]]:
+    """Live attempts (lease valid by the database's clock), soonest to expire first:
+    ``(task, slot, owner, lease_until, seconds left)``."""
+    queryset = _for_task(runs().live(), task)
+    if among is not None:
+        queryset = queryset.filter(pk__in=among.order_by().values("pk"))
+    try:
+        now = database_now()
+        found = queryset.order_by("lease_until").values_list(
+            "task_name", "slot", "owner", "lease_until"
+        )[:limit]
+        return [
+            (name, slot, owner, until, (until - now).total_seconds())
+            for name, slot, owner, until in found
+            if until is not None
+        ]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def _for_task(queryset: TaskRunQuerySet, task: str | None) -> TaskRunQuerySet:
+    """Runs of ``task``: its own name, or one of its per-schedule names (``task[entry]``)."""
+    if task is None:
+        return queryset
+    return queryset.filter(Q(task_name=task) | Q(task_name__startswith=f"{task}["))
+
+
+def known_task_names(limit: int = 1000) -> list[str]:
+    """Task names the ledger has runs of (for messages that suggest one)."""
+    try:
+        return task_names(limit)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
 
 
 def running_in_pid_space(space: str, batch_size: int = 500) -> Iterator[RunRef]:

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from celery.beat import PersistentScheduler, ScheduleEntry
-from celery.schedules import schedstate
+from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
+from django.core.exceptions import ImproperlyConfigured
 
 from ... import schedules
 from ...conf import taskguard_settings
-from ...locks import claim_once
+from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.base import slot_label, task_digest
+from ...owner import host, new_token
 from .headers import SCHEDULE_HEADER, SLOT_HEADER, UTC, slot_for, task_identity, zone_name
 
 BEAT_CLAIM_TTL = 3600  # seconds a beat's claim on (entry, slot) is kept in Redis
@@ -55,13 +57,43 @@ class EpochInterval(interval_schedule):
 
 
 def aligned(schedule: Any) -> Any:
-    """``schedule`` with plain celery intervals of a second or more made epoch-aligned."""
+    """``schedule`` with plain celery intervals of a second or more made epoch-aligned.
+
+    ``relative=True`` asks celery to align the interval to its resolution on the
+    app's clock (a daily entry at local midnight, an hourly one at the top of the
+    local hour). Every beat must agree on it, so it becomes the equivalent
+    crontab in the app's time zone; an interval with no such equivalent is
+    refused, never silently moved.
+    """
     if type(schedule) is not interval_schedule:
         return schedule
     plain: Any = schedule
     if plain.run_every < timedelta(seconds=1):
         return schedule
+    if plain.relative:
+        return relative_crontab(plain)
     return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain.app)
+
+
+def relative_crontab(plain: Any) -> Any:
+    """The crontab, in the app's time zone, that a ``relative=True`` interval means."""
+    seconds = int(plain.run_every.total_seconds())
+    whole = plain.run_every == timedelta(seconds=seconds)
+    if whole and seconds < 60 and 60 % seconds == 0:
+        # Whole seconds dividing a minute: every zone's offset is whole minutes, so
+        # the epoch's multiples are the local ones too.
+        return EpochInterval(plain.run_every, True, nowfun=plain.nowfun, app=plain.app)
+    if whole and seconds == 86_400:
+        return crontab(minute=0, hour=0, app=plain.app)
+    if whole and seconds % 3600 == 0 and 24 % (seconds // 3600) == 0:
+        return crontab(minute=0, hour=f"*/{seconds // 3600}", app=plain.app)
+    if whole and seconds % 60 == 0 and 60 % (seconds // 60) == 0:
+        return crontab(minute=f"*/{seconds // 60}", app=plain.app)
+    raise ImproperlyConfigured(
+        f"a relative=True interval of {plain.run_every} has no aligned equivalent every beat "
+        f"agrees on: use a divisor of a minute, an hour or a day, exactly a day, a crontab, "
+        f"or relative=False (taskguard then aligns it to the Unix epoch, in UTC)"
+    )
 
 
 class TaskguardEntry(ScheduleEntry):
@@ -84,8 +116,6 @@ class StampingMixin:
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
         stamped = self.stamp(entry, datetime.now(tz=UTC))
-        if stamped is None:
-            return None
         slot = stamped.options["headers"].get(SLOT_HEADER)
         sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
         if slot is not None and sent.get(entry.name) == slot:
@@ -93,15 +123,28 @@ class StampingMixin:
             # have synced yet; never publish the same slot of an entry twice.
             logger.info("taskguard beat: %s slot %s already sent by this beat", entry.name, slot)
             return None
-        result = super().apply_async(  # type: ignore[misc]
-            stamped, producer=producer, advance=False, **kwargs
-        )
+        claim = None
+        if slot is not None and taskguard_settings.BEAT_CLAIM:
+            claim = beat_claim(entry.task, entry.name, datetime.fromisoformat(slot))
+            if claim is None:
+                logger.info("taskguard beat: %s slot %s was sent by another beat", entry.name, slot)
+                return None
+        try:
+            result = super().apply_async(  # type: ignore[misc]
+                stamped, producer=producer, advance=False, **kwargs
+            )
+        except BaseException:
+            # Not sent (the broker is down): give the slot back, or every other beat
+            # would skip it and nothing would send it.
+            if claim is not None:
+                claim.release()
+            raise
         if slot is not None:
             sent[entry.name] = slot
         return result
 
     def stamp(self, entry: Any, now: datetime) -> Any:
-        """A copy of ``entry`` that carries the slot headers; None: another beat sent it."""
+        """A copy of ``entry`` that carries the slot headers."""
         try:
             slot = slot_for(entry.schedule, now)
         except Exception:
@@ -113,13 +156,6 @@ class StampingMixin:
             self._warn_once(entry)
         else:
             headers[SLOT_HEADER] = slot.isoformat()
-            if taskguard_settings.BEAT_CLAIM and not beat_claim(entry.task, entry.name, slot):
-                logger.info(
-                    "taskguard beat: %s slot %s was already sent by another beat",
-                    entry.name,
-                    slot.isoformat(),
-                )
-                return None
         # A shallow copy by hand: ScheduleEntry.__reduce__ (which copy.copy uses) does
         # not fit ModelEntry's constructor.
         stamped = object.__new__(type(entry))
@@ -169,20 +205,41 @@ def warn_timezone(app: Any) -> None:
 # --- BEAT_CLAIM -------------------------------------------------------------------
 
 
-def beat_claim(task_name: str, entry_name: str, slot: datetime) -> bool:
-    """Claim the publishing of (entry, slot) for this beat; True also when Redis errs.
+@dataclass(frozen=True)
+class BeatClaim:
+    """This beat's claim on publishing one (entry, slot); ``key`` None: Redis erred."""
+
+    key: str | None
+    owner: str
+
+    def release(self) -> None:
+        """Give the slot back (compare-and-delete): its publish failed."""
+        if self.key is None:
+            return
+        try:
+            release_claim(self.key, self.owner)
+        except Exception as exc:
+            logger.warning(
+                "taskguard beat could not give back %s (%s); it lapses in %d s",
+                self.key,
+                exc,
+                BEAT_CLAIM_TTL,
+            )
+
+
+def beat_claim(task_name: str, entry_name: str, slot: datetime) -> BeatClaim | None:
+    """Claim the publishing of (entry, slot) for this beat; None: another beat has it.
 
     One ``SET NX EX`` on the REDIS_ALIAS cache's server, through the lock's own
-    client (short socket timeout, no retries). An error means "send anyway":
-    the worker's claim is the guarantee, this only saves the duplicate messages.
+    client (short socket timeout, no retries). An error means "send anyway"
+    (a claim with no key): the worker's claim is the guarantee, this only saves
+    the duplicate messages. The caller releases the claim if its publish fails.
     """
-    key = (
-        f"{taskguard_settings.KEY_PREFIX}:beat:"
-        f"{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
-    )
-    owner = f"{socket.gethostname()}:{os.getpid()}"
+    owner = f"{host()}:{os.getpid()}:{new_token()}"
+    key = f"beat:{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
     try:
-        return claim_once(key, owner, BEAT_CLAIM_TTL)
+        key = f"{redis_key_prefix()}:{key}"
+        return BeatClaim(key, owner) if claim_once(key, owner, BEAT_CLAIM_TTL) else None
     except Exception as exc:
         logger.warning("taskguard beat claim of %s failed (%s); sending anyway", key, exc)
-        return True
+        return BeatClaim(None, owner)
