@@ -25,7 +25,6 @@ from django.db import connection, connections
 from django_taskguard import current_run, heartbeat, ledger, once_per_schedule
 from django_taskguard.context import ActiveRun, active_run
 from django_taskguard.exceptions import LeaseLost
-from django_taskguard.locks import run_key
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.signals import lease_lost
@@ -349,7 +348,7 @@ def test_heartbeat__late_renewal_after_the_finish_is_refused(redis_server):
 
         assert body.run_for_slot(SLOT) == "done"
         run = seen[0]
-        key = run_key("taskguard", "tests.heartbeat.late", SLOT)
+        key = lock.key("tests.heartbeat.late", SLOT)
         assert command(redis_server, "get", key) == FINISHED_MARKER.encode()
         marker_ttl = command(redis_server, "pttl", key)
         assert marker_ttl > 60_000
