@@ -10,12 +10,15 @@ from elapsed time.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -307,6 +310,53 @@ def test_heartbeat__renewing_connection_terminated_the_renewal_is_retried(calls,
     a.end()
     assert a.join() == "tests.heartbeat.a"
     assert TaskRun.objects.get().state == RunState.SUCCEEDED
+
+
+@contextmanager
+def backend_stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP one PostgreSQL backend of this machine's server: it hangs, neither
+    answering nor refusing (its own statement timeout cannot fire), until SIGCONT."""
+    host = connection.settings_dict["HOST"]
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        pytest.skip("the PostgreSQL server is not on this machine")
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert b"postgres" in cmdline, cmdline
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@postgres_only
+def test_heartbeat__a_hung_renewal_is_lost_at_the_deadline_and_not_waited_for(calls):
+    """The renewing connection's server process stops (SIGSTOP) mid-run: A is declared
+    lost at its deadline while that renewal still hangs, and A's call ends (its finish on
+    its own connection) without waiting for it; the renewal, answered late, changes nothing."""
+    a = Call("tests.heartbeat.a", 3)  # renewed every second; deadline 3 s after the last
+    calls.append(a)
+    (victim,) = wait_for(renewing_backends, what="a renewal on the heartbeat's connection")
+    with backend_stopped(victim):
+        assert a.run.lost.wait(30), "A is declared lost at its deadline"
+        assert "a renewal was still waiting for the database" in a.run.lost_reason
+        a.end()
+        assert a.join() == "tests.heartbeat.a"
+        run = TaskRun.objects.get()
+        assert run.state == RunState.SUCCEEDED  # nobody took over: its late finish counts
+        assert victim in renewing_backends(), "the hung renewal has not come back yet"
+        resumed = ledger.database_now()
+    # The hung renewal is answered now, and refused (the run is finished): once its
+    # backend has moved on (idle again, or closed with the idle renewer), nothing changed.
+    wait_for(lambda: moved_on(victim, resumed), what="the late renewal to be answered")
+    assert TaskRun.objects.get().lease_until == run.lease_until
+    assert TaskRun.objects.get().state == RunState.SUCCEEDED
+
+
+def moved_on(pid: int, since: datetime) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT state, state_change FROM pg_stat_activity WHERE pid = %s", [pid])
+        found = cursor.fetchone()
+    return found is None or (found[0] == "idle" and found[1] > since)
 
 
 @sqlite_only
