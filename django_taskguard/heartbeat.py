@@ -299,6 +299,10 @@ def renew(beat: Beat) -> None:
 def _failed(beat: Beat) -> None:
     """A renewal raised (timed out, connection lost): count it, retry soon, before the deadline."""
     beat.failures += 1
+    try:
+        ledger.settle_connection()  # this renewer's connection: the next renewal reconnects
+    except Exception:
+        logger.warning("taskguard heartbeat could not close a failed connection", exc_info=True)
     if beat.stopped:
         beat.next_at = NEVER
         return
@@ -308,10 +312,6 @@ def _failed(beat: Beat) -> None:
         beat.failures,
         exc_info=True,
     )
-    try:
-        ledger.settle_connection()  # this renewer's connection: the retry reconnects
-    except Exception:
-        logger.warning("taskguard heartbeat could not close a failed connection", exc_info=True)
     retry_in = min(beat.interval, beat.timeout)
     beat.next_at = min(time.monotonic() + retry_in, beat.active.deadline)
 
