@@ -620,3 +620,109 @@ def task_names(limit: int) -> list[str]:
         f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
     )
     return [name for (name,) in _all(statement, [limit])]
+
+
+# -- monitoring: health, metrics and the admin's overview ---------------------------
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """One run as the overview's strip and the health verdict read it."""
+
+    id: int
+    slot: datetime
+    state: str
+    started_at: datetime | None
+    finished_at: datetime | None
+    lease_until: datetime | None
+
+
+_SLOT_RUN_FIELDS = ("id", "slot", "state", "started_at", "finished_at", "lease_until")
+
+
+def recent_runs(task_name: str, limit: int, *, states: Sequence[str] = ()) -> list[SlotRun]:
+    """The task's ``limit`` runs with the latest slots, newest first (``states``: only those).
+
+    A backward scan of the (task_name, slot) index, stopping after ``limit`` rows.
+    """
+    queryset = runs().filter(task_name=task_name)
+    if states:
+        queryset = queryset.filter(state__in=states)
+    try:
+        found = queryset.order_by("-slot").values(*_SLOT_RUN_FIELDS)[:limit]
+        return [SlotRun(**values) for values in found]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def count_in_state(task_name: str, state: str, since: datetime) -> int:
+    """How many of the task's runs with a slot at or after ``since`` are in ``state``."""
+    try:
+        return runs().filter(task_name=task_name, state=state, slot__gte=since).count()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def stale_slots(task_name: str, limit: int) -> list[SlotRun]:
+    """The task's running rows whose lease expired by the database's clock (oldest first)."""
+    try:
+        found = runs().stale().filter(task_name=task_name).order_by("slot")
+        return [SlotRun(**values) for values in found.values(*_SLOT_RUN_FIELDS)[:limit]]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+@dataclass(frozen=True)
+class LastRun:
+    slot: datetime
+    finished_at: datetime | None
+
+
+def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
+    """Each named task's run in ``state`` with the latest slot (tasks without one are left out)."""
+    found: dict[str, LastRun] = {}
+    d = _dialect()
+    chunk = 100
+    try:
+        for start in range(0, len(names), chunk):
+            part = names[start : start + chunk]
+            params = [value for name in part for value in (name, state)]
+            for name, slot, finished in _all(sql.latest_in_state(d, len(part)), params):
+                slot_at = aware(slot)
+                assert slot_at is not None
+                found[name] = LastRun(slot_at, aware(finished))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return found
+
+
+@dataclass
+class StateSummary:
+    """A task's runs in one state over a window of slots."""
+
+    runs: int = 0
+    duplicates: int = 0
+    duration_sum: float = 0.0
+    duration_count: int = 0
+    # How many durations are at most each bound (cumulative, as Prometheus has them).
+    buckets: tuple[int, ...] = ()
+
+
+def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, str], StateSummary]:
+    """Per (task, state), the runs whose slot is at or after ``since``: one statement,
+    a range scan of the slot index (its cost is the window's row count)."""
+    statement = sql.window_summary(_dialect(), len(bounds))
+    try:
+        rows = _all(statement, [*bounds, _slot(since)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {
+        (name, state): StateSummary(
+            int(count),
+            int(duplicates),
+            float(total),
+            int(timed),
+            tuple(int(n or 0) for n in below),
+        )
+        for name, state, count, duplicates, total, timed, *below in rows
+    }

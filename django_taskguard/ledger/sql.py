@@ -280,3 +280,43 @@ def _format(template: str, d: Dialect) -> str:
         fence=d.next_fence,
         row=ROW,
     )
+
+
+# -- monitoring (health, metrics, the admin's overview) ---------------------------
+
+# A finished attempt's duration in seconds (NULL when it has no start or end).
+DURATION = {
+    "postgresql": "EXTRACT(EPOCH FROM (finished_at - started_at))",
+    "sqlite": "(julianday(finished_at) - julianday(started_at)) * 86400.0",
+}
+
+
+@lru_cache
+def window_summary(d: Dialect, buckets: int) -> str:
+    """Per (task, state) over the slots since ``%s``: runs, duplicates, duration sum and
+    count, and how many durations are at most each of ``buckets`` bounds.
+
+    Parameters: the ``buckets`` bounds (seconds), then the window's start. A range
+    scan of the slot index: its cost is the number of runs in the window.
+    """
+    duration = DURATION[d.vendor]
+    counts = "".join(f", SUM(CASE WHEN {duration} <= %s THEN 1 ELSE 0 END)" for _ in range(buckets))
+    return (
+        f"SELECT task_name, state, COUNT(*), COALESCE(SUM(duplicates), 0), "
+        f"COALESCE(SUM({duration}), 0), COUNT({duration}){counts} "
+        f"FROM {RUN} WHERE slot >= %s GROUP BY task_name, state"
+    )
+
+
+@lru_cache
+def latest_in_state(d: Dialect, names: int) -> str:
+    """For each of ``names`` task names (parameters: name, state per name): its run of
+    that state with the latest slot, as ``task_name, slot, finished_at``.
+
+    One index probe per name on (task_name, state, slot).
+    """
+    one = (
+        f"SELECT * FROM (SELECT task_name, slot, finished_at FROM {RUN} "
+        f"WHERE task_name = %s AND state = %s ORDER BY slot DESC LIMIT 1) AS x"
+    )
+    return " UNION ALL ".join([one] * names)
