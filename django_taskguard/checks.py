@@ -15,6 +15,7 @@ from .conf import (
     BOUNDS,
     DEFAULTS,
     ON_REDIS_ERROR_CHOICES,
+    modules_problem,
     number_problem,
     taskguard_settings,
 )
@@ -81,6 +82,9 @@ def check_settings(
                 id="taskguard.E005",
             )
         )
+    problem = modules_problem(raw.get("SCHEDULE_MODULES", DEFAULTS["SCHEDULE_MODULES"]))
+    if problem is not None:
+        errors.append(Error(f"{problem}.", id="taskguard.E013"))
     errors += _check_database()
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:

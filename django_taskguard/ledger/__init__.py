@@ -467,6 +467,74 @@ def insert_skipped(task_name: str, slot: datetime, *, reason: str, actor: str) -
     return _insert_unheld(task_name, slot, RunState.SKIPPED, reason, 0, actor)
 
 
+def insert_missed(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
+    """Record a due slot that no instance claimed within its grace as ``missed``;
+    None when it has a row already."""
+    return _insert_unheld(task_name, slot, RunState.MISSED, reason, 0, actor)
+
+
+def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *, actor: str) -> int:
+    """Record many slots no attempt held (``missed``, or ``skipped`` while paused) at once:
+    ``(task, slot, reason)`` each; a slot that has a row keeps it. Returns how many were new."""
+    check_transition(RunState.PENDING, state)
+    if not rows:
+        return 0
+    d = _dialect()
+    if not d.one_statement:
+        inserted = [_insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+        return sum(1 for run_id in inserted if run_id is not None)
+    params = [
+        [task for task, _, _ in rows],
+        [_slot(slot) for _, slot, _ in rows],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, reason in rows],
+        state,
+        RunState.PENDING,
+        state,
+        actor,
+    ]
+    try:
+        found = _one(sql.insert_unheld_many(d), params)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def latest_slot(task_name: str) -> datetime | None:
+    """The newest slot of ``task_name`` that has a row."""
+    try:
+        found = _one(sql.latest_slot(_dialect()), [task_name])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return aware(found[0]) if found else None
+
+
+def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
+    """The slots of ``task_name`` in ``(after, until]`` that have a row."""
+    try:
+        found = _all(sql.slots_in(_dialect()), [task_name, _slot(after), _slot(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {slot for (value,) in found if (slot := aware(value)) is not None}
+
+
+def count_slots(task_name: str, after: datetime, until: datetime) -> int:
+    try:
+        found = _one(sql.count_slots(_dialect()), [task_name, _slot(after), _slot(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def failed_streak(task_name: str, length: int) -> bool:
+    """True when the newest ``length`` finished runs of ``task_name`` all failed."""
+    states = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+    try:
+        found = _all(sql.last_states(_dialect()), [task_name, *states, length])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return len(found) == length and all(state == RunState.FAILED for (state,) in found)
+
+
 def _insert_unheld(
     task_name: str, slot: datetime, state: str, reason: str, duplicates: int, actor: str
 ) -> int | None:

@@ -231,6 +231,55 @@ def insert_unheld(d: Dialect) -> str:
     )
 
 
+# Many rows no attempt ever held, with their transitions, in one statement (PostgreSQL).
+# Parameters: tasks (text[]), slots (timestamptz[]), reasons (text[]), state, from state,
+# state again, actor. Returns the number of rows inserted.
+@lru_cache
+def insert_unheld_many(d: Dialect) -> str:
+    return _format(
+        "WITH c(task_name, slot, reason) AS "
+        "(SELECT * FROM unnest(%s::text[], %s::timestamptz[], %s::text[])), "
+        "i AS (INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+        "finished_at, error, duplicates) SELECT task_name, slot, %s, 0, NULL, '', {now}, {now}, "
+        "reason, 0 FROM c ON CONFLICT (task_name, slot) DO NOTHING RETURNING id, error), "
+        "t AS (INSERT INTO {transition} ({columns}) SELECT id, %s, %s, {now}, error, %s FROM i) "
+        "SELECT count(*) FROM i",
+        d,
+    )
+
+
+# -- schedules: what the scheduler and the missed-slot sweep read -------------------
+
+
+@lru_cache
+def latest_slot(d: Dialect) -> str:
+    """The newest slot with a row of task ``%s`` (served by the (task, slot) index)."""
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s", d)
+
+
+@lru_cache
+def slots_in(d: Dialect) -> str:
+    """The slots with a row of task ``%s`` in ``(%s, %s]``."""
+    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
+
+
+@lru_cache
+def count_slots(d: Dialect) -> str:
+    return _format(
+        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
+    )
+
+
+@lru_cache
+def last_states(d: Dialect) -> str:
+    """The states of task ``%s``'s newest ``%s`` finished rows, newest first."""
+    return _format(
+        "SELECT state FROM {run} WHERE task_name = %s AND state IN (%s, %s, %s) "
+        "ORDER BY slot DESC LIMIT %s",
+        d,
+    )
+
+
 # -- the ledger's own row ----------------------------------------------------------
 
 
