@@ -84,7 +84,7 @@ def check_settings(
         )
     problem = modules_problem(raw.get("SCHEDULE_MODULES", DEFAULTS["SCHEDULE_MODULES"]))
     if problem is not None:
-        errors.append(Error(f"{problem}.", id="taskguard.E013"))
+        errors.append(Error(f"{problem}.", id="taskguard.E020"))
     errors += _check_database()
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:
