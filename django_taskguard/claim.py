@@ -32,7 +32,7 @@ class Taken:
     """The slot belongs to another attempt (or is finished); this call does not run."""
 
     state: str
-    lease_until: datetime | None = None  # of the live attempt, when state is running
+    lease_left: float | None = None  # of the live attempt, when state is running (db clock)
 
 
 def claim_slot(
@@ -43,6 +43,7 @@ def claim_slot(
     on_stale: str,
     *,
     count_live: bool = True,
+    take_missed: bool = True,
 ) -> ActiveRun | Taken:
     """Make this call the slot's live attempt, or say who has it.
 
@@ -50,6 +51,8 @@ def claim_slot(
     pending, retrying or stale needs a second, compare-and-set step, and a
     lost compare-and-set goes round again against the fresh row.
     ``count_live=False``: finding a live attempt does not count a duplicate.
+    ``take_missed``: a row the sweep recorded ``missed`` is run late (``catchup`` other
+    than ``"none"``); the transition log keeps the alarm.
     """
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
@@ -60,7 +63,7 @@ def claim_slot(
         if row.owner == owner:
             return _active(row, task_name, slot, lease, sent)
         try:
-            decided = _decide(row, owner, lease, abandon, slot, task_name)
+            decided = _decide(row, owner, lease, abandon, slot, task_name, take_missed)
         except DatabaseError as exc:
             raise _database_down(task_name, exc) from exc
         if isinstance(decided, Taken):
@@ -100,7 +103,7 @@ def _claim_row(
 
 def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
     return BackendUnavailable(
-        f"{task_name!r} did not run: the taskguard database is unreachable ({exc})"
+        f"{task_name!r} did not run: the taskguard database {ledger.describe_error(exc)}"
     )
 
 
@@ -111,9 +114,12 @@ def _decide(
     abandon: bool,
     slot: datetime,
     task_name: str,
+    take_missed: bool = True,
 ) -> Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
     state = row.state
+    if state == RunState.MISSED and take_missed:
+        return ledger.start_attempt(row, owner, lease, "claimed late, after it was recorded missed")
     if state in (RunState.PENDING, RunState.RETRYING):
         reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
         return ledger.start_attempt(row, owner, lease, reason)
@@ -124,7 +130,7 @@ def _decide(
         return ledger.take_over(row, owner, lease, f"{dead}; on_stale=retry")
     if state == RunState.ABANDONED and not abandon:
         return ledger.take_over(row, owner, lease, "on_stale=retry")
-    return Taken(state, row.lease_until if state == RunState.RUNNING else None)
+    return Taken(state, row.lease_left if state == RunState.RUNNING else None)
 
 
 def _abandon_stale(row: Row, owner: str, dead: str, task_name: str, slot: datetime) -> Taken | None:

@@ -134,7 +134,7 @@ def call_backend(method: Callable[..., T], *args: Any) -> T:
         raise BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})") from exc
 
 
-def release_lock(run: TaskRun) -> str:
+def release_lock(run_id: int) -> str:
     """Free one run whose owner is confirmed dead; return what was done.
 
     ``"abandoned"``: it was running with an expired lease (by the database
@@ -144,7 +144,7 @@ def release_lock(run: TaskRun) -> str:
     ``"nothing"``: there was nothing to free.
     """
     lock = get_backend()
-    found = ledger.run_ref(run.pk)
+    found = ledger.run_ref(run_id)
     if found is None:
         return "nothing"
     ref, alive = found

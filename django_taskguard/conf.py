@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "BEAT_CLAIM": False,
     "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
+    "SCHEDULE_MODULES": [],
     "HEALTH_FAILURES": 3,
     "MONITOR_WINDOW_HOURS": 24,
     "HEALTH_TOKEN": None,
@@ -47,7 +48,7 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
 }
 
 BACKENDS = ("auto", "redis", "database")
-# A bearer token shorter than this is refused (E020): it would be guessable.
+# A bearer token shorter than this is refused (E021): it would be guessable.
 TOKEN_MIN_LENGTH = 16
 
 
@@ -93,6 +94,19 @@ def lease_problem(value: Any, argument: str = "TASKGUARD['LEASE_SECONDS']") -> s
 
 
 ON_REDIS_ERROR_CHOICES = ("database", "fail")
+
+
+def modules_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be ``SCHEDULE_MODULES`` (a list of dotted module paths), or None."""
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(item, str) and item and all(part.isidentifier() for part in item.split("."))
+        for item in value
+    ):
+        return None
+    return (
+        f"TASKGUARD['SCHEDULE_MODULES'] is {value!r}; it must be a list of dotted module "
+        f"paths such as ['myproject.schedules']"
+    )
 
 
 class Settings:
@@ -188,6 +202,15 @@ class Settings:
     @property
     def RETRY_GRACE_SECONDS(self) -> float:
         return float(self._number("RETRY_GRACE_SECONDS"))
+
+    @property
+    def SCHEDULE_MODULES(self) -> list[str]:
+        """Modules imported to find ``@once_per_schedule`` functions (with the apps' tasks/jobs)."""
+        value = self._get("SCHEDULE_MODULES")
+        problem = modules_problem(value)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        return list(value)
 
     @property
     def FINISHED_MARKER_SECONDS(self) -> float:

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import guard, ledger, schedules
+from . import guard, ledger, registry, schedules
 from .conf import lease_problem, taskguard_settings
 from .exceptions import InvalidSchedule, TaskGuardError
 from .models import TASK_NAME_MAX_LENGTH
@@ -23,6 +25,12 @@ R = TypeVar("R")
 OnDuplicate = Literal["skip", "raise"]
 Overlap = Literal["allow", "skip"]
 OnStale = Literal["abandon", "retry"]
+Catchup = Literal["latest", "none", "all"]
+
+# Bounds of the catch-up arguments, checked at decoration time.
+GRACE_BOUNDS = (timedelta(seconds=1), timedelta(days=7))
+MAX_CATCHUP_BOUNDS = (1, 10_000)
+PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class _Spec(Generic[P, R]):
     def resolve(
         self, explicit: datetime | str | None, context: CallContext | None = None
     ) -> tuple[str, datetime]:
+        if not django_settings.USE_TZ:
+            raise ImproperlyConfigured(USE_TZ_NEEDED)
         now = timezone.now()  # Django's clock: what tests and time-travel libraries patch
         tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
         name = self.name or (context.task_name if context else None) or _dotted(self.func)
@@ -83,6 +93,14 @@ class _Spec(Generic[P, R]):
             f"{name!r} has no slot: give the decorator cron=, every= or schedule=, call "
             f".run_for_slot(slot), or send it through taskguard's Celery beat scheduler"
         )
+
+
+# The words of system check taskguard.E003, said at run time too: manage.py shell,
+# scripts, gunicorn and Celery workers run no system checks.
+USE_TZ_NEEDED = (
+    "taskguard needs USE_TZ = True (system check taskguard.E003): slots are aware UTC "
+    "datetimes, and naive times are ambiguous across DST"
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,6 +166,29 @@ def _choice(argument: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _grace(grace: timedelta | None) -> timedelta:
+    if grace is None:
+        return guard.DEFAULT_GRACE
+    low, high = GRACE_BOUNDS
+    if not isinstance(grace, timedelta) or not low <= grace <= high:
+        raise InvalidSchedule(
+            f"grace= must be a timedelta from {low} to {high} (how late a slot may still be "
+            f"claimed before it counts as missed); got {grace!r}"
+        )
+    return grace
+
+
+def _bounded(argument: str, value: int | None, bounds: tuple[int, int]) -> int | None:
+    if value is None:
+        return None
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidSchedule(
+            f"{argument}= must be a whole number from {low} to {high}; got {value!r}"
+        )
+    return value
+
+
 @overload
 def once_per_schedule(func: Callable[P, R], /) -> Guarded[P, R]: ...
 
@@ -163,6 +204,10 @@ def once_per_schedule(
     overlap: Overlap = "allow",
     on_stale: OnStale = "abandon",
     lease_seconds: float | None = None,
+    catchup: Catchup = "latest",
+    grace: timedelta | None = None,
+    max_catchup: int | None = None,
+    pause_after_failures: int | None = None,
 ) -> Callable[[Callable[P, R]], Guarded[P, R]]: ...
 
 
@@ -178,6 +223,10 @@ def once_per_schedule(
     overlap: Overlap = "allow",
     on_stale: OnStale = "abandon",
     lease_seconds: float | None = None,
+    catchup: Catchup = "latest",
+    grace: timedelta | None = None,
+    max_catchup: int | None = None,
+    pause_after_failures: int | None = None,
 ) -> Guarded[P, R] | Callable[[Callable[P, R]], Guarded[P, R]]:
     """Run the decorated function at most once per schedule slot, across every instance.
 
@@ -188,8 +237,18 @@ def once_per_schedule(
     The winning call returns the function's result; a call that finds its
     slot taken returns ``None`` (or raises ``DuplicateRun`` with
     ``on_duplicate="raise"``).
+
+    ``catchup``/``grace``/``max_catchup``: what happens to slots that fell due while
+    nothing fired them (see docs/schedules.md); ``pause_after_failures=N`` pauses the
+    task after N failures in a row. A function with a schedule is registered (in
+    memory) for ``run_schedules`` and the missed-slot sweep.
     """
-    built = schedules.build(cron, every, schedule)
+    # Raised when the function is known, so the message can name it.
+    bad_schedule: InvalidSchedule | None = None
+    try:
+        built = schedules.build(cron, every, schedule)
+    except InvalidSchedule as exc:
+        built, bad_schedule = None, exc
     if name is not None:
         validate_task_name(name)
     if lease_seconds is not None:
@@ -201,11 +260,27 @@ def once_per_schedule(
         overlap=_choice("overlap", overlap, ("allow", "skip")),
         on_stale=_choice("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
+        catchup=_choice("catchup", catchup, ("latest", "none", "all")),
+        grace=_grace(grace),
+        max_catchup=_bounded("max_catchup", max_catchup, MAX_CATCHUP_BOUNDS)
+        or guard.DEFAULT_MAX_CATCHUP,
+        pause_after_failures=_bounded(
+            "pause_after_failures", pause_after_failures, PAUSE_AFTER_FAILURES_BOUNDS
+        ),
     )
+    if built is None and (catchup != "latest" or grace is not None or max_catchup is not None):
+        raise InvalidSchedule(
+            "catchup=, grace= and max_catchup= need a schedule: give cron=, every= or schedule="
+        )
 
     def decorate(target: Callable[P, R]) -> Guarded[P, R]:
         if not callable(target):
             raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
+        if bad_schedule is not None:
+            where = name or _dotted(target)
+            raise InvalidSchedule(
+                f"@once_per_schedule on {where}: {bad_schedule}"
+            ) from bad_schedule
         spec = _Spec(target, name, built, policy)
         if name is None:
             validate_task_name(_dotted(target))
@@ -216,6 +291,10 @@ def once_per_schedule(
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
             context = _context()
             task_name, slot = spec.resolve(None, context)
+            if policy.catchup == "none" and guard.refused_late(
+                task_name, slot, policy, timezone.now()
+            ):
+                return None
             hooks = context or CallContext()
             return guard.execute(
                 task_name,
@@ -236,11 +315,29 @@ def once_per_schedule(
             task_name, resolved = spec.resolve(slot)
             return guard.execute(task_name, resolved, policy, target, args, kwargs)
 
+        def fire(slot: datetime) -> R | None:
+            """A scheduler's call for ``slot``: the catch-up policy applies."""
+            task_name, resolved = spec.resolve(slot)
+            if guard.refused_late(task_name, resolved, policy, timezone.now()):
+                return None
+            return guard.execute(task_name, resolved, policy, target, (), {})
+
         guarded = cast("Guarded[P, R]", wrapper)
         guarded.task_name = name
         guarded.schedule = built
         guarded.policy = policy
         guarded.run_for_slot = run_for_slot  # type: ignore[method-assign]
+        if built is not None:
+            entry = registry.Entry(
+                task_name=name or _dotted(target),
+                schedule=built,
+                policy=policy,
+                function=_dotted(target),
+                fire=fire,
+                run_for_slot=run_for_slot,
+                named=name is not None,
+            )
+            registry.register(entry, wrapper)
         return guarded
 
     if func is not None:

@@ -19,10 +19,12 @@ from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardEr
 from .heartbeat import heartbeats
 from .locks import Acquired, LockBackend, get_backend, run_key
 from .owner import actor, new_owner, new_token
+from .pauses import pause, paused_reason
 from .signals import (
     duplicate_suppressed,
     run_abandoned,
     run_failed,
+    run_missed,
     run_skipped,
     run_started,
     run_succeeded,
@@ -34,12 +36,20 @@ logger = logging.getLogger("taskguard.guard")
 R = TypeVar("R")
 
 
+DEFAULT_GRACE = timedelta(minutes=5)
+DEFAULT_MAX_CATCHUP = 100
+
+
 @dataclass(frozen=True)
 class Policy:
     on_duplicate: str = "skip"  # "skip" | "raise"
     overlap: str = "allow"  # "allow" | "skip"
     on_stale: str = "abandon"  # "abandon" | "retry"
     lease_seconds: float | None = None
+    catchup: str = "latest"  # "latest" | "none" | "all" (see docs/schedules.md)
+    grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
+    max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
+    pause_after_failures: int | None = None  # pause the task after this many failures in a row
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,15 @@ def execute(
         return None
     owner = new_owner(token)
     try:
-        outcome = claim_slot(task_name, slot, owner, lease, policy.on_stale, count_live=count)
+        outcome = claim_slot(
+            task_name,
+            slot,
+            owner,
+            lease,
+            policy.on_stale,
+            count_live=count,
+            take_missed=policy.catchup != "none",
+        )
     except BaseException:
         if acquired is Acquired.WON:
             lock.release(key, token)
@@ -114,10 +132,33 @@ def execute(
         if acquired is Acquired.WON:
             lock.release(key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
-            _put_back(on_busy, _seconds_left(outcome.lease_until, lease), task_name)
+            left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
+            _put_back(on_busy, left, task_name)
         _duplicate(task_name, slot, outcome.state, policy)
         return None
     return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
+
+
+def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) -> bool:
+    """``catchup="none"``: a scheduled call later than ``grace`` after its slot is
+    recorded ``missed`` and not run. False when it is in time, or when the slot has a
+    row already (then the claim decides, as for any call)."""
+    late = now - slot
+    if policy.catchup != "none" or late <= policy.grace:
+        return False
+    reason = (
+        f"late: called {late.total_seconds():.1f}s after its slot; catchup='none' runs a "
+        f"slot only within its grace ({policy.grace.total_seconds():g}s)"
+    )
+    try:
+        run_id = ledger.insert_missed(task_name, slot, reason=reason, actor=actor("guard"))
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
+    if run_id is None:
+        return False
+    logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
+    run_missed.send(sender=task_name, slot=slot, reason=reason)
+    return True
 
 
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
@@ -147,14 +188,6 @@ def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
 
 
-def _seconds_left(lease_until: datetime | None, lease: float) -> float:
-    """How long a live lease has left (a hint: this clock, not the database's)."""
-    if lease_until is None:
-        return lease
-    left = (lease_until - datetime.now(tz=lease_until.tzinfo)).total_seconds()
-    return min(max(left, 0.0), lease)
-
-
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
     duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
     logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
@@ -175,7 +208,7 @@ def _run(
     """Run the function as ``active``; record how it ended; free or mark the lock."""
     ended = False  # the row is recorded finished: the lock may say so too
     try:
-        if policy.overlap == "skip" and _skip_for_overlap(active):
+        if _skip_paused(active) or (policy.overlap == "skip" and _skip_for_overlap(active)):
             ended = True
             return None
         with activate(active):
@@ -188,6 +221,8 @@ def _run(
             except BaseException as exc:
                 heartbeats.stop(beat)
                 ended = _record_raised(active, exc, classify_raise)
+                if ended and policy.pause_after_failures:
+                    _pause_after_failures(active.task_name, policy.pause_after_failures)
                 raise
             finally:
                 heartbeats.stop(beat)
@@ -211,6 +246,27 @@ def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool) -> None:
             logger.warning(
                 "taskguard could not add %d duplicate calls to run %s", duplicates, active.id
             )
+
+
+def _skip_paused(active: ActiveRun) -> bool:
+    paused = paused_reason(active.task_name)
+    if paused is None:
+        return False
+    reason = f"paused: {paused}"
+    _finish(active, RunState.SKIPPED, reason)
+    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
+    return True
+
+
+def _pause_after_failures(task_name: str, failures: int) -> None:
+    """``pause_after_failures=N``: the Nth failure in a row pauses the task (never raises)."""
+    try:
+        if ledger.failed_streak(task_name, failures):
+            reason = f"paused after {failures} failures in a row (pause_after_failures)"
+            if pause(task_name, reason):
+                logger.warning("taskguard %s %s", task_name, reason)
+    except Exception:
+        logger.exception("taskguard could not check the failures of %s", task_name)
 
 
 def _skip_for_overlap(active: ActiveRun) -> bool:

@@ -7,13 +7,14 @@ whenever it started, computes the same slots.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
-from croniter import CroniterBadDateError, croniter
+from croniter import CroniterBadDateError, CroniterError, croniter
 from django.utils import timezone
 
 from .exceptions import InvalidSchedule
@@ -29,6 +30,12 @@ class Schedule(Protocol):
     def latest_slot(self, now: datetime) -> datetime:
         """Return the latest fire time at or before ``now`` (aware, UTC)."""
 
+    def slots_between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
+        """The fire times in ``(start, end]``, oldest first, at most ``limit`` (the oldest)."""
+
+    def count_between(self, start: datetime, end: datetime, cap: int) -> int:
+        """How many fire times ``(start, end]`` holds (counting stops at ``cap``)."""
+
 
 @dataclass(frozen=True)
 class CronSchedule:
@@ -41,13 +48,20 @@ class CronSchedule:
     day_or: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
-            raise InvalidSchedule(f"invalid cron expression: {self.expression!r}")
-        if len(self.expression.split()) != 5:
+        if not isinstance(self.expression, str):
+            raise InvalidSchedule(f"cron= must be a string, not {type(self.expression).__name__}")
+        fields = self.expression.split()
+        if len(fields) != 5:
             raise InvalidSchedule(
-                f"cron expression must have 5 fields (minute hour day month weekday): "
-                f"{self.expression!r}"
+                f"cron expression {self.expression!r} has {len(fields)} fields; it needs 5 "
+                f"(minute hour day-of-month month day-of-week)"
             )
+        try:
+            croniter(self.expression)
+        except (CroniterError, ValueError) as exc:
+            raise InvalidSchedule(
+                f"invalid cron expression {self.expression!r}: {_bad_field(fields)} ({exc})"
+            ) from exc
         try:
             croniter(self.expression, EPOCH.replace(tzinfo=None), day_or=self.day_or).get_next(
                 datetime
@@ -81,6 +95,53 @@ class CronSchedule:
             candidates.append(fire)
         return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
 
+    def slots_between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
+        return list(_take(self._walk(start, end), limit))
+
+    def count_between(self, start: datetime, end: datetime, cap: int) -> int:
+        return sum(1 for _ in _take(self._walk(start, end), cap))
+
+    def _walk(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Fire times in ``(start, end]`` in order: wall times from a DST window before
+        ``start`` on, mapped to UTC, kept when inside (a repeated or skipped hour maps
+        some of them out of order, hence the window and the check against the last)."""
+        zone = self._zone()
+        wall = start.astimezone(zone).replace(tzinfo=None) - DST_WINDOW
+        end_wall = end.astimezone(zone).replace(tzinfo=None) + DST_WINDOW
+        walker = croniter(self.expression, wall, day_or=self.day_or)
+        last = start
+        while (fire := walker.get_next(datetime)) <= end_wall:
+            utc = wall_to_utc(fire, zone)
+            if last < utc <= end:
+                last = utc
+                yield utc
+
+
+def _take(items: Iterator[datetime], limit: int) -> Iterator[datetime]:
+    for count, item in enumerate(items):
+        if count >= limit:
+            return
+        yield item
+
+
+CRON_FIELDS = (
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day-of-month", "1-31"),
+    ("month", "1-12 or jan-dec"),
+    ("day-of-week", "0-7 or sun-sat"),
+)
+
+
+def _bad_field(fields: list[str]) -> str:
+    """Name the first field that is wrong on its own (the others made ``*``)."""
+    for index, (name, allowed) in enumerate(CRON_FIELDS):
+        alone = ["*"] * 5
+        alone[index] = fields[index]
+        if not croniter.is_valid(" ".join(alone)):
+            return f"the {name} field {fields[index]!r} is not valid (allowed: {allowed})"
+    return "its fields do not work together"
+
 
 def _offset_changes(zone: Any, start: datetime, end: datetime) -> bool:
     """True when ``zone``'s UTC offset is not the same at both naive wall times."""
@@ -103,6 +164,16 @@ class IntervalSchedule:
         step = self.every // timedelta(microseconds=1)
         since = (now - EPOCH) // timedelta(microseconds=1)
         return EPOCH + timedelta(microseconds=since - since % step)
+
+    def slots_between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
+        first = self.latest_slot(start) + self.every
+        count = min(limit, self.count_between(start, end, limit))
+        return [first + self.every * n for n in range(count)]
+
+    def count_between(self, start: datetime, end: datetime, cap: int) -> int:
+        if end <= start:
+            return 0
+        return min(cap, (end - self.latest_slot(start)) // self.every)
 
 
 def wall_to_utc(wall: datetime, zone: Any) -> datetime:
@@ -178,6 +249,29 @@ def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule 
     if isinstance(schedule, timedelta):
         return IntervalSchedule(schedule)
     return from_celery(schedule)
+
+
+def describe(schedule: Schedule) -> dict[str, Any]:
+    """The stored form of a schedule (``TaskSchedule``'s fields); :func:`rebuild` reads it."""
+    if isinstance(schedule, CronSchedule):
+        return {
+            "cron": schedule.expression,
+            "cron_day_or": schedule.day_or,
+            "time_zone": schedule.tz_name or "",
+            "every": None,
+        }
+    if isinstance(schedule, IntervalSchedule):
+        return {"cron": "", "cron_day_or": True, "time_zone": "", "every": schedule.every}
+    raise InvalidSchedule(f"{schedule!r} cannot be stored (a cron or interval schedule can)")
+
+
+def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> Schedule:
+    """The schedule a ``TaskSchedule`` row stores."""
+    if cron:
+        return CronSchedule(cron, time_zone or None, day_or)
+    if every is None:
+        raise InvalidSchedule("a stored schedule has neither a cron expression nor an interval")
+    return IntervalSchedule(every)
 
 
 def normalize_slot(slot: Any) -> datetime:

@@ -65,8 +65,8 @@ def ids(**overrides: object) -> list[str]:
         pytest.param({"FINISHED_MARKER_SECONDS": True}, ["taskguard.E012"], id="E012-bool"),
         pytest.param({"HEALTH_FAILURES": 0}, ["taskguard.E009"], id="E009-health-failures"),
         pytest.param({"MONITOR_WINDOW_HOURS": 721}, ["taskguard.E009"], id="E009-window"),
-        pytest.param({"HEALTH_TOKEN": "short"}, ["taskguard.E020"], id="E020-short-token"),
-        pytest.param({"METRICS_TOKEN": 1234}, ["taskguard.E020"], id="E020-not-a-string"),
+        pytest.param({"HEALTH_TOKEN": "short"}, ["taskguard.E021"], id="E021-short-token"),
+        pytest.param({"METRICS_TOKEN": 1234}, ["taskguard.E021"], id="E021-not-a-string"),
         pytest.param({"LEASE_SECOND": 30}, ["taskguard.W001"], id="W001-typo"),
         pytest.param(
             {"BACKEND": "x", "LEASE_SECONDS": 0, "ON_REDIS_ERROR": "x", "COLOUR": 1},
@@ -173,3 +173,16 @@ def test_settings__checked_where_they_are_read(name, value):
         job.run_for_slot(BASE_SLOT)
     assert calls == []
     assert not TaskRun.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [("6.2.14", True), ("5.0.7", True), ("7.0.15", False), ("7.2.4", False), ("8.0.0", False)],
+)
+def test_redis_version_problem__before_7_0_is_refused(version, refused):
+    from django_taskguard.checks import redis_version_problem
+
+    problem = redis_version_problem(version)
+    assert (problem is not None) is refused
+    if refused:
+        assert f"is Redis {version}; taskguard's lock needs 7.0 or newer" in problem

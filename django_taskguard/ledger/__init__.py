@@ -80,7 +80,12 @@ class Row:
     fence: int | None
     owner: str
     lease_until: datetime | None
-    expired: bool = False
+    lease_left: float | None = None  # seconds, by the database's clock (read rows only)
+
+    @property
+    def expired(self) -> bool:
+        """The lease ran out, by the database's clock."""
+        return self.lease_left is not None and self.lease_left <= 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,18 @@ def settle_connection() -> None:
 
 
 def unreachable(exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
+
+
+def describe_error(exc: Exception) -> str:
+    """``is unreachable (...)``, or ``is busy (...)`` for SQLite's lock timeout."""
+    if "database is locked" in str(exc):
+        return (
+            f"is busy: another connection held SQLite's write lock past its timeout ({exc}); "
+            f"raise DATABASES[...]['OPTIONS']['timeout'] or use PostgreSQL for many writers"
+        )
+    return f"is unreachable ({exc})"
 
 
 def ensure_reachable() -> None:
@@ -193,9 +209,9 @@ def aware(value: Any) -> datetime | None:
 def _row(values: Sequence[Any] | None) -> Row | None:
     if values is None:
         return None
-    expired = bool(values[6]) if len(values) > 6 else False
+    left = float(values[6]) if len(values) > 6 and values[6] is not None else None
     return Row(
-        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), expired
+        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), left
     )
 
 
@@ -465,6 +481,74 @@ def insert_abandoned(
 def insert_skipped(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
     """Record a slot that will not run as ``skipped``; None when it has a row already."""
     return _insert_unheld(task_name, slot, RunState.SKIPPED, reason, 0, actor)
+
+
+def insert_missed(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
+    """Record a due slot that no instance claimed within its grace as ``missed``;
+    None when it has a row already."""
+    return _insert_unheld(task_name, slot, RunState.MISSED, reason, 0, actor)
+
+
+def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *, actor: str) -> int:
+    """Record many slots no attempt held (``missed``, or ``skipped`` while paused) at once:
+    ``(task, slot, reason)`` each; a slot that has a row keeps it. Returns how many were new."""
+    check_transition(RunState.PENDING, state)
+    if not rows:
+        return 0
+    d = _dialect()
+    if not d.one_statement:
+        inserted = [_insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+        return sum(1 for run_id in inserted if run_id is not None)
+    params = [
+        [task for task, _, _ in rows],
+        [_slot(slot) for _, slot, _ in rows],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, reason in rows],
+        state,
+        RunState.PENDING,
+        state,
+        actor,
+    ]
+    try:
+        found = _one(sql.insert_unheld_many(d), params)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def latest_slot(task_name: str) -> datetime | None:
+    """The newest slot of ``task_name`` that has a row."""
+    try:
+        found = _one(sql.latest_slot(_dialect()), [task_name])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return aware(found[0]) if found else None
+
+
+def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
+    """The slots of ``task_name`` in ``(after, until]`` that have a row."""
+    try:
+        found = _all(sql.slots_in(_dialect()), [task_name, _slot(after), _slot(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {slot for (value,) in found if (slot := aware(value)) is not None}
+
+
+def count_slots(task_name: str, after: datetime, until: datetime) -> int:
+    try:
+        found = _one(sql.count_slots(_dialect()), [task_name, _slot(after), _slot(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def failed_streak(task_name: str, length: int) -> bool:
+    """True when the newest ``length`` finished runs of ``task_name`` all failed."""
+    states = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+    try:
+        found = _all(sql.last_states(_dialect()), [task_name, *states, length])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return len(found) == length and all(state == RunState.FAILED for (state,) in found)
 
 
 def _insert_unheld(

@@ -35,6 +35,7 @@ class Dialect:
     vendor: str
     now: str
     lease_from_now: str  # one %s parameter: seconds
+    lease_left: str  # seconds until lease_until, by the database's clock (NULL: no lease)
     next_fence: str
     one_statement: bool  # True: data-modifying CTEs (PostgreSQL)
 
@@ -43,6 +44,7 @@ POSTGRES = Dialect(
     vendor="postgresql",
     now="statement_timestamp()",
     lease_from_now="statement_timestamp() + make_interval(secs => %s)",
+    lease_left="EXTRACT(EPOCH FROM lease_until - statement_timestamp())",
     next_fence=f"nextval('{FENCE_SEQUENCE}')",
     one_statement=True,
 )
@@ -50,6 +52,7 @@ SQLITE = Dialect(
     vendor="sqlite",
     now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
     lease_from_now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || %s || ' seconds')",
+    lease_left="(julianday(lease_until) - julianday('now')) * 86400.0",
     # The ledger row's counter, moved on by :func:`bump_fence` first in the same
     # transaction (SQLite runs one writer at a time). Never MAX(fence) + 1: that
     # goes back when retention deletes the newest rows.
@@ -81,7 +84,7 @@ _CLAIM = (
     "CASE WHEN r.state IN ('succeeded', 'failed', 'skipped') "
     "OR (r.state = 'running' AND r.lease_until > {now} AND %s) "
     "OR (r.state = 'abandoned' AND %s) THEN 1 ELSE 0 END "
-    "RETURNING {row}, lease_until <= {now}"
+    "RETURNING {row}, {left}"
 )
 _CLAIMED = (
     "INSERT INTO {transition} ({columns}) SELECT id, 'pending', 'running', {now}, 'claimed', owner "
@@ -113,14 +116,12 @@ def claimed_transition(d: Dialect) -> str:
 
 @lru_cache
 def read_slot(d: Dialect) -> str:
-    return _format(
-        "SELECT {row}, lease_until <= {now} FROM {run} WHERE task_name = %s AND slot = %s", d
-    )
+    return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
 
 
 @lru_cache
 def read_id(d: Dialect) -> str:
-    return _format("SELECT {row}, lease_until <= {now} FROM {run} WHERE id = %s", d)
+    return _format("SELECT {row}, {left} FROM {run} WHERE id = %s", d)
 
 
 @lru_cache
@@ -231,6 +232,55 @@ def insert_unheld(d: Dialect) -> str:
     )
 
 
+# Many rows no attempt ever held, with their transitions, in one statement (PostgreSQL).
+# Parameters: tasks (text[]), slots (timestamptz[]), reasons (text[]), state, from state,
+# state again, actor. Returns the number of rows inserted.
+@lru_cache
+def insert_unheld_many(d: Dialect) -> str:
+    return _format(
+        "WITH c(task_name, slot, reason) AS "
+        "(SELECT * FROM unnest(%s::text[], %s::timestamptz[], %s::text[])), "
+        "i AS (INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+        "finished_at, error, duplicates) SELECT task_name, slot, %s, 0, NULL, '', {now}, {now}, "
+        "reason, 0 FROM c ON CONFLICT (task_name, slot) DO NOTHING RETURNING id, error), "
+        "t AS (INSERT INTO {transition} ({columns}) SELECT id, %s, %s, {now}, error, %s FROM i) "
+        "SELECT count(*) FROM i",
+        d,
+    )
+
+
+# -- schedules: what the scheduler and the missed-slot sweep read -------------------
+
+
+@lru_cache
+def latest_slot(d: Dialect) -> str:
+    """The newest slot with a row of task ``%s`` (served by the (task, slot) index)."""
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s", d)
+
+
+@lru_cache
+def slots_in(d: Dialect) -> str:
+    """The slots with a row of task ``%s`` in ``(%s, %s]``."""
+    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
+
+
+@lru_cache
+def count_slots(d: Dialect) -> str:
+    return _format(
+        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
+    )
+
+
+@lru_cache
+def last_states(d: Dialect) -> str:
+    """The states of task ``%s``'s newest ``%s`` finished rows, newest first."""
+    return _format(
+        "SELECT state FROM {run} WHERE task_name = %s AND state IN (%s, %s, %s) "
+        "ORDER BY slot DESC LIMIT %s",
+        d,
+    )
+
+
 # -- the ledger's own row ----------------------------------------------------------
 
 
@@ -279,6 +329,7 @@ def _format(template: str, d: Dialect) -> str:
         lease=d.lease_from_now,
         fence=d.next_fence,
         row=ROW,
+        left=d.lease_left,
     )
 
 
