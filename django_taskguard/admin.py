@@ -27,6 +27,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from . import ledger
+from .admin_overview import OverviewMixin
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
 from .models import TaskRun, TaskRunQuerySet, TaskRunTransition
@@ -48,6 +49,7 @@ STATE_COLOURS: dict[str, str] = {
     RunState.FAILED: "#dc3545",
     RunState.SKIPPED: "#5f6b7a",
     RunState.ABANDONED: "#6f42c1",
+    RunState.MISSED: "#e8590c",
 }
 # Below this many rows (by the planner's estimate) the paginator counts exactly.
 EXACT_COUNT_BELOW = 10_000
@@ -153,7 +155,7 @@ class TransitionInline(TransitionInlineBase):
 
 
 @admin.register(TaskRun)
-class TaskRunAdmin(RunAdminBase):
+class TaskRunAdmin(OverviewMixin, RunAdminBase):
     list_display = (
         "state_badge",
         "task_name",
@@ -177,6 +179,8 @@ class TaskRunAdmin(RunAdminBase):
     inlines = (TransitionInline,)
     actions = ("cleanup_stale_locks", "release_locks")
     change_form_template = "admin/taskguard/taskrun/change_form.html"
+    change_list_template = "admin/taskguard/taskrun/change_list.html"
+    state_colours = STATE_COLOURS
     fields = (
         ("task_name", "slot"),
         ("state", "attempt", "fence"),

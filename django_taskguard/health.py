@@ -30,8 +30,9 @@ from django.utils.translation import ngettext
 
 from . import ledger
 from .conf import taskguard_settings
+from .ledger import schedules as schedule_store
 from .models import TaskSchedule
-from .schedules import CronSchedule, IntervalSchedule, Schedule, wall_to_utc
+from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild, wall_to_utc
 from .states import RunState
 
 # Tasks judged per verdict: the registered schedules, then names seen in the ledger.
@@ -133,7 +134,7 @@ def check(*, task: str | None = None) -> Verdict:
 
 def known_tasks() -> list[TaskHealth]:
     """The registered schedules, then the other task names the ledger has runs of."""
-    tasks = [from_schedule(row) for row in ledger.task_schedules(MAX_TASKS)]
+    tasks = [from_schedule(row) for row in schedule_store.stored()[:MAX_TASKS]]
     seen = {t.task for t in tasks}
     for name in ledger.task_names(MAX_TASKS):
         if name not in seen and len(tasks) < MAX_TASKS:
@@ -157,13 +158,9 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
 
 def build_schedule(row: TaskSchedule) -> Schedule | None:
     try:
-        if row.cron:
-            return CronSchedule(row.cron, row.time_zone or None, row.cron_day_or)
-        if row.every is not None:
-            return IntervalSchedule(row.every)
+        return rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
     except Exception:  # a row written by another version: shown, not judged on time
         return None
-    return None
 
 
 def judge(health: TaskHealth, now: datetime, window: timedelta) -> None:

@@ -28,7 +28,7 @@ from django.utils.dateparse import parse_datetime
 
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable, TaskGuardError
-from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition, TaskSchedule
+from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition
 from ..owner import token_of
 from ..states import PRUNABLE_STATES, RunState, check_transition
 from . import sql
@@ -810,11 +810,3 @@ def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, 
         )
         for name, state, count, duplicates, total, timed, *below in rows
     }
-
-
-def task_schedules(limit: int) -> list[TaskSchedule]:
-    """The registered schedules, by task name (read from the ledger's database)."""
-    try:
-        return list(TaskSchedule.objects.using(alias()).order_by("task_name")[:limit])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc

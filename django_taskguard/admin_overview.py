@@ -1,0 +1,167 @@
+"""The per-task overview page of the run admin, and its pause and resume buttons.
+
+``admin/taskguard/taskrun/overview/``: one row per task (registered schedules,
+then the task names the ledger has runs of), unhealthy first. Pause and resume
+are POST forms, gated by the ``taskguard.pause_taskschedule`` permission, that
+call :mod:`.pauses` (the same API as ``manage.py pause_task``) and record the
+acting user in the pause's reason and in the admin's log.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from datetime import timezone as dt_timezone
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.http import urlencode
+from django.utils.translation import gettext as _
+from django.views.decorators.http import require_POST
+
+from . import overview, pauses
+from .exceptions import BackendUnavailable
+from .ledger import schedules as schedule_store
+from .models import TaskRun
+from .states import RunState
+
+if TYPE_CHECKING:
+    AdminBase = admin.ModelAdmin[TaskRun]
+else:
+    AdminBase = object
+
+PAUSE_PERMISSION = "taskguard.pause_taskschedule"
+# Strip colours beyond the run states: a slot with no run.
+CELL_COLOURS = {
+    RunState.MISSED: "#e8590c",
+    overview.GAP: "#ffffff",
+    overview.DUE: "#cfe2ff",
+    overview.PAUSED: "#dee2e6",
+}
+BADGES = {"ok": ("#198754", _("healthy")), "paused": ("#6c757d", _("paused"))}
+
+
+class OverviewMixin(AdminBase):
+    """Adds the overview and its pause/resume views to the ``TaskRun`` admin."""
+
+    state_colours: dict[str, str]
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("overview/", wrap(self.overview_view), name="taskguard_taskrun_overview"),
+            path(
+                "overview/pause/",
+                wrap(require_POST(self.pause_view)),
+                name="taskguard_taskrun_pause",
+            ),
+            *super().get_urls(),
+        ]
+
+    def overview_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            verdict, rows = overview.overview()
+        except BackendUnavailable as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            verdict, rows = None, []
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Tasks at a glance"),
+            "opts": self.opts,
+            "verdict": verdict,
+            "rows": [self._row(row) for row in rows],
+            "can_pause": request.user.has_perm(PAUSE_PERMISSION),
+            "legend": self._legend(),
+        }
+        return TemplateResponse(request, "admin/taskguard/taskrun/overview.html", context)
+
+    def pause_view(self, request: HttpRequest) -> HttpResponse:
+        if not request.user.has_perm(PAUSE_PERMISSION):
+            raise PermissionDenied
+        name = request.POST.get("task", "")
+        action = request.POST.get("do", "")
+        user = request.user.get_username()
+        if action == "pause":
+            changed = pauses.pause(name, f"paused from the admin by {user}")
+            done = _("Paused %(task)s.")
+            same = _("%(task)s is not a known schedule, or is paused already.")
+        elif action == "resume":
+            changed = pauses.resume(name)
+            done = _("Resumed %(task)s.")
+            same = _("%(task)s is not a known schedule, or is not paused.")
+        else:
+            raise PermissionDenied
+        if changed:
+            self._log(request, name, f"{action}d from the task overview by {user}")
+            self.message_user(request, done % {"task": name}, messages.SUCCESS)
+        else:
+            self.message_user(request, same % {"task": name}, messages.WARNING)
+        return HttpResponseRedirect(reverse("admin:taskguard_taskrun_overview"))
+
+    def _log(self, request: HttpRequest, name: str, message: str) -> None:
+        """Django's admin log, on the schedule's row (its History page)."""
+        stored = schedule_store.get(name)
+        if stored is not None:
+            self.log_change(request, stored, message)  # type: ignore[arg-type]  # any model
+
+    def _row(self, row: overview.TaskRow) -> dict[str, Any]:
+        task = row.health
+        colour, label = BADGES.get(task.status, ("#dc3545", ""))
+        if not label:
+            label = " + ".join(sorted({p.code for p in task.problems}))
+        success = task.last_success
+        return {
+            "task": task.task,
+            "schedule": task.words or _("no schedule registered"),
+            "next_slot": _when(task.next_slot) if not task.paused else None,
+            "last_success": _when(success.finished_at) if success else None,
+            "badge": {"colour": colour, "label": label, "status": task.status},
+            "problems": task.problems,
+            "paused": task.paused,
+            "paused_reason": task.paused_reason,
+            "scheduled": task.schedule is not None,
+            "cells": [self._cell(cell) for cell in row.cells],
+            "runs_url": reverse("admin:taskguard_taskrun_changelist")
+            + "?"
+            + urlencode({"task_name": task.task}),
+        }
+
+    def _cell(self, cell: overview.Cell) -> dict[str, Any]:
+        colour = CELL_COLOURS.get(cell.state) or self.state_colours.get(cell.state, "#6c757d")
+        return {
+            "state": cell.state,
+            "colour": colour,
+            "title": f"{_stamp(cell.slot)}: {cell.state}",
+            "url": reverse("admin:taskguard_taskrun_change", args=[cell.run_id])
+            if cell.run_id is not None
+            else None,
+        }
+
+    def _legend(self) -> list[tuple[str, str]]:
+        states = [state.value for state in RunState]
+        states += [overview.GAP, overview.DUE, overview.PAUSED]
+        colours = {**self.state_colours, **CELL_COLOURS}
+        return [(state, colours.get(state, "#6c757d")) for state in states]
+
+
+def _stamp(moment: datetime) -> str:
+    """``2026-11-22 22:00:00 CET (21:00:00 UTC)``."""
+    utc = moment.astimezone(dt_timezone.utc)
+    return f"{timezone.localtime(moment):%Y-%m-%d %H:%M:%S %Z} ({utc:%H:%M:%S} UTC)"
+
+
+def _when(moment: datetime | None) -> tuple[str, str] | None:
+    """``(local time with zone and seconds, UTC)`` for a page that shows both."""
+    if moment is None:
+        return None
+    local = timezone.localtime(moment)
+    return (
+        local.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        moment.astimezone(dt_timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+    )
