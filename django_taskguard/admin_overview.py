@@ -156,12 +156,10 @@ def _stamp(moment: datetime) -> str:
     return f"{timezone.localtime(moment):%Y-%m-%d %H:%M:%S %Z} ({utc:%H:%M:%S} UTC)"
 
 
-def _when(moment: datetime | None) -> tuple[str, str] | None:
-    """``(local time with zone and seconds, UTC)`` for a page that shows both."""
+def _when(moment: datetime | None) -> tuple[str, str, str] | None:
+    """``(local date, local time with seconds and zone, UTC)`` for a page that shows both."""
     if moment is None:
         return None
     local = timezone.localtime(moment)
-    return (
-        local.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        moment.astimezone(dt_timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-    )
+    utc = moment.astimezone(dt_timezone.utc)
+    return f"{local:%Y-%m-%d}", f"{local:%H:%M:%S %Z}", f"{utc:%Y-%m-%d %H:%M:%S} UTC"

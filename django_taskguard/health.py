@@ -24,7 +24,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from croniter import croniter
-from django.utils.timezone import get_default_timezone
+from django.utils.timezone import get_default_timezone, get_default_timezone_name
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
@@ -270,7 +270,7 @@ def describe(row: TaskSchedule) -> str:
     """The schedule in words: ``every 5 minutes``, ``cron 0 21 * * * (Europe/Paris)``."""
     if row.every is not None:
         return _("every %(interval)s") % {"interval": _interval(row.every)}
-    zone = row.time_zone or _("TIME_ZONE")
+    zone = row.time_zone or get_default_timezone_name()
     return _("cron %(expression)s (%(zone)s)") % {"expression": row.cron, "zone": zone}
 
 

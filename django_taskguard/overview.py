@@ -57,7 +57,7 @@ def strip(task: health.TaskHealth, now: datetime, length: int) -> list[Cell]:
             if slot in cells or (task.first_seen is not None and slot < task.first_seen):
                 continue
             state = DUE if slot > now - task.grace else GAP
-            if task.paused:
+            if task.paused and (task.paused_at is None or slot >= task.paused_at):
                 state = PAUSED
             cells[slot] = Cell(slot, state)
     newest = sorted(cells)[-length:]

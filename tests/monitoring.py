@@ -20,6 +20,7 @@ def schedule(
     cron: str = "",
     first_seen: datetime | None = None,
     paused: bool = False,
+    paused_at: datetime | None = None,
     grace: timedelta = GRACE,
 ) -> TaskSchedule:
     """A registered schedule (first seen a week ago unless said)."""
@@ -31,7 +32,7 @@ def schedule(
         grace=grace,
         max_catchup=10,
         paused=paused,
-        paused_at=timezone.now() if paused else None,
+        paused_at=(paused_at or timezone.now()) if paused else None,
         paused_reason="paused by admin ops" if paused else "",
         first_seen=first_seen or timezone.now() - timedelta(days=7),
     )
