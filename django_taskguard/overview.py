@@ -41,17 +41,21 @@ class TaskRow:
 def overview(length: int = STRIP_LENGTH) -> tuple[health.Verdict, list[TaskRow]]:
     """Every known task, the unhealthy first, each with its last ``length`` slots."""
     verdict = health.check()
-    rows = [TaskRow(task, strip(task, verdict.checked_at, length)) for task in verdict.tasks]
+    recent = ledger.recent_runs_of([task.task for task in verdict.tasks], length)
+    rows = [
+        TaskRow(task, strip(task, recent[task.task], verdict.checked_at, length))
+        for task in verdict.tasks
+    ]
     rows.sort(key=lambda row: (row.health.healthy, row.health.task))
     return verdict, rows
 
 
-def strip(task: health.TaskHealth, now: datetime, length: int) -> list[Cell]:
+def strip(
+    task: health.TaskHealth, runs: list[ledger.SlotRun], now: datetime, length: int
+) -> list[Cell]:
     """The task's last ``length`` slots, oldest first: its runs, and for a scheduled task
     the due slots that have none (gaps)."""
-    cells = {
-        run.slot: Cell(run.slot, run.state, run.id) for run in ledger.recent_runs(task.task, length)
-    }
+    cells = {run.slot: Cell(run.slot, run.state, run.id) for run in runs}
     if task.schedule is not None:
         for slot in health.expected_slots(task.schedule, now, length):
             if slot in cells or (task.first_seen is not None and slot < task.first_seen):
