@@ -755,14 +755,11 @@ def task_names(limit: int) -> list[str]:
 
 @dataclass(frozen=True)
 class SlotRun:
-    """One run as the overview's strip and the health verdict read it."""
+    """One run as the overview's strip reads it."""
 
     id: int
     slot: datetime
     state: str
-    started_at: datetime | None
-    finished_at: datetime | None
-    lease_until: datetime | None
 
 
 @dataclass(frozen=True)
@@ -882,16 +879,12 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
     try:
         for start in range(0, len(names), FACTS_CHUNK):
             part = names[start : start + FACTS_CHUNK]
-            for name, run_id, slot, state, started, finished, lease in _all(
+            for name, run_id, slot, state in _all(
                 sql.recent_runs(d, len(part)), [*part, max(limit - 1, 0)]
             ):
                 slot_at = aware(slot)
                 assert slot_at is not None
-                found[name].append(
-                    SlotRun(
-                        int(run_id), slot_at, state, aware(started), aware(finished), aware(lease)
-                    )
-                )
+                found[name].append(SlotRun(int(run_id), slot_at, state))
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     for runs_of_task in found.values():

@@ -423,7 +423,7 @@ def task_facts(d: Dialect, tasks: int) -> str:
 # Parameters after the VALUES: limit - 1 (the OFFSET).
 _RECENT = (
     "WITH t(name) AS (VALUES {tasks}) "
-    "SELECT r.task_name, r.id, r.slot, r.state, r.started_at, r.finished_at, r.lease_until "
+    "SELECT r.task_name, r.id, r.slot, r.state "
     "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
     "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "
     "LIMIT 1 OFFSET %s), {oldest})"
