@@ -269,11 +269,17 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
             return self._confirm(
                 request, queryset, "cleanup_stale_locks", _("Clean up stale locks")
             )
+        user = request.user.get_username()
         try:
-            result = cleanup_locks(runs=queryset)
+            result = cleanup_locks(runs=queryset, user=user)
         except BackendUnavailable as exc:
             self.message_user(request, str(exc), messages.ERROR)
             return None
+        for touched in result.runs:  # each run's History page says who and why
+            run = TaskRun(
+                pk=touched.run_id, task_name=touched.task, slot=touched.slot, state="abandoned"
+            )
+            self.log_change(request, run, f"abandoned: {touched.reason}")
         runs = ngettext("Abandoned %d stale run", "Abandoned %d stale runs", result.stale_runs) % (
             result.stale_runs,
         )
@@ -290,11 +296,16 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         if request.POST.get("confirm") != "yes":
             return self._confirm(request, queryset, "release_locks", _("Release lock"))
         outcomes: dict[str, int] = {}
-        chosen = queryset.order_by("pk").values_list("pk", flat=True)
+        chosen = queryset.order_by("pk").values_list("pk", "task_name", "slot", "state")
+        user = request.user.get_username()
         try:
-            for run_id in chosen[:MAX_RELEASED]:
-                outcome = release_lock(run_id)
+            for run_id, task_name, slot, state in chosen[:MAX_RELEASED]:
+                outcome = release_lock(run_id, user=user)
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                if outcome in ("abandoned", "released"):
+                    state = RunState.ABANDONED if outcome == "abandoned" else state
+                    run = TaskRun(pk=run_id, task_name=task_name, slot=slot, state=state)
+                    self.log_change(request, run, f"lock {outcome}: admin action by {user}")
         except BackendUnavailable as exc:
             self.message_user(request, str(exc), messages.ERROR)
             return None

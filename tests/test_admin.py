@@ -124,7 +124,12 @@ def test_cleanup_action__confirmation_then_abandons_only_stale(operator):
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED
     assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
     (transition,) = TaskRunTransition.objects.filter(run=stale, to_state=RunState.ABANDONED)
-    assert "cleanup_locks" in transition.reason
+    # Who acted: the user, on the transition and in the run's History page.
+    assert transition.reason.endswith("; admin action by operator")
+    assert transition.owner.startswith("admin/operator@")
+    history = operator.get(reverse("admin:taskguard_taskrun_history", args=[stale.pk]))
+    assert "abandoned: lease of otherhost:1:deadbeef expired" in history.content.decode()
+    assert "admin action by operator" in history.content.decode()
 
 
 def test_release_action__refuses_a_live_owner(operator):
@@ -136,6 +141,11 @@ def test_release_action__refuses_a_live_owner(operator):
     assert "left alone" in html
     assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED
+    (transition,) = TaskRunTransition.objects.filter(run=stale, to_state=RunState.ABANDONED)
+    assert transition.reason.endswith("; admin action by operator")
+    assert transition.owner.startswith("admin/operator@")
+    history = operator.get(reverse("admin:taskguard_taskrun_history", args=[stale.pk]))
+    assert "lock abandoned: admin action by operator" in history.content.decode()
 
 
 def test_release_action__handles_every_selected_run_not_one_page(operator):
