@@ -26,11 +26,12 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import ledger
+from . import ledger, timefmt
 from .admin_overview import OverviewMixin
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
 from .models import TaskRun, TaskRunQuerySet, TaskRunTransition
+from .owner import Owner
 from .panel import why_not_running
 from .states import RunState
 
@@ -159,9 +160,9 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     list_display = (
         "state_badge",
         "task_name",
-        "slot",
+        "slot_display",
         "attempt",
-        "owner",
+        "owner_display",
         "duration_display",
         "lease_display",
         "duplicates",
@@ -182,24 +183,24 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     change_list_template = "admin/taskguard/taskrun/change_list.html"
     state_colours = STATE_COLOURS
     fields = (
-        ("task_name", "slot"),
+        ("task_name", "slot_at"),
         ("state", "attempt", "fence"),
         "owner",
-        ("created_at", "started_at", "finished_at"),
-        ("lease_until", "duplicates"),
+        ("created", "started", "finished"),
+        ("lease_until_at", "duplicates"),
         "error",
     )
     readonly_fields = (
         "task_name",
-        "slot",
+        "slot_at",
         "state",
         "attempt",
         "fence",
         "owner",
-        "created_at",
-        "started_at",
-        "finished_at",
-        "lease_until",
+        "created",
+        "started",
+        "finished",
+        "lease_until_at",
         "duplicates",
         "error",
     )
@@ -232,6 +233,40 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
             run.get_state_display(),
         )
 
+    @admin.display(description=_("slot"), ordering="slot")
+    def slot_display(self, run: TaskRun) -> SafeString:
+        return format_html(
+            '<span title="{}">{}</span>', timefmt.utc(run.slot), timefmt.local(run.slot)
+        )
+
+    @admin.display(description=_("owner"), ordering="owner")
+    def owner_display(self, run: TaskRun) -> SafeString | str:
+        """Where it ran (the worker's name and pid); the whole owner, token too, on hover."""
+        parsed = Owner.parse(run.owner)
+        if parsed is None:
+            return run.owner or "—"
+        return format_html('<span title="{}">{}</span>', run.owner, parsed.process)
+
+    @admin.display(description=_("slot"))
+    def slot_at(self, run: TaskRun) -> str:
+        return timefmt.both(run.slot)
+
+    @admin.display(description=_("created at"))
+    def created(self, run: TaskRun) -> str:
+        return timefmt.both(run.created_at)
+
+    @admin.display(description=_("started at"))
+    def started(self, run: TaskRun) -> str:
+        return timefmt.both(run.started_at) if run.started_at else "—"
+
+    @admin.display(description=_("finished at"))
+    def finished(self, run: TaskRun) -> str:
+        return timefmt.both(run.finished_at) if run.finished_at else "—"
+
+    @admin.display(description=_("lease until"))
+    def lease_until_at(self, run: TaskRun) -> str:
+        return timefmt.both(run.lease_until) if run.lease_until else "—"
+
     @admin.display(description=_("duration"))
     def duration_display(self, run: TaskRun) -> str:
         end = run.finished_at or (getattr(run, "db_now", None) if run.state == "running" else None)
@@ -257,6 +292,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         run = self.get_object(request, object_id)
         context = dict(extra_context or {})
         if run is not None:
+            context["subtitle"] = f"{run.task_name} @ {timefmt.both(run.slot)} ({run.state})"
             context["why"] = why_not_running(run)
             context["can_cleanup"] = self.has_cleanup_permission(request)
         return super().change_view(request, object_id, form_url, context)

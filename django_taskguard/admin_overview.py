@@ -9,8 +9,7 @@ acting user in the pause's reason and in the admin's log.
 
 from __future__ import annotations
 
-from datetime import datetime, tzinfo
-from datetime import timezone as dt_timezone
+from datetime import datetime
 from html import escape
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext as _
 from django.views.decorators.http import require_POST
 
-from . import overview, pauses
+from . import overview, pauses, timefmt
 from .exceptions import BackendUnavailable
 from .ledger import schedules as schedule_store
 from .models import TaskRun
@@ -146,7 +145,7 @@ class OverviewMixin(AdminBase):
         change = reverse("admin:taskguard_taskrun_change", args=[RUN_ID])
         for cell in cells:
             colour = CELL_COLOURS.get(cell.state) or self.state_colours.get(cell.state, "#6c757d")
-            title = f"{_stamp(cell.slot, zone)}: {cell.state}"
+            title = f"{timefmt.both(cell.slot, zone)}: {cell.state}"
             values = (escape(cell.state), escape(title), escape(colour))
             if cell.run_id is None:
                 parts.append(SPAN_CELL.format(*values))
@@ -162,16 +161,9 @@ class OverviewMixin(AdminBase):
         return [(state, colours.get(state, "#6c757d")) for state in states]
 
 
-def _stamp(moment: datetime, zone: tzinfo) -> str:
-    """``2026-11-22 22:00:00 CET (21:00:00 UTC)``."""
-    utc = moment.astimezone(dt_timezone.utc)
-    return f"{moment.astimezone(zone):%Y-%m-%d %H:%M:%S %Z} ({utc:%H:%M:%S} UTC)"
-
-
 def _when(moment: datetime | None) -> tuple[str, str, str] | None:
     """``(local date, local time with seconds and zone, UTC)`` for a page that shows both."""
     if moment is None:
         return None
-    local = timezone.localtime(moment)
-    utc = moment.astimezone(dt_timezone.utc)
-    return f"{local:%Y-%m-%d}", f"{local:%H:%M:%S %Z}", f"{utc:%Y-%m-%d %H:%M:%S} UTC"
+    stamp = timefmt.local(moment)
+    return stamp[:10], stamp[11:], timefmt.utc(moment)

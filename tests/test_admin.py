@@ -312,3 +312,16 @@ def test_overview__query_count_does_not_grow_with_runs_or_tasks(
 
 def test_changelist__links_to_the_overview(viewer):
     assert OVERVIEW in viewer.get(CHANGELIST).content.decode()
+
+
+def test_change_page__times_with_zone_seconds_and_utc(viewer):
+    from datetime import datetime, timezone
+
+    slot = datetime.now(timezone.utc).replace(hour=13, minute=0, second=10, microsecond=0)
+    run = make_run("tests.times", slot=slot, state=RunState.SUCCEEDED)
+    html = viewer.get(change_url(run)).content.decode()
+    local = "14:00:10 CET" if "CET" in html else "15:00:10 CEST"
+    assert f"{slot:%Y-%m-%d} {local} (13:00:10 UTC)" in html  # the slot field and the title
+    assert f"tests.times @ {slot:%Y-%m-%d} {local} (13:00:10 UTC) (succeeded)" in html
+    listing = viewer.get(CHANGELIST).content.decode()
+    assert f'title="{slot:%Y-%m-%d} 13:00:10 UTC">{slot:%Y-%m-%d} {local}<' in listing

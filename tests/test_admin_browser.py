@@ -7,6 +7,7 @@ fails the test with the command that installs them (it is never skipped).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -96,7 +97,20 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
     assert "worker-3:4242:9f1c2e" in panel.text
     assert "claimed 0" in driver.find_element(By.CSS_SELECTOR, ".inline-group").text
 
+    # Times carry their zone and seconds, UTC beside (TIME_ZONE is Europe/Paris).
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T \(", panel.text)
+
     driver.get(f"{live_server.url}/admin/taskguard/taskrun/")
+    slots = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-slot_display")]
+    assert slots and all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T", t) for t in slots)
+    owners = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-owner_display")]
+    assert "worker-3:4242" in owners  # where it ran; the token on hover
+    # Every column fits a laptop screen: no horizontal scrollbar at 1400 px.
+    driver.set_window_size(1400, 900)
+    assert driver.execute_script(
+        "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+    )
+    driver.set_window_size(1600, 900)
     driver.find_element(By.CSS_SELECTOR, f"input.action-select[value='{stale.pk}']").click()
     Select(driver.find_element(By.NAME, "action")).select_by_value("cleanup_stale_locks")
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "button[name=index]"))
