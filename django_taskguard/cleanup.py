@@ -44,6 +44,7 @@ class CleanupResult:
     released_locks: int = 0
     orphan_keys: int = 0
     unrecorded_slots: int = 0  # slots whose Redis winner died before its row, now recorded
+    missed_slots: int = 0  # due slots nobody claimed within their grace, recorded missed
     dry_run: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -52,6 +53,7 @@ class CleanupResult:
             "released_locks": self.released_locks,
             "orphan_keys": self.orphan_keys,
             "unrecorded_slots": self.unrecorded_slots,
+            "missed_slots": self.missed_slots,
             "dry_run": self.dry_run,
         }
 

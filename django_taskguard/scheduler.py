@@ -98,7 +98,6 @@ class Scheduler:
     entries: list[Entry]
     max_workers: int = 8
     sweep_every: float = 60.0
-    now: Callable[[], datetime] = timezone.now
     # Per task, when its schedule was first registered: no slot before it is fired.
     first_seen: dict[str, datetime] = field(default_factory=dict)
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
@@ -193,7 +192,7 @@ class Scheduler:
 
     def run_once(self) -> int:
         """Fire what is due now (and sweep), wait for it to finish; return the fires."""
-        self.fire(self.first_due(self.now()))
+        self.fire(self.first_due(timezone.now()))
         self.sweep()
         self.pool.drain(None)
         self.pool.close()
@@ -202,17 +201,17 @@ class Scheduler:
     def run(self, stop: threading.Event, stop_timeout: float) -> bool:
         """Fire every slot until ``stop`` is set, then wait up to ``stop_timeout`` for the
         calls still running; False when some were still running."""
-        self.fire(self.first_due(self.now()))
+        self.fire(self.first_due(timezone.now()))
         sweeper = threading.Thread(
             target=self._sweep_loop, args=(stop,), name="taskguard-sweep", daemon=True
         )
         sweeper.start()
         while not stop.is_set():
-            self.fire(self.due(self.now()))
+            self.fire(self.due(timezone.now()))
             wakeup = self.next_wakeup()
             wait = MAX_SLEEP
             if wakeup is not None:
-                wait = min(max((wakeup - self.now()).total_seconds(), 0.0), MAX_SLEEP)
+                wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), MAX_SLEEP)
             stop.wait(wait)
         finished = self.pool.drain(stop_timeout)
         if not finished:
