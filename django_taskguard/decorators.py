@@ -315,12 +315,20 @@ def once_per_schedule(
             task_name, resolved = spec.resolve(slot)
             return guard.execute(task_name, resolved, policy, target, args, kwargs)
 
-        def fire(slot: datetime) -> R | None:
-            """A scheduler's call for ``slot``: the catch-up policy applies."""
+        def fire(slot: datetime) -> bool:
+            """A scheduler's call for ``slot`` (the catch-up policy applies); True if it ran."""
             task_name, resolved = spec.resolve(slot)
             if guard.refused_late(task_name, resolved, policy, timezone.now()):
-                return None
-            return guard.execute(task_name, resolved, policy, target, (), {})
+                return False
+            ran = False
+
+            def body() -> R:
+                nonlocal ran
+                ran = True
+                return target()  # type: ignore[call-arg]
+
+            guard.execute(task_name, resolved, policy, body, (), {})
+            return ran
 
         guarded = cast("Guarded[P, R]", wrapper)
         guarded.task_name = name

@@ -174,11 +174,11 @@ class Scheduler:
         for slot in slots:
             started = time.monotonic()
             try:
-                result = entry.fire(slot)
+                ran = entry.fire(slot)
             except Exception as exc:
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "returned" if result is not None else "done (or not run here)"
+                outcome = "ran" if ran else "not run here (another call has it, or it is recorded)"
             self._fired += 1
             logger.info(
                 "fired %s slot %s: %s in %.3fs",

@@ -152,18 +152,18 @@ def test_fire__catchup_none_late_slot_recorded_missed_not_run():
     every_second("tests.catchup.none", calls, catchup="none", grace=2 * SECOND)
     entry = registry.entries()["tests.catchup.none"]
     late = now_second() - 10 * SECOND
-    assert entry.fire(late) is None
+    assert entry.fire(late) is False
     run = TaskRun.objects.get(task_name="tests.catchup.none")
     assert run.state == RunState.MISSED and "catchup='none'" in run.error
     assert calls == []
     # A slot in time runs.
-    assert entry.fire(now_second()) == "ran"
+    assert entry.fire(now_second()) is True
 
 
 def test_fire__catchup_latest_late_slot_runs():
     calls: list[str] = []
     every_second("tests.catchup.latest", calls)
-    assert registry.entries()["tests.catchup.latest"].fire(now_second() - 60 * SECOND) == "ran"
+    assert registry.entries()["tests.catchup.latest"].fire(now_second() - 60 * SECOND) is True
 
 
 def test_claim__missed_row_runs_late_unless_catchup_none():

@@ -65,6 +65,7 @@ class Command(BaseCommand):
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
+            logger.propagate = False  # one line per fire, not one per configured handler
         try:
             ledger.ensure_reachable()
             found = sync()
