@@ -248,6 +248,14 @@ def report(
         p99 = lateness[int(len(lateness) * 0.99) - 1]
         print(f"lateness     median {statistics.median(lateness):.3f}s  p99 {p99:.3f}s  "
               f"max {lateness[-1]:.3f}s")  # fmt: skip
+        buckets: dict[int, list[float]] = {}
+        for _, slot, started in window:
+            buckets.setdefault((slot - first) // 5, []).append(started - slot)
+        trend = "  ".join(
+            f"{5 * b:>3}s:{sorted(v)[int(len(v) * 0.99) - 1]:.2f}"
+            for b, v in sorted(buckets.items())
+        )
+        print(f"p99 by 5 s   {trend}  (growing: the copies fall behind)")
     total = max(len(runs), 1)
     print(f"CPU          copies {copies_cpu:.1f}s  postgres {pg_cpu:.1f}s  redis {redis_cpu:.1f}s"
           f"  ({1000 * (copies_cpu + pg_cpu + redis_cpu) / total:.2f} ms CPU per slot, "

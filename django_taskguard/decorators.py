@@ -343,6 +343,7 @@ def once_per_schedule(
                 function=_dotted(target),
                 fire=fire,
                 run_for_slot=run_for_slot,
+                func=target,
                 named=name is not None,
             )
             registry.register(entry, wrapper)

@@ -49,6 +49,7 @@ class Entry:
     function: str
     fire: Callable[[datetime], bool]
     run_for_slot: Callable[[datetime], Any]
+    func: Callable[[], Any]  # the undecorated function (a batch claim runs it)
     source: str = ScheduleSource.FUNCTION
     named: bool = False  # the decorator was given name=
 

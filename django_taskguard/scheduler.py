@@ -23,11 +23,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import connections
 from django.utils import timezone
 
 from . import ledger
+from .batch import SuccessWriter
+from .claim import Taken, claim_many
+from .conf import taskguard_settings
+from .context import ActiveRun
+from .guard import duplicate, run_claimed
 from .missed import sweep_missed
 from .registry import Entry
 
@@ -37,6 +43,14 @@ logger = logging.getLogger("taskguard.scheduler")
 LOOKAHEAD = timedelta(days=400)
 # The loop wakes at least this often (a stop, a clock step).
 MAX_SLEEP = 1.0
+
+
+def _batchable(entry: Entry, slot: datetime, now: datetime) -> bool:
+    """A slot the batch claim decides like the one-task path would: on_stale="abandon",
+    and not one that catchup="none" records missed for being late."""
+    if entry.policy.on_stale != "abandon":
+        return False
+    return entry.policy.catchup != "none" or now - slot <= entry.policy.grace
 
 
 class Pool:
@@ -98,6 +112,7 @@ class Scheduler:
     entries: list[Entry]
     max_workers: int = 8
     sweep_every: float = 60.0
+    batch: bool = True  # claim the schedules due at one slot together (PostgreSQL)
     # Per task, when its schedule was first registered: no slot before it is fired.
     first_seen: dict[str, datetime] = field(default_factory=dict)
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
@@ -105,6 +120,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.pool = Pool(self.max_workers)
+        self.writer = SuccessWriter()
 
     # -- what is due -------------------------------------------------------------
 
@@ -166,9 +182,71 @@ class Scheduler:
     # -- firing ------------------------------------------------------------------
 
     def fire(self, due: Iterable[tuple[Entry, list[datetime]]]) -> None:
-        """Hand each schedule's due slots to the pool; one schedule's run in order."""
+        """Hand each schedule's due slots to the pool; one schedule's run in order.
+
+        Schedules due at the same slot are claimed together, in one statement
+        (PostgreSQL), then their bodies run on the pool: see :meth:`_claim_batch`.
+        """
+        batches: dict[datetime, list[Entry]] = {}
+        now = timezone.now()
         for entry, slots in due:
-            self.pool.submit(functools.partial(self._run, entry, slots))
+            if self.batch and len(slots) == 1 and _batchable(entry, slots[0], now):
+                batches.setdefault(slots[0], []).append(entry)
+            else:
+                self.pool.submit(functools.partial(self._run, entry, slots))
+        for slot, entries in batches.items():
+            if len(entries) == 1:
+                self.pool.submit(functools.partial(self._run, entries[0], [slot]))
+            else:
+                self.pool.submit(functools.partial(self._claim_batch, slot, entries))
+
+    def _claim_batch(self, slot: datetime, entries: list[Entry]) -> None:
+        """One statement claims ``slot`` for every entry; the won ones run on the pool,
+        the taken ones are duplicates, the others (a pending, retrying, missed or stale
+        row) go the one-task way. No Redis key is set: the row is the lock."""
+        lease = taskguard_settings.LEASE_SECONDS
+        wanted = [(entry.task_name, entry.policy.lease_seconds or lease) for entry in entries]
+        try:
+            decided = claim_many(slot, wanted)
+        except Exception:
+            logger.exception("the batch claim of slot %s failed; firing one by one", slot)
+            decided = None
+        if decided is None:
+            for entry in entries:
+                self.pool.submit(functools.partial(self._run, entry, [slot]))
+            return
+        for entry in entries:
+            outcome = decided.get(entry.task_name)
+            if isinstance(outcome, ActiveRun):
+                self.pool.submit(functools.partial(self._run_claimed, entry, outcome))
+            elif isinstance(outcome, Taken):
+                duplicate(entry.task_name, slot, outcome.state, entry.policy)
+                self._log(entry, slot, "not run here (another call has it)", 0.0)
+            else:
+                self.pool.submit(functools.partial(self._run, entry, [slot]))
+
+    def _run_claimed(self, entry: Entry, active: ActiveRun) -> None:
+        started = time.monotonic()
+        ran = False
+
+        def body() -> Any:
+            nonlocal ran
+            ran = True
+            return entry.func()
+
+        try:
+            run_claimed(active, entry.policy, body, self.writer.record)
+        except Exception as exc:
+            outcome = f"raised {type(exc).__name__}: {exc}"
+        else:
+            outcome = "ran" if ran else "not run (recorded)"
+        self._log(entry, active.slot, outcome, time.monotonic() - started)
+
+    def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
+        self._fired += 1
+        logger.info(
+            "fired %s slot %s: %s in %.3fs", entry.task_name, slot.isoformat(), outcome, took
+        )
 
     def _run(self, entry: Entry, slots: list[datetime]) -> None:
         for slot in slots:
@@ -179,14 +257,7 @@ class Scheduler:
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
                 outcome = "ran" if ran else "not run here (another call has it, or it is recorded)"
-            self._fired += 1
-            logger.info(
-                "fired %s slot %s: %s in %.3fs",
-                entry.task_name,
-                slot.isoformat(),
-                outcome,
-                time.monotonic() - started,
-            )
+            self._log(entry, slot, outcome, time.monotonic() - started)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -196,6 +267,7 @@ class Scheduler:
         self.sweep()
         self.pool.drain(None)
         self.pool.close()
+        self.writer.close()
         return self._fired
 
     def run(self, stop: threading.Event, stop_timeout: float) -> bool:
@@ -222,6 +294,7 @@ class Scheduler:
                 stop_timeout,
             )
         self.pool.close()
+        self.writer.close()
         return finished
 
     def _sweep_loop(self, stop: threading.Event) -> None:
