@@ -348,3 +348,52 @@ def test_run_schedules__once_fires_due_slot_and_exits():
     TaskRun.objects.filter(task_name="tests.once.job").update(slot=latest - 10 * SECOND)
     call_command("run_schedules", "--once", "--task", "tests.once.job", stdout=StringIO())
     assert len(calls) == 4
+
+
+# -- batched claims and finishes (PostgreSQL; SQLite claims one by one) ---------------------
+
+
+def test_claim_many__one_statement_wins_or_counts_duplicates():
+    from django.db import connection
+
+    from django_taskguard.claim import Taken, claim_many
+    from django_taskguard.context import ActiveRun
+
+    slot = now_second()
+    wanted = [("tests.batch.a", 30.0), ("tests.batch.b", 30.0)]
+    first = claim_many(slot, wanted)
+    if connection.vendor != "postgresql":
+        assert first is None
+        return
+    assert first is not None and all(isinstance(v, ActiveRun) for v in first.values())
+    again = claim_many(slot, wanted)
+    assert again is not None and all(isinstance(v, Taken) for v in again.values())
+    runs = TaskRun.objects.filter(slot=slot)
+    assert sorted(runs.values_list("duplicates", flat=True)) == [1, 1]
+    assert all(
+        [(t.from_state, t.to_state) for t in run.transitions.all()] == [("pending", "running")]
+        for run in runs
+    )
+    # A missed row is left to the one-task path (None).
+    ledger.insert_missed("tests.batch.c", slot, reason="missed: test", actor="test")
+    assert claim_many(slot, [("tests.batch.c", 30.0)]) == {"tests.batch.c": None}
+
+
+def test_succeed_many__records_each_fenced_row():
+    from django.db import connection
+
+    from django_taskguard.claim import claim_many
+
+    if connection.vendor != "postgresql":
+        assert ledger.succeed_many([]) is None
+        return
+    slot = now_second()
+    claimed = claim_many(slot, [("tests.batch.x", 30.0), ("tests.batch.y", 30.0)])
+    assert claimed is not None
+    x, y = claimed["tests.batch.x"], claimed["tests.batch.y"]
+    done = ledger.succeed_many(
+        [(x.id, x.fence, x.owner, "returned"), (y.id, y.fence + 1000, y.owner, "returned")]
+    )
+    assert done == {x.id}, "a wrong fence is refused"
+    assert TaskRun.objects.get(id=x.id).state == RunState.SUCCEEDED
+    assert TaskRun.objects.get(id=y.id).state == RunState.RUNNING
