@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -43,6 +44,8 @@ logger = logging.getLogger("taskguard.scheduler")
 LOOKAHEAD = timedelta(days=400)
 # The loop wakes at least this often (a stop, a clock step).
 MAX_SLEEP = 1.0
+# Schedules claimed by one statement.
+BATCH_CHUNK = 100
 
 
 def _batchable(entry: Entry, slot: datetime, now: datetime) -> bool:
@@ -197,8 +200,14 @@ class Scheduler:
         for slot, entries in batches.items():
             if len(entries) == 1:
                 self.pool.submit(functools.partial(self._run, entries[0], [slot]))
-            else:
-                self.pool.submit(functools.partial(self._claim_batch, slot, entries))
+                continue
+            # Chunks of disjoint schedules, each its own statement and commit, taken from a
+            # random starting chunk: copies win different chunks and share the work.
+            entries.sort(key=lambda entry: entry.task_name)
+            chunks = [entries[n : n + BATCH_CHUNK] for n in range(0, len(entries), BATCH_CHUNK)]
+            start = random.randrange(len(chunks))
+            for chunk in chunks[start:] + chunks[:start]:
+                self.pool.submit(functools.partial(self._claim_batch, slot, chunk))
 
     def _claim_batch(self, slot: datetime, entries: list[Entry]) -> None:
         """One statement claims ``slot`` for every entry; the won ones run on the pool,
