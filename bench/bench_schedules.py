@@ -246,7 +246,8 @@ def report(
     seconds = last - first + 1
     lateness = sorted(started - slot for _, slot, started in window)
     twice = sum(1 for count in counts.values() if count > 1)
-    never = len(expected - set(counts))
+    absent = sorted(expected - set(counts), key=lambda pair: pair[1])
+    never = len(absent)
     missed = count_missed(env)
     print(
         f"schedules K={args.schedules} (one-second), copies={args.copies}, "
@@ -257,6 +258,10 @@ def report(
     print(f"sustained    {len(counts) / seconds:8.0f} slots/s ({len(counts)} slots in {seconds}s)")
     print(f"run twice    {twice:8d}")
     print(f"never run    {never:8d} (of {len(expected)} due in the window)")
+    if absent:
+        print(
+            f"             their rows: {row_states(absent)}; slots {absent[0][1]}..{absent[-1][1]}"
+        )
     print(f"missed rows  {missed:8d}")
     if lateness:
         p99 = lateness[int(len(lateness) * 0.99) - 1]
@@ -274,6 +279,26 @@ def report(
     print(f"CPU          copies {copies_cpu:.1f}s  postgres {pg_cpu:.1f}s  redis {redis_cpu:.1f}s"
           f"  ({1000 * (copies_cpu + pg_cpu + redis_cpu) / total:.2f} ms CPU per slot, "
           f"{args.copies} guarded calls per slot)")  # fmt: skip
+
+
+def row_states(pairs: list[tuple[int, int]]) -> dict[str, int]:
+    import psycopg
+
+    conninfo = (
+        f"host={os.environ.get('TASKGUARD_PG_HOST', '127.0.0.1')} "
+        f"port={os.environ.get('TASKGUARD_PG_PORT', '5432')} "
+        f"user={os.environ.get('TASKGUARD_PG_USER', 'postgres')} dbname={DB_NAME}"
+    )
+    states: Counter[str] = Counter()
+    with psycopg.connect(conninfo) as conn:
+        for task, slot in pairs:
+            found = conn.execute(
+                "SELECT state FROM taskguard_taskrun WHERE task_name = %s "
+                "AND slot = to_timestamp(%s)",
+                [f"bench.{task}", slot],
+            ).fetchone()
+            states[found[0] if found else "no row"] += 1
+    return dict(states)
 
 
 def count_missed(env: dict[str, str]) -> int:
