@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "BEAT_CLAIM": False,
     "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
+    "INSTANCE_NAME": None,
     "SCHEDULE_MODULES": [],
 }
 
@@ -101,13 +102,13 @@ class Settings:
             value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
             return value
 
-    def for_claim(self) -> tuple[float, str, timedelta]:
-        """``(LEASE_SECONDS, KEY_PREFIX, retention horizon)``: read by every guarded call."""
+    def for_claim(self) -> tuple[float, timedelta]:
+        """``(LEASE_SECONDS, retention horizon)``: read by every guarded call."""
         try:
-            claim: tuple[float, str, timedelta] = self._cache["(claim)"]
+            claim: tuple[float, timedelta] = self._cache["(claim)"]
         except KeyError:
             horizon = timedelta(days=self.PRUNE_AFTER_DAYS)
-            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, self.KEY_PREFIX, horizon)
+            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, horizon)
         return claim
 
     def reload(self) -> None:
@@ -167,6 +168,17 @@ class Settings:
     @property
     def BEAT_CLAIM(self) -> bool:
         return bool(self._get("BEAT_CLAIM"))
+
+    @property
+    def INSTANCE_NAME(self) -> str | None:
+        """What owners name this process's instance (None: the host name)."""
+        value = self._get("INSTANCE_NAME")
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 100):
+            raise ImproperlyConfigured(
+                f"TASKGUARD['INSTANCE_NAME'] is {value!r}; it must be a string of 1 to 100 "
+                f"characters, or None (the host name)"
+            )
+        return value
 
     @property
     def RETRY_GRACE_SECONDS(self) -> float:

@@ -17,7 +17,7 @@ from .conf import taskguard_settings
 from .context import ActiveRun, activate
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
 from .heartbeat import heartbeats
-from .locks import Acquired, LockBackend, get_backend, run_key
+from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
 from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
@@ -90,9 +90,10 @@ def execute(
     *,
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
+    instance: str | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
-    default_lease, prefix, horizon = taskguard_settings.for_claim()
+    default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
@@ -102,7 +103,7 @@ def execute(
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
-    key = run_key(prefix, task_name, slot)
+    key = lock.key(task_name, slot)
 
     # The losing call ends here: one round trip, no database query.
     count = on_busy is None  # a call that will be put back is no duplicate (yet)
@@ -115,7 +116,7 @@ def execute(
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
         _duplicate(task_name, slot, RunState.SUCCEEDED, policy)
         return None
-    owner = new_owner(token)
+    owner = new_owner(token, instance)
     try:
         outcome = claim_slot(
             task_name,
