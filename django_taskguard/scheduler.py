@@ -169,7 +169,10 @@ class Scheduler:
         return min(slots) if slots else None
 
     def _after(self, entry: Entry, since: datetime, latest: datetime) -> list[datetime]:
-        """The slots in ``(since, latest]``, the newest ``max_catchup`` of them."""
+        """The slots in ``(since, latest]``, the newest ``max_catchup`` of them (never one
+        older than ``PRUNE_AFTER_DAYS``: the guard refuses those)."""
+        horizon = timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) - timedelta(hours=1)
+        since = max(since, latest - horizon)
         limit = entry.policy.max_catchup
         count = entry.schedule.count_between(since, latest, 10**7)
         if count > limit:

@@ -193,12 +193,14 @@ def test_sweep_missed__records_each_unclaimed_slot_once():
     seen_since("tests.sweep.few", 20)
     ran = now_second() - 10 * SECOND
     job.run_for_slot(ran)
-    result = sweep_missed()
+    now = ledger.database_now()
+    result = sweep_missed(now=now)
     missed = TaskRun.objects.filter(task_name="tests.sweep.few", state=RunState.MISSED)
     assert result.missed_slots == missed.count() >= 15
     assert not missed.filter(slot=ran).exists()
     assert all(r.error.startswith("missed: no instance claimed it") for r in missed)
-    assert sweep_missed().missed_slots == 0, "the next sweep starts where this one ended"
+    again = sweep_missed(now=now)
+    assert again.missed_slots == 0 and not again.tasks, "it starts where the last one ended"
 
 
 def test_sweep_missed__bounded_rows_per_task():
@@ -397,3 +399,20 @@ def test_succeed_many__records_each_fenced_row():
     assert done == {x.id}, "a wrong fence is refused"
     assert TaskRun.objects.get(id=x.id).state == RunState.SUCCEEDED
     assert TaskRun.objects.get(id=y.id).state == RunState.RUNNING
+
+
+def test_run_schedules__once_catchup_all_runs_slots_the_sweep_recorded_missed():
+    calls: list[str] = []
+    every_second("tests.once.swept", calls, catchup="all", grace=SECOND)
+    registry.sync()
+    seen_since("tests.once.swept", 60)
+    job = registry.entries()["tests.once.swept"]
+    newest = now_second() - 8 * SECOND
+    job.run_for_slot(newest)  # the newest row before the scheduler went down
+    sweep_missed()  # cleanup_locks from cron, while no scheduler runs
+    swept = TaskRun.objects.filter(task_name="tests.once.swept", state=RunState.MISSED)
+    assert swept.filter(slot__gt=newest).exists()
+    call_command("run_schedules", "--once", "--task", "tests.once.swept", stdout=StringIO())
+    runs = TaskRun.objects.filter(task_name="tests.once.swept", slot__gt=newest)
+    assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    assert len(calls) == 1 + runs.count() >= 8

@@ -567,9 +567,10 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
 
 
 def latest_slot(task_name: str) -> datetime | None:
-    """The newest slot of ``task_name`` that has a row."""
+    """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
+    slot is one a catch-up still runs)."""
     try:
-        found = _one(sql.latest_slot(_dialect()), [task_name])
+        found = _one(sql.latest_slot(_dialect()), [task_name, RunState.MISSED])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return aware(found[0]) if found else None

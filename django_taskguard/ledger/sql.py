@@ -301,8 +301,8 @@ def insert_unheld_many(d: Dialect) -> str:
 
 @lru_cache
 def latest_slot(d: Dialect) -> str:
-    """The newest slot with a row of task ``%s`` (served by the (task, slot) index)."""
-    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s", d)
+    """The newest slot of task ``%s`` with a row not in state ``%s`` (the (task, slot) index)."""
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s AND state <> %s", d)
 
 
 @lru_cache
