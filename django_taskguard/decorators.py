@@ -270,9 +270,11 @@ def once_per_schedule(
             "pause_after_failures", pause_after_failures, PAUSE_AFTER_FAILURES_BOUNDS
         ),
     )
-    if built is None and (catchup != "latest" or grace is not None or max_catchup is not None):
+    if built is None and (catchup == "all" or max_catchup is not None):
         raise InvalidSchedule(
-            "catchup=, grace= and max_catchup= need a schedule: give cron=, every= or schedule="
+            "catchup='all' and max_catchup= need a schedule that run_schedules fires (cron=, "
+            "every= or schedule=); a beat sends one message per slot. catchup='none' and "
+            "grace= work without one (a stamped message later than grace is recorded missed)"
         )
 
     def decorate(target: Callable[P, R]) -> Guarded[P, R]:

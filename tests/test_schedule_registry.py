@@ -89,9 +89,35 @@ def test_once_per_schedule__catchup_arguments_bounded(options, message):
         every_second("tests.reg.bad", [], **options)
 
 
-def test_once_per_schedule__catchup_without_schedule_refused():
-    with pytest.raises(InvalidSchedule, match="need a schedule"):
+def test_once_per_schedule__catchup_all_without_schedule_refused():
+    with pytest.raises(InvalidSchedule, match="need a schedule that run_schedules fires"):
         once_per_schedule(catchup="all")
+    with pytest.raises(InvalidSchedule, match="need a schedule that run_schedules fires"):
+        once_per_schedule(max_catchup=3)
+
+
+def test_once_per_schedule__stamped_slot_later_than_grace_recorded_missed():
+    """No schedule (a beat stamps the slot): catchup='none' and grace= still apply."""
+    from django_taskguard import decorators
+
+    calls: list[str] = []
+
+    @once_per_schedule(name="tests.catchup.stamped", catchup="none", grace=2 * SECOND)
+    def job() -> None:
+        calls.append("ran")
+
+    late = now_second() - 30 * SECOND
+
+    def stamped() -> decorators.CallContext:
+        return decorators.CallContext(slot=late)
+
+    decorators.SLOT_SOURCES.insert(0, stamped)
+    try:
+        assert job() is None
+    finally:
+        decorators.SLOT_SOURCES.remove(stamped)
+    assert calls == []
+    assert TaskRun.objects.get(task_name="tests.catchup.stamped").state == RunState.MISSED
 
 
 def test_register__two_functions_one_name_refused():
