@@ -19,6 +19,7 @@ from . import ledger
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import Row
+from .owner import new_owner, new_token
 from .signals import run_abandoned
 from .states import RunState
 
@@ -74,6 +75,42 @@ def claim_slot(
         f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
         f"{CLAIM_ROUNDS} rounds of contention"
     )
+
+
+def claim_many(
+    slot: datetime, wanted: list[tuple[str, float]]
+) -> dict[str, ActiveRun | Taken | None] | None:
+    """Claim ``slot`` for many tasks (``(task, lease seconds)``, ``on_stale="abandon"``) in
+    one statement. Per task: this call's attempt, ``Taken`` (finished, abandoned or live
+    elsewhere; counted as a duplicate), or None when the row needs the one-task path
+    (pending, retrying, missed, stale). None when the database cannot batch (SQLite)."""
+    wanted = sorted(wanted)
+    owners = [new_owner(new_token()) for _ in wanted]
+    sent = time.monotonic()
+    try:
+        rows = ledger.claim_many(
+            [name for name, _ in wanted], slot, owners, [lease for _, lease in wanted]
+        )
+    except DatabaseError as exc:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    if rows is None:
+        return None
+    decided: dict[str, ActiveRun | Taken | None] = {}
+    for (name, lease), owner in zip(wanted, owners, strict=True):
+        row = rows.get(name)
+        if row is not None and row.owner == owner:
+            decided[name] = _active(row, name, slot, lease, sent)
+        elif row is not None and _plainly_taken(row):
+            decided[name] = Taken(row.state)
+        else:
+            decided[name] = None
+    return decided
+
+
+def _plainly_taken(row: Row) -> bool:
+    if row.state == RunState.RUNNING:
+        return not row.expired
+    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.ABANDONED)
 
 
 def _claim_row(

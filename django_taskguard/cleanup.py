@@ -87,6 +87,7 @@ class CleanupResult:
     released_locks: int = 0
     orphan_keys: int = 0
     unrecorded_slots: int = 0  # slots whose Redis winner died before its row, now recorded
+    missed_slots: int = 0  # due slots nobody claimed within their grace, recorded missed
     dry_run: bool = False
     runs: list[Touched] = field(default_factory=list)
     in_flight: list[InFlight] = field(default_factory=list)
@@ -97,6 +98,7 @@ class CleanupResult:
             "released_locks": self.released_locks,
             "orphan_keys": self.orphan_keys,
             "unrecorded_slots": self.unrecorded_slots,
+            "missed_slots": self.missed_slots,
             "dry_run": self.dry_run,
             "runs": [touched.as_dict() for touched in self.runs],
             "in_flight": [flight.as_dict() for flight in self.in_flight],

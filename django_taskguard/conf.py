@@ -27,12 +27,12 @@ DEFAULTS: dict[str, Any] = {
     "BEAT_CLAIM": False,
     "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
+    "INSTANCE_NAME": None,
     "SCHEDULE_MODULES": [],
     "HEALTH_FAILURES": 3,
     "MONITOR_WINDOW_HOURS": 24,
     "HEALTH_TOKEN": None,
     "METRICS_TOKEN": None,
-    "INSTANCE_NAME": None,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read

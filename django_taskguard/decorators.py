@@ -270,9 +270,11 @@ def once_per_schedule(
             "pause_after_failures", pause_after_failures, PAUSE_AFTER_FAILURES_BOUNDS
         ),
     )
-    if built is None and (catchup != "latest" or grace is not None or max_catchup is not None):
+    if built is None and (catchup == "all" or max_catchup is not None):
         raise InvalidSchedule(
-            "catchup=, grace= and max_catchup= need a schedule: give cron=, every= or schedule="
+            "catchup='all' and max_catchup= need a schedule that run_schedules fires (cron=, "
+            "every= or schedule=); a beat sends one message per slot. catchup='none' and "
+            "grace= work without one (a stamped message later than grace is recorded missed)"
         )
 
     def decorate(target: Callable[P, R]) -> Guarded[P, R]:
@@ -318,12 +320,20 @@ def once_per_schedule(
             task_name, resolved = spec.resolve(slot)
             return guard.execute(task_name, resolved, policy, target, args, kwargs)
 
-        def fire(slot: datetime) -> R | None:
-            """A scheduler's call for ``slot``: the catch-up policy applies."""
+        def fire(slot: datetime) -> bool:
+            """A scheduler's call for ``slot`` (the catch-up policy applies); True if it ran."""
             task_name, resolved = spec.resolve(slot)
             if guard.refused_late(task_name, resolved, policy, timezone.now()):
-                return None
-            return guard.execute(task_name, resolved, policy, target, (), {})
+                return False
+            ran = False
+
+            def body() -> R:
+                nonlocal ran
+                ran = True
+                return target()  # type: ignore[call-arg]
+
+            guard.execute(task_name, resolved, policy, body, (), {})
+            return ran
 
         guarded = cast("Guarded[P, R]", wrapper)
         guarded.task_name = name
@@ -338,6 +348,7 @@ def once_per_schedule(
                 function=_dotted(target),
                 fire=fire,
                 run_for_slot=run_for_slot,
+                func=target,
                 named=name is not None,
             )
             registry.register(entry, wrapper)

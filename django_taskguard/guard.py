@@ -18,6 +18,7 @@ from .context import ActiveRun, activate
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
 from .heartbeat import heartbeats
 from .locks import Acquired, LockBackend, get_backend
+from .locks.database import DatabaseLock
 from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
 from .signals import (
@@ -32,6 +33,7 @@ from .signals import (
 from .states import RunState
 
 logger = logging.getLogger("taskguard.guard")
+_ROW_LOCK = DatabaseLock()
 
 R = TypeVar("R")
 
@@ -140,6 +142,26 @@ def execute(
     return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
 
 
+# Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
+# fenced out; raises the database's error (the scheduler's batch writer).
+RecordSuccess = Callable[[ActiveRun, str], bool]
+
+
+def run_claimed(
+    active: ActiveRun,
+    policy: Policy,
+    func: Callable[[], R],
+    record_success: RecordSuccess | None = None,
+) -> R | None:
+    """Run an attempt that :func:`claim.claim_many` made (no Redis key: the row is the lock)."""
+    return _run(active, _ROW_LOCK, "", policy, func, (), {}, None, record_success)
+
+
+def duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
+    """A batch claim found the slot taken (already counted on the row)."""
+    _duplicate(task_name, slot, state, policy)
+
+
 def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) -> bool:
     """``catchup="none"``: a scheduled call later than ``grace`` after its slot is
     recorded ``missed`` and not run. False when it is in time, or when the slot has a
@@ -205,6 +227,7 @@ def _run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     classify_raise: ClassifyRaise | None,
+    record_success: RecordSuccess | None = None,
 ) -> R | None:
     """Run the function as ``active``; record how it ended; free or mark the lock."""
     ended = False  # the row is recorded finished: the lock may say so too
@@ -227,7 +250,7 @@ def _run(
                 raise
             finally:
                 heartbeats.stop(beat)
-        _finish(active, RunState.SUCCEEDED, "returned")
+        _succeed(active, record_success)
         ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
@@ -370,6 +393,27 @@ def _finish(
         raise LeaseLost(
             f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
             f"finishing as {to_state} was refused because another attempt took the slot over "
+            f"or it was marked abandoned (fence {active.fence})"
+        )
+
+
+def _succeed(active: ActiveRun, record_success: RecordSuccess | None) -> None:
+    """Record a returned attempt ``succeeded``, through ``record_success`` when given."""
+    if record_success is None:
+        _finish(active, RunState.SUCCEEDED, "returned")
+        return
+    reason = "returned"
+    if not active.lease_valid():
+        reason += " (after its lease had expired; no other attempt had taken over)"
+    try:
+        recorded = record_success(active, reason)
+    except DatabaseError:
+        recorded = _settle_finish(active, RunState.SUCCEEDED, reason, "", None) is not None
+    if not recorded:
+        active.mark_lost("fenced out: finishing as succeeded was refused")
+        raise LeaseLost(
+            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
+            f"finishing as succeeded was refused because another attempt took the slot over "
             f"or it was marked abandoned (fence {active.fence})"
         )
 

@@ -37,7 +37,8 @@ class Entry:
     """One registered schedule.
 
     ``fire(slot)`` runs one slot through the guard as a scheduler's call: the
-    catch-up policy applies (``catchup="none"`` records a late slot ``missed``).
+    catch-up policy applies (``catchup="none"`` records a late slot ``missed``); it
+    returns True when the body ran in this call.
     ``run_for_slot(slot)`` is the decorated function's own (an operator's call:
     no lateness policy), for backfill.
     """
@@ -46,8 +47,9 @@ class Entry:
     schedule: Schedule
     policy: Policy
     function: str
-    fire: Callable[[datetime], Any]
+    fire: Callable[[datetime], bool]
     run_for_slot: Callable[[datetime], Any]
+    func: Callable[[], Any]  # the undecorated function (a batch claim runs it)
     source: str = ScheduleSource.FUNCTION
     named: bool = False  # the decorator was given name=
 

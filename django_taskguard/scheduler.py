@@ -18,16 +18,23 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import connections
 from django.utils import timezone
 
 from . import ledger
+from .batch import SuccessWriter
+from .claim import Taken, claim_many
+from .conf import taskguard_settings
+from .context import ActiveRun
+from .guard import duplicate, run_claimed
 from .missed import sweep_missed
 from .registry import Entry
 
@@ -37,6 +44,16 @@ logger = logging.getLogger("taskguard.scheduler")
 LOOKAHEAD = timedelta(days=400)
 # The loop wakes at least this often (a stop, a clock step).
 MAX_SLEEP = 1.0
+# Schedules claimed by one statement.
+BATCH_CHUNK = 100
+
+
+def _batchable(entry: Entry, slot: datetime, now: datetime) -> bool:
+    """A slot the batch claim decides like the one-task path would: on_stale="abandon",
+    and not one that catchup="none" records missed for being late."""
+    if entry.policy.on_stale != "abandon":
+        return False
+    return entry.policy.catchup != "none" or now - slot <= entry.policy.grace
 
 
 class Pool:
@@ -98,7 +115,7 @@ class Scheduler:
     entries: list[Entry]
     max_workers: int = 8
     sweep_every: float = 60.0
-    now: Callable[[], datetime] = timezone.now
+    batch: bool = True  # claim the schedules due at one slot together (PostgreSQL)
     # Per task, when its schedule was first registered: no slot before it is fired.
     first_seen: dict[str, datetime] = field(default_factory=dict)
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
@@ -106,6 +123,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.pool = Pool(self.max_workers)
+        self.writer = SuccessWriter()
 
     # -- what is due -------------------------------------------------------------
 
@@ -151,7 +169,10 @@ class Scheduler:
         return min(slots) if slots else None
 
     def _after(self, entry: Entry, since: datetime, latest: datetime) -> list[datetime]:
-        """The slots in ``(since, latest]``, the newest ``max_catchup`` of them."""
+        """The slots in ``(since, latest]``, the newest ``max_catchup`` of them (never one
+        older than ``PRUNE_AFTER_DAYS``: the guard refuses those)."""
+        horizon = timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) - timedelta(hours=1)
+        since = max(since, latest - horizon)
         limit = entry.policy.max_catchup
         count = entry.schedule.count_between(since, latest, 10**7)
         if count > limit:
@@ -167,52 +188,114 @@ class Scheduler:
     # -- firing ------------------------------------------------------------------
 
     def fire(self, due: Iterable[tuple[Entry, list[datetime]]]) -> None:
-        """Hand each schedule's due slots to the pool; one schedule's run in order."""
+        """Hand each schedule's due slots to the pool; one schedule's run in order.
+
+        Schedules due at the same slot are claimed together, in one statement
+        (PostgreSQL), then their bodies run on the pool: see :meth:`_claim_batch`.
+        """
+        batches: dict[datetime, list[Entry]] = {}
+        now = timezone.now()
         for entry, slots in due:
-            self.pool.submit(functools.partial(self._run, entry, slots))
+            if self.batch and len(slots) == 1 and _batchable(entry, slots[0], now):
+                batches.setdefault(slots[0], []).append(entry)
+            else:
+                self.pool.submit(functools.partial(self._run, entry, slots))
+        for slot, entries in batches.items():
+            if len(entries) == 1:
+                self.pool.submit(functools.partial(self._run, entries[0], [slot]))
+                continue
+            # Chunks of disjoint schedules, each its own statement and commit, taken from a
+            # random starting chunk: copies win different chunks and share the work.
+            entries.sort(key=lambda entry: entry.task_name)
+            chunks = [entries[n : n + BATCH_CHUNK] for n in range(0, len(entries), BATCH_CHUNK)]
+            start = random.randrange(len(chunks))
+            for chunk in chunks[start:] + chunks[:start]:
+                self.pool.submit(functools.partial(self._claim_batch, slot, chunk))
+
+    def _claim_batch(self, slot: datetime, entries: list[Entry]) -> None:
+        """One statement claims ``slot`` for every entry; the won ones run on the pool,
+        the taken ones are duplicates, the others (a pending, retrying, missed or stale
+        row) go the one-task way. No Redis key is set: the row is the lock."""
+        lease = taskguard_settings.LEASE_SECONDS
+        wanted = [(entry.task_name, entry.policy.lease_seconds or lease) for entry in entries]
+        try:
+            decided = claim_many(slot, wanted)
+        except Exception:
+            logger.exception("the batch claim of slot %s failed; firing one by one", slot)
+            decided = None
+        if decided is None:
+            for entry in entries:
+                self.pool.submit(functools.partial(self._run, entry, [slot]))
+            return
+        for entry in entries:
+            outcome = decided.get(entry.task_name)
+            if isinstance(outcome, ActiveRun):
+                self.pool.submit(functools.partial(self._run_claimed, entry, outcome))
+            elif isinstance(outcome, Taken):
+                duplicate(entry.task_name, slot, outcome.state, entry.policy)
+                self._log(entry, slot, "not run here (another call has it)", 0.0)
+            else:
+                self.pool.submit(functools.partial(self._run, entry, [slot]))
+
+    def _run_claimed(self, entry: Entry, active: ActiveRun) -> None:
+        started = time.monotonic()
+        ran = False
+
+        def body() -> Any:
+            nonlocal ran
+            ran = True
+            return entry.func()
+
+        try:
+            run_claimed(active, entry.policy, body, self.writer.record)
+        except Exception as exc:
+            outcome = f"raised {type(exc).__name__}: {exc}"
+        else:
+            outcome = "ran" if ran else "not run (recorded)"
+        self._log(entry, active.slot, outcome, time.monotonic() - started)
+
+    def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
+        self._fired += 1
+        logger.info(
+            "fired %s slot %s: %s in %.3fs", entry.task_name, slot.isoformat(), outcome, took
+        )
 
     def _run(self, entry: Entry, slots: list[datetime]) -> None:
         for slot in slots:
             started = time.monotonic()
             try:
-                result = entry.fire(slot)
+                ran = entry.fire(slot)
             except Exception as exc:
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "returned" if result is not None else "done (or not run here)"
-            self._fired += 1
-            logger.info(
-                "fired %s slot %s: %s in %.3fs",
-                entry.task_name,
-                slot.isoformat(),
-                outcome,
-                time.monotonic() - started,
-            )
+                outcome = "ran" if ran else "not run here (another call has it, or it is recorded)"
+            self._log(entry, slot, outcome, time.monotonic() - started)
 
     # -- the loop ----------------------------------------------------------------
 
     def run_once(self) -> int:
         """Fire what is due now (and sweep), wait for it to finish; return the fires."""
-        self.fire(self.first_due(self.now()))
+        self.fire(self.first_due(timezone.now()))
         self.sweep()
         self.pool.drain(None)
         self.pool.close()
+        self.writer.close()
         return self._fired
 
     def run(self, stop: threading.Event, stop_timeout: float) -> bool:
         """Fire every slot until ``stop`` is set, then wait up to ``stop_timeout`` for the
         calls still running; False when some were still running."""
-        self.fire(self.first_due(self.now()))
+        self.fire(self.first_due(timezone.now()))
         sweeper = threading.Thread(
             target=self._sweep_loop, args=(stop,), name="taskguard-sweep", daemon=True
         )
         sweeper.start()
         while not stop.is_set():
-            self.fire(self.due(self.now()))
+            self.fire(self.due(timezone.now()))
             wakeup = self.next_wakeup()
             wait = MAX_SLEEP
             if wakeup is not None:
-                wait = min(max((wakeup - self.now()).total_seconds(), 0.0), MAX_SLEEP)
+                wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), MAX_SLEEP)
             stop.wait(wait)
         finished = self.pool.drain(stop_timeout)
         if not finished:
@@ -223,6 +306,7 @@ class Scheduler:
                 stop_timeout,
             )
         self.pool.close()
+        self.writer.close()
         return finished
 
     def _sweep_loop(self, stop: threading.Event) -> None:

@@ -265,6 +265,48 @@ def claim(
     return row
 
 
+def claim_many(
+    task_names: Sequence[str], slot: datetime, owners: Sequence[str], leases: Sequence[float]
+) -> dict[str, Row] | None:
+    """:func:`claim` for one slot of many tasks in one statement (``on_stale="abandon"``).
+
+    Returns each task's row (``owner`` equal to the one given: this call created it), or
+    None where the database cannot do it in one statement (SQLite: claim one by one).
+    """
+    statement = sql.claim_many(_dialect())
+    if statement is None:
+        return None
+    found = _all(statement, [list(task_names), list(owners), list(leases), _slot(slot)])
+    rows = {}
+    for values in found:
+        row = _row(values[1:])
+        assert row is not None
+        rows[str(values[0])] = row
+    return rows
+
+
+def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
+    """Record many running attempts ``succeeded`` in one statement, each fenced:
+    ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
+    fenced out). None where the database cannot do it in one statement (SQLite)."""
+    d = _dialect()
+    statement = sql.succeed_many(d)
+    if statement is None:
+        return None
+    check_transition(RunState.RUNNING, RunState.SUCCEEDED)
+    params = [
+        [run_id for run_id, _, _, _ in items],
+        [fence for _, fence, _, _ in items],
+        [owner for _, _, owner, _ in items],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, _, reason in items],
+        RunState.SUCCEEDED,
+        RunState.RUNNING,
+        RunState.RUNNING,
+        RunState.SUCCEEDED,
+    ]
+    return {int(run_id) for (run_id,) in _all(statement, params)}
+
+
 def read(task_name: str, slot: datetime) -> Row | None:
     return _row(_one(sql.read_slot(_dialect()), [task_name, _slot(slot)]))
 
@@ -525,9 +567,10 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
 
 
 def latest_slot(task_name: str) -> datetime | None:
-    """The newest slot of ``task_name`` that has a row."""
+    """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
+    slot is one a catch-up still runs)."""
     try:
-        found = _one(sql.latest_slot(_dialect()), [task_name])
+        found = _one(sql.latest_slot(_dialect()), [task_name, RunState.MISSED])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return aware(found[0]) if found else None

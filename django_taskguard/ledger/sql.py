@@ -105,6 +105,53 @@ def claim(d: Dialect) -> str:
     return f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) SELECT * FROM u"
 
 
+# Many tasks' rows for one slot at once, with the ``claimed`` transitions of the rows this
+# statement created (PostgreSQL only). Parameters: tasks (text[]), owners (text[]), lease
+# seconds (float8[]), the slot. A plainly taken slot (finished, abandoned, live) counts a
+# duplicate, as :func:`claim` does for ``on_stale="abandon"``. Rows go in task order, so
+# two schedulers claiming the same batch wait on each other instead of deadlocking.
+_CLAIM_MANY = (
+    "WITH c AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::float8[]) "
+    "AS c(task_name, owner, lease)), "
+    "u AS (INSERT INTO {run} AS r (task_name, slot, state, attempt, fence, owner, created_at, "
+    "started_at, lease_until, error, duplicates) "
+    "SELECT c.task_name, %s, 'running', 1, {fence}, c.owner, {now}, {now}, "
+    "{now} + make_interval(secs => c.lease), '', 0 FROM c ORDER BY c.task_name "
+    "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
+    "CASE WHEN r.state IN ('succeeded', 'failed', 'skipped', 'abandoned') "
+    "OR (r.state = 'running' AND r.lease_until > {now}) THEN 1 ELSE 0 END "
+    "RETURNING r.task_name, {row}, {left}), "
+    "t AS (INSERT INTO {transition} ({columns}) "
+    "SELECT u.id, 'pending', 'running', {now}, 'claimed', u.owner FROM u JOIN c USING (owner)) "
+    "SELECT * FROM u"
+)
+
+
+@lru_cache
+def claim_many(d: Dialect) -> str | None:
+    """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite)."""
+    return _format(_CLAIM_MANY, d) if d.one_statement else None
+
+
+# Many attempts recorded ``succeeded`` at once, each fenced like :func:`change`, with
+# their transitions (PostgreSQL only). Parameters: ids (bigint[]), fences (bigint[]),
+# owners (text[]), reasons (text[]), the new state, the old state, the new state again.
+_SUCCEED_MANY = (
+    "WITH c AS (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[]) "
+    "AS c(id, fence, owner, reason)), "
+    "u AS (UPDATE {run} AS r SET state = %s, error = '', finished_at = {now} FROM c "
+    "WHERE r.id = c.id AND r.state = %s AND r.fence = c.fence RETURNING r.id), "
+    "t AS (INSERT INTO {transition} ({columns}) "
+    "SELECT c.id, %s, %s, {now}, c.reason, c.owner FROM c JOIN u USING (id)) "
+    "SELECT id FROM u"
+)
+
+
+@lru_cache
+def succeed_many(d: Dialect) -> str | None:
+    return _format(_SUCCEED_MANY, d) if d.one_statement else None
+
+
 @lru_cache
 def claimed_transition(d: Dialect) -> str:
     """The ``claimed`` transition of run ``%s`` (SQLite: after :func:`claim`)."""
@@ -254,8 +301,8 @@ def insert_unheld_many(d: Dialect) -> str:
 
 @lru_cache
 def latest_slot(d: Dialect) -> str:
-    """The newest slot with a row of task ``%s`` (served by the (task, slot) index)."""
-    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s", d)
+    """The newest slot of task ``%s`` with a row not in state ``%s`` (the (task, slot) index)."""
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s AND state <> %s", d)
 
 
 @lru_cache

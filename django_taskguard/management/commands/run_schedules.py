@@ -53,6 +53,12 @@ class Command(BaseCommand):
             help="Seconds between missed-slot sweeps (default: 60).",
         )
         parser.add_argument(
+            "--no-batch",
+            action="store_true",
+            help="Claim each slot on its own (default: the schedules due at one slot are "
+            "claimed together, in one statement, on PostgreSQL).",
+        )
+        parser.add_argument(
             "--task",
             action="append",
             default=None,
@@ -65,6 +71,7 @@ class Command(BaseCommand):
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
+            logger.propagate = False  # one line per fire, not one per configured handler
         try:
             ledger.ensure_reachable()
             found = sync()
@@ -88,6 +95,7 @@ class Command(BaseCommand):
             max_workers=options["max_workers"],
             sweep_every=options["sweep_every"],
             first_seen=first_seen,
+            batch=not options["no_batch"],
         )
         if options["once"]:
             fired = scheduler.run_once()
