@@ -310,6 +310,8 @@ def test_heartbeat__renewing_connection_terminated_the_renewal_is_retried(calls,
     a.end()
     assert a.join() == "tests.heartbeat.a"
     assert TaskRun.objects.get().state == RunState.SUCCEEDED
+    # No run is live any more: the renewers close their connections (and end).
+    wait_for(lambda: not renewing_backends(), what="the heartbeat's connections to close")
 
 
 @contextmanager
