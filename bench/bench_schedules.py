@@ -205,6 +205,7 @@ def run(args: argparse.Namespace, directory: Path, redis_pid: int, redis_port: i
                 str(args.max_workers),
                 "--sweep-every",
                 "10",
+                *(["--no-batch"] if args.no_batch else []),
             ],
             env=env,
             stdout=out,

@@ -82,6 +82,7 @@ def test_cleanup_locks__never_touches_a_live_lease():
         "released_locks": 0,
         "orphan_keys": 0,
         "unrecorded_slots": 0,
+        "missed_slots": 0,
         "dry_run": False,
         "runs": [],
     }

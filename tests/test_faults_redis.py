@@ -451,7 +451,7 @@ def cleanup_json(*args: str) -> dict[str, object]:
 
 def counts(**nonzero: int) -> dict[str, object]:
     return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
-            "unrecorded_slots": 0, "dry_run": False, **nonzero}  # fmt: skip
+            "unrecorded_slots": 0, "missed_slots": 0, "dry_run": False, **nonzero}  # fmt: skip
 
 
 def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
