@@ -18,6 +18,7 @@ from .conf import (
     modules_problem,
     number_problem,
     taskguard_settings,
+    token_problem,
 )
 from .locks import is_redis_cache
 
@@ -71,6 +72,17 @@ def check_settings(
                     f"{problem}.",
                     hint=f"The default is {DEFAULTS[name]!r}.",
                     id=NUMBER_CHECK_IDS.get(name, "taskguard.E009"),
+                )
+            )
+    for name in ("HEALTH_TOKEN", "METRICS_TOKEN"):
+        problem = token_problem(name, raw.get(name))
+        if problem is not None:
+            errors.append(
+                Error(
+                    f"{problem}.",
+                    hint="None (the default) lets staff users in only; a token lets a "
+                    "client in that sends 'Authorization: Bearer <token>'.",
+                    id="taskguard.E021",
                 )
             )
     on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])

@@ -88,6 +88,8 @@ class TaskRun(models.Model):
             models.Index(fields=["-slot", "-id"], name="taskguard_run_slot_desc"),
             # The admin's state filter and prune_runs: state, newest slot first.
             models.Index(fields=["state", "-slot", "-id"], name="taskguard_run_state_slot"),
+            # Health, metrics and the overview: a task's latest run in a state, by index probe.
+            models.Index(fields=["task_name", "state", "-slot"], name="taskguard_run_task_state"),
         ]
         permissions = [("cleanup_taskrun", _("Can clean up stale locks and release locks"))]
 

@@ -378,3 +378,112 @@ def _format(template: str, d: Dialect) -> str:
         row=ROW,
         left=d.lease_left,
     )
+
+
+# -- monitoring (health, metrics, the admin's overview) ---------------------------
+
+# A finished attempt's duration in seconds (NULL when it has no start or end).
+DURATION = {
+    "postgresql": "EXTRACT(EPOCH FROM (finished_at - started_at))",
+    "sqlite": "(julianday(finished_at) - julianday(started_at)) * 86400.0",
+}
+# A VALUES row of one task name (PostgreSQL cannot infer a parameter's type there).
+_NAME_ROW = {"postgresql": "(CAST(%s AS varchar))", "sqlite": "(%s)"}
+
+
+@lru_cache
+def window_summary(d: Dialect, buckets: int) -> str:
+    """Per (task, state) over the slots since ``%s``: runs, duplicates, duration sum and
+    count, and how many durations are at most each of ``buckets`` bounds.
+
+    Parameters: the ``buckets`` bounds (seconds), then the window's start. A range
+    scan of the slot index: its cost is the number of runs in the window.
+    """
+    duration = DURATION[d.vendor]
+    counts = "".join(f", SUM(CASE WHEN {duration} <= %s THEN 1 ELSE 0 END)" for _ in range(buckets))
+    return (
+        f"SELECT task_name, state, COUNT(*), COALESCE(SUM(duplicates), 0), "
+        f"COALESCE(SUM({duration}), 0), COUNT({duration}){counts} "
+        f"FROM {RUN} WHERE slot >= %s GROUP BY task_name, state"
+    )
+
+
+@lru_cache
+def latest_in_state(d: Dialect, names: int) -> str:
+    """For each of ``names`` task names (the VALUES list; then the state, twice): the slot
+    and end of its run in that state with the latest slot (NULL: none). One backward
+    probe of (task_name, state, slot) each."""
+    rows = ", ".join([_NAME_ROW[d.vendor]] * names)
+    latest = (
+        "(SELECT r.{column} FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+        "ORDER BY r.slot DESC LIMIT 1)"
+    )
+    return (
+        f"WITH t(name) AS (VALUES {rows}) SELECT t.name, "
+        f"{latest.format(column='slot', run=RUN)}, "
+        f"{latest.format(column='finished_at', run=RUN)} FROM t"
+    )
+
+
+# Per task, its health facts: the tasks are a VALUES list (name, due slot), the facts
+# correlated subqueries, planned once whatever the number of tasks. Parameters after
+# the VALUES: missed, since; running (x3); ended states and N (x2), succeeded; ended.
+_ENDED = "r.state IN (%s, %s, %s)"
+_FACTS = (
+    "WITH t(name, due) AS (VALUES {tasks}) SELECT t.name, "
+    "(SELECT r.state FROM {run} r WHERE r.task_name = t.name AND r.slot = t.due), "
+    "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.slot >= %s), "
+    "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.lease_until <= {now}), "
+    "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
+    "(SELECT r.lease_until FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
+    "(SELECT COUNT(*) FROM (SELECT r.state FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT %s) AS e), "
+    "(SELECT COUNT(*) FROM (SELECT r.state FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT %s) AS e WHERE e.state <> %s), "
+    "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT 1) FROM t"
+)
+# A VALUES row of (task name, due slot), typed (PostgreSQL cannot infer parameter types).
+_TASK_ROW = {
+    "postgresql": "(CAST(%s AS varchar), CAST(%s AS timestamp with time zone))",
+    "sqlite": "(%s, %s)",
+}
+
+
+@lru_cache
+def task_facts(d: Dialect, tasks: int) -> str:
+    """The health facts of ``tasks`` tasks, one row each: every value an index probe on
+    (task_name, slot) or (task_name, state, slot)."""
+    rows = ", ".join([_TASK_ROW[d.vendor]] * tasks)
+    return _format(_FACTS.replace("{tasks}", rows), d)
+
+
+# The runs of each task whose slot is at or after its ``limit``-th latest (the tasks a
+# VALUES list; one backward probe and one range scan of (task_name, slot) each).
+# Parameters after the VALUES: limit - 1 (the OFFSET).
+_RECENT = (
+    "WITH t(name) AS (VALUES {tasks}) "
+    "SELECT r.task_name, r.id, r.slot, r.state "
+    "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
+    "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "
+    "LIMIT 1 OFFSET %s), {oldest})"
+)
+_OLDEST = {
+    "postgresql": "CAST('-infinity' AS timestamp with time zone)",
+    "sqlite": "'0000-01-01'",
+}
+
+
+@lru_cache
+def recent_runs(d: Dialect, tasks: int) -> str:
+    """Each of ``tasks`` tasks' runs with the latest slots (parameters: the names, then
+    the limit less one)."""
+    rows = ", ".join([_NAME_ROW[d.vendor]] * tasks)
+    return _format(_RECENT.replace("{tasks}", rows).replace("{oldest}", _OLDEST[d.vendor]), d)
