@@ -82,9 +82,9 @@ def test_cleanup_locks__never_touches_a_live_lease():
         "released_locks": 0,
         "orphan_keys": 0,
         "unrecorded_slots": 0,
-        "missed_slots": 0,
         "dry_run": False,
         "runs": [],
+        "missed_slots": 0,
     }
     # The live run is named, with when it would become stale.
     assert (flight["task"], flight["owner"]) == ("tests.job", live.owner)
