@@ -433,8 +433,7 @@ def test_claim_once__set_once_then_compare_and_delete(redis_server):
             claim_once("tg:beat:z", "beat-1", 60)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
+def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path, db):
     """Each script's keys share one hash slot: a cluster-mode node runs them (no CROSSSLOT)."""
     # (the cluster bus needs a port of its own: port + 10000 may not exist)
     bus = ("--cluster-port", str(free_port()))
@@ -448,19 +447,19 @@ def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
         with pytest.raises(ResponseError, match="same slot"):  # CROSSSLOT: the node does check
             command(server, "eval", "return 1", 2, "tests:a", "tests:b")
         with redis_backend(server) as lock:
-            KEY = lock.key("tests.lock", SLOT)  # under this ledger's prefix, which scans use
-            assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
-            assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
-            assert lock.extend(KEY, "a" * 32, 30)
-            assert not lock.release(KEY, "b" * 32)
-            assert lock.release_counted(KEY, "a" * 32) == 1
-            assert lock.acquire(KEY, "d" * 32, 3, "tests.lock") is Acquired.WON
-            assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.LOST
-            assert lock.take_duplicates(KEY) == 1
-            assert lock.release(KEY, "d" * 32)
-            assert lock.acquire(KEY, "f" * 32, 3, "tests.lock") is Acquired.WON
-            assert lock.finish(KEY, "f" * 32) == 0
-            assert lock.acquire(KEY, "g" * 32, 3, "tests.lock") is Acquired.FINISHED
+            key = lock.key("tests.lock", SLOT)  # this ledger's keys: the sweep scans for them
+            assert lock.acquire(key, "a" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(key, "b" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.extend(key, "a" * 32, 30)
+            assert not lock.release(key, "b" * 32)
+            assert lock.release_counted(key, "a" * 32) == 1
+            assert lock.acquire(key, "d" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(key, "e" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.take_duplicates(key) == 1
+            assert lock.release(key, "d" * 32)
+            assert lock.acquire(key, "f" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.finish(key, "f" * 32) == 0
+            assert lock.acquire(key, "g" * 32, 3, "tests.lock") is Acquired.FINISHED
             assert [record.duplicates for record in lock.unrecorded_claims()] == [1]
             assert list(lock.scan_run_keys()) == []
             assert lock.errors == 0
