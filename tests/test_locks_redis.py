@@ -616,3 +616,26 @@ def test_redis_lock__connections_dropped_on_errors_are_reused(redis_server):
         lock._probe_at = 0.0
         assert lock.acquire(other, "b" * 32, 30) is Acquired.WON
         assert lock.acquire(other, "c" * 32, 30) is Acquired.LOST
+
+
+@pytest.mark.django_db(transaction=True)
+def test_guard__a_flushed_marker_is_put_back_by_the_next_late_call(redis_server):
+    # Redis forgot the finished slot (FLUSHALL): the next call wins Redis, finds the row
+    # finished (one query), and leaves the marker again, so later ones cost no query.
+    with redis_backend(redis_server) as lock:
+        job = once_per_schedule(name="tests.remarked")(lambda: "ran")
+        assert job.run_for_slot(SLOT) == "ran"
+        command(redis_server, "flushall")
+        assert job.run_for_slot(SLOT) is None
+        assert command(redis_server, "get", lock.key("tests.remarked", SLOT)) == b"=done"
+        seen: list[str] = []
+        duplicate_suppressed.connect(
+            lambda state, **_: seen.append(state), weak=False, dispatch_uid="tests.remarked"
+        )
+        try:
+            with CaptureQueriesContext(connection) as queries:
+                assert job.run_for_slot(SLOT) is None
+        finally:
+            duplicate_suppressed.disconnect(dispatch_uid="tests.remarked")
+        assert len(queries) == 0
+        assert seen == ["finished"]
