@@ -35,6 +35,24 @@ def wait_until(start_at: float) -> None:
         time.sleep(delay)
 
 
+def barrier(args: argparse.Namespace) -> None:
+    """Wait for the start: ``--go FILE`` (say ready in ``FILE.ready``, wait until FILE exists).
+
+    A start on a wall-clock time is a guess: a process still importing Django on a loaded
+    machine misses it and runs alone. The go file is an event the parent sends once every
+    child has said it is ready (``tests.race.release``).
+    """
+    if not args.go:
+        wait_until(args.start_at)
+        return
+    record(args.go + ".ready", str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(args.go):
+        if time.monotonic() > deadline:
+            raise SystemExit("the go file never came")
+        time.sleep(0.002)
+
+
 def race(args: argparse.Namespace) -> dict[str, int]:
     """Fire slots 0..N-1 of one task as fast as possible; count wins and losses."""
     from django_taskguard import current_run, once_per_schedule
@@ -42,10 +60,10 @@ def race(args: argparse.Namespace) -> dict[str, int]:
     @once_per_schedule(name=args.task)
     def body(index: int) -> int:
         run = current_run()
-        record(args.log, f"{index} {os.getpid()} {run.fence}")
+        record(args.log, f"{index} {os.getpid()} {run.fence} {time.time():.6f}")
         return index
 
-    wait_until(args.start_at)
+    barrier(args)
     won = lost = 0
     for index in range(args.slots):
         slot = BASE_SLOT + timedelta(minutes=index)
@@ -131,7 +149,7 @@ def tick(args: argparse.Namespace) -> dict[str, object]:
         line("end", run, time.time())
         return "done"
 
-    wait_until(args.start_at)
+    barrier(args)
     return run_held(body, args.slot)
 
 
@@ -188,11 +206,12 @@ def _swarm_child(args: argparse.Namespace, body, warm: datetime) -> int:  # type
     code = 1
     try:
         assert body.run_for_slot(warm) is None  # warm up on a slot someone else holds
-        wait_until(args.start_at)
-        began = time.monotonic()
+        barrier(args)
+        began, at = time.monotonic(), time.time()
         result = body.run_for_slot(BASE_SLOT + timedelta(minutes=args.slot))
         took = time.monotonic() - began
-        line = {"pid": os.getpid(), "won": result is not None, "seconds": took}
+        line = {"pid": os.getpid(), "won": result is not None, "seconds": took,
+                "began": at, "ended": time.time()}  # fmt: skip
         record(args.results, json.dumps(line))
         code = 0
     except BaseException:
@@ -237,6 +256,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slots", type=int, default=200)
     parser.add_argument("--slot", type=int, default=0)
     parser.add_argument("--start-at", type=float, default=0.0)
+    parser.add_argument("--go", default="", help="start when this file exists (see barrier)")
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--lease", type=float, default=None)
     parser.add_argument("--on-stale", default="abandon")

@@ -31,7 +31,7 @@ from django_taskguard.signals import run_abandoned
 from .conftest import python
 from .proc import BASE_SLOT
 from .redis_support import child_redis_env, command, redis_backend, unfinished_keys
-from .test_race import start_racers
+from .test_race import release, start_racers, winners
 
 LEASE = 2.0
 
@@ -144,6 +144,7 @@ def test_redis_race__8_processes_200_slots_run_each_slot_once(child_env, redis_s
     executions = Counter(line.split()[0] for line in log.read_text().splitlines())
     assert len(executions) == 200 and set(executions.values()) == {1}
     assert sum(o["won"] for o in outcomes) == 200
+    assert len(winners(log)) >= 2, "one process won every slot: the racers never met"
     runs = TaskRun.objects.filter(task_name="tests.redis_race")
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
     # Every losing call is counted: on the row, or still on a Redis claim record
@@ -288,6 +289,7 @@ def test_redis_down__whole_run_exactly_once_via_database(child_env, redis_server
         assert err.count("is unreachable") == 1, err  # once per outage, not per call
     executions = Counter(line.split()[0] for line in log.read_text().splitlines())
     assert len(executions) == 30 and set(executions.values()) == {1}
+    assert len(winners(log)) >= 2, "one process won every slot: the racers never met"
     runs = TaskRun.objects.filter(task_name="tests.redis_down")
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
     assert sum(runs.values_list("duplicates", flat=True)) == 30 * 3
@@ -411,23 +413,30 @@ SWARM = 120
 
 
 def test_redis_swarm__120_processes_one_slot_one_winner(child_env, redis_server, scratch):
+    """120 processes call one slot at once: one runs it, every other call is counted.
+
+    How fast the losers were is printed, never asserted (2 shared cores): the
+    speed bar is measured by ``bench/``.
+    """
     env = child_redis_env(child_env, redis_server)
-    log, results = scratch / "x.log", scratch / "results.jsonl"
-    start_at = time.time() + 8.0  # forking and connecting 120 children takes a while on 2 cores
+    log, results, go = scratch / "x.log", scratch / "results.jsonl", scratch / "go"
     parent = Child(env, "swarm", "--task", "tests.swarm", "--log", str(log), "--lease", "5",
-                   "--seconds", "0.5", "--processes", str(SWARM), "--start-at", str(start_at),
+                   "--seconds", "2", "--processes", str(SWARM), "--go", str(go),
                    "--results", str(results))  # fmt: skip
+    # Every child has warmed up (one losing call) and waits: start them together.
+    release([parent.process], go, count=SWARM, timeout=180)
     assert parent.outcome(timeout=180) == {"children": SWARM, "failed": 0}
     calls = [json.loads(line) for line in results.read_text().splitlines()]
     assert len(calls) == SWARM
-    assert sum(c["won"] for c in calls) == 1
+    (winner,) = [c for c in calls if c["won"]]
     losers = sorted(c["seconds"] for c in calls if not c["won"])
-    report = (
+    print(
         f"{len(losers)} losers: median {statistics.median(losers) * 1000:.1f} ms, "
         f"max {losers[-1] * 1000:.1f} ms"
     )
-    print(report)
-    assert losers[-1] < 1.0, report
+    # The start was shared: losers called while the winner's body was running (2 s).
+    during = [c for c in calls if not c["won"] and c["began"] < winner["ended"]]
+    assert len(during) >= 2, "no loser met a live winner: the start barrier did not hold"
     assert log_lines(log) == Counter({"start": 1})
     run = the_run("tests.swarm")
     assert run.state == RunState.SUCCEEDED
@@ -545,32 +554,49 @@ def test_redis_gap__cleaners_at_once_record_each_slot_and_loser_once(child_env, 
 # soak ----------------------------------------------------------------------------
 
 
+CHAOS = ["flushall", "restart", "script_flush", "kill", "pause"]
+
+
+def inflict(server, chaos: str) -> None:  # type: ignore[no-untyped-def]
+    if chaos == "restart":
+        server.restart()
+    elif chaos == "kill":
+        server.kill()
+        time.sleep(0.5)
+        server.start()
+    elif chaos == "pause":  # every command stalls past the lock client's socket timeout
+        command(server, "client_pause", 1500, True)
+    else:
+        command(server, chaos)
+
+
 @pytest.mark.soak
 def test_redis_soak__racers_under_redis_chaos_run_each_slot_once(child_env, redis_server, scratch):
+    """Racers under each kind of Redis chaos in turn, each landing mid-run.
+
+    Every kind runs at least once, however short ``TASKGUARD_SOAK_SECONDS`` is; the
+    kinds cycle in a fixed order, so a CI run is the same run every time.
+    """
     seconds = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "10"))
     env = child_redis_env(child_env, redis_server)
     deadline = time.monotonic() + seconds
-    rounds = 0
-    while rounds == 0 or time.monotonic() < deadline:
+    rounds, slots = 0, 200
+    while rounds < len(CHAOS) or time.monotonic() < deadline:
         log, task = scratch / f"soak-{rounds}.log", f"tests.soak.{rounds}"
-        racers = start_racers(env, log, task, 4, 40)
-        chaos = ["flushall", "restart", "script_flush", "kill", "flushall"][rounds % 5]
-        time.sleep(3.2)  # the racers start at +3 s
-        if chaos == "restart":
-            redis_server.restart()
-        elif chaos == "kill":
-            redis_server.kill()
-            time.sleep(0.5)
-            redis_server.start()
-        else:
-            command(redis_server, chaos)
+        racers = start_racers(env, log, task, 4, slots)
+        chaos = CHAOS[rounds % len(CHAOS)]
+        wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 5)  # noqa: B023
+        inflict(redis_server, chaos)
+        landed = len(log.read_text().splitlines())
         for racer in racers:
             _, err = racer.communicate(timeout=300)
             assert racer.returncode == 0, err
             assert_no_heartbeat_crash(err)
+        assert landed < slots, f"{chaos} landed after the racers had finished"
         executions = Counter(line.split()[0] for line in log.read_text().splitlines())
-        assert len(executions) == 40 and set(executions.values()) == {1}, (chaos, executions)
+        assert len(executions) == slots and set(executions.values()) == {1}, (chaos, executions)
         runs = TaskRun.objects.filter(task_name=task)
         assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+        print(f"soak round {rounds}: {chaos} after {landed} of {slots} slots")
         rounds += 1
     print(f"soak: {rounds} rounds in {seconds:.0f} s")

@@ -44,6 +44,7 @@ from django_taskguard.signals import (
 from .conftest import python, wait_for
 from .proc import BASE_SLOT
 from .runs import PutBack, busy_call
+from .test_race import release
 
 LEASE = 3.0  # seconds; renewed every LEASE / 3 while the body runs
 
@@ -250,11 +251,12 @@ def test_on_stale__retry_after_a_sigkill_takes_over_exactly_once(child_env, scra
     first = a.started()
     a.kill()
     wait_stale(first["started"])
-    start_at = time.time() + 2.0
+    go = scratch / "go"
     racers = [
-        Child(child_env, log, task, lease=LEASE, seconds=0.5, on_stale="retry", start_at=start_at)
+        Child(child_env, log, task, lease=LEASE, seconds=0.5, on_stale="retry", go=go)
         for _ in range(3)
     ]
+    release([r.proc for r in racers], go)
     outcomes = [r.outcome() for r in racers]
 
     assert sorted(str(o["result"]) for o in outcomes) == ["None", "None", "done"]
