@@ -40,6 +40,9 @@ from tests.redis_support import child_redis_env, redis_backend
 
 from .slots import BASE_SLOT
 
+# Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
+pytestmark = pytest.mark.once
+
 TICK = "tests.celery_tasks.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 PERSISTENT = "django_taskguard.contrib.celery:TaskguardScheduler"

@@ -33,6 +33,9 @@ from .redis_support import (
 )
 from .slots import BASE_SLOT
 
+# Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
+pytestmark = pytest.mark.once
+
 SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.sentinel", SLOT)
 A, B = "a" * 32, "b" * 32
