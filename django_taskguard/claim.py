@@ -32,7 +32,7 @@ class Taken:
     """The slot belongs to another attempt (or is finished); this call does not run."""
 
     state: str
-    lease_until: datetime | None = None  # of the live attempt, when state is running
+    lease_left: float | None = None  # of the live attempt, when state is running (db clock)
 
 
 def claim_slot(
@@ -100,7 +100,7 @@ def _claim_row(
 
 def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
     return BackendUnavailable(
-        f"{task_name!r} did not run: the taskguard database is unreachable ({exc})"
+        f"{task_name!r} did not run: the taskguard database {ledger.describe_error(exc)}"
     )
 
 
@@ -124,7 +124,7 @@ def _decide(
         return ledger.take_over(row, owner, lease, f"{dead}; on_stale=retry")
     if state == RunState.ABANDONED and not abandon:
         return ledger.take_over(row, owner, lease, "on_stale=retry")
-    return Taken(state, row.lease_until if state == RunState.RUNNING else None)
+    return Taken(state, row.lease_left if state == RunState.RUNNING else None)
 
 
 def _abandon_stale(row: Row, owner: str, dead: str, task_name: str, slot: datetime) -> Taken | None:

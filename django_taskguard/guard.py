@@ -114,7 +114,8 @@ def execute(
         if acquired is Acquired.WON:
             lock.release(key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
-            _put_back(on_busy, _seconds_left(outcome.lease_until, lease), task_name)
+            left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
+            _put_back(on_busy, left, task_name)
         _duplicate(task_name, slot, outcome.state, policy)
         return None
     return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
@@ -145,14 +146,6 @@ def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bo
 def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     on_busy(seconds)
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
-
-
-def _seconds_left(lease_until: datetime | None, lease: float) -> float:
-    """How long a live lease has left (a hint: this clock, not the database's)."""
-    if lease_until is None:
-        return lease
-    left = (lease_until - datetime.now(tz=lease_until.tzinfo)).total_seconds()
-    return min(max(left, 0.0), lease)
 
 
 def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from celery.beat import SchedulingError
 from celery.schedules import crontab, schedule
 from django.test import override_settings
 from django_celery_beat.clockedschedule import clocked
@@ -276,3 +277,40 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
     assert {run.state for run in runs} == {RunState.SUCCEEDED}
     assert len(executions(log)) == len(runs)
     assert sum(run.duplicates for run in runs) == 2 - len(runs)
+
+
+def test_eager__beat_claim_is_given_back_when_the_publish_fails(
+    eager, transactional_db, tmp_path, redis_server
+):
+    # Before: the claim was kept when the publish raised (broker down), so every other
+    # beat skipped that entry and slot, and nothing recorded it.
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    log = tmp_path / "log"
+    entry = TaskguardEntry(
+        name="tick-2s-broker-down",
+        task="tests.celery_tasks.tick",
+        schedule=timedelta(seconds=2),
+        kwargs={"log": str(log), "seconds": 0},
+        app=app,
+    )
+    first = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat1"), lazy=True)
+    second = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat2"), lazy=True)
+    settings = {"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+
+    def broken_publish(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("broker down")
+
+    task = app.tasks["tests.celery_tasks.tick"]
+    with override_settings(CACHES=caches, TASKGUARD=settings):
+        task.apply_async = broken_publish  # an instance attribute: the publish fails
+        try:
+            with pytest.raises(SchedulingError, match="broker down"):
+                first.apply_async(entry, advance=False)
+        finally:
+            del task.apply_async
+        assert redis_server.client().keys("taskguard:beat:*") == [], "the claim was given back"
+        assert second.apply_async(entry, advance=False) is not None
+    assert len(executions(log)) == 1

@@ -156,3 +156,19 @@ def test_claim__with_autocommit_turned_off_is_refused_and_writes_nothing():
         transaction.set_autocommit(True)
     assert calls == []
     assert not TaskRun.objects.exists()
+
+
+def test_unreachable__sqlites_lock_timeout_is_called_busy_not_unreachable():
+    from django.db import OperationalError
+
+    busy = ledger.unreachable(OperationalError("database is locked"))
+    assert str(busy).startswith("the taskguard database is busy: another connection held")
+    down = ledger.unreachable(OperationalError("connection refused"))
+    assert str(down) == "the taskguard database is unreachable (connection refused)"
+
+
+def test_claim__the_lease_left_is_read_on_the_database_clock():
+    row = ledger.claim("tests.ledger.left", slot(0), "h:1:a", 30, abandon_is_final=True)
+    taken = ledger.claim("tests.ledger.left", slot(0), "h:2:b", 30, abandon_is_final=True)
+    assert row.lease_left is not None and 29 <= row.lease_left <= 30.5
+    assert taken.lease_left is not None and 25 <= taken.lease_left <= 30.5

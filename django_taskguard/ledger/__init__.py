@@ -80,7 +80,12 @@ class Row:
     fence: int | None
     owner: str
     lease_until: datetime | None
-    expired: bool = False
+    lease_left: float | None = None  # seconds, by the database's clock (read rows only)
+
+    @property
+    def expired(self) -> bool:
+        """The lease ran out, by the database's clock."""
+        return self.lease_left is not None and self.lease_left <= 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,18 @@ def settle_connection() -> None:
 
 
 def unreachable(exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(f"the taskguard database is unreachable ({exc})")
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
+
+
+def describe_error(exc: Exception) -> str:
+    """``is unreachable (...)``, or ``is busy (...)`` for SQLite's lock timeout."""
+    if "database is locked" in str(exc):
+        return (
+            f"is busy: another connection held SQLite's write lock past its timeout ({exc}); "
+            f"raise DATABASES[...]['OPTIONS']['timeout'] or use PostgreSQL for many writers"
+        )
+    return f"is unreachable ({exc})"
 
 
 def ensure_reachable() -> None:
@@ -193,9 +209,9 @@ def aware(value: Any) -> datetime | None:
 def _row(values: Sequence[Any] | None) -> Row | None:
     if values is None:
         return None
-    expired = bool(values[6]) if len(values) > 6 else False
+    left = float(values[6]) if len(values) > 6 and values[6] is not None else None
     return Row(
-        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), expired
+        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), left
     )
 
 

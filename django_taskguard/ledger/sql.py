@@ -35,6 +35,7 @@ class Dialect:
     vendor: str
     now: str
     lease_from_now: str  # one %s parameter: seconds
+    lease_left: str  # seconds until lease_until, by the database's clock (NULL: no lease)
     next_fence: str
     one_statement: bool  # True: data-modifying CTEs (PostgreSQL)
 
@@ -43,6 +44,7 @@ POSTGRES = Dialect(
     vendor="postgresql",
     now="statement_timestamp()",
     lease_from_now="statement_timestamp() + make_interval(secs => %s)",
+    lease_left="EXTRACT(EPOCH FROM lease_until - statement_timestamp())",
     next_fence=f"nextval('{FENCE_SEQUENCE}')",
     one_statement=True,
 )
@@ -50,6 +52,7 @@ SQLITE = Dialect(
     vendor="sqlite",
     now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
     lease_from_now="strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || %s || ' seconds')",
+    lease_left="(julianday(lease_until) - julianday('now')) * 86400.0",
     # The ledger row's counter, moved on by :func:`bump_fence` first in the same
     # transaction (SQLite runs one writer at a time). Never MAX(fence) + 1: that
     # goes back when retention deletes the newest rows.
@@ -81,7 +84,7 @@ _CLAIM = (
     "CASE WHEN r.state IN ('succeeded', 'failed', 'skipped') "
     "OR (r.state = 'running' AND r.lease_until > {now} AND %s) "
     "OR (r.state = 'abandoned' AND %s) THEN 1 ELSE 0 END "
-    "RETURNING {row}, lease_until <= {now}"
+    "RETURNING {row}, {left}"
 )
 _CLAIMED = (
     "INSERT INTO {transition} ({columns}) SELECT id, 'pending', 'running', {now}, 'claimed', owner "
@@ -113,14 +116,12 @@ def claimed_transition(d: Dialect) -> str:
 
 @lru_cache
 def read_slot(d: Dialect) -> str:
-    return _format(
-        "SELECT {row}, lease_until <= {now} FROM {run} WHERE task_name = %s AND slot = %s", d
-    )
+    return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
 
 
 @lru_cache
 def read_id(d: Dialect) -> str:
-    return _format("SELECT {row}, lease_until <= {now} FROM {run} WHERE id = %s", d)
+    return _format("SELECT {row}, {left} FROM {run} WHERE id = %s", d)
 
 
 @lru_cache
@@ -279,4 +280,5 @@ def _format(template: str, d: Dialect) -> str:
         lease=d.lease_from_now,
         fence=d.next_fence,
         row=ROW,
+        left=d.lease_left,
     )

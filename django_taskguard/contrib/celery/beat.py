@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,8 +23,9 @@ from celery.schedules import schedule as interval_schedule
 
 from ... import schedules
 from ...conf import taskguard_settings
-from ...locks import claim_once
+from ...locks import claim_once, release_claim
 from ...locks.base import slot_label, task_digest
+from ...owner import host, new_token
 from .headers import SCHEDULE_HEADER, SLOT_HEADER, UTC, slot_for, task_identity, zone_name
 
 BEAT_CLAIM_TTL = 3600  # seconds a beat's claim on (entry, slot) is kept in Redis
@@ -84,8 +85,6 @@ class StampingMixin:
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
         stamped = self.stamp(entry, datetime.now(tz=UTC))
-        if stamped is None:
-            return None
         slot = stamped.options["headers"].get(SLOT_HEADER)
         sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
         if slot is not None and sent.get(entry.name) == slot:
@@ -93,15 +92,28 @@ class StampingMixin:
             # have synced yet; never publish the same slot of an entry twice.
             logger.info("taskguard beat: %s slot %s already sent by this beat", entry.name, slot)
             return None
-        result = super().apply_async(  # type: ignore[misc]
-            stamped, producer=producer, advance=False, **kwargs
-        )
+        claim = None
+        if slot is not None and taskguard_settings.BEAT_CLAIM:
+            claim = beat_claim(entry.task, entry.name, datetime.fromisoformat(slot))
+            if claim is None:
+                logger.info("taskguard beat: %s slot %s was sent by another beat", entry.name, slot)
+                return None
+        try:
+            result = super().apply_async(  # type: ignore[misc]
+                stamped, producer=producer, advance=False, **kwargs
+            )
+        except BaseException:
+            # Not sent (the broker is down): give the slot back, or every other beat
+            # would skip it and nothing would send it.
+            if claim is not None:
+                claim.release()
+            raise
         if slot is not None:
             sent[entry.name] = slot
         return result
 
     def stamp(self, entry: Any, now: datetime) -> Any:
-        """A copy of ``entry`` that carries the slot headers; None: another beat sent it."""
+        """A copy of ``entry`` that carries the slot headers."""
         try:
             slot = slot_for(entry.schedule, now)
         except Exception:
@@ -113,13 +125,6 @@ class StampingMixin:
             self._warn_once(entry)
         else:
             headers[SLOT_HEADER] = slot.isoformat()
-            if taskguard_settings.BEAT_CLAIM and not beat_claim(entry.task, entry.name, slot):
-                logger.info(
-                    "taskguard beat: %s slot %s was already sent by another beat",
-                    entry.name,
-                    slot.isoformat(),
-                )
-                return None
         # A shallow copy by hand: ScheduleEntry.__reduce__ (which copy.copy uses) does
         # not fit ModelEntry's constructor.
         stamped = object.__new__(type(entry))
@@ -169,20 +174,43 @@ def warn_timezone(app: Any) -> None:
 # --- BEAT_CLAIM -------------------------------------------------------------------
 
 
-def beat_claim(task_name: str, entry_name: str, slot: datetime) -> bool:
-    """Claim the publishing of (entry, slot) for this beat; True also when Redis errs.
+@dataclass(frozen=True)
+class BeatClaim:
+    """This beat's claim on publishing one (entry, slot); ``key`` None: Redis erred."""
+
+    key: str | None
+    owner: str
+
+    def release(self) -> None:
+        """Give the slot back (compare-and-delete): its publish failed."""
+        if self.key is None:
+            return
+        try:
+            release_claim(self.key, self.owner)
+        except Exception as exc:
+            logger.warning(
+                "taskguard beat could not give back %s (%s); it lapses in %d s",
+                self.key,
+                exc,
+                BEAT_CLAIM_TTL,
+            )
+
+
+def beat_claim(task_name: str, entry_name: str, slot: datetime) -> BeatClaim | None:
+    """Claim the publishing of (entry, slot) for this beat; None: another beat has it.
 
     One ``SET NX EX`` on the REDIS_ALIAS cache's server, through the lock's own
-    client (short socket timeout, no retries). An error means "send anyway":
-    the worker's claim is the guarantee, this only saves the duplicate messages.
+    client (short socket timeout, no retries). An error means "send anyway"
+    (a claim with no key): the worker's claim is the guarantee, this only saves
+    the duplicate messages. The caller releases the claim if its publish fails.
     """
     key = (
         f"{taskguard_settings.KEY_PREFIX}:beat:"
         f"{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
     )
-    owner = f"{socket.gethostname()}:{os.getpid()}"
+    owner = f"{host()}:{os.getpid()}:{new_token()}"
     try:
-        return claim_once(key, owner, BEAT_CLAIM_TTL)
+        return BeatClaim(key, owner) if claim_once(key, owner, BEAT_CLAIM_TTL) else None
     except Exception as exc:
         logger.warning("taskguard beat claim of %s failed (%s); sending anyway", key, exc)
-        return True
+        return BeatClaim(None, owner)

@@ -1,0 +1,116 @@
+"""What the ledger records when things end badly: text it cannot store, retries that
+never come, a user's exception whatever the recording meets."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db.models.functions import Now
+
+from django_taskguard import guard, ledger
+from django_taskguard.guard import Ending, Policy
+from django_taskguard.models import RunState, TaskRun
+
+from .slots import BASE_SLOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("message", "stored"),
+    [
+        pytest.param("a\x00b", "a\\x00b", id="nul"),
+        pytest.param("lone \udc80 surrogate", "lone \\udc80 surrogate", id="lone-surrogate"),
+        pytest.param("ok ünïcode ✓", "ok ünïcode ✓", id="unicode-kept"),
+    ],
+)
+def test_failed_run__error_text_the_database_refuses_is_stored_escaped(message, stored):
+    # Before: PostgreSQL refused NUL, both databases lone surrogates; the caller got a
+    # DataError/UnicodeEncodeError instead of its own exception, the row stayed running.
+    def body() -> None:
+        raise Boom(message)
+
+    with pytest.raises(Boom) as info:
+        guard.execute("tests.recording.text", BASE_SLOT, Policy(), body, (), {})
+    assert info.value.args == (message,), "the function's own exception reaches the caller"
+    run = TaskRun.objects.get()
+    assert run.state == RunState.FAILED
+    assert run.error == f"Boom: {stored}"
+    assert run.transitions.last().reason == f"Boom: {stored}"
+
+
+def test_failed_run__huge_error_text_is_bounded():
+    def body() -> None:
+        raise Boom("x" * 100_000)
+
+    with pytest.raises(Boom):
+        guard.execute("tests.recording.huge", BASE_SLOT, Policy(), body, (), {})
+    run = TaskRun.objects.get()
+    assert len(run.error) == ledger.ERROR_MAX_LENGTH and run.error.endswith("…")
+    assert len(run.transitions.last().reason) == ledger.REASON_MAX_LENGTH
+
+
+def test_retrying_run__a_retry_that_never_comes_is_abandoned_by_cleanup():
+    # Before: a retrying row whose retry never came (worker killed before Celery
+    # published it) stayed retrying forever: cleanup looked at running rows only.
+    def classify(exc: BaseException) -> Ending:
+        return Ending(RunState.RETRYING, "retry requested", retry_within=30)
+
+    with pytest.raises(Boom):
+        guard.execute(
+            "tests.recording.retry",
+            BASE_SLOT,
+            Policy(),
+            lambda: (_ for _ in ()).throw(Boom("transient")),
+            (),
+            {},
+            classify_raise=classify,
+        )
+    run = TaskRun.objects.get()
+    assert run.state == RunState.RETRYING
+    # The deadline: the retry's wait plus RETRY_GRACE_SECONDS (default 7200).
+    left = (run.lease_until - run.started_at).total_seconds()
+    assert 7200 + 30 - 5 <= left <= 7200 + 30 + 5
+    assert call_command_json("cleanup_locks")["stale_runs"] == 0, "not due yet"
+
+    TaskRun.objects.filter(pk=run.pk).update(lease_until=Now() - timedelta(seconds=1))
+    assert call_command_json("cleanup_locks")["stale_runs"] == 1
+    run.refresh_from_db()
+    assert run.state == RunState.ABANDONED
+    assert run.transitions.last().reason.startswith("retry never came: attempt 1")
+
+
+def test_retrying_run__the_retry_that_comes_in_time_runs():
+    ran: list[int] = []
+
+    def classify(exc: BaseException) -> Ending | None:
+        return Ending(RunState.RETRYING, "retry requested") if ran == [1] else None
+
+    def body() -> str:
+        if not ran:
+            ran.append(1)
+            raise Boom("first")
+        ran.append(2)
+        return "second"
+
+    with pytest.raises(Boom):
+        guard.execute(
+            "tests.recording.retry2", BASE_SLOT, Policy(), body, (), {}, classify_raise=classify
+        )
+    assert guard.execute("tests.recording.retry2", BASE_SLOT, Policy(), body, (), {}) == "second"
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 2)
+
+
+def call_command_json(name: str) -> dict[str, int]:
+    out = StringIO()
+    call_command(name, "--json", stdout=out)
+    return dict(json.loads(out.getvalue()))
