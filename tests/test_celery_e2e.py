@@ -440,7 +440,6 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
     assert victim is not None
     time.sleep(1.0)
     cluster.signal(victim, signal.SIGKILL)
-    killed_at = time.monotonic()
     final = RunState.SUCCEEDED if on_stale == "retry" else RunState.ABANDONED
     try:
         wait_for(
@@ -466,7 +465,6 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
         abandoned = run.transitions.get(to_state=RunState.ABANDONED)
         assert "on_stale=abandon" in abandoned.reason
         assert abandoned.owner != run.owner  # recorded by the redelivered message's attempt
-    assert time.monotonic() - killed_at < 90
     assert not TaskRun.objects.filter(state__in=OPEN_STATES).exists()
     assert_lock_redis_settled(cluster)
 

@@ -52,7 +52,10 @@ def test_slot_for__interval_is_epoch_aligned():
     slot = slot_for(every, now)
     assert slot <= now < slot + timedelta(seconds=7)
     assert (slot - datetime(1970, 1, 1, tzinfo=UTC)) % timedelta(seconds=7) == timedelta(0)
-    assert slot_for(every, now + timedelta(seconds=3)) in (slot, slot + timedelta(seconds=7))
+    assert slot == utc(2026, 3, 1, 12, 0, 0)  # 12:00 UTC is a multiple of 7 s since the epoch
+    assert slot_for(every, now + timedelta(seconds=3)) == slot
+    assert slot_for(every, slot + timedelta(seconds=7, microseconds=-1)) == slot
+    assert slot_for(every, slot + timedelta(seconds=7)) == slot + timedelta(seconds=7)
 
 
 def test_slot_for__crontab_uses_the_crontab_time_zone():

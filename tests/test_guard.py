@@ -394,10 +394,16 @@ def test_check__raises_lease_lost_after_the_deadline_and_stays_lost(received):
             time.sleep(2.5)
             with pytest.raises(LeaseLost, match="not renewed before its deadline"):
                 run.check()
+            stalled = TaskRun.objects.get(pk=run.id).lease_until
         finally:
             release.set()
             blocker.join(30)
-        time.sleep(1.0)  # the stalled renewal comes back; that does not revive the lease
+        # The stalled renewal comes back (it lands on the row); that does not revive the lease.
+        wait_for(
+            lambda: TaskRun.objects.get(pk=run.id).lease_until > stalled,
+            timeout=30,
+            what="the stalled renewal to land",
+        )
         outcome["sticky"] = not run.lease_valid()
         with pytest.raises(LeaseLost):
             run.check()
