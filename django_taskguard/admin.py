@@ -53,6 +53,8 @@ STATE_COLOURS: dict[str, str] = {
 EXACT_COUNT_BELOW = 10_000
 MAX_TASK_CHOICES = 200
 MAX_DATE_CHOICES = 60
+# Runs one "Release lock" action handles (each is a few queries and a Redis call).
+MAX_RELEASED = 1000
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
@@ -284,13 +286,21 @@ class TaskRunAdmin(RunAdminBase):
         if request.POST.get("confirm") != "yes":
             return self._confirm(request, queryset, "release_locks", _("Release lock"))
         outcomes: dict[str, int] = {}
+        chosen = queryset.order_by("pk").values_list("pk", flat=True)
         try:
-            for run in queryset.order_by("pk")[: self.list_per_page]:
-                outcome = release_lock(run)
+            for run_id in chosen[:MAX_RELEASED]:
+                outcome = release_lock(run_id)
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
         except BackendUnavailable as exc:
             self.message_user(request, str(exc), messages.ERROR)
             return None
+        if chosen[MAX_RELEASED : MAX_RELEASED + 1].exists():
+            self.message_user(
+                request,
+                _("Only the first %(n)d selected runs were handled; run the action again.")
+                % {"n": MAX_RELEASED},
+                messages.WARNING,
+            )
         freed = outcomes.get("abandoned", 0) + outcomes.get("released", 0)
         self.message_user(
             request,

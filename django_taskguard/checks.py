@@ -145,6 +145,20 @@ def _check_routing(alias: str) -> list[CheckMessage]:
     return errors
 
 
+MIN_REDIS = (7, 0)
+
+
+def redis_version_problem(version: str) -> str | None:
+    """Why a Redis of ``version`` cannot hold the locks (no ``SET ... NX GET``), or None."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # a fork with its own numbering: the acquire says so if it fails
+    if found < MIN_REDIS:
+        return f"is Redis {version}; taskguard's lock needs 7.0 or newer (SET ... NX GET)"
+    return None
+
+
 @register(Tags.caches)
 def check_lock_redis(
     app_configs: Sequence[AppConfig] | None = None,
@@ -177,6 +191,7 @@ def check_lock_redis(
             )
         ]
     try:
+        too_old = redis_version_problem(lock.server_version())
         policy = lock.eviction_policy()
     except ResponseError as exc:
         return [
@@ -193,6 +208,15 @@ def check_lock_redis(
                 hint="Its maxmemory-policy was not checked. Tasks still run once via the "
                 "database while it is down if ON_REDIS_ERROR is 'database'.",
                 id="taskguard.W011",
+            )
+        ]
+    if too_old is not None:
+        return [
+            Error(
+                f"The lock Redis CACHES[{alias!r}] {too_old}.",
+                hint="Upgrade the Redis that holds taskguard's locks to 7.0 or newer, or use "
+                "TASKGUARD['BACKEND'] = 'database'.",
+                id="taskguard.E013",
             )
         ]
     if policy != "noeviction":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -35,7 +35,49 @@ from .states import RunState
 logger = logging.getLogger("taskguard.cleanup")
 
 BATCH_SIZE = 500
+# Runs named one by one in a result (the counts are always whole).
+LISTED = 100
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Touched:
+    """One run cleanup abandoned (or would), and why."""
+
+    task: str
+    slot: datetime
+    owner: str
+    reason: str
+    lock_released: bool  # its Redis key still held its token and was deleted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "slot": self.slot.isoformat(),
+            "owner": self.owner,
+            "reason": self.reason,
+            "lock_released": self.lock_released,
+        }
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A running attempt whose lease is still valid: cleanup leaves it, and says until when."""
+
+    task: str
+    slot: datetime
+    owner: str
+    lease_until: datetime
+    seconds_left: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "slot": self.slot.isoformat(),
+            "owner": self.owner,
+            "lease_until": self.lease_until.isoformat(),
+            "seconds_left": round(self.seconds_left, 1),
+        }
 
 
 @dataclass
@@ -45,6 +87,8 @@ class CleanupResult:
     orphan_keys: int = 0
     unrecorded_slots: int = 0  # slots whose Redis winner died before its row, now recorded
     dry_run: bool = False
+    runs: list[Touched] = field(default_factory=list)
+    in_flight: list[InFlight] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +97,8 @@ class CleanupResult:
             "orphan_keys": self.orphan_keys,
             "unrecorded_slots": self.unrecorded_slots,
             "dry_run": self.dry_run,
+            "runs": [touched.as_dict() for touched in self.runs],
+            "in_flight": [flight.as_dict() for flight in self.in_flight],
         }
 
 
@@ -74,13 +120,19 @@ def cleanup_locks(
     result = CleanupResult(dry_run=dry_run)
     lock = get_backend()
     for run in ledger.stale_runs(task=task, among=runs, batch_size=batch_size):
+        reason = _why(run, "cleanup_locks")
         if dry_run:
-            result.stale_runs += 1
-            result.released_locks += _holds(lock, run)
+            released = _holds(lock, run)
+        elif abandon(run, reason, lease="expired"):
+            released = release_if_held(lock, run)
+        else:
             continue
-        if abandon(run, _why(run, "cleanup_locks"), lease="expired"):
-            result.stale_runs += 1
-            result.released_locks += release_if_held(lock, run)
+        result.stale_runs += 1
+        result.released_locks += released
+        if len(result.runs) < LISTED:
+            result.runs.append(Touched(run.task_name, run.slot, run.owner, reason, released))
+    for flight in ledger.in_flight(task=task, among=runs, limit=LISTED):
+        result.in_flight.append(InFlight(*flight))
     if scan_orphans and runs is None:
         result.unrecorded_slots, result.orphan_keys = call_backend(lock.sweep, task, dry_run)
     return result
@@ -134,7 +186,7 @@ def call_backend(method: Callable[..., T], *args: Any) -> T:
         raise BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})") from exc
 
 
-def release_lock(run: TaskRun) -> str:
+def release_lock(run_id: int) -> str:
     """Free one run whose owner is confirmed dead; return what was done.
 
     ``"abandoned"``: it was running with an expired lease (by the database
@@ -144,7 +196,7 @@ def release_lock(run: TaskRun) -> str:
     ``"nothing"``: there was nothing to free.
     """
     lock = get_backend()
-    found = ledger.run_ref(run.pk)
+    found = ledger.run_ref(run_id)
     if found is None:
         return "nothing"
     ref, alive = found

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from . import guard, ledger, schedules
@@ -68,6 +70,8 @@ class _Spec(Generic[P, R]):
     def resolve(
         self, explicit: datetime | str | None, context: CallContext | None = None
     ) -> tuple[str, datetime]:
+        if not django_settings.USE_TZ:
+            raise ImproperlyConfigured(USE_TZ_NEEDED)
         now = timezone.now()  # Django's clock: what tests and time-travel libraries patch
         tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
         name = self.name or (context.task_name if context else None) or _dotted(self.func)
@@ -83,6 +87,14 @@ class _Spec(Generic[P, R]):
             f"{name!r} has no slot: give the decorator cron=, every= or schedule=, call "
             f".run_for_slot(slot), or send it through taskguard's Celery beat scheduler"
         )
+
+
+# The words of system check taskguard.E003, said at run time too: manage.py shell,
+# scripts, gunicorn and Celery workers run no system checks.
+USE_TZ_NEEDED = (
+    "taskguard needs USE_TZ = True (system check taskguard.E003): slots are aware UTC "
+    "datetimes, and naive times are ambiguous across DST"
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -189,7 +201,12 @@ def once_per_schedule(
     slot taken returns ``None`` (or raises ``DuplicateRun`` with
     ``on_duplicate="raise"``).
     """
-    built = schedules.build(cron, every, schedule)
+    # Raised when the function is known, so the message can name it.
+    bad_schedule: InvalidSchedule | None = None
+    try:
+        built = schedules.build(cron, every, schedule)
+    except InvalidSchedule as exc:
+        built, bad_schedule = None, exc
     if name is not None:
         validate_task_name(name)
     if lease_seconds is not None:
@@ -206,6 +223,11 @@ def once_per_schedule(
     def decorate(target: Callable[P, R]) -> Guarded[P, R]:
         if not callable(target):
             raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
+        if bad_schedule is not None:
+            where = name or _dotted(target)
+            raise InvalidSchedule(
+                f"@once_per_schedule on {where}: {bad_schedule}"
+            ) from bad_schedule
         spec = _Spec(target, name, built, policy)
         if name is None:
             validate_task_name(_dotted(target))

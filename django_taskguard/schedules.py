@@ -13,7 +13,7 @@ from datetime import timezone as dt_timezone
 from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
-from croniter import CroniterBadDateError, croniter
+from croniter import CroniterBadDateError, CroniterError, croniter
 from django.utils import timezone
 
 from .exceptions import InvalidSchedule
@@ -41,13 +41,20 @@ class CronSchedule:
     day_or: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
-            raise InvalidSchedule(f"invalid cron expression: {self.expression!r}")
-        if len(self.expression.split()) != 5:
+        if not isinstance(self.expression, str):
+            raise InvalidSchedule(f"cron= must be a string, not {type(self.expression).__name__}")
+        fields = self.expression.split()
+        if len(fields) != 5:
             raise InvalidSchedule(
-                f"cron expression must have 5 fields (minute hour day month weekday): "
-                f"{self.expression!r}"
+                f"cron expression {self.expression!r} has {len(fields)} fields; it needs 5 "
+                f"(minute hour day-of-month month day-of-week)"
             )
+        try:
+            croniter(self.expression)
+        except (CroniterError, ValueError) as exc:
+            raise InvalidSchedule(
+                f"invalid cron expression {self.expression!r}: {_bad_field(fields)} ({exc})"
+            ) from exc
         try:
             croniter(self.expression, EPOCH.replace(tzinfo=None), day_or=self.day_or).get_next(
                 datetime
@@ -80,6 +87,25 @@ class CronSchedule:
         while (fire := ahead.get_next(datetime)) <= wall + DST_WINDOW:
             candidates.append(fire)
         return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
+
+
+CRON_FIELDS = (
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day-of-month", "1-31"),
+    ("month", "1-12 or jan-dec"),
+    ("day-of-week", "0-7 or sun-sat"),
+)
+
+
+def _bad_field(fields: list[str]) -> str:
+    """Name the first field that is wrong on its own (the others made ``*``)."""
+    for index, (name, allowed) in enumerate(CRON_FIELDS):
+        alone = ["*"] * 5
+        alone[index] = fields[index]
+        if not croniter.is_valid(" ".join(alone)):
+            return f"the {name} field {fields[index]!r} is not valid (allowed: {allowed})"
+    return "its fields do not work together"
 
 
 def _offset_changes(zone: Any, start: datetime, end: datetime) -> bool:

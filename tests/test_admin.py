@@ -139,6 +139,14 @@ def test_release_action__refuses_a_live_owner(operator):
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED
 
 
+def test_release_action__handles_every_selected_run_not_one_page(operator):
+    # Before: only the first 50 (one page) of the selected runs were handled, silently.
+    stale = [make_run("tests.stale.many", minute) for minute in range(60)]
+    done = act(operator, "release_locks", stale, confirm="yes")
+    assert "Released 60 locks." in done.content.decode()
+    assert set(TaskRun.objects.values_list("state", flat=True)) == {RunState.ABANDONED}
+
+
 def test_admin__anonymous_is_sent_to_login():
     run = make_run("tests.x", 0)
     client = Client()

@@ -169,3 +169,16 @@ def test_settings__checked_where_they_are_read(name, value):
         job.run_for_slot(BASE_SLOT)
     assert calls == []
     assert not TaskRun.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [("6.2.14", True), ("5.0.7", True), ("7.0.15", False), ("7.2.4", False), ("8.0.0", False)],
+)
+def test_redis_version_problem__before_7_0_is_refused(version, refused):
+    from django_taskguard.checks import redis_version_problem
+
+    problem = redis_version_problem(version)
+    assert (problem is not None) is refused
+    if refused:
+        assert f"is Redis {version}; taskguard's lock needs 7.0 or newer" in problem

@@ -42,16 +42,28 @@ def abandon_transitions(run: TaskRun) -> list[TaskRunTransition]:
 
 def test_cleanup_locks__dry_run_changes_nothing():
     stale = [make_run(minute=i) for i in range(3)]
-    assert command("--dry-run") == (
+    lines = command("--dry-run").splitlines()
+    assert lines[0] == (
         "Would abandon 3 stale runs, would release 0 locks, would remove 0 orphan keys."
     )
+    assert lines[1].startswith(
+        f"  would abandon: tests.job slot {stale[0].slot.isoformat()} owner otherhost:1:deadbeef: "
+        "lease of otherhost:1:deadbeef expired at "
+    )
+    assert len([line for line in lines if "would abandon:" in line]) == 3
     assert set(TaskRun.objects.values_list("state", flat=True)) == {RunState.RUNNING}
     assert TaskRunTransition.objects.count() == len(stale)
 
 
 def test_cleanup_locks__abandons_stale_runs_with_a_reason():
     stale = make_run(minute=0, owner="otherhost:42:cafe")
-    assert command() == "Abandoned 1 stale run, released 0 locks, removed 0 orphan keys."
+    lines = command().splitlines()
+    assert lines[0] == "Abandoned 1 stale run, released 0 locks, removed 0 orphan keys."
+    assert lines[1].startswith(f"  abandoned: tests.job slot {stale.slot.isoformat()} owner ")
+    assert lines[2] == (
+        "  No lock to release: each key had already expired with its lease (a Redis lock "
+        "lives exactly as long as the lease), or the backend is the database."
+    )
     stale.refresh_from_db()
     assert stale.state == RunState.ABANDONED
     (transition,) = abandon_transitions(stale)
@@ -63,15 +75,22 @@ def test_cleanup_locks__abandons_stale_runs_with_a_reason():
 def test_cleanup_locks__never_touches_a_live_lease():
     live = make_run(minute=0, lease=3600)
     finished = make_run(minute=1, state=RunState.SUCCEEDED)
-    assert command("--json") == json.dumps(
-        {
-            "stale_runs": 0,
-            "released_locks": 0,
-            "orphan_keys": 0,
-            "unrecorded_slots": 0,
-            "dry_run": False,
-        }
-    )
+    result = json.loads(command("--json"))
+    (flight,) = result.pop("in_flight")
+    assert result == {
+        "stale_runs": 0,
+        "released_locks": 0,
+        "orphan_keys": 0,
+        "unrecorded_slots": 0,
+        "dry_run": False,
+        "runs": [],
+    }
+    # The live run is named, with when it would become stale.
+    assert (flight["task"], flight["owner"]) == ("tests.job", live.owner)
+    assert 3590 <= flight["seconds_left"] <= 3600
+    text = command("--dry-run").splitlines()
+    assert text[1].startswith(f"  in flight: tests.job slot {live.slot.isoformat()} owner ")
+    assert "if its owner is dead, it is stale then" in text[1]
     live.refresh_from_db()
     finished.refresh_from_db()
     assert (live.state, finished.state) == (RunState.RUNNING, RunState.SUCCEEDED)
@@ -101,6 +120,32 @@ def test_cleanup_locks__task_filter():
     make_run("tests.b", 0)
     assert json.loads(command("--task", "tests.a", "--json"))["stale_runs"] == 1
     assert TaskRun.objects.get(task_name="tests.b").state == RunState.RUNNING
+
+
+def test_cleanup_locks__task_filter_matches_the_per_schedule_names():
+    # A Celery task backing beat entries is guarded as "task[entry]": its base name
+    # matches them (before: silently nothing), and not another task with that prefix.
+    make_run("example.tasks.slow[slow-1m]", 0)
+    make_run("example.tasks.slow", 1)
+    make_run("example.tasks.slower", 2)
+    result = json.loads(command("--task", "example.tasks.slow", "--json"))
+    assert result["stale_runs"] == 2
+    assert {run["task"] for run in result["runs"]} == {
+        "example.tasks.slow[slow-1m]",
+        "example.tasks.slow",
+    }
+
+
+def test_cleanup_locks__unknown_task_is_an_error_naming_close_ones():
+    make_run("example.tasks.slow[slow-1m]", 0)
+    with pytest.raises(CommandError) as info:
+        command("--task", "example.tasks.slwo")
+    assert str(info.value) == (
+        "no run of a task named 'example.tasks.slwo' is in the ledger. "
+        "Did you mean: example.tasks.slow, example.tasks.slow[slow-1m]?"
+    )
+    with pytest.raises(CommandError, match=r"no run of a task named 'does\.not\.exist'"):
+        command("--task", "does.not.exist")
 
 
 def test_cleanup_locks__batches_cover_every_row():

@@ -94,6 +94,8 @@ def test_cleanup_locks_redis__json(redis_settings):
         "orphan_keys": 0,
         "unrecorded_slots": 0,
         "dry_run": False,
+        "runs": [],
+        "in_flight": [],
     }
 
 
@@ -206,4 +208,5 @@ def lapse(client, slot_key: str) -> None:  # type: ignore[no-untyped-def]
 
 def counts(**nonzero: int) -> dict[str, object]:
     return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
-            "unrecorded_slots": 0, "dry_run": False, **nonzero}  # fmt: skip
+            "unrecorded_slots": 0, "dry_run": False, "runs": [], "in_flight": [],
+            **nonzero}  # fmt: skip

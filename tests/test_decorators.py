@@ -6,6 +6,7 @@ from datetime import date, datetime, timedelta
 from datetime import timezone as dt_timezone
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from django_taskguard import current_run, once_per_schedule
@@ -31,11 +32,11 @@ LEASE_BOUNDS = r"lease_seconds= is .*; it must be a number of seconds from 1 to 
     ("options", "message"),
     [
         ({"cron": "61 * * * *"}, "invalid cron expression"),
-        ({"cron": "every day at nine"}, "invalid cron expression"),
-        ({"cron": ""}, "invalid cron expression"),
-        ({"cron": "0 0 * * * *"}, "5 fields"),
+        ({"cron": "every day at nine"}, "has 4 fields; it needs 5"),
+        ({"cron": ""}, "has 0 fields; it needs 5"),
+        ({"cron": "0 0 * * * *"}, "has 6 fields; it needs 5"),
         ({"cron": "0 0 30 2 *"}, "never fires"),
-        ({"cron": 5}, "invalid cron expression"),
+        ({"cron": 5}, "cron= must be a string, not int"),
         ({"cron": "0 21 * * *", "every": timedelta(minutes=5)}, "at most one of"),
         ({"cron": "0 21 * * *", "schedule": "0 22 * * *"}, "at most one of"),
         ({"every": timedelta(milliseconds=500)}, "at least one second"),
@@ -195,3 +196,37 @@ def test_task_name__defaults_to_the_dotted_path(lock_backend):
     guarded = once_per_schedule(body)
     guarded.run_for_slot(SLOT)
     assert TaskRun.objects.get().task_name == "tests.test_decorators.body"
+
+
+@pytest.mark.parametrize(
+    ("cron", "message"),
+    [
+        ("0 25 * * *", "the hour field '25' is not valid (allowed: 0-23)"),
+        ("61 * * * *", "the minute field '61' is not valid (allowed: 0-59)"),
+        ("0 0 32 * *", "the day-of-month field '32' is not valid (allowed: 1-31)"),
+        ("0 0 * 13 *", "the month field '13' is not valid"),
+        ("0 0 * * 9", "the day-of-week field '9' is not valid"),
+        ("0 0 * *", "has 4 fields; it needs 5"),
+    ],
+)
+def test_once_per_schedule__bad_cron_names_the_field_and_the_function(cron, message):
+    def nightly_report() -> None: ...
+
+    with pytest.raises(InvalidSchedule) as info:
+        once_per_schedule(cron=cron)(nightly_report)
+    text = str(info.value)
+    assert text.startswith("@once_per_schedule on tests.test_decorators.")
+    assert "nightly_report" in text and message in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_call__use_tz_false_says_e003_at_run_time(settings):
+    settings.USE_TZ = False
+    calls: list[int] = []
+    job = once_per_schedule(every=timedelta(minutes=1))(lambda: calls.append(1))
+    for call in (job, lambda: job.run_for_slot(SLOT)):
+        with pytest.raises(
+            ImproperlyConfigured, match=r"USE_TZ = True \(system check taskguard.E003\)"
+        ):
+            call()
+    assert calls == []

@@ -611,10 +611,11 @@ def test_duplicate_call__is_one_database_statement(lock_backend):
     PostgreSQL: exactly one query (the ``INSERT .. ON CONFLICT DO UPDATE ..
     RETURNING`` inside a data-modifying CTE, in autocommit): one round trip.
     SQLite: the same single upsert statement inside the short transaction
-    that ``ledger.claim`` opens, so Django captures three entries: ``BEGIN``,
-    the upsert, ``COMMIT`` (SQLite is in-process, so these are library calls,
-    not network round trips). Nothing else on either: no read-back, no
-    transition row, no second write.
+    that ``ledger.claim`` opens, after it moves the fence counter on (SQLite has
+    no sequence; its one writer at a time makes the counter safe), so Django
+    captures four entries: ``BEGIN``, the counter's ``UPDATE``, the upsert,
+    ``COMMIT`` (SQLite is in-process, so these are library calls, not network
+    round trips). Nothing else on either: no read-back, no transition row.
     """
 
     @once_per_schedule(name="tests.guard.cost")
@@ -636,8 +637,9 @@ def test_duplicate_call__is_one_database_statement(lock_backend):
         assert len(statements) == 1
         assert statements[0].startswith("WITH u AS (INSERT INTO")
     else:
-        assert [statements[0], statements[2]] == ["BEGIN", "COMMIT"]
-        assert len(statements) == 3
+        assert [statements[0], statements[3]] == ["BEGIN", "COMMIT"]
+        assert statements[1].startswith("UPDATE taskguard_ledger SET fence = fence + 1")
+        assert len(statements) == 4
     assert len(upserts) == 1 and upserts[0] in statements
     assert TaskRun.objects.get().duplicates == 1
 

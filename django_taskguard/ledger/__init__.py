@@ -23,7 +23,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
-from django.db.models import Max, QuerySet
+from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from ..conf import taskguard_settings
@@ -531,12 +531,47 @@ def stale_runs(
 
     ``among`` limits them to a queryset's runs (read as a subquery).
     """
-    queryset = runs().overdue()
-    if task is not None:
-        queryset = queryset.filter(task_name=task)
+    queryset = _for_task(runs().overdue(), task)
     if among is not None:
         queryset = queryset.filter(pk__in=among.order_by().values("pk"))
     return _refs(queryset, batch_size)
+
+
+def in_flight(
+    *, task: str | None = None, among: QuerySet[TaskRun] | None = None, limit: int = 100
+) -> list[tuple[str, datetime, str, datetime, float]]:
+    """Live attempts (lease valid by the database's clock), soonest to expire first:
+    ``(task, slot, owner, lease_until, seconds left)``."""
+    queryset = _for_task(runs().live(), task)
+    if among is not None:
+        queryset = queryset.filter(pk__in=among.order_by().values("pk"))
+    try:
+        now = database_now()
+        found = queryset.order_by("lease_until").values_list(
+            "task_name", "slot", "owner", "lease_until"
+        )[:limit]
+        return [
+            (name, slot, owner, until, (until - now).total_seconds())
+            for name, slot, owner, until in found
+            if until is not None
+        ]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def _for_task(queryset: TaskRunQuerySet, task: str | None) -> TaskRunQuerySet:
+    """Runs of ``task``: its own name, or one of its per-schedule names (``task[entry]``)."""
+    if task is None:
+        return queryset
+    return queryset.filter(Q(task_name=task) | Q(task_name__startswith=f"{task}["))
+
+
+def known_task_names(limit: int = 1000) -> list[str]:
+    """Task names the ledger has runs of (for messages that suggest one)."""
+    try:
+        return task_names(limit)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
 
 
 def running_in_pid_space(space: str, batch_size: int = 500) -> Iterator[RunRef]:

@@ -417,6 +417,10 @@ class RedisLock(LockBackend):
         """Record the claim records of unrecorded slots; remove orphan lock keys."""
         return sweep_redis(self, task, dry_run)
 
+    def server_version(self) -> str:
+        """The server's ``redis_version`` (raises ``RedisError`` when unknown)."""
+        return str(self.client.info("server")["redis_version"])
+
     def eviction_policy(self) -> str:
         """The server's ``maxmemory-policy`` (raises ``RedisError`` when unknown)."""
         return str(self.client.config_get("maxmemory-policy")["maxmemory-policy"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from argparse import ArgumentParser, ArgumentTypeError
 from typing import Any
@@ -34,13 +35,17 @@ class Command(BaseCommand):
             "--dry-run", action="store_true", help="Report what would be done; change nothing."
         )
         parser.add_argument(
-            "--task", type=task_name, default=None, help="Only this task (default: every task)."
+            "--task",
+            type=task_name,
+            default=None,
+            help="Only this task, and its per-schedule names (a Celery task 'app.job' also "
+            "matches 'app.job[nightly]'). Default: every task.",
         )
         parser.add_argument(
             "--json",
             action="store_true",
             dest="as_json",
-            help="Print the counts as one JSON object.",
+            help="Print the result as one JSON object (counts, the runs touched, runs in flight).",
         )
         parser.add_argument(
             "--batch-size",
@@ -60,6 +65,8 @@ class Command(BaseCommand):
     ) -> None:
         try:
             ledger.ensure_reachable()
+            if task is not None:
+                refuse_unknown(task)
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
         except BackendUnavailable as exc:
             raise CommandError(f"cleanup_locks failed: {exc}") from exc
@@ -67,6 +74,43 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(result.as_dict()))
         else:
             self.stdout.write(describe(result))
+            for line in details(result):
+                self.stdout.write(line)
+
+
+def refuse_unknown(task: str) -> None:
+    """A ``--task`` no run has ever had is a typo: say so, with the names that are close."""
+    known = ledger.known_task_names()
+    bases = {name.split("[", 1)[0] for name in known}
+    if task in known or task in bases:
+        return
+    close = difflib.get_close_matches(task, sorted(set(known) | bases), n=5, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    raise CommandError(f"no run of a task named {task!r} is in the ledger.{hint}")
+
+
+def details(result: CleanupResult) -> list[str]:
+    """One line per run touched (or that would be), per run in flight, and why 0 locks."""
+    verb = "would abandon" if result.dry_run else "abandoned"
+    lines = [
+        f"  {verb}: {run.task} slot {run.slot.isoformat()} owner {run.owner}: {run.reason}"
+        for run in result.runs
+    ]
+    if result.stale_runs > len(result.runs):
+        lines.append(f"  ... and {result.stale_runs - len(result.runs)} more")
+    if result.stale_runs and not result.released_locks:
+        lines.append(
+            "  No lock to release: each key had already expired with its lease (a Redis lock "
+            "lives exactly as long as the lease), or the backend is the database."
+        )
+    for flight in result.in_flight:
+        lines.append(
+            f"  in flight: {flight.task} slot {flight.slot.isoformat()} owner {flight.owner}: "
+            f"its lease runs until {flight.lease_until.isoformat()} "
+            f"(in {flight.seconds_left:.0f} s); if its owner is dead, it is stale then and a "
+            f"later cleanup_locks abandons it"
+        )
+    return lines
 
 
 def describe(result: CleanupResult) -> str:
