@@ -185,7 +185,7 @@ def lock_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         server.stop()
 
 
-def counted_duplicates(task_name: str | None = None) -> int:
+def counted_duplicates(task_name: str | None = None, slot: object = None) -> int:
     """The duplicates of the (one) run, with those the lock Redis still holds folded in.
 
     A call that loses in Redis is counted on a claim record (one round trip);
@@ -196,7 +196,9 @@ def counted_duplicates(task_name: str | None = None) -> int:
     from django_taskguard.models import TaskRun
 
     cleanup_locks()
-    runs = (
-        TaskRun.objects.all() if task_name is None else TaskRun.objects.filter(task_name=task_name)
-    )
+    runs = TaskRun.objects.all()
+    if task_name is not None:
+        runs = runs.filter(task_name=task_name)
+    if slot is not None:
+        runs = runs.filter(slot=slot)
     return int(runs.get().duplicates)

@@ -165,7 +165,8 @@ def down(args: argparse.Namespace) -> dict[str, object]:
         return "ran"
 
     outcome: dict[str, object] = {}
-    with override_settings(TASKGUARD={"BACKEND": "database", "DATABASE_ALIAS": "down"}):
+    config = {"BACKEND": args.backend, "REDIS_ALIAS": "redis", "DATABASE_ALIAS": "down"}
+    with override_settings(TASKGUARD=config):
         for label, call in (("run_for_slot", lambda: body.run_for_slot(BASE_SLOT)), ("call", body)):
             try:
                 outcome[label] = {"result": call()}
@@ -260,6 +261,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--lease", type=float, default=None)
     parser.add_argument("--on-stale", default="abandon")
+    parser.add_argument("--backend", default="database", help="the lock backend of `down`")
     parser.add_argument("--processes", type=int, default=100)
     parser.add_argument("--results", default="")
     args = parser.parse_args(argv)
