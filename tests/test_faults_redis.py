@@ -573,14 +573,18 @@ def inflict(server, chaos: str) -> None:  # type: ignore[no-untyped-def]
         command(server, chaos)
 
 
+SOAK_SECONDS = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "10"))
+
+
 @pytest.mark.soak
+@pytest.mark.timeout(SOAK_SECONDS + 600)  # a long soak is not a hang
 def test_redis_soak__racers_under_redis_chaos_run_each_slot_once(child_env, redis_server, scratch):
     """Racers under each kind of Redis chaos in turn, each landing mid-run.
 
     Every kind runs at least once, however short ``TASKGUARD_SOAK_SECONDS`` is; the
     kinds cycle in a fixed order, so a CI run is the same run every time.
     """
-    seconds = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "10"))
+    seconds = SOAK_SECONDS
     env = child_redis_env(child_env, redis_server)
     deadline = time.monotonic() + seconds
     rounds, slots = 0, 200
