@@ -279,7 +279,8 @@ def test_on_stale__retry_after_a_sigkill_takes_over_exactly_once(child_env, scra
 
 def test_lease__short_pause_well_under_the_lease_is_not_a_loss(child_env, scratch):
     log = scratch / "log"
-    child = Child(child_env, log, "tests.guard.pause", lease=LEASE, seconds=3.0)
+    # A 6 s lease renewed every 2 s: a 0.5 s pause leaves 3.5 s to spare, under load too.
+    child = Child(child_env, log, "tests.guard.pause", lease=6.0, seconds=3.0)
     try:
         info = child.started()
         time.sleep(0.3)
