@@ -561,16 +561,22 @@ CHAOS = ["flushall", "restart", "script_flush", "kill", "pause"]
 
 
 def inflict(server, chaos: str) -> None:  # type: ignore[no-untyped-def]
+    """Put ``chaos`` on ``server``; when this returns, the fault has hit (a killed server
+    is started again afterwards, in ``recover``)."""
     if chaos == "restart":
         server.restart()
     elif chaos == "kill":
         server.kill()
-        time.sleep(0.5)
-        server.start()
     elif chaos == "pause":  # every command stalls past the lock client's socket timeout
         command(server, "client_pause", 1500, True)
     else:
         command(server, chaos)
+
+
+def recover(server, chaos: str) -> None:  # type: ignore[no-untyped-def]
+    if chaos == "kill":
+        time.sleep(0.5)
+        server.start()
 
 
 SOAK_SECONDS = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "10"))
@@ -595,6 +601,7 @@ def test_redis_soak__racers_under_redis_chaos_run_each_slot_once(child_env, redi
         wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 5)  # noqa: B023
         inflict(redis_server, chaos)
         landed = len(log.read_text().splitlines())
+        recover(redis_server, chaos)
         for racer in racers:
             _, err = racer.communicate(timeout=300)
             assert racer.returncode == 0, err
