@@ -163,7 +163,8 @@ def run(rounds: int, port: int) -> None:
     from django_taskguard.models import TaskRun
 
     tag = uuid.uuid4().hex[:8]
-    base = datetime(2020, 1, 1, tzinfo=timezone.utc)
+    # Recent slots: guarded calls refuse (and record) slots older than PRUNE_AFTER_DAYS.
+    base = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(days=3)
 
     def slot(i: int) -> datetime:
         return base + timedelta(seconds=i + 100)  # warm-up rounds use i = -1 ... -50
@@ -201,8 +202,8 @@ def run(rounds: int, port: int) -> None:
     # each one held by someone else, or finished (its key holds the marker).
     lock = RedisLock.for_alias("default")
     for i in range(-52, rounds):
-        lock.acquire(run_key("taskguard", losing.task_name or "", slot(i)), "0" * 32, 3600)
-        finished = run_key("taskguard", late.task_name or "", slot(i))
+        lock.acquire(lock.key(losing.task_name or "", slot(i)), "0" * 32, 3600)
+        finished = lock.key(late.task_name or "", slot(i))
         assert lock.acquire(finished, "f" * 32, 3600) is Acquired.WON
         lock.finish(finished, "f" * 32)
     # Both losers: one Redis round trip, no database query (the bar's condition).

@@ -14,7 +14,7 @@ class TaskguardConfig(AppConfig):
         from . import checks  # noqa: F401  (registers the system checks)
         from .signal_handlers import connect, connect_celery
 
-        connect()
+        connect(self)
         connect_celery()
 
         if find_spec("celery") is not None:

@@ -27,6 +27,12 @@ DEFAULTS: dict[str, Any] = {
     "BEAT_CLAIM": False,
     "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
+    "INSTANCE_NAME": None,
+    "SCHEDULE_MODULES": [],
+    "HEALTH_FAILURES": 3,
+    "MONITOR_WINDOW_HOURS": 24,
+    "HEALTH_TOKEN": None,
+    "METRICS_TOKEN": None,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read
@@ -38,15 +44,42 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "PRUNE_AFTER_DAYS": (1, 36_500, "days"),
     "RETRY_GRACE_SECONDS": (60, 604_800, "seconds"),
     "FINISHED_MARKER_SECONDS": (0, 604_800, "seconds"),
+    "HEALTH_FAILURES": (1, 100, "runs"),
+    "MONITOR_WINDOW_HOURS": (1, 720, "hours"),
 }
 
 BACKENDS = ("auto", "redis", "database")
+# A bearer token shorter than this is refused (E021): it would be guessable.
+TOKEN_MIN_LENGTH = 16
+
+
+def token_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the token setting ``name`` (None: unset, or fine)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return f"TASKGUARD[{name!r}] is a {type(value).__name__}; it must be None or a string"
+    if len(value) < TOKEN_MIN_LENGTH:
+        return (
+            f"TASKGUARD[{name!r}] has {len(value)} characters; a token needs at least "
+            f"{TOKEN_MIN_LENGTH}"
+        )
+    return None
+    if not isinstance(value, str) or len(value) < TOKEN_MIN_LENGTH:
+        shown = "a string" if isinstance(value, str) else repr(type(value).__name__)
+        return (
+            f"TASKGUARD[{name!r}] must be None (staff only) or a string of at least "
+            f"{TOKEN_MIN_LENGTH} characters, not {shown} of that length"
+            if isinstance(value, str)
+            else f"TASKGUARD[{name!r}] must be None (staff only) or a string, not {shown}"
+        )
+    return None
 
 
 def number_problem(name: str, value: Any) -> str | None:
     """Why ``value`` cannot be the setting ``name`` (a bounded number), or None."""
     low, high, unit = BOUNDS[name]
-    whole = unit == "days"
+    whole = unit in ("days", "runs", "hours")
     kinds = (int,) if whole else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
         noun = "a whole number" if whole else "a number"
@@ -62,6 +95,19 @@ def lease_problem(value: Any, argument: str = "TASKGUARD['LEASE_SECONDS']") -> s
 
 
 ON_REDIS_ERROR_CHOICES = ("database", "fail")
+
+
+def modules_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be ``SCHEDULE_MODULES`` (a list of dotted module paths), or None."""
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(item, str) and item and all(part.isidentifier() for part in item.split("."))
+        for item in value
+    ):
+        return None
+    return (
+        f"TASKGUARD['SCHEDULE_MODULES'] is {value!r}; it must be a list of dotted module "
+        f"paths such as ['myproject.schedules']"
+    )
 
 
 class Settings:
@@ -87,13 +133,13 @@ class Settings:
             value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
             return value
 
-    def for_claim(self) -> tuple[float, str, timedelta]:
-        """``(LEASE_SECONDS, KEY_PREFIX, retention horizon)``: read by every guarded call."""
+    def for_claim(self) -> tuple[float, timedelta]:
+        """``(LEASE_SECONDS, retention horizon)``: read by every guarded call."""
         try:
-            claim: tuple[float, str, timedelta] = self._cache["(claim)"]
+            claim: tuple[float, timedelta] = self._cache["(claim)"]
         except KeyError:
             horizon = timedelta(days=self.PRUNE_AFTER_DAYS)
-            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, self.KEY_PREFIX, horizon)
+            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, horizon)
         return claim
 
     def reload(self) -> None:
@@ -155,13 +201,58 @@ class Settings:
         return bool(self._get("BEAT_CLAIM"))
 
     @property
+    def INSTANCE_NAME(self) -> str | None:
+        """What owners name this process's instance (None: the host name)."""
+        value = self._get("INSTANCE_NAME")
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 100):
+            raise ImproperlyConfigured(
+                f"TASKGUARD['INSTANCE_NAME'] is {value!r}; it must be a string of 1 to 100 "
+                f"characters, or None (the host name)"
+            )
+        return value
+
+    @property
     def RETRY_GRACE_SECONDS(self) -> float:
         return float(self._number("RETRY_GRACE_SECONDS"))
+
+    @property
+    def SCHEDULE_MODULES(self) -> list[str]:
+        """Modules imported to find ``@once_per_schedule`` functions (with the apps' tasks/jobs)."""
+        value = self._get("SCHEDULE_MODULES")
+        problem = modules_problem(value)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        return list(value)
 
     @property
     def FINISHED_MARKER_SECONDS(self) -> float:
         """How long a finished slot's lock key answers late calls (0: deleted at once)."""
         return float(self._number("FINISHED_MARKER_SECONDS"))
+
+    @property
+    def HEALTH_FAILURES(self) -> int:
+        """A task whose last this many finished runs all failed is unhealthy."""
+        return int(self._number("HEALTH_FAILURES"))
+
+    @property
+    def MONITOR_WINDOW_HOURS(self) -> int:
+        """The recent window health (missed slots) and metrics (runs, durations) look at."""
+        return int(self._number("MONITOR_WINDOW_HOURS"))
+
+    @property
+    def HEALTH_TOKEN(self) -> str | None:
+        return self._token("HEALTH_TOKEN")
+
+    @property
+    def METRICS_TOKEN(self) -> str | None:
+        return self._token("METRICS_TOKEN")
+
+    def _token(self, name: str) -> str | None:
+        value = self._get(name)
+        problem = token_problem(name, value)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        return None if value is None else str(value)
 
 
 taskguard_settings = Settings()

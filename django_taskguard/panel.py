@@ -7,10 +7,10 @@ from datetime import datetime, timedelta
 
 from django.utils.translation import gettext as _
 
-from . import ledger
+from . import ledger, timefmt
 from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
-from .locks import get_backend, run_key
+from .locks import get_backend
 from .locks.database import DatabaseLock
 from .models import TaskRun
 from .owner import token_of
@@ -73,7 +73,7 @@ def _summary(run: TaskRun, now: datetime, reason: str) -> str:
 
 
 def _redis_holder(run: TaskRun) -> str:
-    key = run_key(taskguard_settings.KEY_PREFIX, run.task_name, run.slot)
+    key = get_backend().key(run.task_name, run.slot)
     try:
         holder = get_backend().holder(key)
     except (BackendUnavailable, OSError) as exc:
@@ -90,5 +90,5 @@ def _redis_holder(run: TaskRun) -> str:
 def _relative(moment: datetime, now: datetime) -> str:
     seconds = int((moment - now).total_seconds())
     if seconds >= 0:
-        return _("%(at)s (in %(s)d s)") % {"at": moment.isoformat(), "s": seconds}
-    return _("%(at)s (%(s)d s ago)") % {"at": moment.isoformat(), "s": -seconds}
+        return _("%(at)s (in %(s)d s)") % {"at": timefmt.both(moment), "s": seconds}
+    return _("%(at)s (%(s)d s ago)") % {"at": timefmt.both(moment), "s": -seconds}

@@ -43,13 +43,20 @@ def fence_imported(
         ledger.fence_at_least(int(instance.fence))
 
 
-def connect() -> None:
+def keep_ledger_row(using: str = "", **kwargs: Any) -> None:
+    """After ``migrate`` or ``flush``: the ledger's own row is there, identity unchanged."""
+    if using == ledger.alias():
+        ledger.ensure_ledger_row(using)
+
+
+def connect(app_config: Any) -> None:
     """Connect the receivers that need no optional package."""
-    from django.db.models.signals import post_save
+    from django.db.models.signals import post_migrate, post_save
 
     from .models import TaskRun
 
     post_save.connect(fence_imported, sender=TaskRun, dispatch_uid="taskguard.fence_imported")
+    post_migrate.connect(keep_ledger_row, sender=app_config, dispatch_uid="taskguard.ledger_row")
 
 
 def connect_celery() -> None:

@@ -180,8 +180,7 @@ def swarm(args: argparse.Namespace) -> dict[str, int]:
     from django.db import connections
 
     from django_taskguard import once_per_schedule
-    from django_taskguard.conf import taskguard_settings
-    from django_taskguard.locks import get_backend, run_key
+    from django_taskguard.locks import get_backend
 
     @once_per_schedule(name=args.task, lease_seconds=args.lease)
     def body() -> int:
@@ -192,8 +191,8 @@ def swarm(args: argparse.Namespace) -> dict[str, int]:
     # Someone holds a warm-up slot, so that every child can make one losing call
     # (imports, connections, first-call paths) before the timed one.
     warm = BASE_SLOT - timedelta(days=1)
-    warm_key = run_key(taskguard_settings.KEY_PREFIX, args.task, warm)
-    get_backend().acquire(warm_key, "warm-up-holder", 120, args.task)
+    lock = get_backend()
+    lock.acquire(lock.key(args.task, warm), "warm-up-holder", 120, args.task)
     connections.close_all()
     children = [_swarm_child(args, body, warm) for _ in range(args.processes)]
     failed = sum(1 for pid in children if os.waitpid(pid, 0)[1] != 0)
@@ -228,12 +227,13 @@ def claim_then_die(args: argparse.Namespace) -> dict[str, object]:
     import signal
     import uuid
 
-    from django_taskguard.conf import taskguard_settings
-    from django_taskguard.locks import get_backend, run_key
+    from django_taskguard.locks import get_backend
 
     slot = BASE_SLOT + timedelta(minutes=args.slot)
-    key = run_key(taskguard_settings.KEY_PREFIX, args.task, slot)
-    acquired = get_backend().acquire(key, uuid.uuid4().hex, args.lease or 2.0, args.task)
+    lock = get_backend()
+    acquired = lock.acquire(
+        lock.key(args.task, slot), uuid.uuid4().hex, args.lease or 2.0, args.task
+    )
     print(json.dumps({"acquired": acquired.value}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     return {}

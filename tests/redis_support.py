@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,11 @@ class TlsRedisServer(RedisServer):
             host="127.0.0.1", port=self.port, db=db, ssl=True,
             ssl_ca_certs=str(self.ca_file), socket_timeout=5,
         )  # fmt: skip
+
+
+def guard_key(task_name: str, slot: datetime) -> str:
+    """The lock key the guard uses for (task, slot) under the settings in force."""
+    return get_backend().key(task_name, slot)
 
 
 def child_redis_env(env: dict[str, str], server: RedisServer) -> dict[str, str]:

@@ -16,11 +16,11 @@ from django.test import override_settings
 from django_taskguard import ledger
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.locks import Acquired, get_backend
-from django_taskguard.locks.base import run_key
 from django_taskguard.locks.redis import claim_key
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import python, wait_for
+from .redis_support import guard_key
 from .runs import BASE, make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -38,7 +38,7 @@ def redis_settings(redis_server):  # type: ignore[no-untyped-def]
 
 
 def key(run: TaskRun) -> str:
-    return run_key("tg", run.task_name, run.slot)
+    return guard_key(run.task_name, run.slot)
 
 
 def test_cleanup_locks_redis__releases_only_keys_holding_the_runs_token(redis_settings):
@@ -62,10 +62,10 @@ def test_cleanup_locks_redis__orphans_removed_live_keys_kept(redis_settings):
     client.set(key(live), "toklive", px=600_000)
     client.set(key(done), "tokdone", px=600_000)
     # No row names it, but its lease runs: maybe a winner before its insert. Kept.
-    unrecorded = run_key("tg", "tests.nobody", done.slot)
+    unrecorded = guard_key("tests.nobody", done.slot)
     client.set(unrecorded, "tokwinner", px=600_000)
     # No row names it and it never lapses (not written by taskguard's acquire). Removed.
-    immortal = run_key("tg", "tests.immortal", done.slot)
+    immortal = guard_key("tests.immortal", done.slot)
     client.set(immortal, "tokghost")
     dry = cleanup_locks(dry_run=True)
     assert dry.orphan_keys == 2
@@ -106,7 +106,7 @@ def test_cleanup_locks_redis__json(redis_settings):
 def claim(name: str, slot: datetime, winner: str, losers: int, lease: float = 30.0) -> str:
     """Win ``slot`` in Redis for ``winner`` and have ``losers`` calls lose to it; the key."""
     lock = get_backend()
-    slot_key = run_key("tg", name, slot)
+    slot_key = guard_key(name, slot)
     assert lock.acquire(slot_key, winner, lease, name) is Acquired.WON
     for index in range(losers):
         assert lock.acquire(slot_key, f"loser{index}", lease, name) is Acquired.LOST

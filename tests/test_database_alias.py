@@ -22,9 +22,12 @@ from django.utils import timezone
 from django_taskguard import once_per_schedule
 from django_taskguard.checks import check_settings
 from django_taskguard.cleanup import startup_cleanup
+from django_taskguard.locks import get_backend
+from django_taskguard.locks.redis import RedisLock
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.owner import Owner, host, pid_space
 
+from .redis_support import redis_caches
 from .runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "ledger"])
@@ -139,3 +142,34 @@ def test_child_process__sees_the_ledger_database(on_ledger, child_env):
     assert done.stdout.strip() == "ran"
     assert TaskRun.objects.using("ledger").filter(task_name="tests.alias.child").exists()
     assert not TaskRun.objects.using("default").exists()
+
+
+def test_two_ledgers_on_one_redis__each_runs_every_slot_once(redis_server):
+    # Staging and production (or two sites) on one Redis with the same KEY_PREFIX.
+    # Before: whichever project held the key made the other return None, with nothing
+    # in its ledger, and its count went to the wrong row.
+    calls: list[str] = []
+    job = once_per_schedule(name="tests.alias.shared")(lambda: calls.append("ran"))
+    slot = timezone.now() - timedelta(minutes=5)
+    caches = redis_caches(redis_server)
+    outcome = {}
+    for alias in ("default", "ledger", "default", "ledger"):
+        settings = {"BACKEND": "redis", "REDIS_ALIAS": "redis", "DATABASE_ALIAS": alias}
+        with override_settings(CACHES=caches, TASKGUARD=settings):
+            outcome.setdefault(alias, []).append(job.run_for_slot(slot))
+            prefix = get_backend().key("x", slot).split(":run:")[0]
+            outcome.setdefault(f"{alias}-prefix", []).append(prefix)
+    RedisLock.close_all()
+    assert calls == ["ran", "ran"], "each ledger ran its slot once"
+    assert outcome["default"] == [None, None] and outcome["ledger"] == [None, None]
+    assert outcome["default-prefix"][0] != outcome["ledger-prefix"][0]
+    for alias in ("default", "ledger"):
+        (run,) = TaskRun.objects.using(alias).all()
+        assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 0)
+    # Each ledger's late duplicate is counted in its own Redis keys, folded into its row.
+    for alias in ("default", "ledger"):
+        settings = {"BACKEND": "redis", "REDIS_ALIAS": "redis", "DATABASE_ALIAS": alias}
+        with override_settings(CACHES=caches, TASKGUARD=settings):
+            call_command("cleanup_locks", stdout=StringIO())
+        RedisLock.close_all()
+        assert TaskRun.objects.using(alias).get().duplicates == 1

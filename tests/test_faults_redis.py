@@ -23,14 +23,14 @@ from django.core.management import call_command
 from django.db import connection
 
 from django_taskguard import once_per_schedule
-from django_taskguard.locks import Acquired, run_key
+from django_taskguard.locks import Acquired
 from django_taskguard.locks.redis import claim_key
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.signals import run_abandoned
 
 from .conftest import python
 from .proc import BASE_SLOT
-from .redis_support import child_redis_env, command, redis_backend, unfinished_keys
+from .redis_support import child_redis_env, command, guard_key, redis_backend, unfinished_keys
 from .test_race import release, start_racers, winners
 
 LEASE = 2.0
@@ -320,7 +320,7 @@ def test_redis_stall__past_socket_timeout_no_self_lockout(redis_server, transact
         assert body.run_for_slot(slot, "again") is None  # the row decides
         assert body.run_for_slot(later, "next") == "next"  # Redis works again
         # a command that landed after the stall can hold the key for one lease at most
-        key = run_key("taskguard", "tests.stall", slot)
+        key = guard_key("tests.stall", slot)
         ttl = command(redis_server, "pttl", key)
         assert ttl == -2 or 0 < ttl <= LEASE * 1000, ttl  # -1 (never expires) is the bug
     assert ran == ["stalled", "next"]
@@ -482,7 +482,7 @@ def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
     run_abandoned.connect(lambda **kw: abandoned.append(kw), weak=False, dispatch_uid="gap")
     try:
         with redis_backend(redis_server) as lock:
-            held = run_key("taskguard", task, BASE_SLOT)
+            held = guard_key(task, BASE_SLOT)
             record = claim_key(held)
             # The dead winner's lease still runs: nothing can tell it from a live winner
             # before its insert, so neither its key nor its record is touched.
@@ -529,7 +529,7 @@ def test_redis_gap__cleaners_at_once_record_each_slot_and_loser_once(child_env, 
     task, slots = "tests.gap_many", 150
     with redis_backend(redis_server) as lock:
         for index in range(slots):  # winners that never write their row, 1-3 losers each
-            key = run_key("taskguard", task, BASE_SLOT + timedelta(minutes=index))
+            key = guard_key(task, BASE_SLOT + timedelta(minutes=index))
             assert lock.acquire(key, f"dead{index}", 1.0, task) is Acquired.WON
             for loser in range(index % 3 + 1):
                 assert lock.acquire(key, f"loser{loser}", 1.0, task) is Acquired.LOST

@@ -22,12 +22,11 @@ from django.db import connection
 
 from django_taskguard import current_run, once_per_schedule
 from django_taskguard.exceptions import LeaseLost
-from django_taskguard.locks import run_key
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import counted_duplicates, python, wait_for
-from .redis_support import child_redis_env, command, redis_backend, unfinished_keys
+from .redis_support import child_redis_env, command, guard_key, redis_backend, unfinished_keys
 from .slots import BASE_SLOT
 from .tcp_proxy import TcpProxy
 
@@ -57,12 +56,12 @@ def test_lost_reply__acquire_ran_the_read_back_finds_our_token_and_wins(redis_se
         ran.append("ran")
         # The heartbeat's extend and the finish need the key: we hold it.
         run = current_run()
-        held = run_key("taskguard", run.task_name, run.slot)
+        held = guard_key(run.task_name, run.slot)
         assert command(redis_server, "get", held) == run.token.encode()
         return "ran"
 
-    key = run_key("taskguard", "tests.wire.won", SLOT)
     with TcpProxy(redis_server.port) as proxy, redis_backend(proxy, LEASE_SECONDS=30) as lock:
+        key = guard_key("tests.wire.won", SLOT)
         warm(body)
         proxy.lose_reply(b"EVALSHA")
         with caplog.at_level(logging.WARNING, logger="taskguard"):
@@ -84,8 +83,8 @@ def test_lost_reply__won_by_read_back_on_a_taken_slot_releases_the_key(redis_ser
     def body() -> str:
         return "ran"
 
-    key = run_key("taskguard", "tests.wire.taken", SLOT)
     with TcpProxy(redis_server.port) as proxy, redis_backend(proxy, LEASE_SECONDS=30):
+        key = guard_key("tests.wire.taken", SLOT)
         assert body.run_for_slot(SLOT) == "ran"
         command(redis_server, "flushall")
         proxy.lose_reply(b"EVALSHA")

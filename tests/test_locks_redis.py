@@ -22,7 +22,7 @@ from django_taskguard.locks import Acquired, claim_once, release_claim, run_key
 from django_taskguard.locks.redis import RedisLock, claim_key
 from django_taskguard.locks.redis_client import call
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER, pack
-from django_taskguard.models import RunState, TaskRun
+from django_taskguard.models import Ledger, RunState, TaskRun
 from django_taskguard.signals import duplicate_suppressed
 
 from .conftest import RedisServer, free_port, wait_for
@@ -30,6 +30,7 @@ from .redis_support import (
     TlsRedisServer,
     checkout,
     command,
+    guard_key,
     redis_backend,
     redis_caches,
     retries_of,
@@ -71,14 +72,18 @@ def test_redis_lock__acquire_sets_the_lease_it_is_given(redis_server):
             assert lease * 1000 - 1000 < ttl <= lease * 1000, (lease, ttl)
 
 
+@pytest.mark.django_db(transaction=True)
 def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
     with redis_backend(redis_server) as lock:
-        lock.acquire(KEY, "a" * 32, 3, "tests.lock")
+        key = lock.key("tests.lock", SLOT)
+        lock.acquire(key, "a" * 32, 3, "tests.lock")
         keys = {k.decode() for k in command(redis_server, "keys", "*")}
-        assert keys == {KEY, claim_key(KEY)}
-        assert KEY.startswith("taskguard:run:{")
-        assert KEY.endswith(f":{SLOT:%Y%m%dT%H%M%S}.000000Z}}")
-        assert list(lock.scan_run_keys()) == [(KEY, "a" * 32)]
+        assert keys == {key, claim_key(key)}
+        # KEY_PREFIX, then this ledger's identity (two projects on one Redis never meet).
+        identity = Ledger.objects.get().identity
+        assert key.startswith(f"taskguard:{identity.hex[:12]}:run:{{")
+        assert key.endswith(f":{SLOT:%Y%m%dT%H%M%S}.000000Z}}")
+        assert list(lock.scan_run_keys()) == [(key, "a" * 32)]
 
 
 def test_redis_lock__noscript_after_script_flush_and_restart(redis_server):
@@ -133,7 +138,7 @@ def test_redis_lock__inherited_lock_opens_its_own_connection_after_fork(redis_se
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through the pipe
             try:
-                other = run_key("taskguard", "tests.lock.child", SLOT)
+                other = guard_key("tests.lock.child", SLOT)
                 results = {lock.acquire(other, "c" * 32, 30) for _ in range(2000)}
                 own = all(c.pid == os.getpid() for c in lock._idle)  # made here, not inherited
                 ok = own and results == {Acquired.WON} and lock.errors == 0
@@ -243,7 +248,7 @@ def test_guard__loser_makes_one_redis_call_and_no_query(redis_server, transactio
         return "ran"
 
     with redis_backend(redis_server) as lock:
-        key = run_key("taskguard", "tests.loser", SLOT)
+        key = guard_key("tests.loser", SLOT)
         assert lock.acquire(key, "h" * 32, 30, "tests.loser") is Acquired.WON  # someone else
         body.run_for_slot(SLOT)  # warm up: the connection's handshake is not the call
         before = _calls(redis_server)
@@ -264,7 +269,7 @@ def test_guard__every_call_inside_atomic_is_refused(redis_server, transactional_
         return "ran"
 
     with redis_backend(redis_server) as lock:
-        key = run_key("taskguard", "tests.atomic", SLOT)
+        key = guard_key("tests.atomic", SLOT)
         with transaction.atomic(), pytest.raises(TaskGuardError, match="open transaction"):
             body.run_for_slot(SLOT)
         assert lock.holder(key) is None, "it took no Redis lock"
@@ -290,7 +295,7 @@ def test_guard__winner_folds_redis_duplicates_into_the_row(redis_server, transac
 
     with redis_backend(redis_server) as lock:
         assert body.run_for_slot(SLOT) == "ran"
-        key = run_key("taskguard", "tests.fold", SLOT)
+        key = guard_key("tests.fold", SLOT)
         assert lock.holder(key) is None
         assert command(redis_server, "exists", claim_key(key)) == 0
     assert seen == [None, None]
@@ -320,7 +325,7 @@ def test_guard__put_back_call_is_not_counted_in_redis(redis_server, transactiona
     with redis_backend(redis_server) as lock:
         assert body.run_for_slot(SLOT) == "ran"
         assert hints == [3]  # Redis said "held": the hint is the whole lease
-        key = run_key("taskguard", "tests.busy", SLOT)
+        key = guard_key("tests.busy", SLOT)
         # The slot ended: the put-back call meets the finished marker, is not put
         # back, and is counted on the claim record (no query), folded in by cleanup.
         with CaptureQueriesContext(connection) as queries:
@@ -555,7 +560,7 @@ def test_guard__late_call_after_the_slot_finished_costs_one_round_trip(
         return "ran"
 
     with redis_backend(redis_server) as lock:
-        key = run_key("taskguard", "tests.late", SLOT)
+        key = guard_key("tests.late", SLOT)
         assert body.run_for_slot(SLOT) == "ran"
         assert command(redis_server, "get", key) == FINISHED_MARKER.encode()
         duplicate_suppressed.connect(suppressed)
@@ -590,3 +595,32 @@ def test_checks__redis_cluster_client_class_is_e010(redis_server):
         messages = check_lock_redis()
     assert [message.id for message in messages] == ["taskguard.E010"]
     assert "needs a plain redis.Redis client" in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("taskguard", "expected"),
+    [
+        pytest.param({"KEY_PREFIX": "tg{x}"}, ["taskguard.E010"], id="brace-in-prefix"),
+        pytest.param({"FINISHED_MARKER_SECONDS": -1}, [], id="bad-marker-is-E012-only"),
+    ],
+)
+def test_checks__lock_settings_refused_where_the_lock_is_built(redis_server, taskguard, expected):
+    config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", **taskguard}
+    with override_settings(CACHES=redis_caches(redis_server), TASKGUARD=config):
+        assert [message.id for message in check_lock_redis()] == expected
+
+
+def test_redis_lock__connections_dropped_on_errors_are_reused(redis_server):
+    """A pool counts every connection it made: the lock reuses its closed ones, never leaks."""
+    options = {"CONNECTION_POOL_KWARGS": {"max_connections": 3}}
+    other = run_key("taskguard", "tests.lock.other", SLOT)
+    with redis_backend(redis_server, options=options) as lock:
+        assert lock.acquire(KEY, "a" * 32, 30) is Acquired.WON
+        redis_server.stop()
+        for index in range(10):
+            lock._probe_at = 0.0  # probe at once instead of in PROBE_SECONDS
+            assert lock.acquire(other, f"{index:032d}", 30) is Acquired.BYPASSED
+        redis_server.start()
+        lock._probe_at = 0.0
+        assert lock.acquire(other, "b" * 32, 30) is Acquired.WON
+        assert lock.acquire(other, "c" * 32, 30) is Acquired.LOST

@@ -26,6 +26,7 @@ from .conftest import RedisServer, wait_for
 from .redis_support import (
     SentinelSetup,
     checkout,
+    guard_key,
     on_db,
     retries_of,
     sentinel_backend,
@@ -53,7 +54,7 @@ def sentinel(tmp_path: Path) -> Iterator[SentinelSetup]:
 
 def lock_reaches(lock: RedisLock, server: RedisServer, db: int) -> bool:
     """Take and free a probe key through ``lock``; True once it lands on ``server``."""
-    probe = run_key("taskguard", "tests.sentinel.probe", SLOT)
+    probe = guard_key("tests.sentinel.probe", SLOT)
     if lock.acquire(probe, A, 3) is not Acquired.WON:
         return False  # still backing off after an error, or decided on the database
     landed = on_db(server, db, "get", probe) == A.encode()
@@ -190,10 +191,10 @@ def test_sentinel_failover__slot_held_across_it_runs_once(sentinel, transactiona
     the row. Either way the row decides (G4): the body runs once.
     """
     runs = []
-    key = run_key("taskguard", "tests.sentinel.held", SLOT)
 
     @once_per_schedule(name="tests.sentinel.held", lease_seconds=10)
     def job() -> str:
+        key = guard_key("tests.sentinel.held", SLOT)
         runs.append("outer")
         token = current_run().token
         if replicated:

@@ -22,6 +22,7 @@ __all__ = [
     "claim_once",
     "get_backend",
     "is_redis_cache",
+    "redis_key_prefix",
     "release_claim",
     "run_key",
 ]
@@ -94,6 +95,11 @@ def claim_once(key: str, value: str, ttl_seconds: int) -> bool:
     not answer. The beat's ``BEAT_CLAIM`` uses it.
     """
     return _redis_lock().claim_once(key, value, ttl_seconds)
+
+
+def redis_key_prefix() -> str:
+    """The prefix of this ledger's keys in the ``REDIS_ALIAS`` Redis (``KEY_PREFIX:<identity>``)."""
+    return _redis_lock().key_prefix()
 
 
 def release_claim(key: str, value: str) -> bool:

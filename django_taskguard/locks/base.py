@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from datetime import datetime
 
 from .keys import run_key, slot_label, task_digest
 
@@ -27,6 +28,10 @@ class Acquired(enum.Enum):
 
 class LockBackend(ABC):
     name: str = "abstract"
+
+    @abstractmethod
+    def key(self, task_name: str, slot: datetime) -> str:
+        """The key this backend locks (task, slot) under; what the other methods take."""
 
     @abstractmethod
     def acquire(

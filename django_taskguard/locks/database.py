@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from .base import Acquired, LockBackend
 
 
 class DatabaseLock(LockBackend):
     name = "database"
+
+    def key(self, task_name: str, slot: datetime) -> str:
+        return ""  # nothing to lock: the row is the lock
 
     def acquire(
         self,

@@ -3,15 +3,18 @@
 Keys (named in ``keys``) are fixed and versionless on a raw redis-py client of
 our own (never ``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
 
-- ``{prefix}:run:{<digest>:<slot>}`` holds the winner's token with a lease (``PX``);
+- ``{prefix}:run:{<digest>:<slot>}`` holds the winner's token with a lease (``PX``),
+  then, once the slot finished, the marker ``=done`` for ``FINISHED_MARKER_SECONDS``
+  (a late call meets it: ``Acquired.FINISHED``, one round trip, no query);
 - ``{prefix}:dup:{<digest>:<slot>}`` is the slot's *claim record*, a hash with the
   task name, the winner's token and the count of losing calls. The winner
   folds the count into ``TaskRun.duplicates`` when it finishes; if the winner
   died between its Redis claim and its database row, ``cleanup_locks`` finds
-  the record through :meth:`RedisLock.unrecorded_claims` and records the slot.
+  the record through :meth:`RedisLock.unrecorded_claims` and records the slot
+  (and it folds the counts of late calls that met the marker).
 
 The django-redis cache named by ``REDIS_ALIAS`` is only used to find the
-connection parameters (plain or Sentinel); the lock client has its own short
+connection parameters (plain, TLS, RESP3 or Sentinel); the lock client has its own short
 socket timeout (``REDIS_SOCKET_TIMEOUT``) and no automatic retries, because
 a blind retry of ``SET NX`` after a lost reply locks the caller out of its
 own slot. An acquire that errors is settled by reading the key back.
@@ -24,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
@@ -31,10 +35,20 @@ from django.conf import settings
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
+from .. import ledger
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 from .base import Acquired, LockBackend
-from .keys import CLAIM, RUN, SlotKey, check_prefix, claim_key, lock_key, scan_pattern
+from .keys import (
+    CLAIM,
+    RUN,
+    SlotKey,
+    check_prefix,
+    claim_key,
+    lock_key,
+    run_key,
+    scan_pattern,
+)
 from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
@@ -90,6 +104,24 @@ class RedisLock(LockBackend):
         self._idle: list[ConnectionInterface] = []
         self._closed: list[ConnectionInterface] = []
         self._idle_pid = self.pid
+        self._prefixes: dict[tuple[str, str], str] = {}
+
+    def key_prefix(self) -> str:
+        """``KEY_PREFIX`` and this ledger's identity: ``taskguard:<12 hex>``.
+
+        Two projects on one Redis (staging and production, two sites) have two
+        ledgers, so their keys never meet, whatever their ``KEY_PREFIX``. The
+        identity is read from the ledger once per process and database.
+        """
+        wanted = (taskguard_settings.KEY_PREFIX, ledger.alias())
+        try:
+            return self._prefixes[wanted]
+        except KeyError:
+            prefix = self._prefixes[wanted] = f"{wanted[0]}:{ledger.identity()[:12]}"
+            return prefix
+
+    def key(self, task_name: str, slot: datetime) -> str:
+        return run_key(self.key_prefix(), task_name, slot)
 
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
@@ -272,13 +304,18 @@ class RedisLock(LockBackend):
                 # connect(), not the send's own connect: redis-py does the handshake
                 # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
                 connection.connect()  # type: ignore[no-untyped-call]
+                connected = True
             try:
                 reply = call(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
                 reply = call(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
-            self._idle.append(connection)  # the server answered: the connection is in step
+            if connected:  # the server answered a command: the connection is in step
+                self._idle.append(connection)
+                raise
+            connection.disconnect()  # type: ignore[no-untyped-call]  # (refused in the handshake)
+            self._closed.append(connection)
             raise
         except BaseException:
             # A reply may still be on its way: never reuse this socket (the
@@ -347,7 +384,7 @@ class RedisLock(LockBackend):
         read 500 at a time by a pipeline of single-key ``GET``s, not one ``MGET``
         (whose keys would span hash slots).
         """
-        match = scan_pattern(taskguard_settings.KEY_PREFIX, RUN)
+        match = scan_pattern(self.key_prefix(), RUN)
         try:
             batch: list[str] = []
             for key in self.client.scan_iter(match=match, count=500):
@@ -379,7 +416,7 @@ class RedisLock(LockBackend):
         (task_name, slot) (the Redis winner died before its row), else the
         count is added to the row; then :meth:`forget_claim`.
         """
-        match = scan_pattern(taskguard_settings.KEY_PREFIX, CLAIM)
+        match = scan_pattern(self.key_prefix(), CLAIM)
         try:
             for key in self.client.scan_iter(match=match, count=500):
                 record = self._claim_record(str(key))

@@ -31,7 +31,6 @@ from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 
 from .. import ledger
-from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 from ..owner import actor
 from ..signals import run_abandoned
@@ -67,6 +66,7 @@ class RedisLock(Protocol):
     def forget_claim(self, record: ClaimRecord) -> bool: ...
     def scan_run_keys(self) -> Iterator[tuple[str, str | None]]: ...
     def release(self, key: str, token: str) -> bool: ...
+    def key_prefix(self) -> str: ...
 
 
 def sweep(lock: RedisLock, task: str | None, dry_run: bool) -> tuple[int, int]:
@@ -96,7 +96,7 @@ def record_claims(lock: RedisLock, task: str | None, dry_run: bool) -> int:
         return sum(not ledger.row_exists(claim.task_name, claim.slot) for claim in claims)
     guard = Lock(
         lock.client,
-        f"{taskguard_settings.KEY_PREFIX}:cleanup:claims",
+        f"{lock.key_prefix()}:cleanup:claims",
         timeout=SWEEP_SECONDS,
         blocking=False,
         thread_local=False,
