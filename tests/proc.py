@@ -175,6 +175,24 @@ def down(args: argparse.Namespace) -> dict[str, object]:
     return outcome
 
 
+def database_lost(args: argparse.Namespace) -> dict[str, object]:
+    """Run one slot (the ledger's identity is known, connections are open), wait for the
+    go file (meanwhile the test cuts the database off), then call the next slot."""
+    from django_taskguard import once_per_schedule
+
+    @once_per_schedule(name=args.task)
+    def body() -> str:
+        record(args.log, f"ran {os.getpid()}")
+        return "ran"
+
+    print(json.dumps({"first": body.run_for_slot(BASE_SLOT)}), flush=True)
+    barrier(args)
+    try:
+        return {"result": body.run_for_slot(BASE_SLOT + timedelta(minutes=1))}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
 def swarm(args: argparse.Namespace) -> dict[str, int]:
     """Fork ``--processes`` callers of one slot, release them at ``--start-at``, time each call."""
     from django.db import connections
@@ -244,6 +262,7 @@ SCENARIOS = {
     "hold": hold,
     "tick": tick,
     "down": down,
+    "database_lost": database_lost,
     "swarm": swarm,
     "claim_then_die": claim_then_die,
 }

@@ -31,11 +31,13 @@ class TcpProxy:
         self.armed: list[tuple[bytes, bool]] = []  # (marker, forward it first)
         self.lost: list[bytes] = []  # the commands whose reply (or whole run) was lost
         self.stopped = threading.Event()
+        self.refusing = threading.Event()  # cut(): the far side is gone
         self.threads: list[threading.Thread] = []
+        self.sockets: list[socket.socket] = []
         self._serve = threading.Thread(target=self._accept, name="tcp-proxy", daemon=True)
 
     @property
-    def url(self) -> str:
+    def url(self) -> str:  # (for a proxied redis-server)
         return f"redis://127.0.0.1:{self.port}/0"
 
     def __enter__(self) -> TcpProxy:
@@ -59,6 +61,15 @@ class TcpProxy:
         with self.lock:
             self.armed.append((marker, False))
 
+    def cut(self) -> None:
+        """The server is gone: drop every open connection and refuse new ones."""
+        self.refusing.set()
+        with self.lock:
+            open_sockets = list(self.sockets)
+        for sock in open_sockets:  # at once, not when a pipe next looks
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def _accept(self) -> None:
         while not self.stopped.is_set():
             try:
@@ -68,7 +79,12 @@ class TcpProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self.refusing.is_set():
+                client.close()
+                continue
             server = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            with self.lock:
+                self.sockets += [client, server]
             thread = threading.Thread(target=self._pipe, args=(client, server), daemon=True)
             self.threads.append(thread)
             thread.start()
@@ -83,7 +99,7 @@ class TcpProxy:
 
     def _pipe(self, client: socket.socket, server: socket.socket) -> None:
         try:
-            while not self.stopped.is_set():
+            while not self.stopped.is_set() and not self.refusing.is_set():
                 ready, _, _ = select.select([client, server], [], [], 0.1)
                 if client in ready:
                     data = client.recv(65536)

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,26 +125,43 @@ def test_lost_command__acquire_never_ran_the_database_decides(redis_server, capl
 # --- the database refuses, with the Redis backend -------------------------------------
 
 
+@postgres_only
 def test_database_down__redis_won_the_claim_fails_the_key_is_released(
     child_env, redis_server, scratch
 ):
-    """Redis says "won", the database is unreachable: fail closed, and give the key back
-    (a key left behind would make every other instance lose to nobody)."""
-    log = scratch / "log"
-    env = child_redis_env(child_env, redis_server)
-    done = subprocess.run(
-        [python(), "-m", "tests.proc", "down", "--task", "tests.wire.down", "--log", str(log),
-         "--backend", "redis"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    outcome = json.loads(done.stdout.strip().splitlines()[-1])
-    for label in ("run_for_slot", "call"):
-        assert outcome[label]["error"] == "BackendUnavailable", outcome
-        assert "'tests.wire.down' did not run" in outcome[label]["message"]
-    assert not log.exists(), "the body ran although the database was down"
-    assert [k for k in unfinished_keys(redis_server) if ":run:" in k] == []
-    assert not TaskRun.objects.exists()
+    """Redis says "won", then the database is gone (its TCP connection cut, new ones
+    refused): fail closed, say so, and give the key back (a key left behind would make
+    every other instance lose to nobody for a whole lease)."""
+    from django.db import connections
+
+    log, go, task = scratch / "log", scratch / "go", "tests.wire.down"
+    database = connections["default"].settings_dict
+    with TcpProxy(int(database["PORT"] or 5432)) as proxy:
+        env = {**child_redis_env(child_env, redis_server), "TASKGUARD_PG_PORT": str(proxy.port)}
+        child = subprocess.Popen(
+            [python(), "-m", "tests.proc", "database_lost", "--task", task, "--log", str(log),
+             "--go", str(go)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: Path(f"{go}.ready").exists() or child.poll() is not None, 60)
+            proxy.cut()
+            go.touch()
+            out, err = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate(timeout=10)
+    assert child.returncode == 0, err
+    first, outcome = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    assert first == {"first": "ran"}
+    assert outcome["error"] == "BackendUnavailable", outcome
+    assert f"{task!r} did not run" in outcome["message"]
+    assert log.read_text().count("ran") == 1, "the body ran although the database was gone"
+    with redis_backend(redis_server):
+        key = guard_key(task, BASE_SLOT + timedelta(minutes=1))
+    assert command(redis_server, "exists", key) == 0, "the key of the failed claim was kept"
+    assert TaskRun.objects.get().slot == BASE_SLOT  # the second slot has no row
 
 
 # --- the database lost mid-run and under the heartbeat (PostgreSQL) ------------------
