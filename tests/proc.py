@@ -64,6 +64,7 @@ def race(args: argparse.Namespace) -> dict[str, int]:
         return index
 
     barrier(args)
+    began = time.time()
     won = lost = 0
     for index in range(args.slots):
         slot = BASE_SLOT + timedelta(minutes=index)
@@ -71,7 +72,7 @@ def race(args: argparse.Namespace) -> dict[str, int]:
             lost += 1
         else:
             won += 1
-    return {"won": won, "lost": lost}
+    return {"won": won, "lost": lost, "began": began, "ended": time.time()}
 
 
 def hold(args: argparse.Namespace) -> dict[str, object]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connection
 
 from django_taskguard import once_per_schedule
@@ -31,7 +32,7 @@ from django_taskguard.signals import run_abandoned
 from .conftest import python
 from .proc import BASE_SLOT
 from .redis_support import child_redis_env, command, guard_key, redis_backend, unfinished_keys
-from .test_race import release, start_racers, winners
+from .test_race import assert_raced, release, start_racers, winners
 
 LEASE = 2.0
 
@@ -144,7 +145,9 @@ def test_redis_race__8_processes_200_slots_run_each_slot_once(child_env, redis_s
     executions = Counter(line.split()[0] for line in log.read_text().splitlines())
     assert len(executions) == 200 and set(executions.values()) == {1}
     assert sum(o["won"] for o in outcomes) == 200
-    assert len(winners(log)) >= 2, "one process won every slot: the racers never met"
+    assert_raced(outcomes)
+    # Losers make one Redis round trip, winners run the body: the wins are shared.
+    assert len(winners(log)) >= 2, "one process won every slot"
     runs = TaskRun.objects.filter(task_name="tests.redis_race")
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
     # Every losing call is counted: on the row, or still on a Redis claim record
@@ -284,14 +287,16 @@ def test_redis_down__whole_run_exactly_once_via_database(child_env, redis_server
     redis_server.stop()
     log = scratch / "x.log"
     racers = start_racers(env, log, "tests.redis_down", 4, 30)
+    outcomes = []
     for racer in racers:
-        _, err = racer.communicate(timeout=300)
+        out, err = racer.communicate(timeout=300)
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
         assert racer.returncode == 0, err
         assert_no_heartbeat_crash(err)
         assert err.count("is unreachable") == 1, err  # once per outage, not per call
     executions = Counter(line.split()[0] for line in log.read_text().splitlines())
     assert len(executions) == 30 and set(executions.values()) == {1}
-    assert len(winners(log)) >= 2, "one process won every slot: the racers never met"
+    assert_raced(outcomes)
     runs = TaskRun.objects.filter(task_name="tests.redis_down")
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
     assert sum(runs.values_list("duplicates", flat=True)) == 30 * 3
@@ -458,7 +463,9 @@ def cleanup(*args: str) -> str:
 
 
 def cleanup_json(*args: str) -> dict[str, object]:
-    return dict(json.loads(cleanup("--json", *args)))
+    """The counts of ``cleanup_locks --json`` (later keys, such as the lists, are left out)."""
+    report = json.loads(cleanup("--json", *args))
+    return {key: report[key] for key in counts()}
 
 
 def counts(**nonzero: int) -> dict[str, object]:
@@ -495,9 +502,11 @@ def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
                 "Would abandon 0 stale runs, would release 0 locks, would remove 0 orphan keys, "
                 "would record 1 slot whose Redis winner died."
             )
-            assert cleanup_json("--task", "tests.other") == counts()
+            with pytest.raises(CommandError, match=r"tests\.other"):
+                cleanup_json("--task", "tests.other")  # a task the ledger never saw
             assert not TaskRun.objects.exists() and lock.client.exists(record)
-            assert cleanup_json("--task", task) == counts(unrecorded_slots=1)
+            # (with --task: test_redis_gap__cleanup_locks_task_records_a_task_known_to_redis)
+            assert cleanup_json() == counts(unrecorded_slots=1)
             assert not lock.client.exists(record)
             assert cleanup_json() == counts()  # idempotent
     finally:
@@ -522,6 +531,27 @@ def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
     assert log_lines(log) == Counter({"start": 1, "end": 1})
     with redis_backend(redis_server) as lock:
         assert list(lock.unrecorded_claims()) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PACKAGE BUG (reported to the lead): cleanup_locks --task NAME refuses a task "
+    "whose only trace is a Redis claim record (its winner died before writing its row): "
+    "'no run of a task named ... is in the ledger', so that slot is never recorded by it",
+)
+def test_redis_gap__cleanup_locks_task_records_a_task_known_to_redis(
+    redis_server, transactional_db
+):
+    task = "tests.gap_task"
+    with redis_backend(redis_server) as lock:
+        key = guard_key(task, BASE_SLOT)
+        assert lock.acquire(key, "dead", 30.0, task) is Acquired.WON
+        assert lock.acquire(key, "loser", 30.0, task) is Acquired.LOST
+        lock.client.pexpire(key, 1)  # the winner is dead: its lease lapses
+        wait_for(lambda: not lock.client.exists(key))
+        assert cleanup_json("--task", task) == counts(unrecorded_slots=1)
+    run = the_run(task)
+    assert (run.state, run.duplicates) == (RunState.ABANDONED, 1)
 
 
 def test_redis_gap__cleaners_at_once_record_each_slot_and_loser_once(child_env, redis_server):

@@ -64,6 +64,15 @@ def go_file(log: Path) -> Path:
     return log.with_name(f"{log.name}.go")
 
 
+def assert_raced(outcomes: list[dict[str, float]]) -> None:
+    """Every racer was in its loop at one moment: the start barrier held.
+
+    (Who wins which slot is not asserted: on SQLite, whose lock waits back off, one
+    process can win every slot of a short race fairly.)
+    """
+    assert max(o["began"] for o in outcomes) < min(o["ended"] for o in outcomes), outcomes
+
+
 def winners(log: Path) -> set[int]:
     """The distinct processes that ran a body (the second field of a race log line)."""
     return {int(line.split()[1]) for line in log.read_text().splitlines()}
@@ -90,5 +99,4 @@ def test_race__8_processes_200_slots_run_each_slot_once(child_env, scratch):
     assert sum(runs.values_list("duplicates", flat=True)) == SLOTS * (PROCESSES - 1)
     fences = [int(line.split()[2]) for line in log.read_text().splitlines()]
     assert len(set(fences)) == SLOTS, "a fence was handed out twice"
-    # A race, not a relay: the slots were shared among the processes.
-    assert len(winners(log)) >= 2, "one process won every slot: the racers never met"
+    assert_raced(outcomes)
