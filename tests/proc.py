@@ -88,6 +88,9 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
         deadline = time.monotonic() + args.seconds
         while time.monotonic() < deadline:
             time.sleep(0.05)
+        if args.no_check:  # a body that never asks: only the fenced finish can refuse it
+            record(args.log, f"end {os.getpid()} {run.attempt} {run.fence}")
+            return "done"
         try:
             run.check()
         except LeaseLost:
@@ -282,6 +285,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lease", type=float, default=None)
     parser.add_argument("--on-stale", default="abandon")
     parser.add_argument("--backend", default="database", help="the lock backend of `down`")
+    parser.add_argument("--no-check", action="store_true", help="`hold` never calls check()")
     parser.add_argument("--processes", type=int, default=100)
     parser.add_argument("--results", default="")
     args = parser.parse_args(argv)

@@ -415,6 +415,43 @@ def test_redis_pg_kill__mid_finish_settled_by_reading_back(child_env, redis_serv
     assert log_lines(log) == Counter({"start": 1, "end": 1})
 
 
+@postgres_only
+def test_redis_pg_kill__mid_finish_of_a_taken_over_owner_is_refused(
+    child_env, redis_server, scratch
+):
+    """A paused owner is taken over and the new attempt succeeds. The old owner resumes
+    and finishes without checking; its finish is cut mid-statement: the read-back finds
+    the state it wanted but another fence, and refuses it (``LeaseLost``).
+
+    (Without the fence in that read-back this owner was told its run succeeded.)
+    """
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pg_finish_fenced"
+    owner = Child(env, "hold", "--task", task, "--log", str(log), "--lease", str(LEASE),
+                  "--seconds", "3", "--on-stale", "retry", "--no-check")  # fmt: skip
+    owner.started()
+    owner.signal(signal.SIGSTOP)
+    try:
+        time.sleep(3)  # past its body's own 3 s: it goes straight to its finish
+        wait_for(lambda: lease_over(task))
+        taker = hold(env, log, task, lease=LEASE, seconds=0.2, on_stale="retry")
+        assert taker.outcome() == {"result": "done"}
+        with _blocker() as blocker:
+            # Its UPDATE matches no row (another fence), so a row lock would not stop it:
+            # a table lock does (SHARE blocks every writer, no reader).
+            blocker.execute("LOCK TABLE taskguard_taskrun IN SHARE MODE")
+            owner.signal(signal.SIGCONT)
+            _terminate_waiting("%UPDATE taskguard_taskrun%succeeded%")
+            blocker.commit()
+    finally:
+        owner.signal(signal.SIGCONT)
+    late = owner.outcome()
+    assert late["result"] is None and "refused" in str(late["lease_lost"]), late
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 2)
+    assert states_path(run) == ["running", "retrying", "running", "succeeded"]
+
+
 # (i) ---------------------------------------------------------------------------
 
 SWARM = 120
