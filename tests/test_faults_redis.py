@@ -239,6 +239,29 @@ def test_redis_pause__3x_lease_abandoned_and_owner_refused(child_env, redis_serv
     assert log_lines(log) == Counter({"start": 1, "leaselost": 1})
 
 
+def test_redis_pause__past_the_lease_nobody_took_over_still_a_loss(
+    child_env, redis_server, scratch
+):
+    """Nobody took the slot while the owner was stopped, so the row would accept a
+    renewal. The owner's body does not check during the pause; the heartbeat must not
+    renew quietly and revive the lease: the body's check at its end raises."""
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pause_alone"
+    owner = hold(env, log, task, lease=LEASE, seconds=10)
+    owner.started()
+    owner.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: lease_over(task))
+        time.sleep(1.0)  # well past the lease by every clock
+    finally:
+        owner.signal(signal.SIGCONT)
+    late = owner.outcome()
+    assert late["result"] is None and "lost its lease" in str(late["lease_lost"]), late
+    assert log_lines(log) == Counter({"start": 1, "leaselost": 1})
+    run = the_run(task)
+    assert (run.state, run.attempt) == (RunState.FAILED, 1)
+
+
 # (d) ---------------------------------------------------------------------------
 
 
