@@ -11,8 +11,8 @@ A task is unhealthy when it is
   abandoned by a dead owner).
 
 A paused task is healthy, and says it is paused. Every read is an index probe
-per task (bounded by ``MAX_TASKS`` tasks), so the verdict costs the same on a
-million runs as on ten.
+per task (at most ``MAX_TASKS`` tasks), a fixed number of statements in all, so
+the verdict costs the same on a million runs as on ten.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ class Verdict:
 
 def check(*, task: str | None = None) -> Verdict:
     """Judge every known task (or one): raises ``BackendUnavailable`` when the ledger
-    cannot be read. A handful of statements whatever the number of runs: the facts
-    of 40 tasks are read by one statement of index probes."""
+    cannot be read. A handful of statements whatever the number of runs and tasks:
+    every task's facts are read by one statement of index probes."""
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
     tasks = known_tasks()

@@ -96,6 +96,7 @@ def test_cleanup_locks_redis__json(redis_settings):
         "dry_run": False,
         "runs": [],
         "in_flight": [],
+        "missed_slots": 0,
     }
 
 
@@ -209,4 +210,4 @@ def lapse(client, slot_key: str) -> None:  # type: ignore[no-untyped-def]
 def counts(**nonzero: int) -> dict[str, object]:
     return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
             "unrecorded_slots": 0, "dry_run": False, "runs": [], "in_flight": [],
-            **nonzero}  # fmt: skip
+            "missed_slots": 0, **nonzero}  # fmt: skip

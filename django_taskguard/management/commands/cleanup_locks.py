@@ -13,6 +13,7 @@ from django.utils.translation import ngettext
 from ... import ledger
 from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
+from ...locks import get_backend
 from ...missed import sweep_missed
 from ...registry import sync
 from ..arguments import whole_number
@@ -69,9 +70,9 @@ class Command(BaseCommand):
     ) -> None:
         try:
             ledger.ensure_reachable()
-            if task is not None:
-                refuse_unknown(task)
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
+            if task is not None and not touched(result):
+                refuse_unknown(task)
             if not dry_run:
                 sync()  # the schedules the code declares (a dry run changes nothing)
             result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
@@ -85,9 +86,25 @@ class Command(BaseCommand):
                 self.stdout.write(line)
 
 
+def touched(result: CleanupResult) -> bool:
+    """Whether cleanup found anything at all (a task with no row may have Redis records)."""
+    counts = result.as_dict()
+    return bool(result.in_flight) or any(
+        counts[name]
+        for name in ("stale_runs", "orphan_keys", "unrecorded_slots", "missed_slots")
+        if name in counts
+    )
+
+
 def refuse_unknown(task: str) -> None:
-    """A ``--task`` no run has ever had is a typo: say so, with the names that are close."""
-    known = ledger.known_task_names()
+    """A ``--task`` no run has ever had is a typo: say so, with the names that are close.
+
+    A task whose only trace is a claim record in Redis (its first slot's winner died
+    before its row) is known: recording that slot is what ``--task`` is for then.
+    """
+    known = set(ledger.known_task_names())
+    if task not in known:
+        known |= get_backend().claimed_task_names()
     bases = {name.split("[", 1)[0] for name in known}
     if task in known or task in bases:
         return
