@@ -120,16 +120,14 @@ def test_once_per_schedule__stamped_slot_later_than_grace_recorded_missed():
     assert TaskRun.objects.get(task_name="tests.catchup.stamped").state == RunState.MISSED
 
 
-def test_register__two_functions_one_name_refused():
+def test_register__two_functions_one_name_latest_kept_and_said(caplog):
     every_second("tests.reg.twice", [])
 
-    @once_per_schedule(every=SECOND, name="tests.reg.twice-other")
-    def other() -> None: ...
+    @once_per_schedule(every=SECOND, name="tests.reg.twice")
+    def clash() -> None: ...
 
-    with pytest.raises(InvalidSchedule, match="two schedules are named"):
-
-        @once_per_schedule(every=SECOND, name="tests.reg.twice")
-        def clash() -> None: ...
+    assert registry.entries()["tests.reg.twice"].func is clash.__wrapped__
+    assert "two schedules are named 'tests.reg.twice'" in caplog.text
 
 
 def test_sync__saves_schedules_and_keeps_first_seen_and_pause():
