@@ -136,11 +136,16 @@ def claim_many(d: Dialect) -> str | None:
 # Many attempts recorded ``succeeded`` at once, each fenced like :func:`change`, with
 # their transitions (PostgreSQL only). Parameters: ids (bigint[]), fences (bigint[]),
 # owners (text[]), reasons (text[]), the new state, the old state, the new state again.
+# The rows are locked first in (task, slot) order, the order :data:`_CLAIM_MANY` locks
+# them in: a batch finish and a batch claim on the same rows never deadlock.
 _SUCCEED_MANY = (
     "WITH c AS (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[]) "
     "AS c(id, fence, owner, reason)), "
+    "l AS (SELECT r.id FROM {run} AS r JOIN c USING (id) ORDER BY r.task_name, r.slot "
+    "FOR UPDATE OF r), "
     "u AS (UPDATE {run} AS r SET state = %s, error = '', finished_at = {now} FROM c "
-    "WHERE r.id = c.id AND r.state = %s AND r.fence = c.fence RETURNING r.id), "
+    "WHERE r.id = c.id AND r.id IN (SELECT id FROM l) AND r.state = %s AND r.fence = c.fence "
+    "RETURNING r.id), "
     "t AS (INSERT INTO {transition} ({columns}) "
     "SELECT c.id, %s, %s, {now}, c.reason, c.owner FROM c JOIN u USING (id)) "
     "SELECT id FROM u"
