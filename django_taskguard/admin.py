@@ -157,6 +157,7 @@ class TaskRunAdmin(RunAdminBase):
     list_display = (
         "state_badge",
         "task_name",
+        "key",
         "slot",
         "attempt",
         "owner",
@@ -167,7 +168,7 @@ class TaskRunAdmin(RunAdminBase):
     list_display_links = ("task_name",)
     list_filter = ("state", TaskNameFilter)
     date_hierarchy = "slot"
-    search_fields = ("task_name", "owner")
+    search_fields = ("task_name", "key", "owner")
     ordering = ("-slot", "-id")
     show_full_result_count = False
     if hasattr(admin, "ShowFacets"):  # Django 5.0+: facet counts scan the table
@@ -178,7 +179,7 @@ class TaskRunAdmin(RunAdminBase):
     actions = ("cleanup_stale_locks", "release_locks")
     change_form_template = "admin/taskguard/taskrun/change_form.html"
     fields = (
-        ("task_name", "slot"),
+        ("task_name", "slot", "key"),
         ("state", "attempt", "fence"),
         "owner",
         ("created_at", "started_at", "finished_at"),
@@ -188,6 +189,7 @@ class TaskRunAdmin(RunAdminBase):
     readonly_fields = (
         "task_name",
         "slot",
+        "key",
         "state",
         "attempt",
         "fence",

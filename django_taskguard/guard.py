@@ -40,6 +40,8 @@ class Policy:
     overlap: str = "allow"  # "allow" | "skip"
     on_stale: str = "abandon"  # "abandon" | "retry"
     lease_seconds: float | None = None
+    # @once_per_key: how long a finished key blocks a new run (None: until pruned)
+    keep_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,47 +80,65 @@ def execute(
     *,
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
+    key: str | None = None,
 ) -> R | None:
-    """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
+    """Run ``func`` once for (``task_name``, ``slot``) across every instance.
+
+    With ``key`` (``@once_per_key``): once for (``task_name``, ``key``); ``slot``
+    is then the call's time, recorded as the row's slot when it claims the key.
+    """
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
     ledger.ensure_autocommit()
-    if timezone.now() - slot > horizon and _refused_as_pruned(task_name, slot, horizon):
+    if (
+        key is None
+        and timezone.now() - slot > horizon
+        and _refused_as_pruned(task_name, slot, horizon)
+    ):
         return None
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
-    key = lock.key(task_name, slot)
+    lock_key = lock.key_for(task_name, slot, key)
 
     # The losing call ends here: one round trip, no database query.
     count = on_busy is None  # a call that will be put back is no duplicate (yet)
-    acquired = lock.acquire(key, token, lease, task_name, count=count)
+    acquired = lock.acquire(lock_key, token, lease, task_name, count=count, run_key=key or "")
     if acquired is Acquired.LOST:
         if on_busy is not None:
             _put_back(on_busy, lease, task_name)
-        _duplicate(task_name, slot, RunState.RUNNING, policy)
+        _duplicate(task_name, slot, RunState.RUNNING, policy, key)
         return None
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
-        _duplicate(task_name, slot, RunState.SUCCEEDED, policy)
+        _duplicate(task_name, slot, RunState.SUCCEEDED, policy, key)
         return None
     owner = new_owner(token)
     try:
-        outcome = claim_slot(task_name, slot, owner, lease, policy.on_stale, count_live=count)
+        outcome = claim_slot(
+            task_name,
+            slot,
+            owner,
+            lease,
+            policy.on_stale,
+            count_live=count,
+            key=key,
+            keep=policy.keep_seconds,
+        )
     except BaseException:
         if acquired is Acquired.WON:
-            lock.release(key, token)
+            lock.release(lock_key, token)
         raise
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
-            lock.release(key, token)
+            lock.release(lock_key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
             left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
             _put_back(on_busy, left, task_name)
-        _duplicate(task_name, slot, outcome.state, policy)
+        _duplicate(task_name, slot, outcome.state, policy, key)
         return None
-    return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
+    return _run(outcome, lock, lock_key, policy, func, args, kwargs, classify_raise)
 
 
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
@@ -148,11 +168,17 @@ def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
 
 
-def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
-    duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
-    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+def _duplicate(
+    task_name: str, slot: datetime, state: str, policy: Policy, key: str | None = None
+) -> None:
+    if key is None:
+        duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
+        logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+    else:
+        duplicate_suppressed.send(sender=task_name, slot=slot, state=state, key=key)
+        logger.info("taskguard %s key %r already taken (%s)", task_name, key, state)
     if policy.on_duplicate == "raise":
-        raise DuplicateRun(task_name, slot, state)
+        raise DuplicateRun(task_name, slot, state, key)
 
 
 def _run(
@@ -189,17 +215,23 @@ def _run(
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
     finally:
-        _free(active, lock, key, ended)
+        _free(active, lock, key, ended, policy)
 
 
-def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool) -> None:
-    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row."""
-    duplicates = (
-        lock.finish(key, active.token) if ended else lock.release_counted(key, active.token)
-    )
+def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: Policy) -> None:
+    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row.
+
+    A keyed run's marker lasts no longer than its ``keep``: after that the row decides
+    whether the key may run again.
+    """
+    if ended:
+        marker = policy.keep_seconds if active.key is not None else None
+        duplicates = lock.finish(key, active.token, marker)
+    else:
+        duplicates = lock.release_counted(key, active.token)
     if duplicates:
         try:
-            ledger.add_duplicates(active.task_name, active.slot, duplicates)
+            ledger.add_duplicates(active.task_name, active.slot, duplicates, active.key)
         except BackendUnavailable:
             logger.warning(
                 "taskguard could not add %d duplicate calls to run %s", duplicates, active.id

@@ -1,11 +1,14 @@
 """Signals taskguard sends.
 
-Every signal is sent with ``sender`` = the task name (a ``str``).
+Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
+(``@once_per_key``) is sent like a slot's: its ``run.key`` says which key, its
+``slot`` is when the key was claimed.
 
 - ``run_started(run)``: an attempt won its slot and is about to call the function.
 - ``run_succeeded(run, result)``; ``run_failed(run, exception)``.
 - ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
-- ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken.
+- ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken
+  (and ``key``, for an ``@once_per_key`` call: found its key taken).
 - ``run_abandoned(run_id, slot, reason)``: a run was marked ``abandoned``: its owner died
   (found by cleanup or a later caller), or it was interrupted (``KeyboardInterrupt``,
   ``SystemExit``).

@@ -42,6 +42,7 @@ from .keys import (
     SlotKey,
     check_prefix,
     claim_key,
+    keyed_run_key,
     lock_key,
     run_key,
     scan_pattern,
@@ -120,6 +121,9 @@ class RedisLock(LockBackend):
     def key(self, task_name: str, slot: datetime) -> str:
         return run_key(self.key_prefix(), task_name, slot)
 
+    def keyed(self, task_name: str, key: str) -> str:
+        return keyed_run_key(self.key_prefix(), task_name, key)
+
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
         check_prefix(taskguard_settings.KEY_PREFIX)
@@ -160,11 +164,12 @@ class RedisLock(LockBackend):
         task_name: str = "",
         *,
         count: bool = True,
+        run_key: str = "",
     ) -> Acquired:
         # (`_down_since` tested inline: this is the hot path of every call)
         if self._down_since is not None and self._backing_off():
             return self._unavailable(task_name, None)
-        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name, int(count))
+        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name, int(count), run_key)
         try:
             won = self._eval(ACQUIRE, (key, claim_key(key)), args)
         except RedisError as exc:
@@ -199,15 +204,19 @@ class RedisLock(LockBackend):
     def release_counted(self, key: str, token: str) -> int:
         return int(self._quiet(RELEASE_COUNTED, (key, claim_key(key)), (token,)) or 0)
 
-    def finish(self, key: str, token: str) -> int:
-        """Leave the finished marker for ``FINISHED_MARKER_SECONDS``; return the duplicates.
+    def finish(self, key: str, token: str, marker_seconds: float | None = None) -> int:
+        """Leave the finished marker for ``FINISHED_MARKER_SECONDS`` (or ``marker_seconds``
+        when shorter; 0: no marker, the key is deleted); return the duplicates.
 
         One round trip: if ``key`` holds ``token`` (or has lapsed) it is set to the
         marker, so a late call is answered by Redis alone (``Acquired.FINISHED``);
         the claim record's count is returned and the record deleted if it is
         this token's. Call it only once the row is recorded finished.
         """
-        ms = int(taskguard_settings.FINISHED_MARKER_SECONDS * 1000)
+        seconds = taskguard_settings.FINISHED_MARKER_SECONDS
+        if marker_seconds is not None:
+            seconds = min(seconds, marker_seconds)
+        ms = int(seconds * 1000)
         return int(self._quiet(FINISH, (key, claim_key(key)), (token, ms)) or 0)
 
     def take_duplicates(self, key: str) -> int:
@@ -426,10 +435,13 @@ class RedisLock(LockBackend):
         held = holder is not None and holder != FINISHED_MARKER  # a marker: the lock is gone
         if held or not fields or parsed is None or not fields.get("task"):
             return None
+        if parsed.slot is None and not fields.get("key"):
+            return None  # a keyed run's record names its key; this one does not
         return ClaimRecord(
             key=key,
             task_name=fields["task"],
             slot=parsed.slot,
+            run_key=fields.get("key"),
             duplicates=int(fields.get("count", 0)),
             token=fields.get("token", ""),
         )
