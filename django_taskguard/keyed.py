@@ -151,7 +151,7 @@ def once_per_key(
     func: Any = None,
     /,
     *,
-    key: str | Callable[..., str],
+    key: str | Callable[..., str] | None = None,
     keep: timedelta | None = None,
     name: str | None = None,
     on_duplicate: OnDuplicate = "skip",
@@ -168,8 +168,11 @@ def once_per_key(
     finished key blocks a new run (``None``: until ``prune_runs`` deletes its row;
     ``timedelta(0)``: only while it runs).
     """
-    if func is not None:
-        raise InvalidSchedule("@once_per_key needs key=: @once_per_key(key='order:{order_id}')")
+    if func is not None or key is None:
+        raise InvalidSchedule(
+            "@once_per_key needs key=, a format string over the function's parameters or a "
+            "callable: @once_per_key(key='order:{order_id}')"
+        )
     if name is not None:
         validate_task_name(name)
     if lease_seconds is not None:
@@ -185,13 +188,15 @@ def once_per_key(
         keep_seconds=keep_seconds(keep),
     )
 
+    given = key
+
     def decorate(target: Callable[P, R]) -> KeyGuarded[P, R]:
         if not callable(target):
             raise InvalidSchedule(f"@once_per_key decorates a callable, not {target!r}")
         where = name or _dotted(target)
         if name is None:
             validate_task_name(where)
-        make_key = _KeyMaker(key, target, where)
+        make_key = _KeyMaker(given, target, where)
 
         # A plain function, so that Celery's ``shared_task(bind=True)`` can bind it.
         @functools.wraps(target)
