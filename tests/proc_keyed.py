@@ -46,9 +46,7 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
     Redis flushed under it)."""
     from django_taskguard import current_run, once_per_key
 
-    @once_per_key(
-        key="{name}", name=args.task, on_stale=args.on_stale, lease_seconds=args.lease
-    )
+    @once_per_key(key="{name}", name=args.task, on_stale=args.on_stale, lease_seconds=args.lease)
     def body(name: str) -> str:
         run = current_run()
         record(args.log, f"start {os.getpid()} {run.attempt} {run.fence}")
@@ -62,7 +60,32 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
     return {"result": body(args.key)}
 
 
-SCENARIOS = {"race": race, "hold": hold}
+def enqueue(args: argparse.Namespace) -> dict[str, object]:
+    """``apply_once`` keys 0..N-1 of ``tests.celery_keyed_tasks.charge`` in a shuffled
+    order (from ``--start-at``); report each key's task id."""
+    from datetime import timedelta
+
+    from tests.celery_app import app
+    from tests.celery_keyed_tasks import charge
+
+    order = list(range(args.keys))
+    random.Random(os.getpid()).shuffle(order)
+    ids = {}
+    with app.connection_for_write() as connection:
+        connection.ensure_connection()
+        wait_until(args.start_at)
+        for order_id in order:
+            result = charge.apply_once(
+                (order_id, args.log),
+                {"seconds": args.seconds},
+                ttl=timedelta(seconds=args.ttl),
+                connection=connection,
+            )
+            ids[str(order_id)] = result.id
+    return {"ids": ids}
+
+
+SCENARIOS = {"race": race, "hold": hold, "enqueue": enqueue}
 
 
 def main(argv: list[str]) -> int:
@@ -76,6 +99,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--lease", type=float, default=None)
     parser.add_argument("--on-stale", default="abandon")
+    parser.add_argument("--ttl", type=float, default=3600.0)
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()

@@ -148,7 +148,9 @@ def test_once_per_key__a_failed_key_stays_failed_until_keep_runs_out():
     with pytest.raises(ValueError, match="boom"):
         body(1)
     assert body(1) is None  # still within keep
-    TaskRun.objects.filter(key="1").update(finished_at=TaskRun.objects.get(key="1").finished_at - timedelta(seconds=3))
+    finished = TaskRun.objects.get(key="1").finished_at
+    assert finished is not None
+    TaskRun.objects.filter(key="1").update(finished_at=finished - timedelta(seconds=3))
     with pytest.raises(ValueError, match="boom"):
         body(1)
 
@@ -222,12 +224,10 @@ def test_once_per_key__redis_marker_lasts_no_longer_than_keep(redis_server):
 
 def _race(env: dict[str, str], log: Path, task: str) -> list[dict[str, int]]:
     start_at = time.time() + 3.0  # every process imported Django and is waiting by then
+    argv = [python(), "-m", "tests.proc_keyed", "race", "--task", task, "--log", str(log),
+            "--keys", str(KEYS), "--start-at", str(start_at)]  # fmt: skip
     racers = [
-        subprocess.Popen(
-            [python(), "-m", "tests.proc_keyed", "race", "--task", task, "--log", str(log),
-             "--keys", str(KEYS), "--start-at", str(start_at)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(PROCESSES)
     ]
     outcomes = []
@@ -334,10 +334,11 @@ def test_once_per_key__sigkill_mid_run_taken_over_once_under_retry(child_env, sc
 def test_once_per_key__redis_flushed_mid_run_no_second_run(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log = scratch / "exec.log"
-    owner, run_id = _hold(env, log, "tests.keyed.flush", "k1", 4)
+    owner, run_id = _hold(env, log, "tests.keyed.flush", "k1", 8)
     command(redis_server, "flushall")  # mid-run: the body is sleeping
     late, _ = _hold_or_none(env, log, "tests.keyed.flush", "k1")
-    out, err = owner.communicate(timeout=60)
+    assert owner.poll() is None, "the flush and the late call did not land mid-run"
+    _, err = owner.communicate(timeout=60)
     assert owner.returncode == 0, err
     assert late is None
     kinds = [line.split()[0] for line in log.read_text().splitlines()]

@@ -73,6 +73,14 @@ def keyed_run_key(prefix: str, task_name: str, key: str) -> str:
     return f"{prefix}:{RUN}:{{{task_digest(task_name)}:{KEYED}{key_digest(key)}}}"
 
 
+ENQUEUE = "enq"  # Celery's apply_once: the message queued or running for a key
+
+
+def enqueue_key(prefix: str, task_name: str, key: str) -> str:
+    """The record of the message ``apply_once`` published for (task, key)."""
+    return f"{prefix}:{ENQUEUE}:{{{task_digest(task_name)}:{KEYED}{key_digest(key)}}}"
+
+
 def claim_key(run_key: str) -> str:
     """The claim record that goes with a lock key made by :func:`run_key`."""
     head, _, tail = run_key.rpartition(f":{RUN}:{{")

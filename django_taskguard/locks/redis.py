@@ -51,6 +51,7 @@ from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
     CLAIM_ONCE,
+    CLAIM_OR_READ,
     COMPARE_DELETE,
     EXTEND,
     FINISH,
@@ -237,6 +238,26 @@ class RedisLock(LockBackend):
         except RedisError as exc:
             self.errors += 1
             raise self._loud(f"claim {key}", exc) from exc
+
+    def claim_or_read(self, key: str, value: str, ttl_seconds: float) -> str:
+        """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; return its holder
+        (``value`` when it is ours now). One round trip; ``BackendUnavailable`` on error."""
+        if isinstance(ttl_seconds, bool) or not ttl_seconds > 0:
+            raise ValueError(f"ttl_seconds must be positive, not {ttl_seconds!r}")
+        try:
+            return str(self._eval(CLAIM_OR_READ, (key,), (value, max(1, int(ttl_seconds * 1000)))))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"claim {key}", exc) from exc
+
+    def extend_claim(self, key: str, value: str, ttl_seconds: float) -> bool:
+        """Make ``key`` live ``ttl_seconds`` more, only while it holds ``value``."""
+        try:
+            ms = max(1, int(ttl_seconds * 1000))
+            return bool(self._eval(EXTEND, (key,), (value, ms)))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"extend {key}", exc) from exc
 
     def release_claim(self, key: str, value: str) -> bool:
         """Delete ``key`` only while it holds ``value`` (compare-and-delete); True if deleted."""

@@ -26,7 +26,9 @@ SLOT_HEADER = "taskguard_slot"
 SCHEDULE_HEADER = "taskguard_schedule"
 PERIODIC_TASK_HEADER = "periodic_task_name"  # django-celery-beat's own header
 DEFERRED_HEADER = "taskguard_deferred"  # how often a redelivery was put back
-HEADERS = (SLOT_HEADER, SCHEDULE_HEADER, PERIODIC_TASK_HEADER, DEFERRED_HEADER)
+# apply_once: {"key": ..., "ttl": seconds, "keep": seconds or None} of the message
+ENQUEUE_HEADER = "taskguard_enqueue"
+HEADERS = (SLOT_HEADER, SCHEDULE_HEADER, PERIODIC_TASK_HEADER, DEFERRED_HEADER, ENQUEUE_HEADER)
 
 
 def task_identity(task_name: str, schedule_name: str | None) -> str:
