@@ -172,6 +172,9 @@ def check_lock_redis(
     try:
         if backend_name() != "redis" or not is_redis_cache(alias):
             return []
+        marker = taskguard_settings.raw().get("FINISHED_MARKER_SECONDS", 0)
+        if number_problem("FINISHED_MARKER_SECONDS", marker) is not None:
+            return []  # E012; the lock refuses to be built with it
         from redis.exceptions import RedisError, ResponseError
 
         from .locks.redis import RedisLock

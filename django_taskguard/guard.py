@@ -80,6 +80,7 @@ def execute(
     *,
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
+    instance: str | None = None,
     key: str | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance.
@@ -114,7 +115,7 @@ def execute(
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
         _duplicate(task_name, slot, RunState.SUCCEEDED, policy, key)
         return None
-    owner = new_owner(token)
+    owner = new_owner(token, instance)
     try:
         outcome = claim_slot(
             task_name,

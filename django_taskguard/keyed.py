@@ -214,6 +214,7 @@ def once_per_key(
                 args,
                 kwargs,
                 classify_raise=hooks.classify_raise,
+                instance=hooks.instance,
                 on_busy=hooks.on_busy,
                 key=run_key,
             )

@@ -10,6 +10,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from celery.beat import SchedulingError
 from celery.schedules import crontab, schedule
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from django_celery_beat.clockedschedule import clocked
 from django_celery_beat.tzcrontab import TzAwareCrontab
@@ -314,3 +315,29 @@ def test_eager__beat_claim_is_given_back_when_the_publish_fails(
         assert redis_server.client().keys("taskguard:*:beat:*") == [], "the claim was given back"
         assert second.apply_async(entry, advance=False) is not None
     assert len(executions(log)) == 1
+
+
+@pytest.mark.parametrize(
+    ("zone", "every", "now", "slot"),
+    [
+        # Daily, relative, in New York: local midnight (05:00 UTC in winter), not 00:00 UTC.
+        ("America/New_York", timedelta(days=1), utc(2026, 1, 10, 12, 0), utc(2026, 1, 10, 5, 0)),
+        # Hourly, relative, in Kolkata (UTC+05:30): the top of the local hour, :30 UTC.
+        ("Asia/Kolkata", timedelta(hours=1), utc(2026, 1, 10, 12, 45), utc(2026, 1, 10, 12, 30)),
+        ("Asia/Kolkata", timedelta(minutes=15), utc(2026, 1, 10, 12, 44), utc(2026, 1, 10, 12, 30)),
+    ],
+)
+def test_aligned__relative_interval_is_aligned_in_the_apps_time_zone(zone, every, now, slot):
+    # Before: relative=True was ignored and the interval aligned to UTC: a daily entry
+    # in New York fired at 19:00 EST instead of midnight, silently.
+    from celery import Celery
+
+    local = Celery("tests.relative", set_as_current=False)
+    local.conf.timezone = zone
+    entry = aligned(schedule(every, relative=True, app=local))
+    assert slot_for(entry, now) == slot
+
+
+def test_aligned__relative_interval_with_no_aligned_equivalent_is_refused():
+    with pytest.raises(ImproperlyConfigured, match="a relative=True interval of 0:07:00 has no"):
+        aligned(schedule(timedelta(minutes=7), relative=True, app=app))

@@ -586,3 +586,32 @@ def test_checks__redis_cluster_client_class_is_e010(redis_server):
         messages = check_lock_redis()
     assert [message.id for message in messages] == ["taskguard.E010"]
     assert "needs a plain redis.Redis client" in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("taskguard", "expected"),
+    [
+        pytest.param({"KEY_PREFIX": "tg{x}"}, ["taskguard.E010"], id="brace-in-prefix"),
+        pytest.param({"FINISHED_MARKER_SECONDS": -1}, [], id="bad-marker-is-E012-only"),
+    ],
+)
+def test_checks__lock_settings_refused_where_the_lock_is_built(redis_server, taskguard, expected):
+    config = {"BACKEND": "redis", "REDIS_ALIAS": "redis", **taskguard}
+    with override_settings(CACHES=redis_caches(redis_server), TASKGUARD=config):
+        assert [message.id for message in check_lock_redis()] == expected
+
+
+def test_redis_lock__connections_dropped_on_errors_are_reused(redis_server):
+    """A pool counts every connection it made: the lock reuses its closed ones, never leaks."""
+    options = {"CONNECTION_POOL_KWARGS": {"max_connections": 3}}
+    other = run_key("taskguard", "tests.lock.other", SLOT)
+    with redis_backend(redis_server, options=options) as lock:
+        assert lock.acquire(KEY, "a" * 32, 30) is Acquired.WON
+        redis_server.stop()
+        for index in range(10):
+            lock._probe_at = 0.0  # probe at once instead of in PROBE_SECONDS
+            assert lock.acquire(other, f"{index:032d}", 30) is Acquired.BYPASSED
+        redis_server.start()
+        lock._probe_at = 0.0
+        assert lock.acquire(other, "b" * 32, 30) is Acquired.WON
+        assert lock.acquire(other, "c" * 32, 30) is Acquired.LOST

@@ -3,15 +3,18 @@
 Keys (named in ``keys``) are fixed and versionless on a raw redis-py client of
 our own (never ``cache.lock()``, never django-redis's ``KEY_PREFIX``/``VERSION``):
 
-- ``{prefix}:run:{<digest>:<slot>}`` holds the winner's token with a lease (``PX``);
+- ``{prefix}:run:{<digest>:<slot>}`` holds the winner's token with a lease (``PX``),
+  then, once the slot finished, the marker ``=done`` for ``FINISHED_MARKER_SECONDS``
+  (a late call meets it: ``Acquired.FINISHED``, one round trip, no query);
 - ``{prefix}:dup:{<digest>:<slot>}`` is the slot's *claim record*, a hash with the
   task name, the winner's token and the count of losing calls. The winner
   folds the count into ``TaskRun.duplicates`` when it finishes; if the winner
   died between its Redis claim and its database row, ``cleanup_locks`` finds
-  the record through :meth:`RedisLock.unrecorded_claims` and records the slot.
+  the record through :meth:`RedisLock.unrecorded_claims` and records the slot
+  (and it folds the counts of late calls that met the marker).
 
 The django-redis cache named by ``REDIS_ALIAS`` is only used to find the
-connection parameters (plain or Sentinel); the lock client has its own short
+connection parameters (plain, TLS, RESP3 or Sentinel); the lock client has its own short
 socket timeout (``REDIS_SOCKET_TIMEOUT``) and no automatic retries, because
 a blind retry of ``SET NX`` after a lost reply locks the caller out of its
 own slot. An acquire that errors is settled by reading the key back.
@@ -331,13 +334,18 @@ class RedisLock(LockBackend):
                 # connect(), not the send's own connect: redis-py does the handshake
                 # (HELLO, AUTH, SELECT, TLS), and a Sentinel connection asks for the master.
                 connection.connect()  # type: ignore[no-untyped-call]
+                connected = True
             try:
                 reply = call(connection, pack("EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 # The script cache is empty after a restart or failover: EVAL loads it.
                 reply = call(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
-            self._idle.append(connection)  # the server answered: the connection is in step
+            if connected:  # the server answered a command: the connection is in step
+                self._idle.append(connection)
+                raise
+            connection.disconnect()  # type: ignore[no-untyped-call]  # (refused in the handshake)
+            self._closed.append(connection)
             raise
         except BaseException:
             # A reply may still be on its way: never reuse this socket (the

@@ -18,8 +18,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery.beat import PersistentScheduler, ScheduleEntry
-from celery.schedules import schedstate
+from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
+from django.core.exceptions import ImproperlyConfigured
 
 from ... import schedules
 from ...conf import taskguard_settings
@@ -56,13 +57,43 @@ class EpochInterval(interval_schedule):
 
 
 def aligned(schedule: Any) -> Any:
-    """``schedule`` with plain celery intervals of a second or more made epoch-aligned."""
+    """``schedule`` with plain celery intervals of a second or more made epoch-aligned.
+
+    ``relative=True`` asks celery to align the interval to its resolution on the
+    app's clock (a daily entry at local midnight, an hourly one at the top of the
+    local hour). Every beat must agree on it, so it becomes the equivalent
+    crontab in the app's time zone; an interval with no such equivalent is
+    refused, never silently moved.
+    """
     if type(schedule) is not interval_schedule:
         return schedule
     plain: Any = schedule
     if plain.run_every < timedelta(seconds=1):
         return schedule
+    if plain.relative:
+        return relative_crontab(plain)
     return EpochInterval(plain.run_every, plain.relative, nowfun=plain.nowfun, app=plain.app)
+
+
+def relative_crontab(plain: Any) -> Any:
+    """The crontab, in the app's time zone, that a ``relative=True`` interval means."""
+    seconds = int(plain.run_every.total_seconds())
+    whole = plain.run_every == timedelta(seconds=seconds)
+    if whole and seconds < 60 and 60 % seconds == 0:
+        # Whole seconds dividing a minute: every zone's offset is whole minutes, so
+        # the epoch's multiples are the local ones too.
+        return EpochInterval(plain.run_every, True, nowfun=plain.nowfun, app=plain.app)
+    if whole and seconds == 86_400:
+        return crontab(minute=0, hour=0, app=plain.app)
+    if whole and seconds % 3600 == 0 and 24 % (seconds // 3600) == 0:
+        return crontab(minute=0, hour=f"*/{seconds // 3600}", app=plain.app)
+    if whole and seconds % 60 == 0 and 60 % (seconds // 60) == 0:
+        return crontab(minute=f"*/{seconds // 60}", app=plain.app)
+    raise ImproperlyConfigured(
+        f"a relative=True interval of {plain.run_every} has no aligned equivalent every beat "
+        f"agrees on: use a divisor of a minute, an hour or a day, exactly a day, a crontab, "
+        f"or relative=False (taskguard then aligns it to the Unix epoch, in UTC)"
+    )
 
 
 class TaskguardEntry(ScheduleEntry):
