@@ -345,3 +345,23 @@ def test_once_per_key__redis_flushed_mid_run_no_second_run(child_env, redis_serv
     assert kinds == ["start", "end"], "the key ran twice after the flush"
     assert TaskRun.objects.get(pk=run_id).state == RunState.SUCCEEDED
     assert connection.vendor in ("sqlite", "postgresql")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__redis_winner_dead_before_its_row_is_recorded_abandoned(redis_server):
+    with redis_backend(redis_server) as lock:
+        key = lock.keyed("tests.keyed.unrecorded", "order:1")
+        assert (
+            lock.acquire(key, "a" * 32, 0.3, "tests.keyed.unrecorded", run_key="order:1").value
+            == "won"
+        )
+        assert (
+            lock.acquire(key, "b" * 32, 0.3, "tests.keyed.unrecorded", run_key="order:1").value
+            == "lost"
+        )
+        wait_for(lambda: not command(redis_server, "exists", key), 10, "the lease to lapse")
+        out = StringIO()
+        call_command("cleanup_locks", "--json", stdout=out)
+    assert json.loads(out.getvalue())["unrecorded_slots"] == 1
+    run = TaskRun.objects.get(task_name="tests.keyed.unrecorded")
+    assert (run.key, run.state, run.duplicates) == ("order:1", RunState.ABANDONED, 1)
