@@ -111,8 +111,15 @@ class _KeyMaker(Generic[P]):
         self.key = key
         self.where = where
         self.signature = inspect.signature(func)
+        params = self.signature.parameters
+        plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        # Parameter names in order when every one is plain (else None: bind each call).
+        self.simple: tuple[str, ...] | None = (
+            tuple(params) if all(p.kind in plain for p in params.values()) else None
+        )
+        self.positional = tuple(n for n, p in params.items() if p.kind is plain[0])
+        self.defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
         if isinstance(key, str):
-            params = self.signature.parameters
             var_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
             unknown = [name for name in _fields(key) if name not in params]
             if unknown and not var_keyword:
@@ -129,6 +136,21 @@ class _KeyMaker(Generic[P]):
     def __call__(self, *args: Any, **kwargs: Any) -> str:
         if not isinstance(self.key, str):
             return check_key(self.key(*args, **kwargs), f"{self.where}: key=")
+        if self.simple is not None and len(args) <= len(self.positional):
+            # The hot path: plain parameters, no *args/**kwargs. Anything this cannot
+            # build (a missing argument, an unknown or repeated keyword) goes the long
+            # way below, which says what is wrong.
+            values = dict(self.defaults)
+            values.update(zip(self.positional, args, strict=False))
+            if kwargs:
+                if not kwargs.keys().isdisjoint(self.positional[: len(args)]):
+                    values = {}  # given twice: bind() below raises
+                values.update(kwargs)
+            try:
+                if len(values) == len(self.simple):
+                    return check_key(self.key.format_map(values), self.where)
+            except (KeyError, AttributeError, IndexError):
+                pass
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:

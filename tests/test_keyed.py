@@ -365,3 +365,25 @@ def test_once_per_key__redis_winner_dead_before_its_row_is_recorded_abandoned(re
     assert json.loads(out.getvalue())["unrecorded_slots"] == 1
     run = TaskRun.objects.get(task_name="tests.keyed.unrecorded")
     assert (run.key, run.state, run.duplicates) == ("order:1", RunState.ABANDONED, 1)
+
+
+def test_once_per_key__key_of_binds_like_a_call():
+    def body(a: int, b: int = 2, *, c: str = "z") -> None: ...
+
+    guarded = once_per_key(key="{a}-{b}-{c}", name="tests.keyed.bind")(body)
+    assert guarded.key_of(1) == "1-2-z"
+    assert guarded.key_of(1, 3, c="y") == "1-3-y"
+    assert guarded.key_of(b=5, a=4) == "4-5-z"
+    with pytest.raises(InvalidKey, match="cannot bind"):
+        guarded.key_of(1, a=1)
+    with pytest.raises(InvalidKey, match="cannot bind"):
+        guarded.key_of(1, 2, 3)
+    with pytest.raises(InvalidKey, match="cannot bind"):
+        guarded.key_of(1, d=4)
+    with pytest.raises(InvalidKey, match="cannot bind"):
+        guarded.key_of()
+
+    def spread(*args: int, **kwargs: int) -> None: ...
+
+    loose = once_per_key(key="{x}", name="tests.keyed.spread")(spread)
+    assert loose.key_of(x=7) == "7"

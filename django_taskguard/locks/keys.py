@@ -47,7 +47,6 @@ def slot_label(slot: datetime) -> str:
 KEYED = "k"  # the label of a keyed run: "k" and the key's digest
 
 
-@functools.lru_cache(maxsize=4096)
 def key_digest(key: str) -> str:
     """A fixed-length, key-safe stand-in for an ``@once_per_key`` key."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
