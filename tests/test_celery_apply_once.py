@@ -13,7 +13,7 @@ from django_taskguard.models import RunState, TaskRun
 
 from .conftest import RedisServer, python, wait_for
 from .redis_support import child_redis_env, redis_backend
-from .test_celery_e2e import Cluster
+from .test_celery_e2e import Cluster, rabbitmq_url  # noqa: F401 (a fixture)
 
 CHARGE = "tests.celery_keyed_tasks.charge"
 QUEUE = "celery"  # the Redis broker's default queue: a list of messages
@@ -58,6 +58,33 @@ def test_apply_once__8_concurrent_calls_publish_one_message_all_return_its_id(
         ids = {ids["0"] for ids in found}
         assert len(ids) == 1, f"8 calls returned {len(ids)} ids"
         assert queued_ids(redis_server) == list(ids), "not exactly one message was published"
+    finally:
+        lock.stop()
+
+
+def rabbit_queued_ids(url: str) -> list[str]:
+    """Take every message off the RabbitMQ queue (py-amqp basic_get); their task ids."""
+    from kombu import Connection
+
+    found = []
+    with Connection(url) as connection:
+        channel = connection.default_channel
+        while (message := channel.basic_get(QUEUE, no_ack=True)) is not None:
+            found.append(str(message.headers["id"]))
+    return found
+
+
+def test_apply_once__8_concurrent_calls_on_rabbitmq_publish_one_message(
+    child_env, scratch, rabbitmq_url, tmp_path  # noqa: F811 (the imported fixture)
+):
+    lock = RedisServer(tmp_path / "lock")
+    lock.start()
+    try:
+        env = {**child_redis_env(child_env, lock), "TASKGUARD_TEST_BROKER_URL": rabbitmq_url}
+        found = enqueue_from(env, scratch / "exec.log", processes=8, keys=1)
+        ids = {ids["0"] for ids in found}
+        assert len(ids) == 1, f"8 calls returned {len(ids)} ids"
+        assert rabbit_queued_ids(rabbitmq_url) == list(ids), "not exactly one message"
     finally:
         lock.stop()
 
