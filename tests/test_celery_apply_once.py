@@ -75,7 +75,10 @@ def rabbit_queued_ids(url: str) -> list[str]:
 
 
 def test_apply_once__8_concurrent_calls_on_rabbitmq_publish_one_message(
-    child_env, scratch, rabbitmq_url, tmp_path  # noqa: F811 (the imported fixture)
+    child_env,
+    scratch,
+    rabbitmq_url,  # noqa: F811 (the fixture imported from test_celery_e2e)
+    tmp_path,
 ):
     lock = RedisServer(tmp_path / "lock")
     lock.start()
