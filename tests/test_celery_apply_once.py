@@ -6,13 +6,14 @@ import json
 import subprocess
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 from django_taskguard.locks.keys import enqueue_key
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import RedisServer, python, wait_for
-from .redis_support import child_redis_env, redis_backend
+from .redis_support import child_redis_env, command, redis_backend
 from .test_celery_e2e import Cluster, rabbitmq_url  # noqa: F401 (a fixture)
 
 CHARGE = "tests.celery_keyed_tasks.charge"
@@ -137,32 +138,30 @@ def test_apply_once__real_workers_run_each_key_once_and_free_it(
 
 
 def test_apply_once__a_lost_message_blocks_its_key_no_longer_than_ttl(
-    child_env, scratch, redis_server, tmp_path
+    transactional_db, scratch, redis_server, tmp_path
 ):
+    from tests.celery_app import app
+    from tests.celery_keyed_tasks import charge
+
     lock = RedisServer(tmp_path / "lock")
     lock.start()
+    app.conf.broker_url = redis_server.url
+    ttl = timedelta(seconds=20)  # far above any stall between two calls here
     try:
-        env = {**child_redis_env(child_env, lock), "TASKGUARD_TEST_BROKER_URL": redis_server.url}
-        log = scratch / "exec.log"
-        (first,) = enqueue_from(env, log, processes=1, keys=1, ttl=4)
-        with redis_backend(lock) as backend:
+        with redis_backend(lock) as backend, app.connection_for_write() as connection:
+
+            def send() -> str:
+                return str(charge.apply_once((0, str(scratch / "x.log")), ttl=ttl,
+                                             connection=connection).id)  # fmt: skip
+
+            first = send()
             record = enqueue_key(backend.key_prefix(), CHARGE, "order:0")
-        client = lock.client()
-        try:
-            assert 0 < client.pttl(record) <= 4000  # the bound: the record's TTL
-            (raw,) = redis_server.client().lrange(QUEUE, 0, -1)
-            assert json.loads(raw)["headers"]["expires"] is not None  # it lapses with its record
-            redis_server.client().delete(QUEUE)  # the broker lost the message
-            (blocked,) = enqueue_from(env, log, processes=1, keys=1, ttl=4)
-            assert blocked == first and queued_ids(redis_server) == []
-
-            def sent_again() -> bool:
-                (again,) = enqueue_from(env, log, processes=1, keys=1, ttl=4)
-                return again != first
-
-            wait_for(sent_again, 60, "the lost message's key to be free", every=1.0)
+            assert 0 < command(lock, "pttl", record) <= 20_000  # the bound: the record's TTL
+            (raw,) = command(redis_server, "lrange", QUEUE, 0, -1)
+            assert json.loads(raw)["headers"]["expires"] is not None  # it lapses with it
+            command(redis_server, "delete", QUEUE)  # the broker lost the message
+            assert send() == first and queued_ids(redis_server) == []  # still blocked
+            wait_for(lambda: send() != first, 60, "the lost message's key to be free", every=1.0)
             assert len(queued_ids(redis_server)) == 1
-        finally:
-            client.close()
     finally:
         lock.stop()
