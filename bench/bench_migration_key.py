@@ -1,4 +1,4 @@
-"""Measure migration 0007_taskrun_key on a big ledger (a script, not a test).
+"""Measure migration 0008_taskrun_key on a big ledger (a script, not a test).
 
     python bench/bench_migration_key.py [--rows 1000000]
 
@@ -94,7 +94,7 @@ def run(rows: int) -> None:
     from django.db.migrations.loader import MigrationLoader
 
     loader = MigrationLoader(connection)
-    node = loader.graph.node_map[("taskguard", "0007_taskrun_key")]
+    node = loader.graph.node_map[("taskguard", "0008_taskrun_key")]
     (before,) = [parent.key[1] for parent in node.parents if parent.key[0] == "taskguard"]
     call_command("migrate", "taskguard", before, verbosity=0)
     with psycopg.connect(**dsn(NAME), autocommit=True) as filler:
@@ -155,7 +155,7 @@ def run(rows: int) -> None:
         thread.start()
     time.sleep(0.5)
     began = time.perf_counter()
-    call_command("migrate", "taskguard", "0007_taskrun_key", verbosity=0)
+    call_command("migrate", "taskguard", "0008_taskrun_key", verbosity=0)
     took = time.perf_counter() - began
     time.sleep(0.2)
     stop.set()
@@ -166,7 +166,7 @@ def run(rows: int) -> None:
         valid = checker.execute(
             "SELECT indisvalid FROM pg_index WHERE indexrelid = 'taskguard_run_task_key'::regclass"
         ).fetchone()
-    print(f"0007_taskrun_key applied in {took:.2f} s")
+    print(f"0008_taskrun_key applied in {took:.2f} s")
     print(f"locks the migrating connection held on {TABLE}: {sorted(modes)}")
     print(
         f"a concurrent writer made {len(writes)} insert+update pairs; slowest "

@@ -19,6 +19,7 @@ from . import ledger
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import Row
+from .owner import new_owner, new_token
 from .signals import run_abandoned
 from .states import PRUNABLE_STATES, RunState
 
@@ -45,6 +46,7 @@ def claim_slot(
     count_live: bool = True,
     key: str | None = None,
     keep: float | None = None,
+    take_missed: bool = True,
 ) -> ActiveRun | Taken:
     """Make this call the slot's live attempt, or say who has it.
 
@@ -56,6 +58,8 @@ def claim_slot(
     pending, retrying or stale needs a second, compare-and-set step, and a
     lost compare-and-set goes round again against the fresh row.
     ``count_live=False``: finding a live attempt does not count a duplicate.
+    ``take_missed``: a row the sweep recorded ``missed`` is run late (``catchup`` other
+    than ``"none"``); the transition log keeps the alarm.
     """
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
@@ -66,7 +70,7 @@ def claim_slot(
         if row.owner == owner:
             return _active(row, task_name, slot, lease, sent, key)
         try:
-            decided = _decide(row, owner, lease, abandon, slot, task_name)
+            decided = _decide(row, owner, lease, abandon, slot, task_name, take_missed)
             if isinstance(decided, Taken) and _reopened(row, key, keep):
                 continue  # the key's keep ran out: its row is gone, claim it anew
         except DatabaseError as exc:
@@ -86,6 +90,42 @@ def _reopened(row: Row, key: str | None, keep: float | None) -> bool:
     if key is None or keep is None or row.state not in PRUNABLE_STATES:
         return False
     return ledger.reopen_key(row.id, keep)
+
+
+def claim_many(
+    slot: datetime, wanted: list[tuple[str, float]]
+) -> dict[str, ActiveRun | Taken | None] | None:
+    """Claim ``slot`` for many tasks (``(task, lease seconds)``, ``on_stale="abandon"``) in
+    one statement. Per task: this call's attempt, ``Taken`` (finished, abandoned or live
+    elsewhere; counted as a duplicate), or None when the row needs the one-task path
+    (pending, retrying, missed, stale). None when the database cannot batch (SQLite)."""
+    wanted = sorted(wanted)
+    owners = [new_owner(new_token()) for _ in wanted]
+    sent = time.monotonic()
+    try:
+        rows = ledger.claim_many(
+            [name for name, _ in wanted], slot, owners, [lease for _, lease in wanted]
+        )
+    except DatabaseError as exc:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    if rows is None:
+        return None
+    decided: dict[str, ActiveRun | Taken | None] = {}
+    for (name, lease), owner in zip(wanted, owners, strict=True):
+        row = rows.get(name)
+        if row is not None and row.owner == owner:
+            decided[name] = _active(row, name, slot, lease, sent)
+        elif row is not None and _plainly_taken(row):
+            decided[name] = Taken(row.state)
+        else:
+            decided[name] = None
+    return decided
+
+
+def _plainly_taken(row: Row) -> bool:
+    if row.state == RunState.RUNNING:
+        return not row.expired
+    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.ABANDONED)
 
 
 def _claim_row(
@@ -127,9 +167,12 @@ def _decide(
     abandon: bool,
     slot: datetime,
     task_name: str,
+    take_missed: bool = True,
 ) -> Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
     state = row.state
+    if state == RunState.MISSED and take_missed:
+        return ledger.start_attempt(row, owner, lease, "claimed late, after it was recorded missed")
     if state in (RunState.PENDING, RunState.RETRYING):
         reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
         return ledger.start_attempt(row, owner, lease, reason)
@@ -152,7 +195,12 @@ def _abandon_stale(row: Row, owner: str, dead: str, task_name: str, slot: dateti
 
 
 def _active(
-    row: Row, task_name: str, slot: datetime, lease: float, sent: float, key: str | None
+    row: Row,
+    task_name: str,
+    slot: datetime,
+    lease: float,
+    sent: float,
+    key: str | None = None,
 ) -> ActiveRun:
     assert row.fence is not None
     return ActiveRun(

@@ -50,7 +50,7 @@ def _constraint() -> models.UniqueConstraint:
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
-    dependencies = [("taskguard", "0005_ledger")]
+    dependencies = [("taskguard", "0007_taskrun_task_state")]
 
     operations = [
         migrations.AddField(
