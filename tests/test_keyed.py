@@ -387,3 +387,19 @@ def test_once_per_key__key_of_binds_like_a_call():
 
     loose = once_per_key(key="{x}", name="tests.keyed.spread")(spread)
     assert loose.key_of(x=7) == "7"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__two_keys_claimed_at_the_same_microsecond_both_get_a_row():
+    from django.utils import timezone
+
+    from django_taskguard import ledger
+
+    at = timezone.now()
+    first = ledger.claim("tests.keyed.same_us", at, "h:1:s:" + "a" * 32, 30,
+                         abandon_is_final=True, key="a")  # fmt: skip
+    second = ledger.claim("tests.keyed.same_us", at, "h:1:s:" + "b" * 32, 30,
+                          abandon_is_final=True, key="b")  # fmt: skip
+    assert first.owner.endswith("a" * 32) and second.owner.endswith("b" * 32)
+    slots = dict(TaskRun.objects.filter(task_name="tests.keyed.same_us").values_list("key", "slot"))
+    assert slots["b"] - slots["a"] == timedelta(microseconds=1)
