@@ -69,9 +69,9 @@ class Command(BaseCommand):
     ) -> None:
         try:
             ledger.ensure_reachable()
-            if task is not None:
-                refuse_unknown(task)
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
+            if task is not None and not touched(result):
+                refuse_unknown(task)
             if not dry_run:
                 sync()  # the schedules the code declares (a dry run changes nothing)
             result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
@@ -83,6 +83,16 @@ class Command(BaseCommand):
             self.stdout.write(describe(result))
             for line in details(result):
                 self.stdout.write(line)
+
+
+def touched(result: CleanupResult) -> bool:
+    """Whether cleanup found anything at all (a task with no row may have Redis records)."""
+    counts = result.as_dict()
+    return bool(result.in_flight) or any(
+        counts[name]
+        for name in ("stale_runs", "orphan_keys", "unrecorded_slots", "missed_slots")
+        if name in counts
+    )
 
 
 def refuse_unknown(task: str) -> None:
