@@ -35,6 +35,12 @@ from .states import RunState
 logger = logging.getLogger("taskguard.guard")
 _ROW_LOCK = DatabaseLock()
 
+# The state a duplicate reports when Redis's finished marker decided it (the row,
+# succeeded, failed or skipped, was not read).
+FINISHED = "finished"
+FINISHED_STATES = frozenset(
+    {RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.MISSED}
+)
 R = TypeVar("R")
 
 
@@ -125,7 +131,7 @@ def execute(
         _duplicate(task_name, slot, RunState.RUNNING, policy, key)
         return None
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
-        _duplicate(task_name, slot, RunState.SUCCEEDED, policy, key)
+        _duplicate(task_name, slot, FINISHED, policy, key)
         return None
     owner = new_owner(token, instance)
     try:
@@ -146,7 +152,14 @@ def execute(
         raise
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
-            lock.release(lock_key, token)
+            # A finished row (Redis was flushed, or its marker lapsed): put the marker
+            # back, so the next late call is decided in Redis again. Not for a key with
+            # a keep: its marker must not outlast the keep, and only the row knows when
+            # the run ended.
+            if outcome.state in FINISHED_STATES and (key is None or policy.keep_seconds is None):
+                lock.finish(lock_key, token)
+            else:
+                lock.release(lock_key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
             left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
             _put_back(on_busy, left, task_name)

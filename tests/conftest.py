@@ -92,7 +92,11 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
-        wait_until_serving(self.process, self.port)
+        try:
+            wait_until_serving(self.process, self.port)
+        except BaseException:
+            self.kill()  # never leave a server behind a failed start
+            raise
 
     def client(self, db: int = 0):  # type: ignore[no-untyped-def]
         import redis

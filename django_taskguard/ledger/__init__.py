@@ -1039,7 +1039,7 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
         for start in range(0, len(names), FACTS_CHUNK):
             part = names[start : start + FACTS_CHUNK]
             for name, run_id, slot, state in _all(
-                sql.recent_runs(d, len(part)), [*part, max(limit - 1, 0)]
+                sql.recent_runs(d, len(part)), [*part, sql.recent_limit(d, limit)]
             ):
                 slot_at = aware(slot)
                 assert slot_at is not None

@@ -22,6 +22,7 @@ from .enqueue import OnceTask, apply_once
 from .headers import (
     DEFERRED_HEADER,
     ENQUEUE_HEADER,
+    GRACE_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
     message_headers,
@@ -33,6 +34,7 @@ from .worker import celery_call_context, register
 __all__ = [
     "DEFERRED_HEADER",
     "ENQUEUE_HEADER",
+    "GRACE_HEADER",
     "SCHEDULE_HEADER",
     "SLOT_HEADER",
     "OnceTask",
