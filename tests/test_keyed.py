@@ -403,3 +403,23 @@ def test_once_per_key__two_keys_claimed_at_the_same_microsecond_both_get_a_row()
     assert first.owner.endswith("a" * 32) and second.owner.endswith("b" * 32)
     slots = dict(TaskRun.objects.filter(task_name="tests.keyed.same_us").values_list("key", "slot"))
     assert slots["b"] - slots["a"] == timedelta(microseconds=1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__after_a_flush_the_marker_comes_back_only_without_keep(redis_server):
+    with redis_backend(redis_server):
+
+        @once_per_key(key="{n}", name="tests.keyed.back")
+        def forever(n: int) -> int:
+            return n
+
+        @once_per_key(key="{n}", name="tests.keyed.kept", keep=timedelta(hours=1))
+        def kept(n: int) -> int:
+            return n
+
+        assert forever(1) == 1 and kept(1) == 1
+        command(redis_server, "flushall")
+        assert forever(1) is None and kept(1) is None  # the rows decide
+        backend = get_backend()
+        assert command(redis_server, "get", backend.keyed("tests.keyed.back", "1")) == b"=done"
+        assert not command(redis_server, "exists", backend.keyed("tests.keyed.kept", "1"))
