@@ -190,6 +190,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         ("created", "started", "finished"),
         ("lease_until_at", "duplicates"),
         "error",
+        "result",
     )
     readonly_fields = (
         "task_name",
@@ -205,6 +206,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "lease_until_at",
         "duplicates",
         "error",
+        "result",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[TaskRun]:

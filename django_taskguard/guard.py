@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 from django.db import DatabaseError
 from django.utils import timezone
@@ -56,6 +57,8 @@ class Policy:
     lease_seconds: float | None = None
     # @once_per_key: how long a finished key blocks a new run (None: until pruned)
     keep_seconds: float | None = None
+    # @once_per_key: store the JSON result; duplicates of the succeeded key get it
+    return_result: bool = False
     catchup: str = "latest"  # "latest" | "none" | "all" (see docs/schedules.md)
     grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
     max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
@@ -132,7 +135,7 @@ def execute(
         return None
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
         _duplicate(task_name, slot, FINISHED, policy, key)
-        return None
+        return cast("R | None", _stored_result(task_name, key, policy))
     owner = new_owner(token, instance)
     try:
         outcome = claim_slot(
@@ -164,8 +167,50 @@ def execute(
             left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
             _put_back(on_busy, left, task_name)
         _duplicate(task_name, slot, outcome.state, policy, key)
+        if outcome.state == RunState.SUCCEEDED:
+            return cast("R | None", _stored_result(task_name, key, policy))
         return None
     return _run(outcome, lock, lock_key, policy, func, args, kwargs, classify_raise)
+
+
+# The largest JSON result return_result=True stores (bytes); a larger one is not stored.
+RESULT_MAX_BYTES = 64 * 1024
+
+
+def _stored_result(task_name: str, key: str | None, policy: Policy) -> Any:
+    """What a duplicate of a succeeded key returns: its stored result (None without one)."""
+    if key is None or not policy.return_result:
+        return None
+    stored = ledger.result_of(task_name, key)
+    return None if stored is None else json.loads(stored)
+
+
+def _store_result(active: ActiveRun, result: Any) -> None:
+    """Store the attempt's result as JSON for its duplicates, bounded; never raises."""
+    try:
+        text = json.dumps(result, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        logger.warning(
+            "taskguard %s key %r: the result is not JSON (%s); duplicates get None",
+            active.task_name,
+            active.key,
+            exc,
+        )
+        return
+    if len(text) > RESULT_MAX_BYTES:  # ASCII (json.dumps escapes the rest): chars = bytes
+        logger.warning(
+            "taskguard %s key %r: the result is %d bytes of JSON, more than %d; duplicates "
+            "get None",
+            active.task_name,
+            active.key,
+            len(text),
+            RESULT_MAX_BYTES,
+        )
+        return
+    try:
+        ledger.store_result(active.id, active.fence, text)
+    except BackendUnavailable as exc:
+        logger.warning("taskguard could not store the result of run %s (%s)", active.id, exc)
 
 
 # Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
@@ -282,6 +327,8 @@ def _run(
                 raise
             finally:
                 heartbeats.stop(beat)
+        if policy.return_result:
+            _store_result(active, result)
         _succeed(active, record_success)
         ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)

@@ -88,6 +88,12 @@ def keep_seconds(keep: timedelta | None) -> float | None:
     return keep.total_seconds()
 
 
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidSchedule(f"{name}= must be True or False, got {value!r}")
+    return value
+
+
 @functools.lru_cache(maxsize=256)
 def _fields(template: str) -> tuple[str, ...]:
     """The top-level names a ``str.format`` template refers to (``order`` of ``{order.id}``)."""
@@ -179,6 +185,7 @@ def once_per_key(
     on_duplicate: OnDuplicate = "skip",
     on_stale: OnStale = "abandon",
     lease_seconds: float | None = None,
+    return_result: bool = False,
 ) -> Callable[[Callable[P, R]], KeyGuarded[P, R]]:
     """Run the decorated function at most once per key, across every instance.
 
@@ -188,7 +195,8 @@ def once_per_key(
     result; a call whose key is running or finished returns ``None`` (or raises
     ``DuplicateRun`` with ``on_duplicate="raise"``). ``keep``: how long a
     finished key blocks a new run (``None``: until ``prune_runs`` deletes its row;
-    ``timedelta(0)``: only while it runs).
+    ``timedelta(0)``: only while it runs). ``return_result=True``: the result is stored
+    as JSON (at most 64 KiB) and a duplicate of the succeeded key returns it (one query).
     """
     if func is not None or key is None:
         raise InvalidSchedule(
@@ -208,6 +216,7 @@ def once_per_key(
         on_stale=_choice("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
         keep_seconds=keep_seconds(keep),
+        return_result=_flag(return_result, "return_result"),
     )
 
     given = key

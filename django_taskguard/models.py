@@ -68,6 +68,14 @@ class TaskRun(models.Model):
         default=None,
         help_text=_("The key of an @once_per_key run (empty for a schedule slot)."),
     )
+    # NULL, not "": "" is no JSON; only @once_per_key(return_result=True) stores one.
+    result = models.TextField(  # noqa: DJ001
+        _("result"),
+        null=True,
+        blank=True,
+        default=None,
+        help_text=_("The JSON result of an @once_per_key(return_result=True) run."),
+    )
     state = models.CharField(
         _("state"), max_length=16, choices=RunState.choices, default=RunState.PENDING
     )

@@ -423,3 +423,44 @@ def test_once_per_key__after_a_flush_the_marker_comes_back_only_without_keep(red
         backend = get_backend()
         assert command(redis_server, "get", backend.keyed("tests.keyed.back", "1")) == b"=done"
         assert not command(redis_server, "exists", backend.keyed("tests.keyed.kept", "1"))
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("backend", ["database", "redis"])
+def test_once_per_key__return_result_gives_duplicates_the_stored_result(
+    redis_server, backend, caplog
+):
+    with redis_backend(redis_server, BACKEND=backend):
+
+        @once_per_key(key="{n}", name=f"tests.keyed.result.{backend}", return_result=True)
+        def charge(n: int) -> dict[str, object]:
+            return {"charge": f"ch_{n}", "amount": n * 100, "note": "é\x00"}
+
+        @once_per_key(key="{n}", name=f"tests.keyed.big.{backend}", return_result=True)
+        def big(n: int) -> object:
+            return "x" * (64 * 1024) if n else {1, 2}  # too big; not JSON
+
+        first = charge(3)
+        assert first == {"charge": "ch_3", "amount": 300, "note": "é\x00"}
+        assert charge(3) == first  # the duplicate gets the winner's result
+        assert charge(3) == first
+        assert big(1) is not None and big(1) is None
+        assert big(0) == {1, 2} and big(0) is None
+    assert "more than 65536" in caplog.text and "not JSON" in caplog.text
+    assert TaskRun.objects.get(task_name=f"tests.keyed.big.{backend}", key="1").result is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__return_result_is_none_while_the_key_runs_or_failed():
+    from django_taskguard import ledger
+
+    @once_per_key(key="{n}", name="tests.keyed.result_failed", return_result=True)
+    def fails(n: int) -> int:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        fails(1)
+    assert fails(1) is None
+    assert ledger.result_of("tests.keyed.result_failed", "1") is None
+    with pytest.raises(InvalidSchedule, match="return_result"):
+        once_per_key(key="{n}", return_result="yes")  # type: ignore[arg-type]

@@ -364,6 +364,27 @@ def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
     return _row(_one(sql.read_slot(_dialect()), [task_name, _slot(slot)]))
 
 
+def store_result(run_id: int, fence: int, result: str) -> bool:
+    """Store a live keyed attempt's JSON result (fenced); False when it no longer owns the row."""
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.store_result(_dialect()), [result, run_id, fence, RunState.RUNNING])
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def result_of(task_name: str, key: str) -> str | None:
+    """The JSON result a succeeded keyed run stored, or None."""
+    try:
+        found = _one(sql.read_result(_dialect()), [task_name, key])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    if found is None or found[0] != RunState.SUCCEEDED:
+        return None
+    return None if found[1] is None else str(found[1])
+
+
 def reopen_key(run_id: int, keep_seconds: float) -> bool:
     """Delete a finished keyed run (and its transitions) once ``keep_seconds`` have
     passed since it finished, by the database's clock: its key may run again.

@@ -304,6 +304,18 @@ def add_duplicates_key(d: Dialect) -> str:
     )
 
 
+# The JSON result of a keyed run (return_result=True): written by its live attempt
+# (fenced), read by its duplicates once it succeeded.
+@lru_cache
+def store_result(d: Dialect) -> str:
+    return _format("UPDATE {run} SET result = %s WHERE id = %s AND fence = %s AND state = %s", d)
+
+
+@lru_cache
+def read_result(d: Dialect) -> str:
+    return _format('SELECT state, result FROM {run} WHERE task_name = %s AND "key" = %s', d)
+
+
 # task, slot, key, state, reason (the error), duplicates: a keyed row no attempt held.
 @lru_cache
 def insert_unheld_key(d: Dialect) -> str:

@@ -1,7 +1,7 @@
-"""Keyed runs (``@once_per_key``): a nullable ``key`` column and a partial unique
-index on (task_name, key) where key is not null.
+"""Keyed runs (``@once_per_key``): nullable ``key`` and ``result`` columns and a partial
+unique index on (task_name, key) where key is not null.
 
-Neither rewrites the table. Adding a nullable column with no default is a catalog
+None rewrites the table. Adding a nullable column with no default is a catalog
 change (PostgreSQL and SQLite). On PostgreSQL the index is built with
 ``CREATE UNIQUE INDEX CONCURRENTLY`` (so this migration is not atomic): it scans
 the table once but takes only a SHARE UPDATE EXCLUSIVE lock, so claims and
@@ -63,6 +63,17 @@ class Migration(migrations.Migration):
                 max_length=255,
                 null=True,
                 verbose_name="key",
+            ),
+        ),
+        migrations.AddField(
+            model_name="taskrun",
+            name="result",
+            field=models.TextField(
+                blank=True,
+                default=None,
+                help_text="The JSON result of an @once_per_key(return_result=True) run.",
+                null=True,
+                verbose_name="result",
             ),
         ),
         migrations.AlterField(
