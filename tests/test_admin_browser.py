@@ -21,7 +21,8 @@ from django_taskguard.models import RunState, TaskRun
 from .conftest import ROOT
 from .runs import make_run
 
-pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+# "once": scripts/test.sh runs it in the PostgreSQL pass only.
+pytestmark = [pytest.mark.browser, pytest.mark.once, pytest.mark.django_db(transaction=True)]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

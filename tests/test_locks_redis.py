@@ -63,6 +63,15 @@ def test_redis_lock__acquire_counts_duplicates_and_release_compares_token(redis_
         assert list(lock.scan_run_keys()) == []
 
 
+def test_redis_lock__acquire_sets_the_lease_it_is_given(redis_server):
+    with redis_backend(redis_server) as lock:
+        for lease in (30, 2.5):
+            key = run_key("taskguard", "tests.lease", SLOT + timedelta(seconds=lease))
+            assert lock.acquire(key, "a" * 32, lease, "tests.lease") is Acquired.WON
+            ttl = command(redis_server, "pttl", key)
+            assert lease * 1000 - 1000 < ttl <= lease * 1000, (lease, ttl)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
     with redis_backend(redis_server) as lock:
