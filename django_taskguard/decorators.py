@@ -115,9 +115,12 @@ def _tolerance(seconds: float) -> timedelta:
 
 
 def guarded_policy(func: Any) -> guard.Policy | None:
-    """The policy of a function made by ``@once_per_schedule``, or None for any other."""
+    """The policy of a function made by ``@once_per_schedule`` or ``@once_per_key``,
+    or None for any other."""
     policy = getattr(func, "policy", None)
-    if isinstance(policy, guard.Policy) and callable(getattr(func, "run_for_slot", None)):
+    if not isinstance(policy, guard.Policy):
+        return None
+    if callable(getattr(func, "run_for_slot", None)) or callable(getattr(func, "key_of", None)):
         return policy
     return None
 

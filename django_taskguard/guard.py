@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 from django.db import DatabaseError
 from django.utils import timezone
@@ -54,6 +55,10 @@ class Policy:
     overlap: str = "allow"  # "allow" | "skip"
     on_stale: str = "abandon"  # "abandon" | "retry"
     lease_seconds: float | None = None
+    # @once_per_key: how long a finished key blocks a new run (None: until pruned)
+    keep_seconds: float | None = None
+    # @once_per_key: store the JSON result; duplicates of the succeeded key get it
+    return_result: bool = False
     catchup: str = "latest"  # "latest" | "none" | "all" (see docs/schedules.md)
     grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
     max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
@@ -97,31 +102,40 @@ def execute(
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
     instance: str | None = None,
+    key: str | None = None,
 ) -> R | None:
-    """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
+    """Run ``func`` once for (``task_name``, ``slot``) across every instance.
+
+    With ``key`` (``@once_per_key``): once for (``task_name``, ``key``); ``slot``
+    is then the call's time, recorded as the row's slot when it claims the key.
+    """
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
     ledger.ensure_autocommit()
-    if timezone.now() - slot > horizon and _refused_as_pruned(task_name, slot, horizon):
+    if (
+        key is None
+        and timezone.now() - slot > horizon
+        and _refused_as_pruned(task_name, slot, horizon)
+    ):
         return None
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
-    key = lock.key(task_name, slot)
+    lock_key = lock.key_for(task_name, slot, key)
 
     # The losing call ends here: one round trip, no database query.
     count = on_busy is None  # a call that will be put back is no duplicate (yet)
-    acquired = lock.acquire(key, token, lease, task_name, count=count)
+    acquired = lock.acquire(lock_key, token, lease, task_name, count=count, run_key=key or "")
     if acquired is Acquired.LOST:
         if on_busy is not None:
             _put_back(on_busy, lease, task_name)
-        _duplicate(task_name, slot, RunState.RUNNING, policy)
+        _duplicate(task_name, slot, RunState.RUNNING, policy, key)
         return None
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
-        _duplicate(task_name, slot, FINISHED, policy)
-        return None
+        _duplicate(task_name, slot, FINISHED, policy, key)
+        return cast("R | None", _stored_result(task_name, key, policy))
     owner = new_owner(token, instance)
     try:
         outcome = claim_slot(
@@ -131,26 +145,72 @@ def execute(
             lease,
             policy.on_stale,
             count_live=count,
+            key=key,
+            keep=policy.keep_seconds,
             take_missed=policy.catchup != "none",
         )
     except BaseException:
         if acquired is Acquired.WON:
-            lock.release(key, token)
+            lock.release(lock_key, token)
         raise
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
             # A finished row (Redis was flushed, or its marker lapsed): put the marker
-            # back, so the next late call is decided in Redis again.
-            if outcome.state in FINISHED_STATES:
-                lock.finish(key, token)
+            # back, so the next late call is decided in Redis again. Not for a key with
+            # a keep: its marker must not outlast the keep, and only the row knows when
+            # the run ended.
+            if outcome.state in FINISHED_STATES and (key is None or policy.keep_seconds is None):
+                lock.finish(lock_key, token)
             else:
-                lock.release(key, token)
+                lock.release(lock_key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
             left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
             _put_back(on_busy, left, task_name)
-        _duplicate(task_name, slot, outcome.state, policy)
+        _duplicate(task_name, slot, outcome.state, policy, key)
+        if outcome.state == RunState.SUCCEEDED:
+            return cast("R | None", _stored_result(task_name, key, policy))
         return None
-    return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
+    return _run(outcome, lock, lock_key, policy, func, args, kwargs, classify_raise)
+
+
+# The largest JSON result return_result=True stores (bytes); a larger one is not stored.
+RESULT_MAX_BYTES = 64 * 1024
+
+
+def _stored_result(task_name: str, key: str | None, policy: Policy) -> Any:
+    """What a duplicate of a succeeded key returns: its stored result (None without one)."""
+    if key is None or not policy.return_result:
+        return None
+    stored = ledger.result_of(task_name, key)
+    return None if stored is None else json.loads(stored)
+
+
+def _store_result(active: ActiveRun, result: Any) -> None:
+    """Store the attempt's result as JSON for its duplicates, bounded; never raises."""
+    try:
+        text = json.dumps(result, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        logger.warning(
+            "taskguard %s key %r: the result is not JSON (%s); duplicates get None",
+            active.task_name,
+            active.key,
+            exc,
+        )
+        return
+    if len(text) > RESULT_MAX_BYTES:  # ASCII (json.dumps escapes the rest): chars = bytes
+        logger.warning(
+            "taskguard %s key %r: the result is %d bytes of JSON, more than %d; duplicates "
+            "get None",
+            active.task_name,
+            active.key,
+            len(text),
+            RESULT_MAX_BYTES,
+        )
+        return
+    try:
+        ledger.store_result(active.id, active.fence, text)
+    except BackendUnavailable as exc:
+        logger.warning("taskguard could not store the result of run %s (%s)", active.id, exc)
 
 
 # Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
@@ -222,11 +282,17 @@ def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
 
 
-def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
-    duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
-    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+def _duplicate(
+    task_name: str, slot: datetime, state: str, policy: Policy, key: str | None = None
+) -> None:
+    if key is None:
+        duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
+        logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+    else:
+        duplicate_suppressed.send(sender=task_name, slot=slot, state=state, key=key)
+        logger.info("taskguard %s key %r already taken (%s)", task_name, key, state)
     if policy.on_duplicate == "raise":
-        raise DuplicateRun(task_name, slot, state)
+        raise DuplicateRun(task_name, slot, state, key)
 
 
 def _run(
@@ -263,22 +329,30 @@ def _run(
                 raise
             finally:
                 heartbeats.stop(beat)
+        if policy.return_result:
+            _store_result(active, result)
         _succeed(active, record_success)
         ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
     finally:
-        _free(active, lock, key, ended)
+        _free(active, lock, key, ended, policy)
 
 
-def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool) -> None:
-    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row."""
-    duplicates = (
-        lock.finish(key, active.token) if ended else lock.release_counted(key, active.token)
-    )
+def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: Policy) -> None:
+    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row.
+
+    A keyed run's marker lasts no longer than its ``keep``: after that the row decides
+    whether the key may run again.
+    """
+    if ended:
+        marker = policy.keep_seconds if active.key is not None else None
+        duplicates = lock.finish(key, active.token, marker)
+    else:
+        duplicates = lock.release_counted(key, active.token)
     if duplicates:
         try:
-            ledger.add_duplicates(active.task_name, active.slot, duplicates)
+            ledger.add_duplicates(active.task_name, active.slot, duplicates, active.key)
         except BackendUnavailable:
             logger.warning(
                 "taskguard could not add %d duplicate calls to run %s", duplicates, active.id

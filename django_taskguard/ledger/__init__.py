@@ -18,11 +18,18 @@ import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
@@ -100,6 +107,7 @@ class RunRef:
     fence: int | None
     owner: str
     lease_until: datetime | None
+    key: str | None = None  # an @once_per_key run's key
 
     @property
     def row(self) -> Row:
@@ -240,8 +248,11 @@ def claim(
     *,
     abandon_is_final: bool,
     count_live: bool = True,
+    key: str | None = None,
 ) -> Row:
     """Insert the (task, slot) row as ``running`` for ``owner``, or find it taken.
+
+    With ``key``: the (task, key) row instead, ``slot`` being the claim's time.
 
     One round trip either way. The returned row's ``owner`` equals ``owner``
     exactly when this call created it. When the slot is plainly taken (a live
@@ -251,6 +262,8 @@ def claim(
     retrying, stale) are for the caller to decide (:func:`start_attempt`,
     :func:`take_over`, :func:`abandon`).
     """
+    if key is not None:
+        return _claim_key(task_name, slot, key, owner, lease_seconds, abandon_is_final, count_live)
     d = _dialect()
     params = [task_name, _slot(slot), owner, lease_seconds, count_live, abandon_is_final]
     if d.one_statement:
@@ -307,8 +320,84 @@ def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
     return {int(run_id) for (run_id,) in _all(statement, params)}
 
 
-def read(task_name: str, slot: datetime) -> Row | None:
+# A keyed row's slot is its claim's time; two keys of one task claimed in the same
+# microsecond would meet on the (task, slot) constraint: the later takes the next one.
+SLOT_COLLISION_ROUNDS = 5
+
+
+def _claim_key(
+    task_name: str,
+    slot: datetime,
+    key: str,
+    owner: str,
+    lease_seconds: float,
+    abandon_is_final: bool,
+    count_live: bool,
+) -> Row:
+    d = _dialect()
+    for _ in range(SLOT_COLLISION_ROUNDS):
+        params = [task_name, _slot(slot), key, owner, lease_seconds, count_live, abandon_is_final]
+        try:
+            if d.one_statement:
+                row = _row(_one(sql.claim_key(d), [*params, owner]))
+            else:
+                with transaction.atomic(using=alias()):
+                    _bump_fence(d)
+                    row = _row(_one(sql.claim_key(d), params))
+                    if row is not None and row.owner == owner:
+                        _one(sql.claimed_transition(d), [row.id])
+        except IntegrityError:
+            # Only the (task, slot) constraint can refuse it: (task, key) is the arbiter.
+            slot += timedelta(microseconds=1)
+            continue
+        assert row is not None
+        return row
+    raise TaskGuardError(
+        f"{task_name!r} key {key!r}: {SLOT_COLLISION_ROUNDS} claims of this task at the same "
+        f"microsecond; try again"
+    )
+
+
+def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
+    if key is not None:
+        return _row(_one(sql.read_key(_dialect()), [task_name, key]))
     return _row(_one(sql.read_slot(_dialect()), [task_name, _slot(slot)]))
+
+
+def store_result(run_id: int, fence: int, result: str) -> bool:
+    """Store a live keyed attempt's JSON result (fenced); False when it no longer owns the row."""
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.store_result(_dialect()), [result, run_id, fence, RunState.RUNNING])
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def result_of(task_name: str, key: str) -> str | None:
+    """The JSON result a succeeded keyed run stored, or None."""
+    try:
+        found = _one(sql.read_result(_dialect()), [task_name, key])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    if found is None or found[0] != RunState.SUCCEEDED:
+        return None
+    return None if found[1] is None else str(found[1])
+
+
+def reopen_key(run_id: int, keep_seconds: float) -> bool:
+    """Delete a finished keyed run (and its transitions) once ``keep_seconds`` have
+    passed since it finished, by the database's clock: its key may run again.
+
+    False when the row is not finished, not old enough, or already gone.
+    """
+    d = _dialect()
+    with transaction.atomic(using=alias()):
+        deleted = _one(sql.reopen_key(d), [run_id, keep_seconds, *PRUNABLE_STATES])
+        if deleted is None:
+            return False
+        _one(sql.delete_transitions(d, 1), [run_id])
+    return True
 
 
 def read_by_id(run_id: int) -> Row | None:
@@ -533,21 +622,32 @@ def fence_at_least(value: int) -> None:
 # -- what no attempt wrote -----------------------------------------------------------
 
 
-def add_duplicates(task_name: str, slot: datetime, count: int) -> bool:
-    """Add ``count`` duplicate calls to the slot's row; False when there is no row."""
+def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None = None) -> bool:
+    """Add ``count`` duplicate calls to the slot's (or key's) row; False when there is no row."""
+    params: list[Any]
+    if key is not None:
+        statement, params = sql.add_duplicates_key(_dialect()), [count, task_name, key]
+    else:
+        statement, params = sql.add_duplicates(_dialect()), [count, task_name, _slot(slot)]
     try:
         with connections[alias()].cursor() as cursor:
-            cursor.execute(sql.add_duplicates(_dialect()), [count, task_name, _slot(slot)])
+            cursor.execute(statement, params)
             return bool(cursor.rowcount)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
 
 
 def insert_abandoned(
-    task_name: str, slot: datetime, *, reason: str, duplicates: int, actor: str
+    task_name: str,
+    slot: datetime,
+    *,
+    reason: str,
+    duplicates: int,
+    actor: str,
+    key: str | None = None,
 ) -> int | None:
-    """Record a slot no attempt ever held as ``abandoned``; None when it has a row already."""
-    return _insert_unheld(task_name, slot, RunState.ABANDONED, reason, duplicates, actor)
+    """Record a slot (or key) no attempt ever held as ``abandoned``; None when it has a row."""
+    return _insert_unheld(task_name, slot, RunState.ABANDONED, reason, duplicates, actor, key)
 
 
 def insert_skipped(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
@@ -625,7 +725,13 @@ def failed_streak(task_name: str, length: int) -> bool:
 
 
 def _insert_unheld(
-    task_name: str, slot: datetime, state: str, reason: str, duplicates: int, actor: str
+    task_name: str,
+    slot: datetime,
+    state: str,
+    reason: str,
+    duplicates: int,
+    actor: str,
+    key: str | None = None,
 ) -> int | None:
     """A row no attempt ever held (attempt 0, no owner, no fence), with its transition."""
     check_transition(RunState.PENDING, state)
@@ -633,9 +739,13 @@ def _insert_unheld(
     reason = clip(reason, REASON_MAX_LENGTH)
     try:
         with transaction.atomic(using=alias()):
-            inserted = _one(
-                sql.insert_unheld(d), [task_name, _slot(slot), state, reason, duplicates]
-            )
+            if key is None:
+                statement = sql.insert_unheld(d)
+                params = [task_name, _slot(slot), state, reason, duplicates]
+            else:
+                statement = sql.insert_unheld_key(d)
+                params = [task_name, _slot(slot), key, state, reason, duplicates]
+            inserted = _one(statement, params)
             if inserted is None:
                 return None
             _one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
@@ -644,9 +754,11 @@ def _insert_unheld(
     return int(inserted[0])
 
 
-def row_exists(task_name: str, slot: datetime) -> bool:
+def row_exists(task_name: str, slot: datetime, key: str | None = None) -> bool:
+    found = runs().filter(task_name=task_name)
+    found = found.filter(key=key) if key is not None else found.filter(slot=slot)
     try:
-        return runs().filter(task_name=task_name, slot=slot).exists()
+        return found.exists()
     except DatabaseError as exc:
         raise unreachable(exc) from exc
 
@@ -655,6 +767,21 @@ def token_holders(slot: datetime, token: str) -> list[tuple[str, bool]]:
     """``(task_name, lease alive)`` of the runs at ``slot`` whose owner holds ``token``."""
     try:
         found = runs().filter(slot=slot, owner__endswith=f":{token}").with_lease()
+        pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
+        return [(name, bool(alive)) for name, alive in pairs]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def keyed_token_holders(token: str) -> list[tuple[str, bool]]:
+    """``(task_name, lease alive)`` of the unfinished keyed runs whose owner holds ``token``."""
+    try:
+        found = (
+            runs()
+            .filter(state__in=(RunState.RUNNING, RunState.RETRYING), key__isnull=False)
+            .filter(owner__endswith=f":{token}")
+            .with_lease()
+        )
         pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
         return [(name, bool(alive)) for name, alive in pairs]
     except DatabaseError as exc:
@@ -732,7 +859,17 @@ def run_ref(run_id: int) -> tuple[RunRef, bool] | None:
     return RunRef(**found), alive
 
 
-_REF_FIELDS = ("id", "task_name", "slot", "state", "attempt", "fence", "owner", "lease_until")
+_REF_FIELDS = (
+    "id",
+    "task_name",
+    "slot",
+    "state",
+    "attempt",
+    "fence",
+    "owner",
+    "lease_until",
+    "key",
+)
 
 
 def _refs(queryset: QuerySet[TaskRun], batch_size: int) -> Iterator[RunRef]:
