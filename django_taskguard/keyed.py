@@ -21,9 +21,9 @@ from .decorators import (
     CallContext,
     OnDuplicate,
     OnStale,
-    _choice,
-    _context,
-    _dotted,
+    call_context,
+    choose,
+    dotted_name,
     validate_task_name,
 )
 from .exceptions import InvalidKey, InvalidSchedule
@@ -212,8 +212,8 @@ def once_per_key(
     if isinstance(key, str):
         _fields(key)
     policy = guard.Policy(
-        on_duplicate=_choice("on_duplicate", on_duplicate, ("skip", "raise")),
-        on_stale=_choice("on_stale", on_stale, ("abandon", "retry")),
+        on_duplicate=choose("on_duplicate", on_duplicate, ("skip", "raise")),
+        on_stale=choose("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
         keep_seconds=keep_seconds(keep),
         return_result=_flag(return_result, "return_result"),
@@ -224,7 +224,7 @@ def once_per_key(
     def decorate(target: Callable[P, R]) -> KeyGuarded[P, R]:
         if not callable(target):
             raise InvalidSchedule(f"@once_per_key decorates a callable, not {target!r}")
-        where = name or _dotted(target)
+        where = name or dotted_name(target)
         if name is None:
             validate_task_name(where)
         make_key = _KeyMaker(given, target, where)
@@ -235,7 +235,7 @@ def once_per_key(
             if not django_settings.USE_TZ:
                 raise ImproperlyConfigured(USE_TZ_NEEDED)
             run_key = make_key(*args, **kwargs)
-            hooks = _context() or CallContext()
+            hooks = call_context() or CallContext()
             task_name = name or hooks.task_name or where
             return guard.execute(
                 task_name,
