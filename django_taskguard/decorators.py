@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from . import guard, ledger, registry, schedules
 from .conf import lease_problem, taskguard_settings
+from .endings import ClassifyRaise
 from .exceptions import InvalidSchedule, TaskGuardError
 from .models import TASK_NAME_MAX_LENGTH
 from .owner import actor
@@ -40,9 +41,9 @@ class CallContext:
 
     slot: datetime | str | None = None
     task_name: str | None = None
-    # See guard.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
+    # See endings.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
     # redelivers, so retries and redeliveries are attempts, never lost slots.
-    classify_raise: guard.ClassifyRaise | None = None
+    classify_raise: ClassifyRaise | None = None
     # Where the call runs, for people (a Celery worker's ``w1@host``).
     instance: str | None = None
     on_busy: guard.OnBusy | None = None

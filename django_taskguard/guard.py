@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NoReturn, TypeVar, cast
 
-from django.db import DatabaseError
 from django.utils import timezone
 
 from . import ledger
 from .claim import Taken, claim_slot
 from .conf import taskguard_settings
 from .context import ActiveRun, activate
-from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
+from .endings import ClassifyRaise, RecordSuccess, finish, record_raised, succeed
+from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from .heartbeat import heartbeats
 from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
@@ -24,8 +24,6 @@ from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
 from .signals import (
     duplicate_suppressed,
-    run_abandoned,
-    run_failed,
     run_missed,
     run_skipped,
     run_started,
@@ -65,19 +63,6 @@ class Policy:
     pause_after_failures: int | None = None  # pause the task after this many failures in a row
 
 
-@dataclass(frozen=True)
-class Ending:
-    """How a raising attempt ends when its framework says so (see ``ClassifyRaise``).
-
-    ``state`` is ``retrying`` (another attempt follows, due within ``retry_within``
-    seconds when known) or ``skipped`` (the framework dropped the call on purpose).
-    """
-
-    state: str
-    reason: str
-    retry_within: float | None = None
-
-
 # Optional hooks a slot source (the Celery glue) passes for one call:
 #   classify_raise(exc) -> an Ending when the caller's framework gives ``exc`` a
 #     meaning (Celery: a retry follows, the task asked to be ignored); None: it
@@ -87,7 +72,6 @@ class Ending:
 #     call come back later (a broker redelivery) instead of being dropped as a duplicate.
 #     Such a call is not counted in ``duplicates`` then; it is when it comes back to a
 #     finished slot.
-ClassifyRaise = Callable[[BaseException], "Ending | None"]
 OnBusy = Callable[[float], None]
 
 
@@ -213,11 +197,6 @@ def _store_result(active: ActiveRun, result: Any) -> None:
         logger.warning("taskguard could not store the result of run %s (%s)", active.id, exc)
 
 
-# Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
-# fenced out; raises the database's error (the scheduler's batch writer).
-RecordSuccess = Callable[[ActiveRun, str], bool]
-
-
 def run_claimed(
     active: ActiveRun,
     policy: Policy,
@@ -323,7 +302,7 @@ def _run(
                 result = func(*args, **kwargs)
             except BaseException as exc:
                 heartbeats.stop(beat)
-                ended = _record_raised(active, exc, classify_raise)
+                ended = record_raised(active, exc, classify_raise)
                 if ended and policy.pause_after_failures:
                     _pause_after_failures(active.task_name, policy.pause_after_failures)
                 raise
@@ -331,7 +310,7 @@ def _run(
                 heartbeats.stop(beat)
         if policy.return_result:
             _store_result(active, result)
-        _succeed(active, record_success)
+        succeed(active, record_success)
         ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
@@ -364,7 +343,7 @@ def _skip_paused(active: ActiveRun) -> bool:
     if paused is None:
         return False
     reason = f"paused: {paused}"
-    _finish(active, RunState.SKIPPED, reason)
+    finish(active, RunState.SKIPPED, reason)
     run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
     return True
 
@@ -385,151 +364,6 @@ def _skip_for_overlap(active: ActiveRun) -> bool:
     if earlier is None:
         return False
     reason = f"overlap: slot {earlier.isoformat()} of this task is still running"
-    _finish(active, RunState.SKIPPED, reason)
+    finish(active, RunState.SKIPPED, reason)
     run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
     return True
-
-
-def _record_raised(
-    active: ActiveRun, exc: BaseException, classify_raise: ClassifyRaise | None
-) -> bool:
-    """Record a raising attempt's end and send its signal; True when the slot is over.
-
-    Never raises: the caller re-raises the function's own exception, whatever
-    recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
-    """
-    ending = _classify(classify_raise, exc)
-    error = f"{type(exc).__name__}: {exc}"
-    retry_within = None
-    if ending is not None:
-        state, reason = ending.state, ending.reason
-        if state == RunState.RETRYING:
-            grace = taskguard_settings.RETRY_GRACE_SECONDS
-            retry_within = (ending.retry_within or 0.0) + grace
-    elif isinstance(exc, Exception):
-        state, reason = RunState.FAILED, error
-    else:
-        # KeyboardInterrupt, SystemExit: the process is going away mid-run.
-        state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
-    try:
-        _finish(active, state, reason, error=error, retry_within=retry_within)
-        if state == RunState.SKIPPED:
-            run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
-        elif state == RunState.ABANDONED:
-            run_abandoned.send(
-                sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
-            )
-        else:
-            run_failed.send(sender=active.task_name, run=active, exception=exc)
-    except LeaseLost:
-        logger.warning(
-            "taskguard run %s was taken over; its end (%s) is not recorded", active.id, state
-        )
-        return False
-    except Exception:
-        logger.exception(
-            "taskguard could not record that run %s ended %s; the function's own "
-            "exception is raised",
-            active.id,
-            state,
-        )
-        return False
-    return state in (RunState.FAILED, RunState.SKIPPED)
-
-
-def _classify(classify_raise: ClassifyRaise | None, exc: BaseException) -> Ending | None:
-    if classify_raise is None:
-        return None
-    try:
-        return classify_raise(exc)
-    except Exception:
-        logger.exception("taskguard classify_raise hook failed; recording the attempt as failed")
-        return None
-
-
-def _finish(
-    active: ActiveRun,
-    to_state: str,
-    reason: str,
-    *,
-    error: str = "",
-    retry_within: float | None = None,
-) -> None:
-    """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
-    if not active.lease_valid():
-        reason += " (after its lease had expired; no other attempt had taken over)"
-    try:
-        updated = ledger.finish(
-            active.id,
-            active.attempt,
-            active.fence,
-            active.owner,
-            to_state,
-            reason,
-            error=error,
-            retry_within=retry_within,
-        )
-    except DatabaseError as exc:
-        if not ledger.connection_lost(exc):
-            raise BackendUnavailable(
-                f"the outcome of run {active.id} could not be recorded ({exc})"
-            ) from exc
-        updated = _settle_finish(active, to_state, reason, error, retry_within)
-    if updated is None:
-        active.mark_lost(f"fenced out: finishing as {to_state} was refused")
-        raise LeaseLost(
-            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
-            f"finishing as {to_state} was refused because another attempt took the slot over "
-            f"or it was marked abandoned (fence {active.fence})"
-        )
-
-
-def _succeed(active: ActiveRun, record_success: RecordSuccess | None) -> None:
-    """Record a returned attempt ``succeeded``, through ``record_success`` when given."""
-    if record_success is None:
-        _finish(active, RunState.SUCCEEDED, "returned")
-        return
-    reason = "returned"
-    if not active.lease_valid():
-        reason += " (after its lease had expired; no other attempt had taken over)"
-    try:
-        recorded = record_success(active, reason)
-    except DatabaseError:
-        recorded = _settle_finish(active, RunState.SUCCEEDED, reason, "", None) is not None
-    if not recorded:
-        active.mark_lost("fenced out: finishing as succeeded was refused")
-        raise LeaseLost(
-            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
-            f"finishing as succeeded was refused because another attempt took the slot over "
-            f"or it was marked abandoned (fence {active.fence})"
-        )
-
-
-def _settle_finish(
-    active: ActiveRun, to_state: str, reason: str, error: str, retry_within: float | None
-) -> ledger.Row | None:
-    """The finish's outcome is unknown after a connection error: read back, retry once."""
-    try:
-        ledger.settle_connection()
-        current = ledger.read_by_id(active.id)
-        if current is None or current.fence != active.fence:
-            return None
-        if current.state == to_state:
-            return current
-        if current.state != RunState.RUNNING:
-            return None
-        return ledger.finish(
-            active.id,
-            active.attempt,
-            active.fence,
-            active.owner,
-            to_state,
-            reason,
-            error=error,
-            retry_within=retry_within,
-        )
-    except DatabaseError as exc:
-        raise BackendUnavailable(
-            f"the outcome of run {active.id} could not be recorded: database unreachable ({exc}); "
-            f"the run stays 'running' until its lease expires and cleanup_locks abandons it"
-        ) from exc

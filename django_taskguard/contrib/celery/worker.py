@@ -20,8 +20,8 @@ from django.utils import timezone
 from ... import ledger
 from ...context import active_run
 from ...decorators import SLOT_SOURCES, CallContext, guarded_policy
+from ...endings import Ending
 from ...exceptions import TaskGuardError
-from ...guard import Ending
 from ...owner import actor
 from ...states import RunState
 from .headers import (
