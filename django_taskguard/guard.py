@@ -247,10 +247,12 @@ def _run(
             ended = True
             return None
         with activate(active):
-            beat = heartbeats.start(active, lock, key)
+            beat = None
             try:
-                # Inside the try: a receiver that raises fails this attempt
-                # (recorded), instead of leaving the row running until its lease lapses.
+                # Inside the try: a heartbeat that cannot start or a receiver that raises
+                # fails this attempt (recorded), instead of leaving the row running
+                # until its lease lapses.
+                beat = heartbeats.start(active, lock, key)
                 run_started.send(sender=active.task_name, run=active)
                 result = func(*args, **kwargs)
             except BaseException as exc:

@@ -17,6 +17,7 @@ from django_celery_beat.clockedschedule import clocked
 from django_celery_beat.tzcrontab import TzAwareCrontab
 
 from django_taskguard.contrib.celery import (
+    GRACE_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
     EpochInterval,
@@ -166,6 +167,23 @@ def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transact
         RunState.SUCCEEDED,
     )
     assert run.duplicates == 1
+    assert len(executions(log)) == 1
+
+
+def test_eager__beat_entry_grace_header_records_a_late_message_missed(
+    eager, transactional_db, tmp_path
+):
+    """A beat entry's options={"headers": {"taskguard_grace": 60}}: a message later than
+    60 s after its slot is recorded missed and not run; one in time runs."""
+    log = tmp_path / "log"
+    late = BASE_SLOT + timedelta(hours=9)
+    in_time = datetime.now(timezone.utc).replace(microsecond=0)
+    for slot in (late, in_time):
+        headers = {**slot_headers(slot, "graced"), GRACE_HEADER: 60}
+        celery_tasks.tick.apply_async(kwargs={"log": str(log), "seconds": 0}, headers=headers)
+    missed = TaskRun.objects.get(slot=late)
+    assert missed.state == RunState.MISSED and "grace (60s)" in missed.error
+    assert TaskRun.objects.get(slot=in_time).state == RunState.SUCCEEDED
     assert len(executions(log)) == 1
 
 

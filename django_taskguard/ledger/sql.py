@@ -258,6 +258,29 @@ def renew(d: Dialect) -> str:
     )
 
 
+@lru_cache
+def renew_timeout(d: Dialect, milliseconds: int) -> str:
+    """Bound the renewal that follows: it waits for locks and runs ``milliseconds`` at most.
+
+    PostgreSQL: ``SET LOCAL`` (``set_config(..., true)``) of ``statement_timeout`` and
+    ``lock_timeout``, for the renewal's own transaction only. SQLite: the
+    connection's busy timeout (put back afterwards, see :func:`busy_timeout`).
+    """
+    ms = int(milliseconds)  # a number, never text: safe to write into the statement
+    if d.vendor == "postgresql":
+        return (
+            f"SELECT set_config('statement_timeout', '{ms}', true), "
+            f"set_config('lock_timeout', '{ms}', true)"
+        )
+    return f"PRAGMA busy_timeout = {ms}"
+
+
+def busy_timeout(d: Dialect) -> str | None:
+    """Read the connection's own wait for locks, to put back after a bounded renewal
+    (None: the bound ends with the renewal's transaction)."""
+    return "PRAGMA busy_timeout" if d.vendor == "sqlite" else None
+
+
 # -- counting and recording what no attempt wrote --------------------------------
 
 
