@@ -31,6 +31,7 @@ from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
+from django_taskguard.guard import FINISHED
 from django_taskguard.locks.keys import claim_key
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
@@ -546,8 +547,8 @@ def test_e2e__redelivery_while_the_attempt_lives_is_put_back_then_counted_once(
     assert put_back[0][1:5] == [task_id, slot.isoformat(), "1", "0"], "not the redelivery"
     assert {int(e[5]) for e in put_back} & {owner_pid} == set()
     (duplicate,) = cluster.events("duplicate")
-    # Redis's finished-slot marker decided it, without reading the row: "finished".
-    assert duplicate[1] == task_id and duplicate[6] == "finished"
+    # decided by Redis's finished-slot marker, without reading the row: guard.FINISHED
+    assert duplicate[1] == task_id and duplicate[6] == FINISHED
     assert int(duplicate[4]) >= 1, "the duplicate was not the put-back copy"
     cluster.fold_late_copies()  # it met the finished slot in Redis: counted there
     run = TaskRun.objects.get(task_name=name)

@@ -389,6 +389,19 @@ def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"no backend waited on {pattern!r}")
 
 
+def _waiting(pattern: str) -> bool:
+    """A server backend waits on a lock running a statement like ``pattern``."""
+    from django.db import connections
+
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE %s AND pid <> pg_backend_pid()",
+            [pattern],
+        )
+        return bool(cursor.fetchone()[0])
+
+
 def _blocker():  # type: ignore[no-untyped-def]
     import psycopg
     from django.db import connections
@@ -420,6 +433,53 @@ def test_redis_pg_kill__mid_claim_settled_by_reading_back(child_env, redis_serve
     run = the_run(task)
     assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
     assert log_lines(log) == Counter({"start": 1, "end": 1})
+
+
+@postgres_only
+def test_redis_pg_kill__mid_claim_read_back_finds_another_owner_counted_once(
+    child_env, redis_server, scratch
+):
+    """The claim's INSERT waits on another connection's row and is cut; that row is
+    committed meanwhile: the read-back finds another owner's finished slot. The call
+    does not run, and it is counted once, on the row, like any duplicate."""
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pg_claim_other"
+    with _blocker() as blocker:
+        blocker.execute(
+            "INSERT INTO taskguard_taskrun (task_name, slot, state, attempt, owner, created_at, "
+            "started_at, finished_at, error, duplicates) VALUES "
+            "(%s, %s, 'succeeded', 1, 'other', now(), now(), now(), '', 0)",
+            [task, BASE_SLOT],
+        )
+        owner = hold(env, log, task, lease=5.0, seconds=0.5)
+        _terminate_waiting("%INSERT INTO taskguard_taskrun%")
+        blocker.commit()
+    assert owner.outcome() == {"result": None}
+    run = the_run(task)
+    assert (run.state, run.owner, run.duplicates) == (RunState.SUCCEEDED, "other", 1)
+    assert not log.exists()
+
+
+@postgres_only
+def test_redis_pg_kill__a_claim_slower_than_its_lease_starts_lost(child_env, redis_server, scratch):
+    """The claim waited longer than the lease (another connection's row): by the time it
+    returns, its lease may be over by the database's clock. The attempt must count its
+    lease from when it asked, so it is lost, not revived by its first renewal."""
+    env = child_redis_env(child_env, redis_server)
+    log, task = scratch / "x.log", "tests.pg_claim_slow"
+    with _blocker() as blocker:
+        blocker.execute(
+            "INSERT INTO taskguard_taskrun (task_name, slot, state, attempt, owner, created_at, "
+            "error, duplicates) VALUES (%s, %s, 'pending', 1, 'blocker', now(), '', 0)",
+            [task, BASE_SLOT],
+        )
+        owner = hold(env, log, task, lease=LEASE, seconds=3 * LEASE)
+        wait_for(lambda: _waiting("%INSERT INTO taskguard_taskrun%"))
+        time.sleep(LEASE + 1.0)  # the claim waits past its whole lease
+        blocker.rollback()
+    late = owner.outcome()
+    assert late["result"] is None and "lost its lease" in str(late["lease_lost"]), late
+    assert log_lines(log) == Counter({"start": 1, "leaselost": 1})
 
 
 @postgres_only

@@ -172,3 +172,35 @@ def test_claim__the_lease_left_is_read_on_the_database_clock():
     taken = ledger.claim("tests.ledger.left", slot(0), "h:2:b", 30, abandon_is_final=True)
     assert row.lease_left is not None and 29 <= row.lease_left <= 30.5
     assert taken.lease_left is not None and 25 <= taken.lease_left <= 30.5
+
+
+def _expired_claim(task: str) -> ledger.Row:
+    """A running attempt of ``task`` at slot 0 whose 1 s lease has expired (database clock)."""
+    row = ledger.claim(task, slot(0), "h:1:a", 1, abandon_is_final=False)
+    assert row is not None
+    wait_for(lambda: ledger.read(task, slot(0)).expired, 10, "the lease to expire")
+    return row
+
+
+def test_take_over__refused_when_the_owner_renewed_after_the_read():
+    """The claim read the row expired, then its owner renewed (it was only slow): the
+    compare-and-set checks the lease again, so a live owner is never displaced."""
+    row = _expired_claim("tests.toctou")
+    stale = ledger.read("tests.toctou", slot(0))
+    assert stale is not None and stale.expired
+    assert ledger.renew(row.id, row.fence, 30) is not None
+    assert ledger.take_over(stale, "h:2:b", 30, "expired; on_stale=retry") is None
+    assert ledger.abandon(stale, actor="h:2:b", reason="expired") is None
+    now = ledger.read("tests.toctou", slot(0))
+    assert (now.owner, now.attempt, now.state, now.fence) == ("h:1:a", 1, "running", row.fence)
+
+
+def test_renew__an_older_fence_is_refused_after_a_takeover():
+    row = _expired_claim("tests.old_fence")
+    stale = ledger.read("tests.old_fence", slot(0))
+    taken = ledger.take_over(stale, "h:2:b", 30, "expired; on_stale=retry")
+    assert taken is not None and taken.fence > row.fence
+    lease = TaskRun.objects.get(pk=row.id).lease_until
+    assert ledger.renew(row.id, row.fence, 300) is None, "the old attempt renewed the new one's"
+    assert TaskRun.objects.get(pk=row.id).lease_until == lease
+    assert ledger.renew(taken.id, taken.fence, 30) is not None
