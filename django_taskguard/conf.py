@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "BEAT_CLAIM": False,
     "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
+    "INSTANCE_NAME": None,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read
@@ -153,6 +154,17 @@ class Settings:
     @property
     def BEAT_CLAIM(self) -> bool:
         return bool(self._get("BEAT_CLAIM"))
+
+    @property
+    def INSTANCE_NAME(self) -> str | None:
+        """What owners name this process's instance (None: the host name)."""
+        value = self._get("INSTANCE_NAME")
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 100):
+            raise ImproperlyConfigured(
+                f"TASKGUARD['INSTANCE_NAME'] is {value!r}; it must be a string of 1 to 100 "
+                f"characters, or None (the host name)"
+            )
+        return value
 
     @property
     def RETRY_GRACE_SECONDS(self) -> float:

@@ -36,6 +36,8 @@ class CallContext:
     # See guard.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
     # redelivers, so retries and redeliveries are attempts, never lost slots.
     classify_raise: guard.ClassifyRaise | None = None
+    # Where the call runs, for people (a Celery worker's ``w1@host``).
+    instance: str | None = None
     on_busy: guard.OnBusy | None = None
 
 
@@ -247,6 +249,7 @@ def once_per_schedule(
                 args,
                 kwargs,
                 classify_raise=hooks.classify_raise,
+                instance=hooks.instance,
                 on_busy=hooks.on_busy,
             )
 

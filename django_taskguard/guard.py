@@ -78,6 +78,7 @@ def execute(
     *,
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
+    instance: str | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
     default_lease, horizon = taskguard_settings.for_claim()
@@ -103,7 +104,7 @@ def execute(
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
         _duplicate(task_name, slot, RunState.SUCCEEDED, policy)
         return None
-    owner = new_owner(token)
+    owner = new_owner(token, instance)
     try:
         outcome = claim_slot(task_name, slot, owner, lease, policy.on_stale, count_live=count)
     except BaseException:

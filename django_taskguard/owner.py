@@ -2,7 +2,9 @@
 
 ``TaskRun.owner`` is ``host:pid:space:token``:
 
-- ``host``: the host name (containers of one Kubernetes pod share it);
+- ``host``: where it ran, for people: the Celery worker's name (``w1@host``),
+  else ``TASKGUARD["INSTANCE_NAME"]``, else the host name (containers of one
+  Kubernetes pod share it, so nothing is judged by it);
 - ``pid``: the process id, meaningful only inside its pid namespace;
 - ``space``: the process's *pid space*, the boot id of the kernel and the
   inode of ``/proc/self/ns/pid`` (``"-"`` where the platform has neither);
@@ -22,6 +24,8 @@ import os
 import socket
 from dataclasses import dataclass
 from functools import lru_cache
+
+from .conf import taskguard_settings
 
 # Host names are at most 64 bytes on Linux; anything longer is cut, so an
 # owner always fits TaskRun.owner (255).
@@ -115,9 +119,25 @@ def new_token() -> str:
     return f"{prefix}{next(_token_counter):016x}"
 
 
-def new_owner(token: str | None = None) -> str:
-    """The owner string of a new attempt of this process (``token`` drawn if not given)."""
-    return Owner(host(), os.getpid(), pid_space(), token or new_token()).format()
+def new_owner(token: str | None = None, name: str | None = None) -> str:
+    """The owner string of a new attempt of this process (``token`` drawn if not given).
+
+    ``name`` is where it runs, for people (a Celery worker's ``w1@host``); the
+    ``INSTANCE_NAME`` setting, else the host name, when not given.
+    """
+    where = clean_name(name) if name else instance_name()
+    return Owner(where, os.getpid(), pid_space(), token or new_token()).format()
+
+
+def clean_name(name: str) -> str:
+    """``name`` made a safe owner part: no ``:``, bounded."""
+    return name.replace(":", "_")[:HOST_MAX_LENGTH] or "localhost"
+
+
+def instance_name() -> str:
+    """``TASKGUARD["INSTANCE_NAME"]``, else the host name."""
+    configured = taskguard_settings.INSTANCE_NAME
+    return clean_name(configured) if configured else host()
 
 
 def actor(role: str) -> str:

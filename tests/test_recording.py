@@ -114,3 +114,24 @@ def call_command_json(name: str) -> dict[str, int]:
     out = StringIO()
     call_command(name, "--json", stdout=out)
     return dict(json.loads(out.getvalue()))
+
+
+def test_owner__names_the_instance_setting_then_the_host():
+    from django.test import override_settings
+
+    from django_taskguard.owner import Owner, host
+
+    guard.execute("tests.recording.where", BASE_SLOT, Policy(), lambda: 1, (), {})
+    with override_settings(TASKGUARD={"BACKEND": "database", "INSTANCE_NAME": "web:3"}):
+        guard.execute(
+            "tests.recording.where", BASE_SLOT + timedelta(minutes=1), Policy(), lambda: 1, (), {}
+        )
+    with override_settings(TASKGUARD={"BACKEND": "database"}):
+        guard.execute(
+            "tests.recording.where", BASE_SLOT + timedelta(minutes=2), Policy(), lambda: 1, (), {},
+            instance="w1@worker-host",
+        )  # fmt: skip
+    owners = [
+        Owner.parse(o) for o in TaskRun.objects.order_by("slot").values_list("owner", flat=True)
+    ]
+    assert [o.host for o in owners if o is not None] == [host(), "web_3", "w1@worker-host"]

@@ -62,6 +62,7 @@ def celery_call_context() -> CallContext | None:
         slot=slot,
         task_name=name,
         classify_raise=partial(classify_raise, task, request),
+        instance=getattr(request, "hostname", None) or None,
         on_busy=partial(defer, task, request) if _may_be_stranded(request, headers) else None,
     )
 
