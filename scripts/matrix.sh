@@ -30,6 +30,7 @@ SMOKE=(
   tests/test_admin.py::test_changelist__columns_badges_and_lease
   tests/test_contrib_celery.py::test_scheduler_stamp__headers_carry_slot_and_entry_name
   tests/test_contrib_celery.py::test_eager__slot_from_header_and_identity_with_schedule_name
+  tests/test_contrib_celery.py::test_database_scheduler__without_django_celery_beat_names_the_extra
 )
 
 find_python() {  # python$1 that runs: on PATH, else pyenv's; else "$1", for uv to find

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -134,6 +135,15 @@ def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
     }
     assert entry.options == {"headers": {"mine": 1}}  # the schedule's own entry is untouched
     assert copy.copy(entry) == entry
+
+
+def test_database_scheduler__without_django_celery_beat_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "django_taskguard.contrib.celery.beat_db", raising=False)
+    monkeypatch.setitem(sys.modules, "django_celery_beat", None)  # as if not installed
+    import django_taskguard.contrib.celery as contrib
+
+    with pytest.raises(ImportError, match=r"pip install \"django-taskguard\[celery-beat\]\""):
+        contrib.TaskguardDatabaseScheduler  # noqa: B018
 
 
 # --- eager task calls ----------------------------------------------------------------
