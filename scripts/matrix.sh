@@ -58,6 +58,7 @@ build() {  # build() NAME PYTHON DJANGO: make .venv-NAME current
 }
 
 selected=("$@")
+matrix_start=$SECONDS
 for entry in "${MATRIX[@]}"; do
   read -r name python django <<<"$entry"
   if [ ${#selected[@]} -gt 0 ] && [[ " ${selected[*]} " != *" $name "* ]]; then
@@ -73,3 +74,4 @@ for entry in "${MATRIX[@]}"; do
   done
   echo "-- $name: smoke set passed on SQLite and PostgreSQL in $((SECONDS - start))s"
 done
+echo "-- version matrix done in $((SECONDS - matrix_start))s"
