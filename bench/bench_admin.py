@@ -1,4 +1,6 @@
-"""Admin, cleanup and prune on a 1,000,000-row ledger (PostgreSQL). A script, not a test.
+"""Admin, overview, health, metrics, cleanup and prune on a 1,000,000-row ledger (PostgreSQL).
+
+A script, not a test.
 
     python bench/bench_admin.py [--rows 1000000] [--keep]
 
@@ -78,9 +80,10 @@ def configure() -> None:
     )
     django.setup()
     from django.contrib import admin
-    from django.urls import path
+    from django.urls import include, path
 
     urlpatterns.append(path("admin/", admin.site.urls))
+    urlpatterns.append(path("taskguard/", include("django_taskguard.urls")))
 
 
 def admin_database(sql: str) -> None:
@@ -144,19 +147,25 @@ def seed(rows: int) -> float:
     return time.perf_counter() - started
 
 
-def time_page(client: object, params: dict[str, str], repeat: int = 5) -> tuple[float, int]:
+def time_page(
+    client: object,
+    params: dict[str, str],
+    repeat: int = 5,
+    url: str = "/admin/taskguard/taskrun/",
+    statuses: tuple[int, ...] = (200,),
+) -> tuple[float, int]:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    client.get("/admin/taskguard/taskrun/", params)  # type: ignore[attr-defined]  # warm
+    client.get(url, params)  # type: ignore[attr-defined]  # warm
     timings = []
     queries = 0
     for _ in range(repeat):
         with CaptureQueriesContext(connection) as captured:
             started = time.perf_counter()
-            response = client.get("/admin/taskguard/taskrun/", params)  # type: ignore[attr-defined]
+            response = client.get(url, params)  # type: ignore[attr-defined]
             timings.append(time.perf_counter() - started)
-        assert response.status_code == 200, response.status_code
+        assert response.status_code in statuses, response.status_code
         queries = len(captured.captured_queries)
         full = [q["sql"] for q in captured.captured_queries
                 if "COUNT(" in q["sql"].upper() and "WHERE" not in q["sql"].upper()]  # fmt: skip
@@ -181,6 +190,42 @@ def bench_admin() -> None:
     }
     for label, params in cases.items():
         ms, queries = time_page(client, params)
+        print(f"{label:42s} {ms:8.1f} ms  {queries:3d} queries (median of 5)")
+
+
+def register_schedules() -> None:
+    """One registered schedule per seeded task (every 50 minutes, as the seed's slots fall)."""
+    from datetime import timedelta
+
+    from django_taskguard.models import TaskSchedule
+
+    TaskSchedule.objects.bulk_create(
+        TaskSchedule(
+            task_name=f"bench.task{n}",
+            function=f"bench.task{n}",
+            every=timedelta(minutes=TASKS),
+            grace=timedelta(minutes=1),
+            max_catchup=10,
+            first_seen=SEEDED_AT[0] - timedelta(days=365),
+        )
+        for n in range(TASKS)
+    )
+
+
+def bench_monitoring() -> None:
+    """The overview page, health/ and metrics/ with one schedule per task (50 tasks)."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    client = Client()
+    client.force_login(User.objects.get(username="bench"))
+    cases = {
+        "overview (50 tasks x 30 slots)": ("/admin/taskguard/taskrun/overview/", (200,)),
+        "health/ (50 tasks)": ("/taskguard/health/", (200, 503)),
+        "metrics/ (50 tasks, 24 h window)": ("/taskguard/metrics/", (200,)),
+    }
+    for label, (url, statuses) in cases.items():
+        ms, queries = time_page(client, {}, url=url, statuses=statuses)
         print(f"{label:42s} {ms:8.1f} ms  {queries:3d} queries (median of 5)")
 
 
@@ -231,6 +276,8 @@ def main() -> int:
         call_command("migrate", verbosity=0)
         print(f"seeded {args.rows} runs (+ transitions) in {seed(args.rows):.1f} s")
         bench_admin()
+        register_schedules()
+        bench_monitoring()
         bench_cleanup()
         bench_prune(args.rows)
         bench_admin()

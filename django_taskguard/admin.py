@@ -26,10 +26,12 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import ledger
+from . import ledger, timefmt
+from .admin_overview import OverviewMixin
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
 from .models import TaskRun, TaskRunQuerySet, TaskRunTransition
+from .owner import Owner
 from .panel import why_not_running
 from .states import RunState
 
@@ -48,6 +50,7 @@ STATE_COLOURS: dict[str, str] = {
     RunState.FAILED: "#dc3545",
     RunState.SKIPPED: "#5f6b7a",
     RunState.ABANDONED: "#6f42c1",
+    RunState.MISSED: "#e8590c",
 }
 # Below this many rows (by the planner's estimate) the paginator counts exactly.
 EXACT_COUNT_BELOW = 10_000
@@ -153,13 +156,13 @@ class TransitionInline(TransitionInlineBase):
 
 
 @admin.register(TaskRun)
-class TaskRunAdmin(RunAdminBase):
+class TaskRunAdmin(OverviewMixin, RunAdminBase):
     list_display = (
         "state_badge",
         "task_name",
-        "slot",
+        "slot_display",
         "attempt",
-        "owner",
+        "owner_display",
         "duration_display",
         "lease_display",
         "duplicates",
@@ -177,25 +180,27 @@ class TaskRunAdmin(RunAdminBase):
     inlines = (TransitionInline,)
     actions = ("cleanup_stale_locks", "release_locks")
     change_form_template = "admin/taskguard/taskrun/change_form.html"
+    change_list_template = "admin/taskguard/taskrun/change_list.html"
+    state_colours = STATE_COLOURS
     fields = (
-        ("task_name", "slot"),
+        ("task_name", "slot_at"),
         ("state", "attempt", "fence"),
         "owner",
-        ("created_at", "started_at", "finished_at"),
-        ("lease_until", "duplicates"),
+        ("created", "started", "finished"),
+        ("lease_until_at", "duplicates"),
         "error",
     )
     readonly_fields = (
         "task_name",
-        "slot",
+        "slot_at",
         "state",
         "attempt",
         "fence",
         "owner",
-        "created_at",
-        "started_at",
-        "finished_at",
-        "lease_until",
+        "created",
+        "started",
+        "finished",
+        "lease_until_at",
         "duplicates",
         "error",
     )
@@ -228,6 +233,40 @@ class TaskRunAdmin(RunAdminBase):
             run.get_state_display(),
         )
 
+    @admin.display(description=_("slot"), ordering="slot")
+    def slot_display(self, run: TaskRun) -> SafeString:
+        return format_html(
+            '<span title="{}">{}</span>', timefmt.utc(run.slot), timefmt.local(run.slot)
+        )
+
+    @admin.display(description=_("owner"), ordering="owner")
+    def owner_display(self, run: TaskRun) -> SafeString | str:
+        """Where it ran (the worker's name and pid); the whole owner, token too, on hover."""
+        parsed = Owner.parse(run.owner)
+        if parsed is None:
+            return run.owner or "—"
+        return format_html('<span title="{}">{}</span>', run.owner, parsed.process)
+
+    @admin.display(description=_("slot"))
+    def slot_at(self, run: TaskRun) -> str:
+        return timefmt.both(run.slot)
+
+    @admin.display(description=_("created at"))
+    def created(self, run: TaskRun) -> str:
+        return timefmt.both(run.created_at)
+
+    @admin.display(description=_("started at"))
+    def started(self, run: TaskRun) -> str:
+        return timefmt.both(run.started_at) if run.started_at else "—"
+
+    @admin.display(description=_("finished at"))
+    def finished(self, run: TaskRun) -> str:
+        return timefmt.both(run.finished_at) if run.finished_at else "—"
+
+    @admin.display(description=_("lease until"))
+    def lease_until_at(self, run: TaskRun) -> str:
+        return timefmt.both(run.lease_until) if run.lease_until else "—"
+
     @admin.display(description=_("duration"))
     def duration_display(self, run: TaskRun) -> str:
         end = run.finished_at or (getattr(run, "db_now", None) if run.state == "running" else None)
@@ -253,6 +292,7 @@ class TaskRunAdmin(RunAdminBase):
         run = self.get_object(request, object_id)
         context = dict(extra_context or {})
         if run is not None:
+            context["subtitle"] = f"{run.task_name} @ {timefmt.both(run.slot)} ({run.state})"
             context["why"] = why_not_running(run)
             context["can_cleanup"] = self.has_cleanup_permission(request)
         return super().change_view(request, object_id, form_url, context)
@@ -265,11 +305,17 @@ class TaskRunAdmin(RunAdminBase):
             return self._confirm(
                 request, queryset, "cleanup_stale_locks", _("Clean up stale locks")
             )
+        user = request.user.get_username()
         try:
-            result = cleanup_locks(runs=queryset)
+            result = cleanup_locks(runs=queryset, user=user)
         except BackendUnavailable as exc:
             self.message_user(request, str(exc), messages.ERROR)
             return None
+        for touched in result.runs:  # each run's History page says who and why
+            run = TaskRun(
+                pk=touched.run_id, task_name=touched.task, slot=touched.slot, state="abandoned"
+            )
+            self.log_change(request, run, f"abandoned: {touched.reason}")
         runs = ngettext("Abandoned %d stale run", "Abandoned %d stale runs", result.stale_runs) % (
             result.stale_runs,
         )
@@ -286,11 +332,16 @@ class TaskRunAdmin(RunAdminBase):
         if request.POST.get("confirm") != "yes":
             return self._confirm(request, queryset, "release_locks", _("Release lock"))
         outcomes: dict[str, int] = {}
-        chosen = queryset.order_by("pk").values_list("pk", flat=True)
+        chosen = queryset.order_by("pk").values_list("pk", "task_name", "slot", "state")
+        user = request.user.get_username()
         try:
-            for run_id in chosen[:MAX_RELEASED]:
-                outcome = release_lock(run_id)
+            for run_id, task_name, slot, state in chosen[:MAX_RELEASED]:
+                outcome = release_lock(run_id, user=user)
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                if outcome in ("abandoned", "released"):
+                    state = RunState.ABANDONED if outcome == "abandoned" else state
+                    run = TaskRun(pk=run_id, task_name=task_name, slot=slot, state=state)
+                    self.log_change(request, run, f"lock {outcome}: admin action by {user}")
         except BackendUnavailable as exc:
             self.message_user(request, str(exc), messages.ERROR)
             return None

@@ -15,8 +15,10 @@ from .conf import (
     BOUNDS,
     DEFAULTS,
     ON_REDIS_ERROR_CHOICES,
+    modules_problem,
     number_problem,
     taskguard_settings,
+    token_problem,
 )
 from .locks import is_redis_cache
 
@@ -72,6 +74,17 @@ def check_settings(
                     id=NUMBER_CHECK_IDS.get(name, "taskguard.E009"),
                 )
             )
+    for name in ("HEALTH_TOKEN", "METRICS_TOKEN"):
+        problem = token_problem(name, raw.get(name))
+        if problem is not None:
+            errors.append(
+                Error(
+                    f"{problem}.",
+                    hint="None (the default) lets staff users in only; a token lets a "
+                    "client in that sends 'Authorization: Bearer <token>'.",
+                    id="taskguard.E021",
+                )
+            )
     on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])
     if on_error not in ON_REDIS_ERROR_CHOICES:
         errors.append(
@@ -81,6 +94,9 @@ def check_settings(
                 id="taskguard.E005",
             )
         )
+    problem = modules_problem(raw.get("SCHEDULE_MODULES", DEFAULTS["SCHEDULE_MODULES"]))
+    if problem is not None:
+        errors.append(Error(f"{problem}.", id="taskguard.E020"))
     errors += _check_database()
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:

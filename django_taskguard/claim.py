@@ -19,6 +19,7 @@ from . import ledger
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import Row
+from .owner import new_owner, new_token
 from .signals import run_abandoned
 from .states import RunState
 
@@ -43,6 +44,7 @@ def claim_slot(
     on_stale: str,
     *,
     count_live: bool = True,
+    take_missed: bool = True,
 ) -> ActiveRun | Taken:
     """Make this call the slot's live attempt, or say who has it.
 
@@ -50,6 +52,8 @@ def claim_slot(
     pending, retrying or stale needs a second, compare-and-set step, and a
     lost compare-and-set goes round again against the fresh row.
     ``count_live=False``: finding a live attempt does not count a duplicate.
+    ``take_missed``: a row the sweep recorded ``missed`` is run late (``catchup`` other
+    than ``"none"``); the transition log keeps the alarm.
     """
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
@@ -60,7 +64,7 @@ def claim_slot(
         if row.owner == owner:
             return _active(row, task_name, slot, lease, sent)
         try:
-            decided = _decide(row, owner, lease, abandon, slot, task_name)
+            decided = _decide(row, owner, lease, abandon, slot, task_name, take_missed)
         except DatabaseError as exc:
             raise _database_down(task_name, exc) from exc
         if isinstance(decided, Taken):
@@ -71,6 +75,42 @@ def claim_slot(
         f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
         f"{CLAIM_ROUNDS} rounds of contention"
     )
+
+
+def claim_many(
+    slot: datetime, wanted: list[tuple[str, float]]
+) -> dict[str, ActiveRun | Taken | None] | None:
+    """Claim ``slot`` for many tasks (``(task, lease seconds)``, ``on_stale="abandon"``) in
+    one statement. Per task: this call's attempt, ``Taken`` (finished, abandoned or live
+    elsewhere; counted as a duplicate), or None when the row needs the one-task path
+    (pending, retrying, missed, stale). None when the database cannot batch (SQLite)."""
+    wanted = sorted(wanted)
+    owners = [new_owner(new_token()) for _ in wanted]
+    sent = time.monotonic()
+    try:
+        rows = ledger.claim_many(
+            [name for name, _ in wanted], slot, owners, [lease for _, lease in wanted]
+        )
+    except DatabaseError as exc:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    if rows is None:
+        return None
+    decided: dict[str, ActiveRun | Taken | None] = {}
+    for (name, lease), owner in zip(wanted, owners, strict=True):
+        row = rows.get(name)
+        if row is not None and row.owner == owner:
+            decided[name] = _active(row, name, slot, lease, sent)
+        elif row is not None and _plainly_taken(row):
+            decided[name] = Taken(row.state)
+        else:
+            decided[name] = None
+    return decided
+
+
+def _plainly_taken(row: Row) -> bool:
+    if row.state == RunState.RUNNING:
+        return not row.expired
+    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.ABANDONED)
 
 
 def _claim_row(
@@ -111,9 +151,12 @@ def _decide(
     abandon: bool,
     slot: datetime,
     task_name: str,
+    take_missed: bool = True,
 ) -> Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
     state = row.state
+    if state == RunState.MISSED and take_missed:
+        return ledger.start_attempt(row, owner, lease, "claimed late, after it was recorded missed")
     if state in (RunState.PENDING, RunState.RETRYING):
         reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
         return ledger.start_attempt(row, owner, lease, reason)

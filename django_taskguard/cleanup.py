@@ -27,7 +27,7 @@ from .exceptions import BackendUnavailable
 from .ledger import RunRef
 from .locks import LockBackend, get_backend
 from .models import TaskRun
-from .owner import Owner, actor, pid_space
+from .owner import Owner, actor, clean_name, pid_space
 from .signals import run_abandoned
 from .states import RunState
 
@@ -48,9 +48,11 @@ class Touched:
     owner: str
     reason: str
     lock_released: bool  # its Redis key still held its token and was deleted
+    run_id: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "id": self.run_id,
             "task": self.task,
             "slot": self.slot.isoformat(),
             "owner": self.owner,
@@ -85,6 +87,7 @@ class CleanupResult:
     released_locks: int = 0
     orphan_keys: int = 0
     unrecorded_slots: int = 0  # slots whose Redis winner died before its row, now recorded
+    missed_slots: int = 0  # due slots nobody claimed within their grace, recorded missed
     dry_run: bool = False
     runs: list[Touched] = field(default_factory=list)
     in_flight: list[InFlight] = field(default_factory=list)
@@ -95,6 +98,7 @@ class CleanupResult:
             "released_locks": self.released_locks,
             "orphan_keys": self.orphan_keys,
             "unrecorded_slots": self.unrecorded_slots,
+            "missed_slots": self.missed_slots,
             "dry_run": self.dry_run,
             "runs": [touched.as_dict() for touched in self.runs],
             "in_flight": [flight.as_dict() for flight in self.in_flight],
@@ -108,28 +112,33 @@ def cleanup_locks(
     dry_run: bool = False,
     batch_size: int = BATCH_SIZE,
     scan_orphans: bool = True,
+    user: str | None = None,
 ) -> CleanupResult:
     """Abandon stale runs, release their locks; then the lock backend's own sweep.
 
     ``runs`` limits the work to those runs (the admin action; read as a
     subquery, so "select all" costs no memory) and skips the backend's sweep,
-    as does ``scan_orphans=False``. Raises ``BackendUnavailable`` when the
-    database or the lock backend cannot be reached.
+    as does ``scan_orphans=False``. ``user``: the person who asked (the admin),
+    named in each reason and as the transitions' actor. Raises
+    ``BackendUnavailable`` when the database or the lock backend cannot be reached.
     """
     result = CleanupResult(dry_run=dry_run)
     lock = get_backend()
+    by, who = _acting(user, "cleanup_locks", "cleanup")
     for run in ledger.stale_runs(task=task, among=runs, batch_size=batch_size):
-        reason = _why(run, "cleanup_locks")
+        reason = _why(run, by)
         if dry_run:
             released = _holds(lock, run)
-        elif abandon(run, reason, lease="expired"):
+        elif abandon(run, reason, lease="expired", who=who):
             released = release_if_held(lock, run)
         else:
             continue
         result.stale_runs += 1
         result.released_locks += released
         if len(result.runs) < LISTED:
-            result.runs.append(Touched(run.task_name, run.slot, run.owner, reason, released))
+            result.runs.append(
+                Touched(run.task_name, run.slot, run.owner, reason, released, run.id)
+            )
     for flight in ledger.in_flight(task=task, among=runs, limit=LISTED):
         result.in_flight.append(InFlight(*flight))
     if scan_orphans and runs is None:
@@ -137,10 +146,20 @@ def cleanup_locks(
     return result
 
 
-def abandon(run: RunRef, reason: str, *, lease: str) -> bool:
-    """Mark one running row ``abandoned`` if it is still as read; send ``run_abandoned``."""
+def _acting(user: str | None, by: str, role: str) -> tuple[str, str]:
+    """What a reason says did it, and the transitions' actor: a person when ``user`` is given."""
+    if user is None:
+        return by, actor(role)
+    return f"admin action by {user}", actor(f"admin/{clean_name(user)}")
+
+
+def abandon(run: RunRef, reason: str, *, lease: str, who: str | None = None) -> bool:
+    """Mark one running row ``abandoned`` if it is still as read; send ``run_abandoned``.
+
+    ``who``: the transition's actor (``cleanup@host:pid`` when not given).
+    """
     try:
-        changed = ledger.abandon(run.row, actor=actor("cleanup"), reason=reason, lease=lease)
+        changed = ledger.abandon(run.row, actor=who or actor("cleanup"), reason=reason, lease=lease)
     except DatabaseError as exc:
         raise ledger.unreachable(exc) from exc
     if changed is None:
@@ -183,16 +202,18 @@ def call_backend(method: Callable[..., T], *args: Any) -> T:
         raise BackendUnavailable(f"the taskguard lock backend is unreachable ({exc})") from exc
 
 
-def release_lock(run_id: int) -> str:
+def release_lock(run_id: int, *, user: str | None = None) -> str:
     """Free one run whose owner is confirmed dead; return what was done.
 
     ``"abandoned"``: it was running with an expired lease (by the database
     clock) and is now abandoned, its key released if it held the run's
     token. ``"released"``: the run was already over and its key still held
     its token. ``"live"``: the owner's lease is valid, nothing was touched.
-    ``"nothing"``: there was nothing to free.
+    ``"nothing"``: there was nothing to free. ``user``: the person who asked,
+    named in the reason and as the transition's actor.
     """
     lock = get_backend()
+    by, who = _acting(user, "released by admin", "cleanup")
     found = ledger.run_ref(run_id)
     if found is None:
         return "nothing"
@@ -200,7 +221,7 @@ def release_lock(run_id: int) -> str:
     if ref.state == RunState.RUNNING:
         if alive:
             return "live"
-        if not abandon(ref, _why(ref, "released by admin"), lease="expired"):
+        if not abandon(ref, _why(ref, by), lease="expired", who=who):
             return "live"
         release_if_held(lock, ref)
         return "abandoned"

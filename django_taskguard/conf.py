@@ -28,6 +28,11 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_GRACE_SECONDS": 7200,
     "FINISHED_MARKER_SECONDS": 3600,
     "INSTANCE_NAME": None,
+    "SCHEDULE_MODULES": [],
+    "HEALTH_FAILURES": 3,
+    "MONITOR_WINDOW_HOURS": 24,
+    "HEALTH_TOKEN": None,
+    "METRICS_TOKEN": None,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read
@@ -39,15 +44,42 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "PRUNE_AFTER_DAYS": (1, 36_500, "days"),
     "RETRY_GRACE_SECONDS": (60, 604_800, "seconds"),
     "FINISHED_MARKER_SECONDS": (0, 604_800, "seconds"),
+    "HEALTH_FAILURES": (1, 100, "runs"),
+    "MONITOR_WINDOW_HOURS": (1, 720, "hours"),
 }
 
 BACKENDS = ("auto", "redis", "database")
+# A bearer token shorter than this is refused (E021): it would be guessable.
+TOKEN_MIN_LENGTH = 16
+
+
+def token_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the token setting ``name`` (None: unset, or fine)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return f"TASKGUARD[{name!r}] is a {type(value).__name__}; it must be None or a string"
+    if len(value) < TOKEN_MIN_LENGTH:
+        return (
+            f"TASKGUARD[{name!r}] has {len(value)} characters; a token needs at least "
+            f"{TOKEN_MIN_LENGTH}"
+        )
+    return None
+    if not isinstance(value, str) or len(value) < TOKEN_MIN_LENGTH:
+        shown = "a string" if isinstance(value, str) else repr(type(value).__name__)
+        return (
+            f"TASKGUARD[{name!r}] must be None (staff only) or a string of at least "
+            f"{TOKEN_MIN_LENGTH} characters, not {shown} of that length"
+            if isinstance(value, str)
+            else f"TASKGUARD[{name!r}] must be None (staff only) or a string, not {shown}"
+        )
+    return None
 
 
 def number_problem(name: str, value: Any) -> str | None:
     """Why ``value`` cannot be the setting ``name`` (a bounded number), or None."""
     low, high, unit = BOUNDS[name]
-    whole = unit == "days"
+    whole = unit in ("days", "runs", "hours")
     kinds = (int,) if whole else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
         noun = "a whole number" if whole else "a number"
@@ -63,6 +95,19 @@ def lease_problem(value: Any, argument: str = "TASKGUARD['LEASE_SECONDS']") -> s
 
 
 ON_REDIS_ERROR_CHOICES = ("database", "fail")
+
+
+def modules_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be ``SCHEDULE_MODULES`` (a list of dotted module paths), or None."""
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(item, str) and item and all(part.isidentifier() for part in item.split("."))
+        for item in value
+    ):
+        return None
+    return (
+        f"TASKGUARD['SCHEDULE_MODULES'] is {value!r}; it must be a list of dotted module "
+        f"paths such as ['myproject.schedules']"
+    )
 
 
 class Settings:
@@ -171,9 +216,43 @@ class Settings:
         return float(self._number("RETRY_GRACE_SECONDS"))
 
     @property
+    def SCHEDULE_MODULES(self) -> list[str]:
+        """Modules imported to find ``@once_per_schedule`` functions (with the apps' tasks/jobs)."""
+        value = self._get("SCHEDULE_MODULES")
+        problem = modules_problem(value)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        return list(value)
+
+    @property
     def FINISHED_MARKER_SECONDS(self) -> float:
         """How long a finished slot's lock key answers late calls (0: deleted at once)."""
         return float(self._number("FINISHED_MARKER_SECONDS"))
+
+    @property
+    def HEALTH_FAILURES(self) -> int:
+        """A task whose last this many finished runs all failed is unhealthy."""
+        return int(self._number("HEALTH_FAILURES"))
+
+    @property
+    def MONITOR_WINDOW_HOURS(self) -> int:
+        """The recent window health (missed slots) and metrics (runs, durations) look at."""
+        return int(self._number("MONITOR_WINDOW_HOURS"))
+
+    @property
+    def HEALTH_TOKEN(self) -> str | None:
+        return self._token("HEALTH_TOKEN")
+
+    @property
+    def METRICS_TOKEN(self) -> str | None:
+        return self._token("METRICS_TOKEN")
+
+    def _token(self, name: str) -> str | None:
+        value = self._get(name)
+        problem = token_problem(name, value)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        return None if value is None else str(value)
 
 
 taskguard_settings = Settings()

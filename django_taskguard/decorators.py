@@ -12,7 +12,7 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import guard, ledger, schedules
+from . import guard, ledger, registry, schedules
 from .conf import lease_problem, taskguard_settings
 from .exceptions import InvalidSchedule, TaskGuardError
 from .models import TASK_NAME_MAX_LENGTH
@@ -25,6 +25,12 @@ R = TypeVar("R")
 OnDuplicate = Literal["skip", "raise"]
 Overlap = Literal["allow", "skip"]
 OnStale = Literal["abandon", "retry"]
+Catchup = Literal["latest", "none", "all"]
+
+# Bounds of the catch-up arguments, checked at decoration time.
+GRACE_BOUNDS = (timedelta(seconds=1), timedelta(days=7))
+MAX_CATCHUP_BOUNDS = (1, 10_000)
+PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,29 @@ def _choice(argument: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _grace(grace: timedelta | None) -> timedelta:
+    if grace is None:
+        return guard.DEFAULT_GRACE
+    low, high = GRACE_BOUNDS
+    if not isinstance(grace, timedelta) or not low <= grace <= high:
+        raise InvalidSchedule(
+            f"grace= must be a timedelta from {low} to {high} (how late a slot may still be "
+            f"claimed before it counts as missed); got {grace!r}"
+        )
+    return grace
+
+
+def _bounded(argument: str, value: int | None, bounds: tuple[int, int]) -> int | None:
+    if value is None:
+        return None
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidSchedule(
+            f"{argument}= must be a whole number from {low} to {high}; got {value!r}"
+        )
+    return value
+
+
 @overload
 def once_per_schedule(func: Callable[P, R], /) -> Guarded[P, R]: ...
 
@@ -177,6 +206,10 @@ def once_per_schedule(
     overlap: Overlap = "allow",
     on_stale: OnStale = "abandon",
     lease_seconds: float | None = None,
+    catchup: Catchup = "latest",
+    grace: timedelta | None = None,
+    max_catchup: int | None = None,
+    pause_after_failures: int | None = None,
 ) -> Callable[[Callable[P, R]], Guarded[P, R]]: ...
 
 
@@ -192,6 +225,10 @@ def once_per_schedule(
     overlap: Overlap = "allow",
     on_stale: OnStale = "abandon",
     lease_seconds: float | None = None,
+    catchup: Catchup = "latest",
+    grace: timedelta | None = None,
+    max_catchup: int | None = None,
+    pause_after_failures: int | None = None,
 ) -> Guarded[P, R] | Callable[[Callable[P, R]], Guarded[P, R]]:
     """Run the decorated function at most once per schedule slot, across every instance.
 
@@ -202,6 +239,11 @@ def once_per_schedule(
     The winning call returns the function's result; a call that finds its
     slot taken returns ``None`` (or raises ``DuplicateRun`` with
     ``on_duplicate="raise"``).
+
+    ``catchup``/``grace``/``max_catchup``: what happens to slots that fell due while
+    nothing fired them (see docs/schedules.md); ``pause_after_failures=N`` pauses the
+    task after N failures in a row. A function with a schedule is registered (in
+    memory) for ``run_schedules`` and the missed-slot sweep.
     """
     # Raised when the function is known, so the message can name it.
     bad_schedule: InvalidSchedule | None = None
@@ -220,7 +262,20 @@ def once_per_schedule(
         overlap=_choice("overlap", overlap, ("allow", "skip")),
         on_stale=_choice("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
+        catchup=_choice("catchup", catchup, ("latest", "none", "all")),
+        grace=_grace(grace),
+        max_catchup=_bounded("max_catchup", max_catchup, MAX_CATCHUP_BOUNDS)
+        or guard.DEFAULT_MAX_CATCHUP,
+        pause_after_failures=_bounded(
+            "pause_after_failures", pause_after_failures, PAUSE_AFTER_FAILURES_BOUNDS
+        ),
     )
+    if built is None and (catchup == "all" or max_catchup is not None):
+        raise InvalidSchedule(
+            "catchup='all' and max_catchup= need a schedule that run_schedules fires (cron=, "
+            "every= or schedule=); a beat sends one message per slot. catchup='none' and "
+            "grace= work without one (a stamped message later than grace is recorded missed)"
+        )
 
     def decorate(target: Callable[P, R]) -> Guarded[P, R]:
         if not callable(target):
@@ -240,6 +295,10 @@ def once_per_schedule(
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
             context = _context()
             task_name, slot = spec.resolve(None, context)
+            if policy.catchup == "none" and guard.refused_late(
+                task_name, slot, policy, timezone.now()
+            ):
+                return None
             hooks = context or CallContext()
             return guard.execute(
                 task_name,
@@ -261,11 +320,38 @@ def once_per_schedule(
             task_name, resolved = spec.resolve(slot)
             return guard.execute(task_name, resolved, policy, target, args, kwargs)
 
+        def fire(slot: datetime) -> bool:
+            """A scheduler's call for ``slot`` (the catch-up policy applies); True if it ran."""
+            task_name, resolved = spec.resolve(slot)
+            if guard.refused_late(task_name, resolved, policy, timezone.now()):
+                return False
+            ran = False
+
+            def body() -> R:
+                nonlocal ran
+                ran = True
+                return target()  # type: ignore[call-arg]
+
+            guard.execute(task_name, resolved, policy, body, (), {})
+            return ran
+
         guarded = cast("Guarded[P, R]", wrapper)
         guarded.task_name = name
         guarded.schedule = built
         guarded.policy = policy
         guarded.run_for_slot = run_for_slot  # type: ignore[method-assign]
+        if built is not None:
+            entry = registry.Entry(
+                task_name=name or _dotted(target),
+                schedule=built,
+                policy=policy,
+                function=_dotted(target),
+                fire=fire,
+                run_for_slot=run_for_slot,
+                func=target,
+                named=name is not None,
+            )
+            registry.register(entry, wrapper)
         return guarded
 
     if func is not None:

@@ -18,11 +18,14 @@ from .context import ActiveRun, activate
 from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
 from .heartbeat import heartbeats
 from .locks import Acquired, LockBackend, get_backend
+from .locks.database import DatabaseLock
 from .owner import actor, new_owner, new_token
+from .pauses import pause, paused_reason
 from .signals import (
     duplicate_suppressed,
     run_abandoned,
     run_failed,
+    run_missed,
     run_skipped,
     run_started,
     run_succeeded,
@@ -30,8 +33,13 @@ from .signals import (
 from .states import RunState
 
 logger = logging.getLogger("taskguard.guard")
+_ROW_LOCK = DatabaseLock()
 
 R = TypeVar("R")
+
+
+DEFAULT_GRACE = timedelta(minutes=5)
+DEFAULT_MAX_CATCHUP = 100
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,10 @@ class Policy:
     overlap: str = "allow"  # "allow" | "skip"
     on_stale: str = "abandon"  # "abandon" | "retry"
     lease_seconds: float | None = None
+    catchup: str = "latest"  # "latest" | "none" | "all" (see docs/schedules.md)
+    grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
+    max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
+    pause_after_failures: int | None = None  # pause the task after this many failures in a row
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,15 @@ def execute(
         return None
     owner = new_owner(token, instance)
     try:
-        outcome = claim_slot(task_name, slot, owner, lease, policy.on_stale, count_live=count)
+        outcome = claim_slot(
+            task_name,
+            slot,
+            owner,
+            lease,
+            policy.on_stale,
+            count_live=count,
+            take_missed=policy.catchup != "none",
+        )
     except BaseException:
         if acquired is Acquired.WON:
             lock.release(key, token)
@@ -120,6 +140,48 @@ def execute(
         _duplicate(task_name, slot, outcome.state, policy)
         return None
     return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
+
+
+# Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
+# fenced out; raises the database's error (the scheduler's batch writer).
+RecordSuccess = Callable[[ActiveRun, str], bool]
+
+
+def run_claimed(
+    active: ActiveRun,
+    policy: Policy,
+    func: Callable[[], R],
+    record_success: RecordSuccess | None = None,
+) -> R | None:
+    """Run an attempt that :func:`claim.claim_many` made (no Redis key: the row is the lock)."""
+    return _run(active, _ROW_LOCK, "", policy, func, (), {}, None, record_success)
+
+
+def duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
+    """A batch claim found the slot taken (already counted on the row)."""
+    _duplicate(task_name, slot, state, policy)
+
+
+def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) -> bool:
+    """``catchup="none"``: a scheduled call later than ``grace`` after its slot is
+    recorded ``missed`` and not run. False when it is in time, or when the slot has a
+    row already (then the claim decides, as for any call)."""
+    late = now - slot
+    if policy.catchup != "none" or late <= policy.grace:
+        return False
+    reason = (
+        f"late: called {late.total_seconds():.1f}s after its slot; catchup='none' runs a "
+        f"slot only within its grace ({policy.grace.total_seconds():g}s)"
+    )
+    try:
+        run_id = ledger.insert_missed(task_name, slot, reason=reason, actor=actor("guard"))
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
+    if run_id is None:
+        return False
+    logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
+    run_missed.send(sender=task_name, slot=slot, reason=reason)
+    return True
 
 
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
@@ -165,11 +227,12 @@ def _run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     classify_raise: ClassifyRaise | None,
+    record_success: RecordSuccess | None = None,
 ) -> R | None:
     """Run the function as ``active``; record how it ended; free or mark the lock."""
     ended = False  # the row is recorded finished: the lock may say so too
     try:
-        if policy.overlap == "skip" and _skip_for_overlap(active):
+        if _skip_paused(active) or (policy.overlap == "skip" and _skip_for_overlap(active)):
             ended = True
             return None
         with activate(active):
@@ -182,10 +245,12 @@ def _run(
             except BaseException as exc:
                 heartbeats.stop(beat)
                 ended = _record_raised(active, exc, classify_raise)
+                if ended and policy.pause_after_failures:
+                    _pause_after_failures(active.task_name, policy.pause_after_failures)
                 raise
             finally:
                 heartbeats.stop(beat)
-        _finish(active, RunState.SUCCEEDED, "returned")
+        _succeed(active, record_success)
         ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
@@ -205,6 +270,27 @@ def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool) -> None:
             logger.warning(
                 "taskguard could not add %d duplicate calls to run %s", duplicates, active.id
             )
+
+
+def _skip_paused(active: ActiveRun) -> bool:
+    paused = paused_reason(active.task_name)
+    if paused is None:
+        return False
+    reason = f"paused: {paused}"
+    _finish(active, RunState.SKIPPED, reason)
+    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
+    return True
+
+
+def _pause_after_failures(task_name: str, failures: int) -> None:
+    """``pause_after_failures=N``: the Nth failure in a row pauses the task (never raises)."""
+    try:
+        if ledger.failed_streak(task_name, failures):
+            reason = f"paused after {failures} failures in a row (pause_after_failures)"
+            if pause(task_name, reason):
+                logger.warning("taskguard %s %s", task_name, reason)
+    except Exception:
+        logger.exception("taskguard could not check the failures of %s", task_name)
 
 
 def _skip_for_overlap(active: ActiveRun) -> bool:
@@ -307,6 +393,27 @@ def _finish(
         raise LeaseLost(
             f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
             f"finishing as {to_state} was refused because another attempt took the slot over "
+            f"or it was marked abandoned (fence {active.fence})"
+        )
+
+
+def _succeed(active: ActiveRun, record_success: RecordSuccess | None) -> None:
+    """Record a returned attempt ``succeeded``, through ``record_success`` when given."""
+    if record_success is None:
+        _finish(active, RunState.SUCCEEDED, "returned")
+        return
+    reason = "returned"
+    if not active.lease_valid():
+        reason += " (after its lease had expired; no other attempt had taken over)"
+    try:
+        recorded = record_success(active, reason)
+    except DatabaseError:
+        recorded = _settle_finish(active, RunState.SUCCEEDED, reason, "", None) is not None
+    if not recorded:
+        active.mark_lost("fenced out: finishing as succeeded was refused")
+        raise LeaseLost(
+            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
+            f"finishing as succeeded was refused because another attempt took the slot over "
             f"or it was marked abandoned (fence {active.fence})"
         )
 

@@ -14,7 +14,7 @@ from ._compat import check_constraint
 from .owner import Owner
 from .states import TERMINAL_STATES, RunState
 
-__all__ = ["Ledger", "RunState", "TaskRun", "TaskRunTransition"]
+__all__ = ["Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
 
 TASK_NAME_MAX_LENGTH = 255
 
@@ -36,7 +36,7 @@ class TaskRunQuerySet(models.QuerySet["TaskRun"]):
         return self.filter(state=RunState.RUNNING, lease_until__gt=Now())
 
     def finished(self) -> TaskRunQuerySet:
-        return self.filter(state__in=TERMINAL_STATES | {RunState.ABANDONED})
+        return self.filter(state__in=TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED})
 
     def with_lease(self) -> TaskRunQuerySet:
         """Annotate ``lease_alive`` and ``db_now``, judged by the database's clock."""
@@ -88,6 +88,8 @@ class TaskRun(models.Model):
             models.Index(fields=["-slot", "-id"], name="taskguard_run_slot_desc"),
             # The admin's state filter and prune_runs: state, newest slot first.
             models.Index(fields=["state", "-slot", "-id"], name="taskguard_run_state_slot"),
+            # Health, metrics and the overview: a task's latest run in a state, by index probe.
+            models.Index(fields=["task_name", "state", "-slot"], name="taskguard_run_task_state"),
         ]
         permissions = [("cleanup_taskrun", _("Can clean up stale locks and release locks"))]
 
@@ -152,3 +154,84 @@ class Ledger(models.Model):
 
     def __str__(self) -> str:
         return f"ledger {self.identity}"
+
+
+class Catchup(models.TextChoices):
+    """What a scheduler does with slots that fell due while nothing fired them."""
+
+    LATEST = "latest", _("latest: run the latest slot only")
+    NONE = "none", _("none: a slot later than its grace is recorded missed, not run")
+    ALL = "all", _("all: run every missed slot in order, at most max_catchup")
+
+
+class ScheduleSource(models.TextChoices):
+    FUNCTION = "function", _("a decorated function (run_schedules fires it)")
+    CELERY = "celery", _("a Celery task or beat entry (a beat fires it)")
+
+
+class TaskSchedule(models.Model):
+    """A known schedule: what the missed-slot sweep, pause/resume and the admin read.
+
+    Written by ``run_schedules``, ``cleanup_locks`` and ``ledger.schedules.sync`` from the
+    in-process registry, never at import or app-ready. The schedule is stored in a
+    form it can be rebuilt from: a cron expression (with its time zone and day rule)
+    or an interval.
+    """
+
+    task_name = models.CharField(_("task"), max_length=TASK_NAME_MAX_LENGTH, unique=True)
+    source = models.CharField(
+        _("source"), max_length=16, choices=ScheduleSource.choices, default=ScheduleSource.FUNCTION
+    )
+    function = models.CharField(
+        _("function"), max_length=500, blank=True, default="", help_text=_("Its dotted path.")
+    )
+    cron = models.CharField(_("cron"), max_length=255, blank=True, default="")
+    cron_day_or = models.BooleanField(
+        _("cron day rule: or"),
+        default=True,
+        help_text=_("Cron's rule (day of month OR day of week); False for celery crontabs."),
+    )
+    every = models.DurationField(_("every"), null=True, blank=True)
+    time_zone = models.CharField(
+        _("time zone"),
+        max_length=64,
+        blank=True,
+        default="",
+        help_text=_("Empty: Django's TIME_ZONE."),
+    )
+    catchup = models.CharField(
+        _("catch-up"), max_length=8, choices=Catchup.choices, default=Catchup.LATEST
+    )
+    grace = models.DurationField(_("grace"))
+    max_catchup = models.PositiveIntegerField(_("max catch-up"))
+    pause_after_failures = models.PositiveIntegerField(
+        _("pause after failures"), null=True, blank=True
+    )
+    paused = models.BooleanField(_("paused"), default=False)
+    paused_at = models.DateTimeField(_("paused at"), null=True, blank=True)
+    paused_reason = models.TextField(_("paused reason"), blank=True, default="")
+    first_seen = models.DateTimeField(_("first seen"), default=timezone.now)
+    last_seen = models.DateTimeField(_("last seen"), default=timezone.now)
+    swept_until = models.DateTimeField(
+        _("swept until"),
+        null=True,
+        blank=True,
+        help_text=_("Slots at or before this were checked by the missed-slot sweep."),
+    )
+
+    class Meta:
+        verbose_name = _("task schedule")
+        verbose_name_plural = _("task schedules")
+        ordering = ["task_name"]
+        constraints = [
+            check_constraint(
+                models.Q(cron="", every__isnull=False)
+                | (~models.Q(cron="") & models.Q(every=None)),
+                "taskguard_schedule_cron_or_every",
+            ),
+            check_constraint(models.Q(catchup__in=Catchup.values), "taskguard_schedule_catchup"),
+        ]
+        permissions = [("pause_taskschedule", _("Can pause and resume scheduled tasks"))]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} ({self.cron or self.every})"

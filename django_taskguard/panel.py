@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 from django.utils.translation import gettext as _
 
-from . import ledger
+from . import ledger, timefmt
 from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
 from .locks import get_backend
@@ -90,5 +90,5 @@ def _redis_holder(run: TaskRun) -> str:
 def _relative(moment: datetime, now: datetime) -> str:
     seconds = int((moment - now).total_seconds())
     if seconds >= 0:
-        return _("%(at)s (in %(s)d s)") % {"at": moment.isoformat(), "s": seconds}
-    return _("%(at)s (%(s)d s ago)") % {"at": moment.isoformat(), "s": -seconds}
+        return _("%(at)s (in %(s)d s)") % {"at": timefmt.both(moment), "s": seconds}
+    return _("%(at)s (%(s)d s ago)") % {"at": timefmt.both(moment), "s": -seconds}

@@ -7,6 +7,7 @@ whenever it started, computes the same slots.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -28,6 +29,12 @@ DST_WINDOW = timedelta(hours=3)
 class Schedule(Protocol):
     def latest_slot(self, now: datetime) -> datetime:
         """Return the latest fire time at or before ``now`` (aware, UTC)."""
+
+    def slots_between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
+        """The fire times in ``(start, end]``, oldest first, at most ``limit`` (the oldest)."""
+
+    def count_between(self, start: datetime, end: datetime, cap: int) -> int:
+        """How many fire times ``(start, end]`` holds (counting stops at ``cap``)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,34 @@ class CronSchedule:
             candidates.append(fire)
         return max(utc for utc in (wall_to_utc(fire, zone) for fire in candidates) if utc <= now)
 
+    def slots_between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
+        return list(_take(self._walk(start, end), limit))
+
+    def count_between(self, start: datetime, end: datetime, cap: int) -> int:
+        return sum(1 for _ in _take(self._walk(start, end), cap))
+
+    def _walk(self, start: datetime, end: datetime) -> Iterator[datetime]:
+        """Fire times in ``(start, end]`` in order: wall times from a DST window before
+        ``start`` on, mapped to UTC, kept when inside (a repeated or skipped hour maps
+        some of them out of order, hence the window and the check against the last)."""
+        zone = self._zone()
+        wall = start.astimezone(zone).replace(tzinfo=None) - DST_WINDOW
+        end_wall = end.astimezone(zone).replace(tzinfo=None) + DST_WINDOW
+        walker = croniter(self.expression, wall, day_or=self.day_or)
+        last = start
+        while (fire := walker.get_next(datetime)) <= end_wall:
+            utc = wall_to_utc(fire, zone)
+            if last < utc <= end:
+                last = utc
+                yield utc
+
+
+def _take(items: Iterator[datetime], limit: int) -> Iterator[datetime]:
+    for count, item in enumerate(items):
+        if count >= limit:
+            return
+        yield item
+
 
 CRON_FIELDS = (
     ("minute", "0-59"),
@@ -129,6 +164,16 @@ class IntervalSchedule:
         step = self.every // timedelta(microseconds=1)
         since = (now - EPOCH) // timedelta(microseconds=1)
         return EPOCH + timedelta(microseconds=since - since % step)
+
+    def slots_between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
+        first = self.latest_slot(start) + self.every
+        count = min(limit, self.count_between(start, end, limit))
+        return [first + self.every * n for n in range(count)]
+
+    def count_between(self, start: datetime, end: datetime, cap: int) -> int:
+        if end <= start:
+            return 0
+        return min(cap, (end - self.latest_slot(start)) // self.every)
 
 
 def wall_to_utc(wall: datetime, zone: Any) -> datetime:
@@ -204,6 +249,29 @@ def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule 
     if isinstance(schedule, timedelta):
         return IntervalSchedule(schedule)
     return from_celery(schedule)
+
+
+def describe(schedule: Schedule) -> dict[str, Any]:
+    """The stored form of a schedule (``TaskSchedule``'s fields); :func:`rebuild` reads it."""
+    if isinstance(schedule, CronSchedule):
+        return {
+            "cron": schedule.expression,
+            "cron_day_or": schedule.day_or,
+            "time_zone": schedule.tz_name or "",
+            "every": None,
+        }
+    if isinstance(schedule, IntervalSchedule):
+        return {"cron": "", "cron_day_or": True, "time_zone": "", "every": schedule.every}
+    raise InvalidSchedule(f"{schedule!r} cannot be stored (a cron or interval schedule can)")
+
+
+def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> Schedule:
+    """The schedule a ``TaskSchedule`` row stores."""
+    if cron:
+        return CronSchedule(cron, time_zone or None, day_or)
+    if every is None:
+        raise InvalidSchedule("a stored schedule has neither a cron expression nor an interval")
+    return IntervalSchedule(every)
 
 
 def normalize_slot(slot: Any) -> datetime:

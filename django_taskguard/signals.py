@@ -9,6 +9,9 @@ Every signal is sent with ``sender`` = the task name (a ``str``).
 - ``run_abandoned(run_id, slot, reason)``: a run was marked ``abandoned``: its owner died
   (found by cleanup or a later caller), or it was interrupted (``KeyboardInterrupt``,
   ``SystemExit``).
+- ``run_missed(slot, reason)``: a due slot was recorded ``missed`` (by the missed-slot
+  sweep, or a call later than its grace under ``catchup="none"``); the sweep sends it once
+  per task and sweep, with ``slot`` the newest missed slot and ``count`` how many.
 - ``lease_lost(run)``: an attempt lost its lease (not renewed in time, or fenced out).
 """
 
@@ -21,3 +24,4 @@ run_skipped = Signal()
 duplicate_suppressed = Signal()
 run_abandoned = Signal()
 lease_lost = Signal()
+run_missed = Signal()

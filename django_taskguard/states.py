@@ -27,10 +27,16 @@ class RunState(models.TextChoices):
     SKIPPED = "skipped", _("skipped")
     # the owner died (lease expired); -> retrying only under on_stale="retry"
     ABANDONED = "abandoned", _("abandoned")
+    # a due slot that no instance claimed within its grace (written by the missed-slot
+    # sweep, or by a call later than its grace under catchup="none"); -> running: a late
+    # call under catchup="latest"/"all" may still take it (the transition log keeps the alarm)
+    MISSED = "missed", _("missed")
 
 
 TRANSITIONS: dict[str, frozenset[str]] = {
-    RunState.PENDING: frozenset({RunState.RUNNING, RunState.SKIPPED, RunState.ABANDONED}),
+    RunState.PENDING: frozenset(
+        {RunState.RUNNING, RunState.SKIPPED, RunState.ABANDONED, RunState.MISSED}
+    ),
     RunState.RUNNING: frozenset(
         {
             RunState.SUCCEEDED,
@@ -45,12 +51,13 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     RunState.SUCCEEDED: frozenset(),
     RunState.FAILED: frozenset(),
     RunState.SKIPPED: frozenset(),
+    RunState.MISSED: frozenset({RunState.RUNNING}),
 }
 
 # States in which no attempt is live and none will follow on its own.
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
 # Finished for good: what retention may delete. Never running, pending or retrying.
-PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED}))
+PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED}))
 
 
 def check_transition(from_state: str, to_state: str) -> None:

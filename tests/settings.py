@@ -131,6 +131,12 @@ if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
 TASKGUARD = {
     "BACKEND": os.environ.get("TASKGUARD_TEST_BACKEND", "database"),
     "REDIS_ALIAS": "redis",
+    # run_schedules children import the schedules of tests/schedule_jobs.py through it.
+    "SCHEDULE_MODULES": [
+        module
+        for module in os.environ.get("TASKGUARD_TEST_SCHEDULE_MODULES", "").split(",")
+        if module
+    ],
 }
 
 LOGGING = {

@@ -124,7 +124,12 @@ def test_cleanup_action__confirmation_then_abandons_only_stale(operator):
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED
     assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
     (transition,) = TaskRunTransition.objects.filter(run=stale, to_state=RunState.ABANDONED)
-    assert "cleanup_locks" in transition.reason
+    # Who acted: the user, on the transition and in the run's History page.
+    assert transition.reason.endswith("; admin action by operator")
+    assert transition.owner.startswith("admin/operator@")
+    history = operator.get(reverse("admin:taskguard_taskrun_history", args=[stale.pk]))
+    assert "abandoned: lease of otherhost:1:deadbeef expired" in history.content.decode()
+    assert "admin action by operator" in history.content.decode()
 
 
 def test_release_action__refuses_a_live_owner(operator):
@@ -136,6 +141,11 @@ def test_release_action__refuses_a_live_owner(operator):
     assert "left alone" in html
     assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED
+    (transition,) = TaskRunTransition.objects.filter(run=stale, to_state=RunState.ABANDONED)
+    assert transition.reason.endswith("; admin action by operator")
+    assert transition.owner.startswith("admin/operator@")
+    history = operator.get(reverse("admin:taskguard_taskrun_history", args=[stale.pk]))
+    assert "lock abandoned: admin action by operator" in history.content.decode()
 
 
 def test_release_action__handles_every_selected_run_not_one_page(operator):
@@ -186,3 +196,132 @@ def test_admin__actions_need_a_csrf_token():
 
 def test_admin__no_full_count():
     assert TaskRunAdmin.show_full_result_count is False
+
+
+# -- the per-task overview -------------------------------------------------------------
+
+OVERVIEW = reverse("admin:taskguard_taskrun_overview")
+PAUSE = reverse("admin:taskguard_taskrun_pause")
+
+
+def overview_rows(client: Client) -> dict[str, str]:
+    """``{task: the row's HTML}`` of the overview page."""
+    html = client.get(OVERVIEW).content.decode()
+    rows = {}
+    for chunk in html.split('<tr class="taskguard-task')[1:]:
+        name = chunk.split('data-task="', 1)[1].split('"', 1)[0]
+        rows[name] = chunk.split("</tr>", 1)[0]
+    return rows
+
+
+def test_overview__one_row_per_task_with_health_strip_and_links(operator):
+    from datetime import timedelta
+
+    from .monitoring import due_slot, finished, schedule
+
+    minute = timedelta(minutes=1)
+    slot = due_slot(minute)
+    schedule("tests.sync", every=minute)
+    done = finished("tests.sync", slot)
+    finished("tests.sync", slot - 2 * minute, RunState.FAILED)  # slot - 1 minute: a gap
+    missed = finished("tests.sync", slot - 3 * minute, RunState.MISSED, attempt=0)
+    schedule("tests.nightly")  # its due slot has no run: late
+    make_run("tests.unscheduled", 0, state=RunState.SUCCEEDED)
+    rows = overview_rows(operator)
+    assert list(rows) == ["tests.nightly", "tests.sync", "tests.unscheduled"]  # unhealthy first
+    sync = rows["tests.sync"]
+    assert 'data-status="unhealthy"' in sync  # a missed slot in the window
+    assert "every minute" in sync
+    assert sync.count('class="taskguard-cell ') == 30
+    assert change_url(done) in sync and change_url(missed) in sync
+    assert sync.count('class="taskguard-cell gap"') >= 1
+    assert sync.count('class="taskguard-cell succeeded"') == 1
+    assert "missed:" in sync
+    nightly = rows["tests.nightly"]
+    assert "late: slot" in nightly and "has no run" in nightly
+    assert "no schedule registered" in rows["tests.unscheduled"]
+    assert 'data-status="ok"' in rows["tests.unscheduled"]
+    # Times carry their zone and seconds (TIME_ZONE is Europe/Paris), UTC in the title.
+    assert " CET" in sync or " CEST" in sync
+    assert "UTC" in sync
+
+
+def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
+    from django.contrib.admin.models import LogEntry
+
+    from django_taskguard.models import TaskSchedule
+
+    from .monitoring import schedule
+
+    operator_user = User.objects.get(username="operator")
+    operator_user.user_permissions.add(Permission.objects.get(codename="pause_taskschedule"))
+    schedule("tests.nightly")
+    assert 'value="pause"' in overview_rows(operator)["tests.nightly"]
+    response = operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"}, follow=True)
+    assert "Paused tests.nightly." in response.content.decode()
+    stored = TaskSchedule.objects.get(task_name="tests.nightly")
+    assert stored.paused and stored.paused_reason == "paused from the admin by operator"
+    row = overview_rows(operator)["tests.nightly"]
+    assert 'data-status="paused"' in row and 'value="resume"' in row
+    operator.post(PAUSE, {"task": "tests.nightly", "do": "resume"})
+    assert not TaskSchedule.objects.get(task_name="tests.nightly").paused
+    entries = LogEntry.objects.filter(object_id=str(stored.pk)).order_by("pk")
+    assert [(e.user.username, e.get_change_message()) for e in entries] == [
+        ("operator", "paused from the task overview by operator"),
+        ("operator", "resumed from the task overview by operator"),
+    ]
+
+
+def test_overview__pause_needs_its_permission_and_a_post(operator, viewer):
+    from django_taskguard.models import TaskSchedule
+
+    from .monitoring import schedule
+
+    schedule("tests.nightly")
+    assert 'value="pause"' not in overview_rows(operator)["tests.nightly"]  # no permission
+    assert operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"}).status_code == 403
+    assert viewer.get(OVERVIEW).status_code == 200
+    assert Client().get(OVERVIEW).status_code == 302  # to the login page
+    assert not TaskSchedule.objects.get(task_name="tests.nightly").paused
+    pauser = Client()
+    pauser.force_login(staff("pauser", "view_taskrun", "pause_taskschedule"))
+    assert pauser.get(PAUSE).status_code == 405
+
+
+def test_overview__query_count_does_not_grow_with_runs_or_tasks(
+    operator, django_assert_max_num_queries
+):
+    from datetime import timedelta
+
+    from .monitoring import due_slot, finished, schedule
+
+    schedule("tests.sync", every=timedelta(minutes=1))
+    slot = due_slot(timedelta(minutes=1))
+    finished("tests.sync", slot)
+    operator.get(OVERVIEW)
+    with django_assert_max_num_queries(15) as few:
+        operator.get(OVERVIEW)
+    for minute in range(1, 200):
+        finished("tests.sync", slot - timedelta(minutes=minute))
+    for n in range(30):  # more tasks do not mean more queries either
+        schedule(f"tests.more{n}", every=timedelta(minutes=1))
+        finished(f"tests.more{n}", slot)
+    with django_assert_max_num_queries(len(few.captured_queries)):
+        operator.get(OVERVIEW)
+
+
+def test_changelist__links_to_the_overview(viewer):
+    assert OVERVIEW in viewer.get(CHANGELIST).content.decode()
+
+
+def test_change_page__times_with_zone_seconds_and_utc(viewer):
+    from datetime import datetime, timezone
+
+    slot = datetime.now(timezone.utc).replace(hour=13, minute=0, second=10, microsecond=0)
+    run = make_run("tests.times", slot=slot, state=RunState.SUCCEEDED)
+    html = viewer.get(change_url(run)).content.decode()
+    local = "14:00:10 CET" if "CET" in html else "15:00:10 CEST"
+    assert f"{slot:%Y-%m-%d} {local} (13:00:10 UTC)" in html  # the slot field and the title
+    assert f"tests.times @ {slot:%Y-%m-%d} {local} (13:00:10 UTC) (succeeded)" in html
+    listing = viewer.get(CHANGELIST).content.decode()
+    assert f'title="{slot:%Y-%m-%d} 13:00:10 UTC">{slot:%Y-%m-%d} {local}<' in listing

@@ -7,6 +7,7 @@ fails the test with the command that installs them (it is never skipped).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -96,7 +97,20 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
     assert "worker-3:4242:9f1c2e" in panel.text
     assert "claimed 0" in driver.find_element(By.CSS_SELECTOR, ".inline-group").text
 
+    # Times carry their zone and seconds, UTC beside (TIME_ZONE is Europe/Paris).
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T \(", panel.text)
+
     driver.get(f"{live_server.url}/admin/taskguard/taskrun/")
+    slots = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-slot_display")]
+    assert slots and all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T", t) for t in slots)
+    owners = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-owner_display")]
+    assert "worker-3:4242" in owners  # where it ran; the token on hover
+    # Every column fits a laptop screen: no horizontal scrollbar at 1400 px.
+    driver.set_window_size(1400, 900)
+    assert driver.execute_script(
+        "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+    )
+    driver.set_window_size(1600, 900)
     driver.find_element(By.CSS_SELECTOR, f"input.action-select[value='{stale.pk}']").click()
     Select(driver.find_element(By.NAME, "action")).select_by_value("cleanup_stale_locks")
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "button[name=index]"))
@@ -116,3 +130,98 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
     assert shot.stat().st_size > 10_000
     if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):  # refresh the README's picture on demand
         shutil.copyfile(shot, ROOT / "docs" / "admin-screenshot.png")
+
+
+def seed_overview() -> dict[str, TaskRun]:
+    """Four tasks an operator would meet: healthy, failing, paused, and one with gaps."""
+    from datetime import timedelta
+
+    from .monitoring import due_slot, finished, schedule
+
+    minute, five = timedelta(minutes=1), timedelta(minutes=5)
+    schedule("billing.sync", every=minute, first_seen=due_slot(minute) - 40 * minute)
+    latest = due_slot(minute)
+    runs = {}
+    for back in range(34):
+        slot = latest - back * minute
+        if back in (6, 7):
+            continue  # nobody fired these: gaps
+        state = RunState.MISSED if back == 12 else RunState.SUCCEEDED
+        if back in (3, 19):
+            state = RunState.FAILED
+        runs[f"sync-{back}"] = finished(
+            "billing.sync", slot, state, seconds=1 + back % 4, attempt=0 if back == 12 else 1
+        )
+    from django.utils import timezone
+
+    from django_taskguard.schedules import CronSchedule
+
+    schedule("reports.nightly", cron="0 21 * * *")
+    nightly = CronSchedule("0 21 * * *").latest_slot(timezone.now() - minute)
+    for back in range(8):
+        finished("reports.nightly", nightly - back * timedelta(days=1), seconds=95)
+    schedule("mail.digest", every=five, paused=True, paused_at=due_slot(five) - 4 * five)
+    for back in range(5, 25):
+        finished("mail.digest", due_slot(five) - back * five, seconds=3)
+    hour = timedelta(hours=1)
+    schedule("search.reindex", every=hour, first_seen=due_slot(hour) - 10 * hour)
+    for back in range(10):
+        state = RunState.FAILED if back < 3 else RunState.SUCCEEDED
+        finished("search.reindex", due_slot(timedelta(hours=1)) - back * timedelta(hours=1), state)
+    return runs
+
+
+def test_admin_browser__overview_strip_links_and_pause(browser, live_server, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    User.objects.create_superuser("admin", "admin@example.com", "secret-pw")
+    runs = seed_overview()
+    driver.get(f"{live_server.url}/admin/login/?next=/admin/taskguard/taskrun/")
+    driver.find_element(By.NAME, "username").send_keys("admin")
+    driver.find_element(By.NAME, "password").send_keys("secret-pw")
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit]"))
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "a.taskguard-overview-link"))
+
+    rows = driver.find_elements(By.CSS_SELECTOR, "tr.taskguard-task")
+    names = [row.get_attribute("data-task") for row in rows]
+    assert names[:2] == ["billing.sync", "search.reindex"]  # the unhealthy first
+    status = {row.get_attribute("data-task"): row.get_attribute("data-status") for row in rows}
+    assert status == {
+        "billing.sync": "unhealthy",
+        "search.reindex": "unhealthy",
+        "mail.digest": "paused",
+        "reports.nightly": "ok",
+    }
+    sync = rows[0]
+    assert "missed" in sync.text and "every minute" in sync.text
+    cells = sync.find_elements(By.CSS_SELECTOR, ".taskguard-cell")
+    assert len(cells) == 30
+    assert len(sync.find_elements(By.CSS_SELECTOR, ".taskguard-cell.gap")) == 2
+    assert "failing: its last 3 runs failed" in rows[1].text
+    # Nothing hides behind a horizontal scrollbar at 1400 px.
+    driver.set_window_size(1400, 900)
+    assert driver.execute_script(
+        "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+    )
+    driver.set_window_size(1600, 900)
+    shot = tmp_path / "overview-screenshot.png"
+    assert driver.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):
+        shutil.copyfile(shot, ROOT / "docs" / "overview-screenshot.png")
+
+    # A cell is a link to its run.
+    newest = runs["sync-0"]
+    link = sync.find_element(By.CSS_SELECTOR, f"a[href$='/taskrun/{newest.pk}/change/']")
+    navigate(driver, link)
+    assert "billing.sync" in driver.find_element(By.ID, "content").text
+
+    # Pause from the overview; the admin says so and the row turns paused.
+    driver.get(f"{live_server.url}/admin/taskguard/taskrun/overview/")
+    row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='reports.nightly']")
+    navigate(driver, row.find_element(By.CSS_SELECTOR, "button[value=pause]"))
+    assert "Paused reports.nightly." in driver.find_element(By.CSS_SELECTOR, ".messagelist").text
+    row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='reports.nightly']")
+    assert row.get_attribute("data-status") == "paused"
+    assert "paused from the admin by admin" in row.text

@@ -63,6 +63,10 @@ def ids(**overrides: object) -> list[str]:
         pytest.param({"FINISHED_MARKER_SECONDS": 604801}, ["taskguard.E012"], id="E012-too-long"),
         pytest.param({"FINISHED_MARKER_SECONDS": "60"}, ["taskguard.E012"], id="E012-string"),
         pytest.param({"FINISHED_MARKER_SECONDS": True}, ["taskguard.E012"], id="E012-bool"),
+        pytest.param({"HEALTH_FAILURES": 0}, ["taskguard.E009"], id="E009-health-failures"),
+        pytest.param({"MONITOR_WINDOW_HOURS": 721}, ["taskguard.E009"], id="E009-window"),
+        pytest.param({"HEALTH_TOKEN": "short"}, ["taskguard.E021"], id="E021-short-token"),
+        pytest.param({"METRICS_TOKEN": 1234}, ["taskguard.E021"], id="E021-not-a-string"),
         pytest.param({"LEASE_SECOND": 30}, ["taskguard.W001"], id="W001-typo"),
         pytest.param(
             {"BACKEND": "x", "LEASE_SECONDS": 0, "ON_REDIS_ERROR": "x", "COLOUR": 1},

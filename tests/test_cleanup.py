@@ -84,6 +84,7 @@ def test_cleanup_locks__never_touches_a_live_lease():
         "unrecorded_slots": 0,
         "dry_run": False,
         "runs": [],
+        "missed_slots": 0,
     }
     # The live run is named, with when it would become stale.
     assert (flight["task"], flight["owner"]) == ("tests.job", live.owner)

@@ -96,6 +96,7 @@ def test_cleanup_locks_redis__json(redis_settings):
         "dry_run": False,
         "runs": [],
         "in_flight": [],
+        "missed_slots": 0,
     }
 
 
@@ -202,4 +203,5 @@ def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
 def counts(**nonzero: int) -> dict[str, object]:
     return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
             "unrecorded_slots": 0, "dry_run": False, "runs": [], "in_flight": [],
+            "missed_slots": 0,
             **nonzero}  # fmt: skip

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connection
 
 from django_taskguard import once_per_schedule
@@ -451,7 +452,8 @@ def cleanup_json(*args: str) -> dict[str, object]:
 
 def counts(**nonzero: int) -> dict[str, object]:
     return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
-            "unrecorded_slots": 0, "dry_run": False, **nonzero}  # fmt: skip
+            "unrecorded_slots": 0, "dry_run": False, "runs": [], "in_flight": [],
+            "missed_slots": 0, **nonzero}  # fmt: skip
 
 
 def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
@@ -483,7 +485,8 @@ def test_redis_gap__winner_killed_before_its_row_is_recorded_by_cleanup_locks(
                 "Would abandon 0 stale runs, would release 0 locks, would remove 0 orphan keys, "
                 "would record 1 slot whose Redis winner died."
             )
-            assert cleanup_json("--task", "tests.other") == counts()
+            with pytest.raises(CommandError, match=r"no run of a task named 'tests\.other'"):
+                cleanup_json("--task", "tests.other")  # a task nothing knows: a typo
             assert not TaskRun.objects.exists() and lock.client.exists(record)
             assert cleanup_json("--task", task) == counts(unrecorded_slots=1)
             assert not lock.client.exists(record)

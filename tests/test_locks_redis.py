@@ -433,6 +433,7 @@ def test_claim_once__set_once_then_compare_and_delete(redis_server):
             claim_once("tg:beat:z", "beat-1", 60)
 
 
+@pytest.mark.django_db(transaction=True)
 def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
     """Each script's keys share one hash slot: a cluster-mode node runs them (no CROSSSLOT)."""
     # (the cluster bus needs a port of its own: port + 10000 may not exist)
@@ -447,6 +448,7 @@ def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
         with pytest.raises(ResponseError, match="same slot"):  # CROSSSLOT: the node does check
             command(server, "eval", "return 1", 2, "tests:a", "tests:b")
         with redis_backend(server) as lock:
+            KEY = lock.key("tests.lock", SLOT)  # under this ledger's prefix, which scans use
             assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
             assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
             assert lock.extend(KEY, "a" * 32, 30)

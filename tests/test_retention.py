@@ -43,19 +43,25 @@ def ledger():  # type: ignore[no-untyped-def]
     return runs
 
 
-FINISHED = {RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.ABANDONED}
+FINISHED = {
+    RunState.SUCCEEDED,
+    RunState.FAILED,
+    RunState.SKIPPED,
+    RunState.ABANDONED,
+    RunState.MISSED,
+}
 
 
 def test_prune_runs__deletes_old_finished_runs_and_their_transitions(ledger):
     assert prune("--older-than", "30", "--batch-size", "2") == (
-        "Deleted 4 finished runs and 8 transitions older than 30 days."
+        "Deleted 5 finished runs and 10 transitions older than 30 days."
     )
     left = {(age, state) for (age, state), run in ledger.items()
             if TaskRun.objects.filter(pk=run.pk).exists()}  # fmt: skip
     assert left == set(ledger) - {("old", state) for state in FINISHED}
     gone = [ledger[("old", state)].pk for state in FINISHED]
     assert not TaskRunTransition.objects.filter(run_id__in=gone).exists()
-    assert TaskRunTransition.objects.count() == 2 * (len(ledger) - 4)
+    assert TaskRunTransition.objects.count() == 2 * (len(ledger) - 5)
 
 
 def test_prune_runs__never_running_pending_or_retrying(ledger):
@@ -70,7 +76,7 @@ def test_prune_runs__never_running_pending_or_retrying(ledger):
 
 def test_prune_runs__dry_run_deletes_nothing(ledger):
     assert prune("--older-than", "30", "--dry-run") == (
-        "Would delete 4 finished runs and 8 transitions older than 30 days."
+        "Would delete 5 finished runs and 10 transitions older than 30 days."
     )
     assert TaskRun.objects.count() == len(ledger)
 
@@ -79,12 +85,12 @@ def test_prune_runs__default_age_from_the_setting(ledger):
     with override_settings(TASKGUARD={"BACKEND": "database", "PRUNE_AFTER_DAYS": 90}):
         assert prune().startswith("Deleted 0 finished runs")
     with override_settings(TASKGUARD={"BACKEND": "database", "PRUNE_AFTER_DAYS": 7}):
-        assert prune().startswith("Deleted 4 finished runs")
+        assert prune().startswith("Deleted 5 finished runs")
 
 
 def test_prune_runs__batches(ledger):
     result = prune_runs(timezone.now() - timedelta(days=31), batch_size=3)
-    assert (result.runs, result.transitions, result.batches) == (4, 8, 2)
+    assert (result.runs, result.transitions, result.batches) == (5, 10, 2)
 
 
 def test_prune_runs__the_delete_rechecks_the_state(ledger):

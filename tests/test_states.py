@@ -37,6 +37,8 @@ ALLOWED = {
     (S.RETRYING, S.FAILED),
     (S.RETRYING, S.ABANDONED),
     (S.ABANDONED, S.RETRYING),
+    (S.PENDING, S.MISSED),
+    (S.MISSED, S.RUNNING),
 }
 ALL_PAIRS = list(itertools.product(RunState.values, RunState.values))
 ILLEGAL = [pair for pair in ALL_PAIRS if pair not in ALLOWED]

@@ -265,6 +265,48 @@ def claim(
     return row
 
 
+def claim_many(
+    task_names: Sequence[str], slot: datetime, owners: Sequence[str], leases: Sequence[float]
+) -> dict[str, Row] | None:
+    """:func:`claim` for one slot of many tasks in one statement (``on_stale="abandon"``).
+
+    Returns each task's row (``owner`` equal to the one given: this call created it), or
+    None where the database cannot do it in one statement (SQLite: claim one by one).
+    """
+    statement = sql.claim_many(_dialect())
+    if statement is None:
+        return None
+    found = _all(statement, [list(task_names), list(owners), list(leases), _slot(slot)])
+    rows = {}
+    for values in found:
+        row = _row(values[1:])
+        assert row is not None
+        rows[str(values[0])] = row
+    return rows
+
+
+def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
+    """Record many running attempts ``succeeded`` in one statement, each fenced:
+    ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
+    fenced out). None where the database cannot do it in one statement (SQLite)."""
+    d = _dialect()
+    statement = sql.succeed_many(d)
+    if statement is None:
+        return None
+    check_transition(RunState.RUNNING, RunState.SUCCEEDED)
+    params = [
+        [run_id for run_id, _, _, _ in items],
+        [fence for _, fence, _, _ in items],
+        [owner for _, _, owner, _ in items],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, _, reason in items],
+        RunState.SUCCEEDED,
+        RunState.RUNNING,
+        RunState.RUNNING,
+        RunState.SUCCEEDED,
+    ]
+    return {int(run_id) for (run_id,) in _all(statement, params)}
+
+
 def read(task_name: str, slot: datetime) -> Row | None:
     return _row(_one(sql.read_slot(_dialect()), [task_name, _slot(slot)]))
 
@@ -492,6 +534,75 @@ def insert_skipped(task_name: str, slot: datetime, *, reason: str, actor: str) -
     return _insert_unheld(task_name, slot, RunState.SKIPPED, reason, 0, actor)
 
 
+def insert_missed(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
+    """Record a due slot that no instance claimed within its grace as ``missed``;
+    None when it has a row already."""
+    return _insert_unheld(task_name, slot, RunState.MISSED, reason, 0, actor)
+
+
+def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *, actor: str) -> int:
+    """Record many slots no attempt held (``missed``, or ``skipped`` while paused) at once:
+    ``(task, slot, reason)`` each; a slot that has a row keeps it. Returns how many were new."""
+    check_transition(RunState.PENDING, state)
+    if not rows:
+        return 0
+    d = _dialect()
+    if not d.one_statement:
+        inserted = [_insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+        return sum(1 for run_id in inserted if run_id is not None)
+    params = [
+        [task for task, _, _ in rows],
+        [_slot(slot) for _, slot, _ in rows],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, reason in rows],
+        state,
+        RunState.PENDING,
+        state,
+        actor,
+    ]
+    try:
+        found = _one(sql.insert_unheld_many(d), params)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def latest_slot(task_name: str) -> datetime | None:
+    """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
+    slot is one a catch-up still runs)."""
+    try:
+        found = _one(sql.latest_slot(_dialect()), [task_name, RunState.MISSED])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return aware(found[0]) if found else None
+
+
+def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
+    """The slots of ``task_name`` in ``(after, until]`` that have a row."""
+    try:
+        found = _all(sql.slots_in(_dialect()), [task_name, _slot(after), _slot(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {slot for (value,) in found if (slot := aware(value)) is not None}
+
+
+def count_slots(task_name: str, after: datetime, until: datetime) -> int:
+    try:
+        found = _one(sql.count_slots(_dialect()), [task_name, _slot(after), _slot(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def failed_streak(task_name: str, length: int) -> bool:
+    """True when the newest ``length`` finished runs of ``task_name`` all failed."""
+    states = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+    try:
+        found = _all(sql.last_states(_dialect()), [task_name, *states, length])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return len(found) == length and all(state == RunState.FAILED for (state,) in found)
+
+
 def _insert_unheld(
     task_name: str, slot: datetime, state: str, reason: str, duplicates: int, actor: str
 ) -> int | None:
@@ -680,3 +791,145 @@ def task_names(limit: int) -> list[str]:
         f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
     )
     return [name for (name,) in _all(statement, [limit])]
+
+
+# -- monitoring: health, metrics and the admin's overview ---------------------------
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """One run as the overview's strip reads it."""
+
+    id: int
+    slot: datetime
+    state: str
+
+
+@dataclass(frozen=True)
+class LastRun:
+    slot: datetime
+    finished_at: datetime | None
+
+
+def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
+    """Each named task's run in ``state`` with the latest slot (tasks without one are left out)."""
+    found: dict[str, LastRun] = {}
+    d = _dialect()
+    chunk = 200
+    try:
+        for start in range(0, len(names), chunk):
+            part = names[start : start + chunk]
+            statement = sql.latest_in_state(d, len(part))
+            for name, slot, finished in _all(statement, [*part, state, state]):
+                slot_at = aware(slot)
+                if slot_at is not None:
+                    found[name] = LastRun(slot_at, aware(finished))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return found
+
+
+@dataclass
+class StateSummary:
+    """A task's runs in one state over a window of slots."""
+
+    runs: int = 0
+    duplicates: int = 0
+    duration_sum: float = 0.0
+    duration_count: int = 0
+    # How many durations are at most each bound (cumulative, as Prometheus has them).
+    buckets: tuple[int, ...] = ()
+
+
+def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, str], StateSummary]:
+    """Per (task, state), the runs whose slot is at or after ``since``: one statement,
+    a range scan of the slot index (its cost is the window's row count)."""
+    statement = sql.window_summary(_dialect(), len(bounds))
+    try:
+        rows = _all(statement, [*bounds, _slot(since)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {
+        (name, state): StateSummary(
+            int(count),
+            int(duplicates),
+            float(total),
+            int(timed),
+            tuple(int(n or 0) for n in below),
+        )
+        for name, state, count, duplicates, total, timed, *below in rows
+    }
+
+
+@dataclass(frozen=True)
+class TaskFacts:
+    """What the health verdict needs of one task's runs, read in one probe per value."""
+
+    due_state: str | None  # the state of the row at the due slot asked for (None: no row)
+    missed: int  # runs recorded missed with a slot at or after ``since``
+    stale: int  # running rows whose lease expired by the database's clock
+    oldest_stale_slot: datetime | None
+    oldest_stale_lease: datetime | None
+    ended: int  # of the task's last ``last`` ended runs (succeeded, failed, abandoned): how many
+    failed: int  # ... and how many of those did not succeed
+    latest_ended_slot: datetime | None
+
+
+ENDED_STATES = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+FACTS_CHUNK = 200  # tasks per statement
+
+
+def task_facts(
+    asks: Sequence[tuple[str, datetime | None]], since: datetime, last: int
+) -> dict[str, TaskFacts]:
+    """For each ``(task, due slot)``: its :class:`TaskFacts`, one statement per 200 tasks."""
+    d = _dialect()
+    found: dict[str, TaskFacts] = {}
+    try:
+        for start in range(0, len(asks), FACTS_CHUNK):
+            part = asks[start : start + FACTS_CHUNK]
+            params: list[Any] = []
+            for name, due in part:
+                params += [name, None if due is None else _slot(due)]
+            params += [RunState.MISSED, _slot(since), *[RunState.RUNNING] * 3]
+            params += [*ENDED_STATES, last, *ENDED_STATES, last, RunState.SUCCEEDED]
+            params += ENDED_STATES
+            for values in _all(sql.task_facts(d, len(part)), params):
+                name, due_state, missed, stale, stale_slot, stale_lease, ended, failed, latest = (
+                    values
+                )
+                found[name] = TaskFacts(
+                    due_state,
+                    int(missed),
+                    int(stale),
+                    aware(stale_slot),
+                    aware(stale_lease),
+                    int(ended),
+                    int(failed),
+                    aware(latest),
+                )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return found
+
+
+def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]:
+    """Each task's ``limit`` runs with the latest slots, newest first: one statement per
+    200 tasks; per task, one probe for its ``limit``-th latest slot and a range scan of
+    the (task_name, slot) index from there."""
+    d = _dialect()
+    found: dict[str, list[SlotRun]] = {name: [] for name in names}
+    try:
+        for start in range(0, len(names), FACTS_CHUNK):
+            part = names[start : start + FACTS_CHUNK]
+            for name, run_id, slot, state in _all(
+                sql.recent_runs(d, len(part)), [*part, max(limit - 1, 0)]
+            ):
+                slot_at = aware(slot)
+                assert slot_at is not None
+                found[name].append(SlotRun(int(run_id), slot_at, state))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    for runs_of_task in found.values():
+        runs_of_task.sort(key=lambda run: run.slot, reverse=True)
+    return found

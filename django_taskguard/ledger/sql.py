@@ -105,6 +105,53 @@ def claim(d: Dialect) -> str:
     return f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) SELECT * FROM u"
 
 
+# Many tasks' rows for one slot at once, with the ``claimed`` transitions of the rows this
+# statement created (PostgreSQL only). Parameters: tasks (text[]), owners (text[]), lease
+# seconds (float8[]), the slot. A plainly taken slot (finished, abandoned, live) counts a
+# duplicate, as :func:`claim` does for ``on_stale="abandon"``. Rows go in task order, so
+# two schedulers claiming the same batch wait on each other instead of deadlocking.
+_CLAIM_MANY = (
+    "WITH c AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::float8[]) "
+    "AS c(task_name, owner, lease)), "
+    "u AS (INSERT INTO {run} AS r (task_name, slot, state, attempt, fence, owner, created_at, "
+    "started_at, lease_until, error, duplicates) "
+    "SELECT c.task_name, %s, 'running', 1, {fence}, c.owner, {now}, {now}, "
+    "{now} + make_interval(secs => c.lease), '', 0 FROM c ORDER BY c.task_name "
+    "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
+    "CASE WHEN r.state IN ('succeeded', 'failed', 'skipped', 'abandoned') "
+    "OR (r.state = 'running' AND r.lease_until > {now}) THEN 1 ELSE 0 END "
+    "RETURNING r.task_name, {row}, {left}), "
+    "t AS (INSERT INTO {transition} ({columns}) "
+    "SELECT u.id, 'pending', 'running', {now}, 'claimed', u.owner FROM u JOIN c USING (owner)) "
+    "SELECT * FROM u"
+)
+
+
+@lru_cache
+def claim_many(d: Dialect) -> str | None:
+    """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite)."""
+    return _format(_CLAIM_MANY, d) if d.one_statement else None
+
+
+# Many attempts recorded ``succeeded`` at once, each fenced like :func:`change`, with
+# their transitions (PostgreSQL only). Parameters: ids (bigint[]), fences (bigint[]),
+# owners (text[]), reasons (text[]), the new state, the old state, the new state again.
+_SUCCEED_MANY = (
+    "WITH c AS (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[]) "
+    "AS c(id, fence, owner, reason)), "
+    "u AS (UPDATE {run} AS r SET state = %s, error = '', finished_at = {now} FROM c "
+    "WHERE r.id = c.id AND r.state = %s AND r.fence = c.fence RETURNING r.id), "
+    "t AS (INSERT INTO {transition} ({columns}) "
+    "SELECT c.id, %s, %s, {now}, c.reason, c.owner FROM c JOIN u USING (id)) "
+    "SELECT id FROM u"
+)
+
+
+@lru_cache
+def succeed_many(d: Dialect) -> str | None:
+    return _format(_SUCCEED_MANY, d) if d.one_statement else None
+
+
 @lru_cache
 def claimed_transition(d: Dialect) -> str:
     """The ``claimed`` transition of run ``%s`` (SQLite: after :func:`claim`)."""
@@ -232,6 +279,55 @@ def insert_unheld(d: Dialect) -> str:
     )
 
 
+# Many rows no attempt ever held, with their transitions, in one statement (PostgreSQL).
+# Parameters: tasks (text[]), slots (timestamptz[]), reasons (text[]), state, from state,
+# state again, actor. Returns the number of rows inserted.
+@lru_cache
+def insert_unheld_many(d: Dialect) -> str:
+    return _format(
+        "WITH c(task_name, slot, reason) AS "
+        "(SELECT * FROM unnest(%s::text[], %s::timestamptz[], %s::text[])), "
+        "i AS (INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+        "finished_at, error, duplicates) SELECT task_name, slot, %s, 0, NULL, '', {now}, {now}, "
+        "reason, 0 FROM c ON CONFLICT (task_name, slot) DO NOTHING RETURNING id, error), "
+        "t AS (INSERT INTO {transition} ({columns}) SELECT id, %s, %s, {now}, error, %s FROM i) "
+        "SELECT count(*) FROM i",
+        d,
+    )
+
+
+# -- schedules: what the scheduler and the missed-slot sweep read -------------------
+
+
+@lru_cache
+def latest_slot(d: Dialect) -> str:
+    """The newest slot of task ``%s`` with a row not in state ``%s`` (the (task, slot) index)."""
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s AND state <> %s", d)
+
+
+@lru_cache
+def slots_in(d: Dialect) -> str:
+    """The slots with a row of task ``%s`` in ``(%s, %s]``."""
+    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
+
+
+@lru_cache
+def count_slots(d: Dialect) -> str:
+    return _format(
+        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
+    )
+
+
+@lru_cache
+def last_states(d: Dialect) -> str:
+    """The states of task ``%s``'s newest ``%s`` finished rows, newest first."""
+    return _format(
+        "SELECT state FROM {run} WHERE task_name = %s AND state IN (%s, %s, %s) "
+        "ORDER BY slot DESC LIMIT %s",
+        d,
+    )
+
+
 # -- the ledger's own row ----------------------------------------------------------
 
 
@@ -282,3 +378,112 @@ def _format(template: str, d: Dialect) -> str:
         row=ROW,
         left=d.lease_left,
     )
+
+
+# -- monitoring (health, metrics, the admin's overview) ---------------------------
+
+# A finished attempt's duration in seconds (NULL when it has no start or end).
+DURATION = {
+    "postgresql": "EXTRACT(EPOCH FROM (finished_at - started_at))",
+    "sqlite": "(julianday(finished_at) - julianday(started_at)) * 86400.0",
+}
+# A VALUES row of one task name (PostgreSQL cannot infer a parameter's type there).
+_NAME_ROW = {"postgresql": "(CAST(%s AS varchar))", "sqlite": "(%s)"}
+
+
+@lru_cache
+def window_summary(d: Dialect, buckets: int) -> str:
+    """Per (task, state) over the slots since ``%s``: runs, duplicates, duration sum and
+    count, and how many durations are at most each of ``buckets`` bounds.
+
+    Parameters: the ``buckets`` bounds (seconds), then the window's start. A range
+    scan of the slot index: its cost is the number of runs in the window.
+    """
+    duration = DURATION[d.vendor]
+    counts = "".join(f", SUM(CASE WHEN {duration} <= %s THEN 1 ELSE 0 END)" for _ in range(buckets))
+    return (
+        f"SELECT task_name, state, COUNT(*), COALESCE(SUM(duplicates), 0), "
+        f"COALESCE(SUM({duration}), 0), COUNT({duration}){counts} "
+        f"FROM {RUN} WHERE slot >= %s GROUP BY task_name, state"
+    )
+
+
+@lru_cache
+def latest_in_state(d: Dialect, names: int) -> str:
+    """For each of ``names`` task names (the VALUES list; then the state, twice): the slot
+    and end of its run in that state with the latest slot (NULL: none). One backward
+    probe of (task_name, state, slot) each."""
+    rows = ", ".join([_NAME_ROW[d.vendor]] * names)
+    latest = (
+        "(SELECT r.{column} FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+        "ORDER BY r.slot DESC LIMIT 1)"
+    )
+    return (
+        f"WITH t(name) AS (VALUES {rows}) SELECT t.name, "
+        f"{latest.format(column='slot', run=RUN)}, "
+        f"{latest.format(column='finished_at', run=RUN)} FROM t"
+    )
+
+
+# Per task, its health facts: the tasks are a VALUES list (name, due slot), the facts
+# correlated subqueries, planned once whatever the number of tasks. Parameters after
+# the VALUES: missed, since; running (x3); ended states and N (x2), succeeded; ended.
+_ENDED = "r.state IN (%s, %s, %s)"
+_FACTS = (
+    "WITH t(name, due) AS (VALUES {tasks}) SELECT t.name, "
+    "(SELECT r.state FROM {run} r WHERE r.task_name = t.name AND r.slot = t.due), "
+    "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.slot >= %s), "
+    "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.lease_until <= {now}), "
+    "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
+    "(SELECT r.lease_until FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
+    "(SELECT COUNT(*) FROM (SELECT r.state FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT %s) AS e), "
+    "(SELECT COUNT(*) FROM (SELECT r.state FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT %s) AS e WHERE e.state <> %s), "
+    "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT 1) FROM t"
+)
+# A VALUES row of (task name, due slot), typed (PostgreSQL cannot infer parameter types).
+_TASK_ROW = {
+    "postgresql": "(CAST(%s AS varchar), CAST(%s AS timestamp with time zone))",
+    "sqlite": "(%s, %s)",
+}
+
+
+@lru_cache
+def task_facts(d: Dialect, tasks: int) -> str:
+    """The health facts of ``tasks`` tasks, one row each: every value an index probe on
+    (task_name, slot) or (task_name, state, slot)."""
+    rows = ", ".join([_TASK_ROW[d.vendor]] * tasks)
+    return _format(_FACTS.replace("{tasks}", rows), d)
+
+
+# The runs of each task whose slot is at or after its ``limit``-th latest (the tasks a
+# VALUES list; one backward probe and one range scan of (task_name, slot) each).
+# Parameters after the VALUES: limit - 1 (the OFFSET).
+_RECENT = (
+    "WITH t(name) AS (VALUES {tasks}) "
+    "SELECT r.task_name, r.id, r.slot, r.state "
+    "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
+    "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "
+    "LIMIT 1 OFFSET %s), {oldest})"
+)
+_OLDEST = {
+    "postgresql": "CAST('-infinity' AS timestamp with time zone)",
+    "sqlite": "'0000-01-01'",
+}
+
+
+@lru_cache
+def recent_runs(d: Dialect, tasks: int) -> str:
+    """Each of ``tasks`` tasks' runs with the latest slots (parameters: the names, then
+    the limit less one)."""
+    rows = ", ".join([_NAME_ROW[d.vendor]] * tasks)
+    return _format(_RECENT.replace("{tasks}", rows).replace("{oldest}", _OLDEST[d.vendor]), d)

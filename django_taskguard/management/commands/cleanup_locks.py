@@ -13,6 +13,8 @@ from django.utils.translation import ngettext
 from ... import ledger
 from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
+from ...missed import sweep_missed
+from ...registry import sync
 from ..arguments import whole_number
 
 
@@ -26,7 +28,9 @@ class Command(BaseCommand):
     help = (
         "Mark runs whose lease expired (by the database clock) as abandoned, release their "
         "Redis locks if they still hold that run's token, record the slots whose Redis winner "
-        "died before writing its row, and remove Redis keys of no live run. Never touches a "
+        "died before writing its row, remove Redis keys of no live run, and record the due "
+        "slots of registered schedules that nobody claimed within their grace as missed. "
+        "Never touches a "
         "live owner's run or lock; safe to run from every instance. Run it at least daily."
     )
 
@@ -65,9 +69,12 @@ class Command(BaseCommand):
     ) -> None:
         try:
             ledger.ensure_reachable()
-            if task is not None:
-                refuse_unknown(task)
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
+            if task is not None and not touched(result):
+                refuse_unknown(task)
+            if not dry_run:
+                sync()  # the schedules the code declares (a dry run changes nothing)
+            result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
         except BackendUnavailable as exc:
             raise CommandError(f"cleanup_locks failed: {exc}") from exc
         if as_json:
@@ -76,6 +83,16 @@ class Command(BaseCommand):
             self.stdout.write(describe(result))
             for line in details(result):
                 self.stdout.write(line)
+
+
+def touched(result: CleanupResult) -> bool:
+    """Whether cleanup found anything at all (a task with no row may have Redis records)."""
+    counts = result.as_dict()
+    return bool(result.in_flight) or any(
+        counts[name]
+        for name in ("stale_runs", "orphan_keys", "unrecorded_slots", "missed_slots")
+        if name in counts
+    )
 
 
 def refuse_unknown(task: str) -> None:
@@ -152,4 +169,8 @@ def describe(result: CleanupResult) -> str:
         )
     if unrecorded:
         parts.append(recorded % unrecorded)
+    missed = result.missed_slots
+    if missed:
+        noun = ngettext("missed slot", "missed slots", missed)
+        parts.append(f"{'would record' if result.dry_run else 'recorded'} {missed} {noun}")
     return ", ".join(parts) + "."

@@ -1,0 +1,169 @@
+"""The per-task overview page of the run admin, and its pause and resume buttons.
+
+``admin/taskguard/taskrun/overview/``: one row per task (registered schedules,
+then the task names the ledger has runs of), unhealthy first. Pause and resume
+are POST forms, gated by the ``taskguard.pause_taskschedule`` permission, that
+call :mod:`.pauses` (the same API as ``manage.py pause_task``) and record the
+acting user in the pause's reason and in the admin's log.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.http import urlencode
+from django.utils.safestring import SafeString, mark_safe
+from django.utils.translation import gettext as _
+from django.views.decorators.http import require_POST
+
+from . import overview, pauses, timefmt
+from .exceptions import BackendUnavailable
+from .ledger import schedules as schedule_store
+from .models import TaskRun
+from .states import RunState
+
+if TYPE_CHECKING:
+    AdminBase = admin.ModelAdmin[TaskRun]
+else:
+    AdminBase = object
+
+PAUSE_PERMISSION = "taskguard.pause_taskschedule"
+# Strip colours beyond the run states: a slot with no run.
+CELL_COLOURS = {
+    RunState.MISSED: "#e8590c",
+    overview.GAP: "#ffffff",
+    overview.DUE: "#cfe2ff",
+    overview.PAUSED: "#dee2e6",
+}
+RUN_ID = "0000run-id0000"  # stands for a run's id in its change URL
+LINK_CELL = '<a href="{}" class="taskguard-cell {}" title="{}" style="background:{}"></a>'
+SPAN_CELL = '<span class="taskguard-cell {}" title="{}" style="background:{}"></span>'
+BADGES = {"ok": ("#198754", _("healthy")), "paused": ("#6c757d", _("paused"))}
+
+
+class OverviewMixin(AdminBase):
+    """Adds the overview and its pause/resume views to the ``TaskRun`` admin."""
+
+    state_colours: dict[str, str]
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("overview/", wrap(self.overview_view), name="taskguard_taskrun_overview"),
+            path(
+                "overview/pause/",
+                wrap(require_POST(self.pause_view)),
+                name="taskguard_taskrun_pause",
+            ),
+            *super().get_urls(),
+        ]
+
+    def overview_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            verdict, rows = overview.overview()
+        except BackendUnavailable as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            verdict, rows = None, []
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Tasks at a glance"),
+            "opts": self.opts,
+            "verdict": verdict,
+            "rows": [self._row(row) for row in rows],
+            "can_pause": request.user.has_perm(PAUSE_PERMISSION),
+            "legend": self._legend(),
+        }
+        return TemplateResponse(request, "admin/taskguard/taskrun/overview.html", context)
+
+    def pause_view(self, request: HttpRequest) -> HttpResponse:
+        if not request.user.has_perm(PAUSE_PERMISSION):
+            raise PermissionDenied
+        name = request.POST.get("task", "")
+        action = request.POST.get("do", "")
+        user = request.user.get_username()
+        if action == "pause":
+            changed = pauses.pause(name, f"paused from the admin by {user}")
+            done = _("Paused %(task)s.")
+            same = _("%(task)s is not a known schedule, or is paused already.")
+        elif action == "resume":
+            changed = pauses.resume(name)
+            done = _("Resumed %(task)s.")
+            same = _("%(task)s is not a known schedule, or is not paused.")
+        else:
+            raise PermissionDenied
+        if changed:
+            self._log(request, name, f"{action}d from the task overview by {user}")
+            self.message_user(request, done % {"task": name}, messages.SUCCESS)
+        else:
+            self.message_user(request, same % {"task": name}, messages.WARNING)
+        return HttpResponseRedirect(reverse("admin:taskguard_taskrun_overview"))
+
+    def _log(self, request: HttpRequest, name: str, message: str) -> None:
+        """Django's admin log, on the schedule's row (its History page)."""
+        stored = schedule_store.get(name)
+        if stored is not None:
+            self.log_change(request, stored, message)  # type: ignore[arg-type]  # any model
+
+    def _row(self, row: overview.TaskRow) -> dict[str, Any]:
+        task = row.health
+        colour, label = BADGES.get(task.status, ("#dc3545", ""))
+        if not label:
+            label = " + ".join(sorted({p.code for p in task.problems}))
+        success = task.last_success
+        return {
+            "task": task.task,
+            "schedule": task.words or _("no schedule registered"),
+            "next_slot": _when(task.next_slot) if not task.paused else None,
+            "last_success": _when(success.finished_at) if success else None,
+            "badge": {"colour": colour, "label": label, "status": task.status},
+            "problems": task.problems,
+            "paused": task.paused,
+            "paused_reason": task.paused_reason,
+            "scheduled": task.schedule is not None,
+            "strip": self._strip(row.cells),
+            "runs_url": reverse("admin:taskguard_taskrun_changelist")
+            + "?"
+            + urlencode({"task_name": task.task}),
+        }
+
+    def _strip(self, cells: list[overview.Cell]) -> SafeString:
+        """The cells as HTML, built here with every value escaped: 30 per task through the
+        template engine (or format_html) would cost more than the page's queries."""
+        parts = []
+        zone = timezone.get_current_timezone()
+        # One reverse() for the page's up to 6,000 cells: the change URL with a placeholder.
+        change = reverse("admin:taskguard_taskrun_change", args=[RUN_ID])
+        for cell in cells:
+            colour = CELL_COLOURS.get(cell.state) or self.state_colours.get(cell.state, "#6c757d")
+            title = f"{timefmt.both(cell.slot, zone)}: {cell.state}"
+            values = (escape(cell.state), escape(title), escape(colour))
+            if cell.run_id is None:
+                parts.append(SPAN_CELL.format(*values))
+            else:
+                url = escape(change.replace(RUN_ID, str(cell.run_id)))
+                parts.append(LINK_CELL.format(url, *values))
+        return mark_safe("".join(parts))  # every value escaped above
+
+    def _legend(self) -> list[tuple[str, str]]:
+        states = [state.value for state in RunState]
+        states += [overview.GAP, overview.DUE, overview.PAUSED]
+        colours = {**self.state_colours, **CELL_COLOURS}
+        return [(state, colours.get(state, "#6c757d")) for state in states]
+
+
+def _when(moment: datetime | None) -> tuple[str, str, str] | None:
+    """``(local date, local time with seconds and zone, UTC)`` for a page that shows both."""
+    if moment is None:
+        return None
+    stamp = timefmt.local(moment)
+    return stamp[:10], stamp[11:], timefmt.utc(moment)

@@ -1,0 +1,133 @@
+"""The schedule registry's table: the only code that reads or writes ``TaskSchedule``.
+
+Written by ``run_schedules``, ``cleanup_locks``, ``pause_task``/``resume_task`` and
+:func:`django_taskguard.registry.sync` (never at import or app-ready); read by the
+missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIAS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+
+from django.db import DatabaseError
+from django.db.models import Q
+from django.utils import timezone
+
+from ..models import TaskSchedule
+from . import alias, clip, unreachable
+
+PAUSED_REASON_MAX_LENGTH = 500
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the code says about one schedule (everything but the pause and the sweep's mark)."""
+
+    task_name: str
+    source: str
+    function: str
+    cron: str
+    cron_day_or: bool
+    every: timedelta | None
+    time_zone: str
+    catchup: str
+    grace: timedelta
+    max_catchup: int
+    pause_after_failures: int | None
+
+
+_CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_name"]
+
+
+def stored() -> list[TaskSchedule]:
+    """Every known schedule, by task name."""
+    try:
+        return list(TaskSchedule.objects.using(alias()).order_by("task_name"))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def get(task_name: str) -> TaskSchedule | None:
+    try:
+        return TaskSchedule.objects.using(alias()).filter(task_name=task_name).first()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def names() -> list[str]:
+    try:
+        return list(
+            TaskSchedule.objects.using(alias())
+            .order_by("task_name")
+            .values_list("task_name", flat=True)
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def save(records: Sequence[Record], now: datetime | None = None) -> int:
+    """Insert or update the schedules the code declares; ``first_seen`` is kept, the
+    pause and ``swept_until`` are never touched. Returns how many were given."""
+    now = now or timezone.now()
+    rows = [
+        TaskSchedule(
+            task_name=record.task_name,
+            first_seen=now,
+            last_seen=now,
+            **{name: getattr(record, name) for name in _CODE_FIELDS},
+        )
+        for record in records
+    ]
+    try:
+        TaskSchedule.objects.using(alias()).bulk_create(
+            rows,
+            batch_size=500,
+            update_conflicts=True,
+            unique_fields=["task_name"],
+            update_fields=[*_CODE_FIELDS, "last_seen"],
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return len(rows)
+
+
+def paused() -> dict[str, str]:
+    """The paused tasks and why."""
+    try:
+        found = TaskSchedule.objects.using(alias()).filter(paused=True)
+        return dict(found.values_list("task_name", "paused_reason"))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def set_paused(task_name: str, reason: str | None) -> bool:
+    """Pause ``task_name`` (``reason``) or resume it (``None``); False when it is unknown
+    or already so."""
+    queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
+    try:
+        if reason is None:
+            return bool(
+                queryset.filter(paused=True).update(paused=False, paused_at=None, paused_reason="")
+            )
+        return bool(
+            queryset.filter(paused=False).update(
+                paused=True,
+                paused_at=timezone.now(),
+                paused_reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+            )
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def mark_swept(task_name: str, until: datetime) -> None:
+    """The sweep checked every slot of ``task_name`` up to ``until`` (never moves back)."""
+    queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
+    try:
+        queryset.filter(Q(swept_until__isnull=True) | Q(swept_until__lt=until)).update(
+            swept_until=until
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc

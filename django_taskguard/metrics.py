@@ -1,0 +1,146 @@
+"""Prometheus metrics, read from the ledger on scrape (``prometheus_client``, ``[prometheus]``).
+
+Every instance of a site runs tasks, but one of them answers a scrape: so the
+figures come from the ledger, the one place that saw every instance's runs,
+never from counters in the scraped process. They are **gauges over a window**
+(``MONITOR_WINDOW_HOURS``, default 24 hours of slots), not counters, because
+``prune_runs`` deletes old rows: a count of rows would fall and look like a
+counter reset. Lease losses are counted from the ledger for the same reason (a
+``lease_lost`` receiver counts only in the process that lost the lease, and an
+owner killed mid-run sends nothing): a run whose owner's lease lapsed is
+recorded ``abandoned``.
+
+A scrape costs one range scan of the window's rows (the slot index), one index
+probe per task for its last success, and the health verdict's probes per task
+(at most ``health.MAX_TASKS`` tasks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+from prometheus_client.core import CollectorRegistry, GaugeHistogramMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from . import health, ledger
+from .conf import taskguard_settings
+from .states import RunState
+
+# Bucket bounds of the duration histogram, in seconds.
+DURATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+TIMED_STATES = (RunState.SUCCEEDED, RunState.FAILED)
+
+
+class LedgerCollector(Collector):
+    """Reads the ledger on every collect; register it in any ``CollectorRegistry``."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily | GaugeHistogramMetricFamily]:
+        window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
+        verdict = health.check()
+        summary = ledger.window_summary(verdict.checked_at - window, DURATION_BUCKETS)
+        names = sorted({t.task for t in verdict.tasks} | {name for name, _ in summary})
+        yield _gauge(
+            "taskguard_window_seconds",
+            "The window of slots the run gauges cover.",
+            [],
+            [([], window.total_seconds())],
+        )
+        yield _gauge(
+            "taskguard_last_success_timestamp_seconds",
+            "When the task's latest succeeded slot finished (Unix time).",
+            ["task"],
+            [
+                ([t.task], t.last_success.finished_at.timestamp())
+                for t in verdict.tasks
+                if t.last_success is not None and t.last_success.finished_at is not None
+            ],
+        )
+        yield _gauge(
+            "taskguard_task_healthy",
+            "1 when check_schedules finds nothing wrong with the task (a paused task is healthy).",
+            ["task"],
+            [([t.task], float(t.healthy)) for t in verdict.tasks],
+        )
+        yield _gauge(
+            "taskguard_task_paused",
+            "1 while the task is paused.",
+            ["task"],
+            [([t.task], float(t.paused)) for t in verdict.tasks],
+        )
+        yield _gauge(
+            "taskguard_runs",
+            "Runs by state, of the slots in the window.",
+            ["task", "state"],
+            [([name, state], s.runs) for (name, state), s in sorted(summary.items())],
+        )
+        yield _per_task(
+            names,
+            "taskguard_duplicates_suppressed",
+            "Calls that found their slot taken and did not run, of the slots in the window.",
+            lambda name: sum(s.duplicates for (n, _), s in summary.items() if n == name),
+        )
+        yield _per_task(
+            names,
+            "taskguard_missed_slots",
+            "Slots recorded missed (due, and no instance fired them), in the window.",
+            lambda name: _runs(summary, name, RunState.MISSED),
+        )
+        yield _per_task(
+            names,
+            "taskguard_lease_losses",
+            "Runs recorded abandoned (their owner's lease lapsed: owner dead or cut off), "
+            "in the window.",
+            lambda name: _runs(summary, name, RunState.ABANDONED),
+        )
+        yield _durations(names, summary)
+
+
+def _gauge(
+    name: str, documentation: str, labels: list[str], samples: list[tuple[list[str], float]]
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
+
+
+def _runs(summary: dict[tuple[str, str], ledger.StateSummary], name: str, state: str) -> int:
+    found = summary.get((name, state))
+    return found.runs if found is not None else 0
+
+
+def _per_task(
+    names: list[str], metric: str, documentation: str, value: Callable[[str], float]
+) -> GaugeMetricFamily:
+    return _gauge(metric, documentation, ["task"], [([name], float(value(name))) for name in names])
+
+
+def _durations(
+    names: list[str], summary: dict[tuple[str, str], ledger.StateSummary]
+) -> GaugeHistogramMetricFamily:
+    family = GaugeHistogramMetricFamily(
+        "taskguard_run_duration_seconds",
+        "How long finished attempts (succeeded, failed) ran, of the slots in the window.",
+        labels=["task"],
+    )
+    for name in names:
+        parts = [summary[(name, state)] for state in TIMED_STATES if (name, state) in summary]
+        if not parts:
+            continue
+        below = [sum(p.buckets[i] for p in parts) for i in range(len(DURATION_BUCKETS))]
+        buckets = [
+            (f"{bound:g}", float(n)) for bound, n in zip(DURATION_BUCKETS, below, strict=True)
+        ]
+        buckets.append(("+Inf", float(sum(p.duration_count for p in parts))))
+        family.add_metric([name], buckets, gsum_value=sum(p.duration_sum for p in parts))
+    return family
+
+
+def exposition(accept: str) -> tuple[bytes, str]:
+    """The metrics in the format the ``Accept`` header asks for: (body, content type)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LedgerCollector())
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type

@@ -1,0 +1,149 @@
+"""The schedule registry: every ``@once_per_schedule(cron=|every=|schedule=)`` function.
+
+The decorator records itself here at decoration time (memory only: nothing is
+written at import or app-ready). :func:`discover` imports the modules that declare
+schedules (``TASKGUARD["SCHEDULE_MODULES"]`` and every installed app's ``tasks`` and
+``jobs`` modules, as Celery autodiscovers); :func:`sync` then saves what it found in
+``TaskSchedule`` (``run_schedules``, ``cleanup_locks``, ``pause_task`` call it), where
+the missed-slot sweep and the admin read it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from importlib import import_module
+from types import ModuleType
+from typing import Any
+
+from django.apps import apps
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import module_has_submodule
+
+from .conf import taskguard_settings
+from .exceptions import InvalidSchedule
+from .guard import Policy
+from .ledger import schedules as store
+from .models import ScheduleSource
+from .schedules import Schedule, describe
+
+AUTODISCOVER = ("tasks", "jobs")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered schedule.
+
+    ``fire(slot)`` runs one slot through the guard as a scheduler's call: the
+    catch-up policy applies (``catchup="none"`` records a late slot ``missed``); it
+    returns True when the body ran in this call.
+    ``run_for_slot(slot)`` is the decorated function's own (an operator's call:
+    no lateness policy), for backfill.
+    """
+
+    task_name: str
+    schedule: Schedule
+    policy: Policy
+    function: str
+    fire: Callable[[datetime], bool]
+    run_for_slot: Callable[[datetime], Any]
+    func: Callable[[], Any]  # the undecorated function (a batch claim runs it)
+    source: str = ScheduleSource.FUNCTION
+    named: bool = False  # the decorator was given name=
+
+    def record(self) -> store.Record:
+        policy = self.policy
+        return store.Record(
+            task_name=self.task_name,
+            source=self.source,
+            function=self.function,
+            catchup=policy.catchup,
+            grace=policy.grace,
+            max_catchup=policy.max_catchup,
+            pause_after_failures=policy.pause_after_failures,
+            **describe(self.schedule),
+        )
+
+
+_lock = threading.Lock()
+_entries: dict[str, Entry] = {}
+_by_wrapper: dict[int, str] = {}  # id(decorated function) -> task name
+
+
+def register(entry: Entry, wrapper: Any) -> None:
+    """Record a decorated function's schedule (at decoration time; memory only)."""
+    with _lock:
+        known = _entries.get(entry.task_name)
+        if known is not None and known.function != entry.function:
+            raise InvalidSchedule(
+                f"two schedules are named {entry.task_name!r}: {known.function} and "
+                f"{entry.function}; give one of them another name="
+            )
+        _entries[entry.task_name] = entry
+        _by_wrapper[id(wrapper)] = entry.task_name
+
+
+def unregister(task_name: str) -> None:
+    """Forget a schedule (tests, and code that builds schedules at run time)."""
+    with _lock:
+        _entries.pop(task_name, None)
+        for key in [key for key, name in _by_wrapper.items() if name == task_name]:
+            del _by_wrapper[key]
+
+
+def entries() -> dict[str, Entry]:
+    """The schedules registered in this process so far, by task name."""
+    with _lock:
+        return dict(_entries)
+
+
+def discover() -> dict[str, Entry]:
+    """Import the modules that declare schedules; return every registered schedule."""
+    modules = [_import(path) for path in taskguard_settings.SCHEDULE_MODULES]
+    for config in apps.get_app_configs():
+        for name in AUTODISCOVER:
+            if module_has_submodule(config.module, name):
+                modules.append(import_module(f"{config.name}.{name}"))
+    _find_celery_tasks(modules)
+    return entries()
+
+
+def sync() -> dict[str, Entry]:
+    """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
+    found = discover()
+    store.save([entry.record() for entry in found.values()])
+    return found
+
+
+def _import(path: str) -> ModuleType:
+    try:
+        return import_module(path)
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            f"TASKGUARD['SCHEDULE_MODULES'] names {path!r}, which cannot be imported: {exc}"
+        ) from exc
+
+
+def _find_celery_tasks(modules: Iterable[ModuleType]) -> None:
+    """A decorated function that a Celery task wraps is fired by a beat, not by
+    ``run_schedules``; it runs under the Celery task's name unless it was given name=."""
+    for module in modules:
+        for value in list(vars(module).values()):
+            run = getattr(value, "run", None)
+            task_name = getattr(value, "name", None)
+            found = _by_wrapper.get(id(getattr(run, "__func__", run)))
+            if found is None or not isinstance(task_name, str) or not callable(value):
+                continue
+            with _lock:
+                entry = _entries.pop(found)
+                celery = replace(
+                    entry,
+                    source=ScheduleSource.CELERY,
+                    task_name=entry.task_name if entry.named else task_name,
+                )
+                _entries[celery.task_name] = celery
+                for key, name in list(_by_wrapper.items()):
+                    if name == found:
+                        _by_wrapper[key] = celery.task_name

@@ -1,0 +1,38 @@
+"""Schedules for the run_schedules tests: a child imports this module through
+``TASKGUARD["SCHEDULE_MODULES"]`` (``TASKGUARD_TEST_SCHEDULE_MODULES``); the environment
+says how many one-second schedules, their names, catch-up policy and grace.
+
+Every execution appends ``TASK SLOT PID TIME`` to ``TASKGUARD_TEST_SCHEDULE_LOG`` with
+O_APPEND: executions counted outside the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django_taskguard import current_run, once_per_schedule
+from tests.proc import record
+
+LOG = os.environ.get("TASKGUARD_TEST_SCHEDULE_LOG", "")
+PREFIX = os.environ.get("TASKGUARD_TEST_SCHEDULE_PREFIX", "tests.sched")
+CATCHUP: Any = os.environ.get("TASKGUARD_TEST_CATCHUP", "latest")
+COUNT = int(os.environ.get("TASKGUARD_TEST_SCHEDULES", "1"))
+GRACE = timedelta(seconds=float(os.environ.get("TASKGUARD_TEST_GRACE", "2")))
+EVERY = timedelta(seconds=float(os.environ.get("TASKGUARD_TEST_EVERY", "1")))
+
+
+def _make(number: int) -> Callable[[], None | None]:
+    @once_per_schedule(every=EVERY, name=f"{PREFIX}.{number}", catchup=CATCHUP, grace=GRACE)
+    def job() -> None:
+        run = current_run()
+        if LOG:
+            record(LOG, f"{run.task_name} {run.slot.isoformat()} {os.getpid()} {time.time():.6f}")
+
+    return job
+
+
+JOBS = [_make(number) for number in range(COUNT)]

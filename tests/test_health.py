@@ -1,0 +1,229 @@
+"""check_schedules and the health/ URL: late, missed, failing, paused; exit codes, JSON,
+and who may ask."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
+from django.test import Client, override_settings
+from django.urls import reverse
+
+from django_taskguard import health
+from django_taskguard.models import RunState
+
+from .conftest import ROOT, python
+from .monitoring import DAY, due_slot, finished, schedule
+from .runs import make_run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+HEALTH = reverse("taskguard:health")
+TOKEN = "probe-token-0123456789"
+
+
+def run_check(*args: str) -> tuple[int, str]:
+    """``manage.py check_schedules ARGS``: (exit status, stdout)."""
+    out = io.StringIO()
+    try:
+        call_command("check_schedules", *args, stdout=out)
+    except CommandError as exc:
+        return exc.returncode, out.getvalue() + str(exc)
+    return 0, out.getvalue()
+
+
+def test_check_schedules__healthy_when_the_latest_due_slot_ran():
+    schedule("tests.nightly")
+    finished("tests.nightly", due_slot())
+    status, out = run_check()
+    assert status == 0, out
+    assert "OK" in out and "tests.nightly" in out
+    assert "every day" in out
+    assert "All 1 tasks are healthy." in out or "1 task is healthy." in out
+
+
+def test_check_schedules__late_when_the_latest_due_slot_has_no_run():
+    schedule("tests.nightly")
+    finished("tests.nightly", due_slot() - DAY)  # yesterday's ran, today's did not
+    status, out = run_check()
+    assert status == 1
+    assert "LATE" in out
+    assert f"slot {due_slot().isoformat()} has no run" in out
+    assert "1 task is unhealthy: tests.nightly" in out
+
+
+def test_check_schedules__a_schedule_first_seen_after_its_due_slot_is_not_late():
+    schedule("tests.new", first_seen=due_slot() + timedelta(seconds=1))
+    status, out = run_check()
+    assert status == 0, out
+
+
+def test_check_schedules__a_dead_owner_is_late():
+    schedule("tests.nightly")
+    make_run("tests.nightly", slot=due_slot(), owner="gone:1:0:dead")  # lease expired
+    status, out = run_check()
+    assert status == 1
+    assert "still running but its lease expired" in out
+
+
+def test_check_schedules__missed_slots_in_the_window():
+    schedule("tests.every_minute", every=timedelta(minutes=1))
+    slot = due_slot(timedelta(minutes=1))
+    finished("tests.every_minute", slot)
+    finished("tests.every_minute", slot - timedelta(minutes=5), RunState.MISSED, attempt=0)
+    status, out = run_check()
+    assert status == 1
+    assert "MISSED" in out
+    assert "1 slot recorded missed in the last 24 hours" in out
+    with override_settings(TASKGUARD={"BACKEND": "database", "MONITOR_WINDOW_HOURS": 1}):
+        finished("tests.other", slot - timedelta(hours=2), RunState.MISSED, attempt=0)
+        status, out = run_check("--task", "tests.other")
+    assert status == 0, out  # outside the window
+
+
+def test_check_schedules__failing_when_the_last_n_runs_failed():
+    slot = due_slot()
+    schedule("tests.flaky")
+    for days in range(3):
+        finished("tests.flaky", slot - days * DAY, RunState.FAILED)
+    status, out = run_check()
+    assert status == 1
+    assert "FAILING" in out
+    assert f"its last 3 runs failed (latest slot {slot.isoformat()})" in out
+
+
+def test_check_schedules__one_success_among_the_last_n_is_not_failing():
+    slot = due_slot()
+    schedule("tests.flaky")
+    finished("tests.flaky", slot, RunState.FAILED)
+    finished("tests.flaky", slot - DAY, RunState.SUCCEEDED)
+    finished("tests.flaky", slot - 2 * DAY, RunState.FAILED)
+    assert run_check()[0] == 0
+    with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_FAILURES": 1}):
+        status, out = run_check()
+    assert status == 1
+    assert "its last run failed" in out
+
+
+def test_check_schedules__a_paused_task_is_healthy_and_says_so():
+    schedule("tests.paused", paused=True)  # its due slot has no run, and no alarm
+    status, out = run_check()
+    assert status == 0, out
+    assert "PAUSED" in out
+    assert "paused by admin ops" in out
+    assert "no alarms while paused" in out
+
+
+def test_check_schedules__tasks_seen_only_in_the_ledger_are_judged_on_failures():
+    for minute in range(3):
+        make_run("tests.unscheduled", minute, state=RunState.FAILED)
+    status, out = run_check("--json")
+    assert status == 1
+    verdict = json.loads(out.splitlines()[0])
+    (task,) = verdict["tasks"]
+    assert task["task"] == "tests.unscheduled"
+    assert task["schedule"] is None
+    assert [p["code"] for p in task["problems"]] == ["failing"]
+
+
+def test_check_schedules__json_names_each_task_and_why():
+    schedule("tests.nightly")
+    schedule("tests.paused", paused=True)
+    schedule("tests.fine")
+    finished("tests.fine", due_slot())
+    status, out = run_check("--json")
+    assert status == 1
+    verdict = json.loads(out.splitlines()[0])
+    assert verdict["healthy"] is False
+    assert verdict["unhealthy"] == ["tests.nightly"]
+    by_name = {task["task"]: task for task in verdict["tasks"]}
+    assert by_name["tests.nightly"]["problems"][0]["code"] == "late"
+    assert by_name["tests.paused"]["status"] == "paused"
+    assert by_name["tests.paused"]["healthy"] is True
+    assert by_name["tests.fine"]["status"] == "ok"
+    assert by_name["tests.fine"]["last_success_slot"] == due_slot().isoformat()
+    assert by_name["tests.fine"]["next_slot"] == (due_slot() + DAY).isoformat()
+
+
+def test_check_schedules__unknown_task_and_unreachable_database():
+    with pytest.raises(CommandError, match="no schedule and no run of a task named 'nope'"):
+        call_command("check_schedules", "--task", "nope", stdout=io.StringIO())
+    # A real manage.py run (its exit status) against a database nobody listens on.
+    child = subprocess.run(
+        [python(), "-c", DOWN], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert child.returncode == 2, child.stderr
+    assert "check_schedules failed: the taskguard database is unreachable" in child.stderr
+
+
+DOWN = """
+import django, os, sys
+os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+django.setup()
+from django.conf import settings
+settings.TASKGUARD = {"BACKEND": "database", "DATABASE_ALIAS": "down"}
+from django.core.management import execute_from_command_line
+execute_from_command_line(["manage.py", "check_schedules"])
+"""
+
+
+def test_next_slot__cron_and_interval():
+    from datetime import datetime, timezone
+
+    from django_taskguard.schedules import CronSchedule, IntervalSchedule
+
+    now = datetime(2026, 3, 29, 0, 30, tzinfo=timezone.utc)  # Paris springs forward at 01:00 UTC
+    assert health.next_slot(IntervalSchedule(timedelta(minutes=5)), now) == now.replace(minute=35)
+    nightly = CronSchedule("0 21 * * *", "Europe/Paris")
+    assert health.next_slot(nightly, now) == datetime(2026, 3, 29, 19, tzinfo=timezone.utc)
+    skipped = CronSchedule("30 2 * * *", "Europe/Paris")  # 02:30 does not exist that night
+    found = health.next_slot(skipped, now)
+    assert found is not None and skipped.latest_slot(found) == found > now
+
+
+# -- the health/ URL -----------------------------------------------------------------
+
+
+def staff_client(is_staff: bool = True) -> Client:
+    client = Client()
+    name = "ops" if is_staff else "user"
+    client.force_login(User.objects.create_user(name, password="pw", is_staff=is_staff))
+    return client
+
+
+def test_health_view__200_when_healthy_503_when_not():
+    client = staff_client()
+    schedule("tests.nightly")
+    finished("tests.nightly", due_slot())
+    response = client.get(HEALTH)
+    assert response.status_code == 200
+    assert response.json()["healthy"] is True
+    assert response["Cache-Control"].startswith("max-age=0")
+    schedule("tests.late")
+    response = client.get(HEALTH)
+    assert response.status_code == 503
+    assert response.json()["unhealthy"] == ["tests.late"]
+    assert client.post(HEALTH).status_code == 405
+
+
+def test_health_view__staff_only_without_a_token():
+    response = Client().get(HEALTH)
+    assert response.status_code == 403
+    assert "HEALTH_TOKEN" in response.json()["error"]
+    assert staff_client(is_staff=False).get(HEALTH).status_code == 403
+    assert Client().get(HEALTH, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 403
+
+
+def test_health_view__a_bearer_token_when_set():
+    with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_TOKEN": TOKEN}):
+        probe = Client()
+        assert probe.get(HEALTH, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+        wrong = probe.get(HEALTH, headers={"authorization": f"Bearer {TOKEN}x"})
+        assert wrong.status_code == 401
+        assert wrong["WWW-Authenticate"] == 'Bearer realm="taskguard"'
+        assert probe.get(HEALTH).status_code == 401
+        assert staff_client().get(HEALTH).status_code == 200  # staff still may

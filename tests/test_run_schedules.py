@@ -1,0 +1,147 @@
+"""``run_schedules`` in real processes: copies that all fire every slot, clocks that
+disagree, copies killed and restarted under each catch-up policy.
+
+Executions are counted outside the ledger: every run of a body appends ``TASK SLOT PID
+TIME`` to a log file with O_APPEND (tests/schedule_jobs.py). A child's clock is moved
+with ``TASKGUARD_TEST_CLOCK_OFFSET`` (tests/scheduler_child.py replaces
+``django.utils.timezone.now`` in that process only; the database's clock is not moved).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from django_taskguard.models import RunState, TaskRun
+
+from .conftest import python, wait_for
+
+SECOND = timedelta(seconds=1)
+
+
+class Copy:
+    """One ``run_schedules`` process."""
+
+    def __init__(self, env: dict[str, str], out: Path, *args: str, **extra: str) -> None:
+        self.out = out.open("ab")
+        self.proc = subprocess.Popen(
+            [python(), "-m", "tests.scheduler_child", "--sweep-every", "1", *args],
+            env={**env, **extra},
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        self.out.close()
+        return code
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.out.close()
+
+
+def schedule_env(child_env: dict[str, str], log: Path, prefix: str, **extra: str) -> dict[str, str]:
+    return {
+        **child_env,
+        "TASKGUARD_TEST_SCHEDULE_MODULES": "tests.schedule_jobs",
+        "TASKGUARD_TEST_SCHEDULE_LOG": str(log),
+        "TASKGUARD_TEST_SCHEDULE_PREFIX": prefix,
+        **extra,
+    }
+
+
+def executions(log: Path) -> list[tuple[str, datetime]]:
+    if not log.exists():
+        return []
+    lines = [line.split() for line in log.read_text().splitlines()]
+    return [(task, datetime.fromisoformat(slot)) for task, slot, _pid, _at in lines]
+
+
+def slots_between(first: datetime, last: datetime) -> list[datetime]:
+    count = int((last - first) / SECOND)
+    return [first + n * SECOND for n in range(count + 1)]
+
+
+def test_run_schedules__three_copies_two_clocks_apart_run_each_slot_once(child_env, scratch):
+    """Three copies, one 1.5 s ahead and one 1.5 s behind, two one-second schedules."""
+    log = scratch / "executions.log"
+    env = schedule_env(child_env, log, "tests.three", TASKGUARD_TEST_SCHEDULES="2")
+    env["TASKGUARD_TEST_GRACE"] = "5"
+    copies = [
+        Copy(env, scratch / "a.out"),
+        Copy(env, scratch / "b.out", TASKGUARD_TEST_CLOCK_OFFSET="1.5"),
+        Copy(env, scratch / "c.out", TASKGUARD_TEST_CLOCK_OFFSET="-1.5"),
+    ]
+    seconds = float(os.environ.get("TASKGUARD_SCHEDULER_TEST_SECONDS", "30"))
+    wait_for(lambda: len(executions(log)) >= 2 * seconds, timeout=seconds + 60, what="slots")
+    assert [copy.stop() for copy in copies] == [0, 0, 0]
+
+    done = executions(log)
+    counts = Counter(done)
+    assert set(counts.values()) == {1}, f"run twice: {[k for k, v in counts.items() if v > 1]}"
+    for task in ("tests.three.0", "tests.three.1"):
+        slots = sorted(slot for name, slot in done if name == task)
+        assert slots == slots_between(slots[0], slots[-1]), f"{task}: a slot was not run"
+        runs = TaskRun.objects.filter(task_name=task, slot__gte=slots[0], slot__lte=slots[-1])
+        assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+        assert runs.count() == len(slots)
+    assert not TaskRun.objects.filter(state=RunState.MISSED).exists()
+    # The copies all fired: the losers are counted, not hidden.
+    assert sum(TaskRun.objects.values_list("duplicates", flat=True)) > 0
+
+
+@pytest.mark.parametrize("catchup", ["none", "all", "latest"])
+def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch, catchup):
+    log = scratch / "executions.log"
+    task = f"tests.kill-{catchup}.0"
+    env = schedule_env(child_env, log, f"tests.kill-{catchup}", TASKGUARD_TEST_CATCHUP=catchup)
+    first = [Copy(env, scratch / "a.out"), Copy(env, scratch / "b.out")]
+    wait_for(lambda: len(executions(log)) >= 2, timeout=60, what="two slots before the kill")
+    for copy in first:
+        copy.kill()
+    killed_after = max(slot for _, slot in executions(log))
+    # Nothing fires for a few slots (margin: at least 4 whole seconds).
+    time.sleep(5)
+    restarted = Copy(env, scratch / "c.out")
+    wait_for(
+        lambda: max(slot for _, slot in executions(log)) > killed_after + 6 * SECOND,
+        timeout=60,
+        what="slots after the restart",
+    )
+    if catchup != "all":  # the sweep (every second, grace 2 s) records the gap
+        wait_for(
+            lambda: TaskRun.objects.filter(task_name=task, state=RunState.MISSED).count() >= 4,
+            timeout=30,
+            what="missed rows",
+        )
+    assert restarted.stop() == 0
+
+    done = sorted(slot for name, slot in executions(log) if name == task)
+    assert len(done) == len(set(done)), "a slot ran twice"
+    after = [slot for slot in done if slot > killed_after]
+    down = TaskRun.objects.filter(task_name=task, slot__gt=killed_after, slot__lt=after[0])
+    rows = {run.slot: run.state for run in TaskRun.objects.filter(task_name=task)}
+    if catchup == "all":
+        # Every slot of the gap runs once, in order (the log is in execution order).
+        assert after == slots_between(after[0], after[-1])
+        assert after[0] == killed_after + SECOND
+        in_order = [slot for name, slot in executions(log) if name == task]
+        assert in_order == sorted(in_order)
+        assert not [slot for slot, state in rows.items() if state == RunState.MISSED]
+    else:
+        gap = slots_between(killed_after + SECOND, after[0] - SECOND)
+        assert len(gap) >= 4
+        assert {run.slot for run in down} == set(gap), "every slot of the gap has a row"
+        assert set(down.values_list("state", flat=True)) == {RunState.MISSED}
+        # After the restart: the latest slot only, then every slot.
+        assert after == slots_between(after[0], after[-1])
