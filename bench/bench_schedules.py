@@ -77,8 +77,10 @@ CACHES = {{"default": {{
 }}}}
 TASKGUARD = {{"BACKEND": {backend!r}, "SCHEDULE_MODULES": ["bench_jobs"]}}
 LOGGING = {{"version": 1, "disable_existing_loggers": False,
-    "handlers": {{"null": {{"class": "logging.NullHandler"}}}},
-    "loggers": {{"taskguard": {{"handlers": ["null"], "level": "INFO", "propagate": False}}}}}}
+    "handlers": {{"null": {{"class": "logging.NullHandler"}},
+                  "errors": {{"class": "logging.StreamHandler", "level": "WARNING"}}}},
+    "loggers": {{"taskguard": {{"handlers": ["null", "errors"], "level": "INFO",
+                                "propagate": False}}}}}}
 """
 
 JOBS = """
@@ -205,6 +207,7 @@ def run(args: argparse.Namespace, directory: Path, redis_pid: int, redis_port: i
                 str(args.max_workers),
                 "--sweep-every",
                 "10",
+                *(["--no-batch"] if args.no_batch else []),
             ],
             env=env,
             stdout=out,
@@ -224,6 +227,10 @@ def run(args: argparse.Namespace, directory: Path, redis_pid: int, redis_port: i
         copy.send_signal(signal.SIGTERM)
     for copy in copies:
         copy.wait(timeout=120)
+    warnings = (directory / "copies.out").read_text(errors="replace").splitlines()
+    if warnings:
+        print(f"copies wrote {len(warnings)} warning lines; the first ones:")
+        print("\n".join(warnings[:8]))
     report(args, log, began + WARMUP, stopped - 2.0, copies_cpu, pg_cpu, redis_cpu, env)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ class CallContext:
     # Where the call runs, for people (a Celery worker's ``w1@host``).
     instance: str | None = None
     on_busy: guard.OnBusy | None = None
+    # A misfire grace for this call (a beat entry's ``taskguard_grace`` header): a call
+    # later than it after its slot is recorded ``missed``, whatever the decorator says.
+    grace: timedelta | None = None
 
 
 # Functions consulted at call time, in order, for the slot and task name of a
@@ -295,9 +299,10 @@ def once_per_schedule(
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
             context = _context()
             task_name, slot = spec.resolve(None, context)
-            if policy.catchup == "none" and guard.refused_late(
-                task_name, slot, policy, timezone.now()
-            ):
+            late = policy
+            if context is not None and context.grace is not None:
+                late = dataclasses.replace(policy, catchup="none", grace=context.grace)
+            if late.catchup == "none" and guard.refused_late(task_name, slot, late, timezone.now()):
                 return None
             hooks = context or CallContext()
             return guard.execute(

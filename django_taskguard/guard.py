@@ -35,6 +35,12 @@ from .states import RunState
 logger = logging.getLogger("taskguard.guard")
 _ROW_LOCK = DatabaseLock()
 
+# The state a duplicate reports when Redis's finished marker decided it (the row,
+# succeeded, failed or skipped, was not read).
+FINISHED = "finished"
+FINISHED_STATES = frozenset(
+    {RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.MISSED}
+)
 R = TypeVar("R")
 
 
@@ -114,7 +120,7 @@ def execute(
         _duplicate(task_name, slot, RunState.RUNNING, policy)
         return None
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
-        _duplicate(task_name, slot, RunState.SUCCEEDED, policy)
+        _duplicate(task_name, slot, FINISHED, policy)
         return None
     owner = new_owner(token, instance)
     try:
@@ -133,7 +139,12 @@ def execute(
         raise
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
-            lock.release(key, token)
+            # A finished row (Redis was flushed, or its marker lapsed): put the marker
+            # back, so the next late call is decided in Redis again.
+            if outcome.state in FINISHED_STATES:
+                lock.finish(key, token)
+            else:
+                lock.release(key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
             left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
             _put_back(on_busy, left, task_name)
@@ -236,10 +247,12 @@ def _run(
             ended = True
             return None
         with activate(active):
-            beat = heartbeats.start(active, lock, key)
+            beat = None
             try:
-                # Inside the try: a receiver that raises fails this attempt
-                # (recorded), instead of leaving the row running until its lease lapses.
+                # Inside the try: a heartbeat that cannot start or a receiver that raises
+                # fails this attempt (recorded), instead of leaving the row running
+                # until its lease lapses.
+                beat = heartbeats.start(active, lock, key)
                 run_started.send(sender=active.task_name, run=active)
                 result = func(*args, **kwargs)
             except BaseException as exc:

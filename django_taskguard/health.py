@@ -11,8 +11,8 @@ A task is unhealthy when it is
   abandoned by a dead owner).
 
 A paused task is healthy, and says it is paused. Every read is an index probe
-per task (bounded by ``MAX_TASKS`` tasks), so the verdict costs the same on a
-million runs as on ten.
+per task (at most ``MAX_TASKS`` tasks), a fixed number of statements in all, so
+the verdict costs the same on a million runs as on ten.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class Verdict:
     checked_at: datetime
     tasks: list[TaskHealth]
     window: timedelta
+    left_out: bool = False  # more than MAX_TASKS tasks: the others were not judged
 
     @property
     def healthy(self) -> bool:
@@ -111,17 +112,18 @@ class Verdict:
             "checked_at": _iso(self.checked_at),
             "window_hours": self.window / timedelta(hours=1),
             "unhealthy": [task.task for task in self.unhealthy],
+            "left_out": self.left_out,
             "tasks": [task.as_dict() for task in self.tasks],
         }
 
 
 def check(*, task: str | None = None) -> Verdict:
     """Judge every known task (or one): raises ``BackendUnavailable`` when the ledger
-    cannot be read. A handful of statements whatever the number of runs: the facts
-    of 40 tasks are read by one statement of index probes."""
+    cannot be read. A handful of statements whatever the number of runs and tasks:
+    every task's facts are read by one statement of index probes."""
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
-    tasks = known_tasks()
+    tasks, left_out = known_tasks()
     if task is not None:
         tasks = [t for t in tasks if t.task == task]
     names = [t.task for t in tasks]
@@ -137,17 +139,24 @@ def check(*, task: str | None = None) -> Verdict:
     for health in tasks:
         if health.task in facts:
             judge(health, facts[health.task], now, window, failures)
-    return Verdict(now, tasks, window)
+    return Verdict(now, tasks, window, left_out)
 
 
-def known_tasks() -> list[TaskHealth]:
-    """The registered schedules, then the other task names the ledger has runs of."""
-    tasks = [from_schedule(row) for row in schedule_store.stored()[:MAX_TASKS]]
+def known_tasks() -> tuple[list[TaskHealth], bool]:
+    """The registered schedules, then the other task names the ledger has runs of (at most
+    ``MAX_TASKS``), and whether some were left out."""
+    stored = schedule_store.stored()
+    tasks = [from_schedule(row) for row in stored[:MAX_TASKS]]
     seen = {t.task for t in tasks}
-    for name in ledger.task_names(MAX_TASKS):
-        if name not in seen and len(tasks) < MAX_TASKS:
+    left_out = len(stored) > MAX_TASKS
+    for name in ledger.task_names(MAX_TASKS + 1):
+        if name in seen:
+            continue
+        if len(tasks) < MAX_TASKS:
             tasks.append(TaskHealth(name))
-    return tasks
+        else:
+            left_out = True
+    return tasks, left_out
 
 
 def from_schedule(row: TaskSchedule) -> TaskHealth:

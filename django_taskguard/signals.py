@@ -5,7 +5,9 @@ Every signal is sent with ``sender`` = the task name (a ``str``).
 - ``run_started(run)``: an attempt won its slot and is about to call the function.
 - ``run_succeeded(run, result)``; ``run_failed(run, exception)``.
 - ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
-- ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken.
+- ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken;
+  ``state`` is the row's, or ``"finished"`` when Redis's finished-slot marker decided
+  (the row was not read).
 - ``run_abandoned(run_id, slot, reason)``: a run was marked ``abandoned``: its owner died
   (found by cleanup or a later caller), or it was interrupted (``KeyboardInterrupt``,
   ``SystemExit``).

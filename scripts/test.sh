@@ -22,14 +22,12 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$docs_
 rm -rf "$docs_site"
 
 export TASKGUARD_SOAK_SECONDS="${TASKGUARD_SOAK_SECONDS:-15}"
-echo "== tests on SQLite"
-$PY -m pytest -m "not soak" "$@"
+echo "== tests on SQLite (the \"once\" tests run in the PostgreSQL pass only)"
+$PY -m pytest -m "not soak and not once" "$@"
 echo "== tests on PostgreSQL"
 TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
 echo "== version matrix: the smoke set on Django 4.2, 6.0 and 6.1"
 bash scripts/matrix.sh
-echo "== soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS)"
-status=0
-TASKGUARD_TEST_DB=postgres $PY -m pytest -m soak "$@" || status=$?
-# pytest exits 5 when no test carries the marker.
-if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+echo "== soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS; every chaos kind at least once)"
+# No exit-5 escape: a soak that vanished (no test carries the marker) is a failure.
+TASKGUARD_TEST_DB=postgres $PY -m pytest -m soak "$@"

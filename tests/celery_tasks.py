@@ -95,9 +95,10 @@ def gated(self, log: str, gate: str) -> str:
 
 
 # A prefork worker can take up to ~5 s (its maintain_pool timer) to notice that a
-# pool child was killed and requeue the message: a lease that outlives that.
+# pool child was killed and requeue the message: a lease that outlives that by far,
+# on a loaded machine too (the redelivery must find it live, to be put back).
 @shared_task(bind=True)
-@once_per_schedule(on_stale="retry", lease_seconds=8)
+@once_per_schedule(on_stale="retry", lease_seconds=20)
 def gated_long_lease(self, log: str, gate: str) -> str:
     return _gated(log, gate)
 

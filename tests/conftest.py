@@ -92,7 +92,11 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
-        wait_until_serving(self.process, self.port)
+        try:
+            wait_until_serving(self.process, self.port)
+        except BaseException:
+            self.kill()  # never leave a server behind a failed start
+            raise
 
     def client(self, db: int = 0):  # type: ignore[no-untyped-def]
         import redis
@@ -162,3 +166,43 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: f
 def scratch() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="taskguard-") as directory:
         yield Path(directory)
+
+
+@pytest.fixture(params=["database", "redis"])
+def lock_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Run the test with each lock backend: the database alone, and a private Redis.
+
+    Yields the backend's name. Under "redis", TASKGUARD points at a fresh
+    redis-server (with the default lease) for the whole test.
+    """
+    if request.param == "database":
+        yield "database"
+        return
+    from .redis_support import redis_backend
+
+    server = RedisServer(tmp_path / "lock-redis")
+    server.start()
+    try:
+        with redis_backend(server, LEASE_SECONDS=30):
+            yield "redis"
+    finally:
+        server.stop()
+
+
+def counted_duplicates(task_name: str | None = None, slot: object = None) -> int:
+    """The duplicates of the (one) run, with those the lock Redis still holds folded in.
+
+    A call that loses in Redis is counted on a claim record (one round trip);
+    ``cleanup_locks`` folds those into the row. Under the database backend it
+    changes nothing.
+    """
+    from django_taskguard.cleanup import cleanup_locks
+    from django_taskguard.models import TaskRun
+
+    cleanup_locks()
+    runs = TaskRun.objects.all()
+    if task_name is not None:
+        runs = runs.filter(task_name=task_name)
+    if slot is not None:
+        runs = runs.filter(slot=slot)
+    return int(runs.get().duplicates)

@@ -35,6 +35,24 @@ def wait_until(start_at: float) -> None:
         time.sleep(delay)
 
 
+def barrier(args: argparse.Namespace) -> None:
+    """Wait for the start: ``--go FILE`` (say ready in ``FILE.ready``, wait until FILE exists).
+
+    A start on a wall-clock time is a guess: a process still importing Django on a loaded
+    machine misses it and runs alone. The go file is an event the parent sends once every
+    child has said it is ready (``tests.race.release``).
+    """
+    if not args.go:
+        wait_until(args.start_at)
+        return
+    record(args.go + ".ready", str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(args.go):
+        if time.monotonic() > deadline:
+            raise SystemExit("the go file never came")
+        time.sleep(0.002)
+
+
 def race(args: argparse.Namespace) -> dict[str, int]:
     """Fire slots 0..N-1 of one task as fast as possible; count wins and losses."""
     from django_taskguard import current_run, once_per_schedule
@@ -42,10 +60,11 @@ def race(args: argparse.Namespace) -> dict[str, int]:
     @once_per_schedule(name=args.task)
     def body(index: int) -> int:
         run = current_run()
-        record(args.log, f"{index} {os.getpid()} {run.fence}")
+        record(args.log, f"{index} {os.getpid()} {run.fence} {time.time():.6f}")
         return index
 
-    wait_until(args.start_at)
+    barrier(args)
+    began = time.time()
     won = lost = 0
     for index in range(args.slots):
         slot = BASE_SLOT + timedelta(minutes=index)
@@ -53,7 +72,7 @@ def race(args: argparse.Namespace) -> dict[str, int]:
             lost += 1
         else:
             won += 1
-    return {"won": won, "lost": lost}
+    return {"won": won, "lost": lost, "began": began, "ended": time.time()}
 
 
 def hold(args: argparse.Namespace) -> dict[str, object]:
@@ -69,6 +88,9 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
         deadline = time.monotonic() + args.seconds
         while time.monotonic() < deadline:
             time.sleep(0.05)
+        if args.no_check:  # a body that never asks: only the fenced finish can refuse it
+            record(args.log, f"end {os.getpid()} {run.attempt} {run.fence}")
+            return "done"
         try:
             run.check()
         except LeaseLost:
@@ -131,7 +153,7 @@ def tick(args: argparse.Namespace) -> dict[str, object]:
         line("end", run, time.time())
         return "done"
 
-    wait_until(args.start_at)
+    barrier(args)
     return run_held(body, args.slot)
 
 
@@ -147,13 +169,32 @@ def down(args: argparse.Namespace) -> dict[str, object]:
         return "ran"
 
     outcome: dict[str, object] = {}
-    with override_settings(TASKGUARD={"BACKEND": "database", "DATABASE_ALIAS": "down"}):
+    config = {"BACKEND": args.backend, "REDIS_ALIAS": "redis", "DATABASE_ALIAS": "down"}
+    with override_settings(TASKGUARD=config):
         for label, call in (("run_for_slot", lambda: body.run_for_slot(BASE_SLOT)), ("call", body)):
             try:
                 outcome[label] = {"result": call()}
             except Exception as exc:
                 outcome[label] = {"error": type(exc).__name__, "message": str(exc)}
     return outcome
+
+
+def database_lost(args: argparse.Namespace) -> dict[str, object]:
+    """Run one slot (the ledger's identity is known, connections are open), wait for the
+    go file (meanwhile the test cuts the database off), then call the next slot."""
+    from django_taskguard import once_per_schedule
+
+    @once_per_schedule(name=args.task)
+    def body() -> str:
+        record(args.log, f"ran {os.getpid()}")
+        return "ran"
+
+    print(json.dumps({"first": body.run_for_slot(BASE_SLOT)}), flush=True)
+    barrier(args)
+    try:
+        return {"result": body.run_for_slot(BASE_SLOT + timedelta(minutes=1))}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
 
 
 def swarm(args: argparse.Namespace) -> dict[str, int]:
@@ -187,11 +228,12 @@ def _swarm_child(args: argparse.Namespace, body, warm: datetime) -> int:  # type
     code = 1
     try:
         assert body.run_for_slot(warm) is None  # warm up on a slot someone else holds
-        wait_until(args.start_at)
-        began = time.monotonic()
+        barrier(args)
+        began, at = time.monotonic(), time.time()
         result = body.run_for_slot(BASE_SLOT + timedelta(minutes=args.slot))
         took = time.monotonic() - began
-        line = {"pid": os.getpid(), "won": result is not None, "seconds": took}
+        line = {"pid": os.getpid(), "won": result is not None, "seconds": took,
+                "began": at, "ended": time.time()}  # fmt: skip
         record(args.results, json.dumps(line))
         code = 0
     except BaseException:
@@ -224,6 +266,7 @@ SCENARIOS = {
     "hold": hold,
     "tick": tick,
     "down": down,
+    "database_lost": database_lost,
     "swarm": swarm,
     "claim_then_die": claim_then_die,
 }
@@ -237,9 +280,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slots", type=int, default=200)
     parser.add_argument("--slot", type=int, default=0)
     parser.add_argument("--start-at", type=float, default=0.0)
+    parser.add_argument("--go", default="", help="start when this file exists (see barrier)")
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--lease", type=float, default=None)
     parser.add_argument("--on-stale", default="abandon")
+    parser.add_argument("--backend", default="database", help="the lock backend of `down`")
+    parser.add_argument("--no-check", action="store_true", help="`hold` never calls check()")
     parser.add_argument("--processes", type=int, default=100)
     parser.add_argument("--results", default="")
     args = parser.parse_args(argv)

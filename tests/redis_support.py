@@ -91,7 +91,11 @@ class TlsRedisServer(RedisServer):
              "--maxmemory-policy", "noeviction", *tls],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        wait_for(self._answers, timeout=10, what="the TLS redis-server to answer")
+        try:
+            wait_for(self._answers, timeout=30, what="the TLS redis-server to answer")
+        except BaseException:
+            self.kill()  # never leave a server behind a failed start
+            raise
 
     def _answers(self) -> bool:
         if self.process is not None and self.process.poll() is not None:

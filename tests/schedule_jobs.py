@@ -23,6 +23,7 @@ CATCHUP: Any = os.environ.get("TASKGUARD_TEST_CATCHUP", "latest")
 COUNT = int(os.environ.get("TASKGUARD_TEST_SCHEDULES", "1"))
 GRACE = timedelta(seconds=float(os.environ.get("TASKGUARD_TEST_GRACE", "2")))
 EVERY = timedelta(seconds=float(os.environ.get("TASKGUARD_TEST_EVERY", "1")))
+BODY_SECONDS = float(os.environ.get("TASKGUARD_TEST_BODY_SECONDS", "0"))
 
 
 def _make(number: int) -> Callable[[], None | None]:
@@ -31,6 +32,8 @@ def _make(number: int) -> Callable[[], None | None]:
         run = current_run()
         if LOG:
             record(LOG, f"{run.task_name} {run.slot.isoformat()} {os.getpid()} {time.time():.6f}")
+        if BODY_SECONDS:
+            time.sleep(BODY_SECONDS)
 
     return job
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.auth.models import Permission, User
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from django_taskguard.admin import TaskRunAdmin
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
 from .runs import make_run
@@ -194,8 +195,15 @@ def test_admin__actions_need_a_csrf_token():
     assert TaskRun.objects.get(pk=run.pk).state == RunState.ABANDONED
 
 
-def test_admin__no_full_count():
-    assert TaskRunAdmin.show_full_result_count is False
+def test_admin__a_filtered_changelist_does_not_count_the_whole_table(viewer):
+    """A ledger has millions of rows: a filter must not add a COUNT(*) over all of them."""
+    make_run("tests.x", 0)
+    with CaptureQueriesContext(connection) as queries:
+        response = viewer.get(CHANGELIST, {"state__exact": RunState.RUNNING})
+    assert response.status_code == 200
+    counts = [q["sql"] for q in queries.captured_queries if "COUNT(" in q["sql"].upper()]
+    assert counts, "the filtered count itself is expected"
+    assert all("WHERE" in sql.upper() for sql in counts), counts
 
 
 # -- the per-task overview -------------------------------------------------------------

@@ -21,7 +21,8 @@ from django_taskguard.models import RunState, TaskRun
 from .conftest import ROOT
 from .runs import make_run
 
-pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+# "once": scripts/test.sh runs it in the PostgreSQL pass only.
+pytestmark = [pytest.mark.browser, pytest.mark.once, pytest.mark.django_db(transaction=True)]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -62,6 +63,18 @@ def browser() -> Iterator[object]:
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def fits_width(driver) -> None:  # type: ignore[no-untyped-def]
+    """Wait (after a resize, for the layout) until the page needs no horizontal scrollbar."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, 10).until(
+        lambda d: d.execute_script(
+            "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+        ),
+        "the page is wider than the window: a horizontal scrollbar at 1400 px",
+    )
 
 
 def navigate(driver, element) -> None:  # type: ignore[no-untyped-def]
@@ -107,9 +120,7 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
     assert "worker-3:4242" in owners  # where it ran; the token on hover
     # Every column fits a laptop screen: no horizontal scrollbar at 1400 px.
     driver.set_window_size(1400, 900)
-    assert driver.execute_script(
-        "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
-    )
+    fits_width(driver)
     driver.set_window_size(1600, 900)
     driver.find_element(By.CSS_SELECTOR, f"input.action-select[value='{stale.pk}']").click()
     Select(driver.find_element(By.NAME, "action")).select_by_value("cleanup_stale_locks")
@@ -201,9 +212,7 @@ def test_admin_browser__overview_strip_links_and_pause(browser, live_server, tmp
     assert "failing: its last 3 runs failed" in rows[1].text
     # Nothing hides behind a horizontal scrollbar at 1400 px.
     driver.set_window_size(1400, 900)
-    assert driver.execute_script(
-        "return document.documentElement.scrollWidth <= document.documentElement.clientWidth"
-    )
+    fits_width(driver)
     driver.set_window_size(1600, 900)
     shot = tmp_path / "overview-screenshot.png"
     assert driver.save_screenshot(str(shot))

@@ -40,6 +40,9 @@ from tests.redis_support import child_redis_env, guard_key, redis_backend
 
 from .slots import BASE_SLOT
 
+# Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
+pytestmark = pytest.mark.once
+
 TICK = "tests.celery_tasks.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 PERSISTENT = "django_taskguard.contrib.celery:TaskguardScheduler"
@@ -365,23 +368,46 @@ def test_e2e__two_workers_four_beats_every_slot_once(cluster, scratch, backend, 
 
 
 def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
+    """Rolling restarts of two beats of each kind: no beat re-sends a slot it sent before
+    its restart, and no slot goes unsent.
+
+    One beat of each kind is up at every moment, so a restart that takes longer than
+    the 2 s interval on a loaded machine leaves no gap in the slots.
+    """
     log = scratch / "executions.log"
     interval_task("tick-db", 2, log)
     schedule = {"tick-file": {"task": TICK, "every": 2, "kwargs": {"log": str(log)}}}
+    beats = {"file-beat1": PERSISTENT, "db-beat1": DATABASE,
+             "file-beat2": PERSISTENT, "db-beat2": DATABASE}  # fmt: skip
+
+    def start(name: str) -> None:
+        cluster.beat(name, beats[name], schedule if beats[name] == PERSISTENT else None)
+
+    def sent_by(name: str) -> int:
+        return sum(1 for *_, role in published(cluster) if role == name)
+
     cluster.worker("w1")
-    cluster.beat("file-beat", PERSISTENT, schedule)
-    cluster.beat("db-beat", DATABASE)
-    wait_for(lambda: len(published(cluster)) >= 6, 60, "the beats to publish", cluster)
+    for name in beats:
+        start(name)
+    wait_for(lambda: all(sent_by(n) >= 2 for n in beats), 60, "every beat to publish", cluster)
     for _ in range(2):
-        for name, scheduler in (("file-beat", PERSISTENT), ("db-beat", DATABASE)):
-            cluster.stop(name)
-            cluster.beat(name, scheduler, schedule if scheduler == PERSISTENT else None)
-        time.sleep(5)
-    cluster.stop("file-beat")
-    cluster.stop("db-beat")
+        for pair in (("file-beat1", "db-beat1"), ("file-beat2", "db-beat2")):
+            before = {name: sent_by(name) for name in pair}
+            for name in pair:
+                cluster.stop(name)
+                start(name)
+            # Back in service: each restarted beat has sent again (from its schedule).
+            wait_for(
+                lambda: all(sent_by(n) >= before[n] + 2 for n in pair),  # noqa: B023
+                60,
+                f"{pair} to publish after their restart",
+                cluster,
+            )
+    for name in beats:
+        cluster.stop(name)
     drain([f"{TICK}[tick-file]", f"{TICK}[tick-db]"])
-    sends = Counter((entry, slot) for entry, slot, _ in published(cluster))
-    assert max(sends.values()) == 1, f"a slot was re-sent: {sends.most_common(2)}"
+    by_beat = Counter(published(cluster))
+    assert max(by_beat.values()) == 1, f"a beat re-sent a slot: {by_beat.most_common(2)}"
     assert_each_slot_ran_once(cluster, log, timedelta(seconds=2))
 
 
@@ -440,7 +466,6 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
     assert victim is not None
     time.sleep(1.0)
     cluster.signal(victim, signal.SIGKILL)
-    killed_at = time.monotonic()
     final = RunState.SUCCEEDED if on_stale == "retry" else RunState.ABANDONED
     try:
         wait_for(
@@ -466,7 +491,6 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
         abandoned = run.transitions.get(to_state=RunState.ABANDONED)
         assert "on_stale=abandon" in abandoned.reason
         assert abandoned.owner != run.owner  # recorded by the redelivered message's attempt
-    assert time.monotonic() - killed_at < 90
     assert not TaskRun.objects.filter(state__in=OPEN_STATES).exists()
     assert_lock_redis_settled(cluster)
 
@@ -541,7 +565,7 @@ def test_e2e__redelivery_while_the_attempt_lives_is_put_back_then_counted_once(
 
 def test_e2e__redelivery_of_a_killed_attempt_is_put_back_then_takes_over(cluster, scratch):
     """The pool child running attempt 1 is SIGKILLed: its worker requeues the message
-    (acks_late + reject_on_worker_lost) while the dead attempt's 8 s lease is still
+    (acks_late + reject_on_worker_lost) while the dead attempt's 20 s lease is still
     live. The redelivery is put back, and when it returns the lease has expired by the
     database clock: on_stale="retry" takes the slot over as attempt 2 with a new fence.
     (The Redis backend's put-back path runs in the test above.)"""
@@ -562,7 +586,7 @@ def test_e2e__redelivery_of_a_killed_attempt_is_put_back_then_takes_over(cluster
     os.kill(first_pid, signal.SIGKILL)  # the pool child only: its worker lives on
     wait_for(
         lambda: TaskRun.objects.filter(task_name=name, state=RunState.SUCCEEDED).exists(),
-        60,
+        90,
         "the takeover to succeed",
         cluster,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -170,6 +171,11 @@ def hold(env: dict[str, str], log: Path, task: str, slot: int, seconds: float, l
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)  # a readline alone can hang
+    if not ready:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"the child did not start its body in 60 s: {err}")
     line = proc.stdout.readline()
     assert line, proc.stderr.read() if proc.stderr else "the child died"
     return proc, json.loads(line)["started"]
@@ -198,10 +204,11 @@ def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_en
 
 def test_cleanup_locks__live_child_holding_its_lease_is_untouched(child_env, scratch):
     log = scratch / "exec.log"
-    owner, run_id = hold(child_env, log, "tests.alive", 0, seconds=6, lease=2)
+    # A 4 s lease renewed every 1.3 s: a renewal may come 2.6 s late on a loaded machine.
+    owner, run_id = hold(child_env, log, "tests.alive", 0, seconds=10, lease=4)
     try:
-        # Several lease lengths pass: the heartbeat keeps renewing, cleanup finds nothing.
-        deadline = time.monotonic() + 5
+        # Two lease lengths pass: the heartbeat keeps renewing, cleanup finds nothing.
+        deadline = time.monotonic() + 8.5
         while time.monotonic() < deadline:
             assert json.loads(command("--json"))["stale_runs"] == 0
             time.sleep(0.5)
@@ -270,7 +277,7 @@ def test_startup_cleanup__only_dead_pids_of_this_pid_space():
         assert startup_cleanup() == 1
     finally:
         sleeper.kill()
-        sleeper.wait()
+        sleeper.wait(timeout=10)
     states = {r.pk: r.state for r in TaskRun.objects.all()}
     assert states[dead.pk] == RunState.ABANDONED
     for untouched in (live, mine, sibling, legacy):

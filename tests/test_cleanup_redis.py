@@ -119,12 +119,13 @@ def test_cleanup_locks_redis__claim_of_a_recorded_slot_adds_its_count(redis_sett
     client = redis_settings.client()
     run = make_run("tests.c", 0, state=RunState.SUCCEEDED)
     TaskRun.objects.filter(pk=run.pk).update(duplicates=1)
-    lease = 30.0 if winner == "lost_to_the_row" else 0.3
-    slot_key = claim(run.task_name, run.slot, "tokwin", 3, lease)
+    # A long lease, cut short by hand: a 0.3 s lease could lapse between the acquires
+    # on a loaded machine, and a "loser" would win.
+    slot_key = claim(run.task_name, run.slot, "tokwin", 3, lease=30.0)
     if winner == "lost_to_the_row":
         assert get_backend().release(slot_key, "tokwin")  # what a winner does on a taken row
     else:  # its release_counted never reached Redis: the lock lapses with the count on it
-        wait_for(lambda: client.get(slot_key) is None, what="the winner's lease to lapse")
+        lapse(client, slot_key)
     assert client.exists(claim_key(slot_key))
     assert cleanup_locks().as_dict() == counts()
     run.refresh_from_db()
@@ -139,8 +140,8 @@ def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
 ):
     client = redis_settings.client()
     name = "tests.meanwhile"
-    slot_key = claim(name, BASE, "tokdead", 2, lease=0.3)
-    wait_for(lambda: client.get(slot_key) is None, what="the dead winner's lease to lapse")
+    slot_key = claim(name, BASE, "tokdead", 2, lease=30.0)
+    lapse(client, slot_key)
     children = []
     insert_abandoned = ledger.insert_abandoned
 
@@ -173,15 +174,15 @@ def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
     client = redis_settings.client()
     lock = get_backend()
     name = "tests.again"
-    slot_key = claim(name, BASE, "tokdead", 2, lease=0.3)
-    wait_for(lambda: client.get(slot_key) is None, what="the dead winner's lease to lapse")
+    slot_key = claim(name, BASE, "tokdead", 2, lease=30.0)
+    lapse(client, slot_key)
 
     insert_abandoned = ledger.insert_abandoned
 
     def new_caller_wins_redis(task_name: str, slot: datetime, **kwargs: Any) -> int | None:
         # A new call wins the free Redis lock after cleanup read the record: the
         # record's count is now that call's to fold when it releases.
-        assert lock.acquire(slot_key, "toknew", 0.3, name) is Acquired.WON
+        assert lock.acquire(slot_key, "toknew", 30.0, name) is Acquired.WON
         return insert_abandoned(task_name, slot, **kwargs)
 
     monkeypatch.setattr(ledger, "insert_abandoned", new_caller_wins_redis)
@@ -191,7 +192,7 @@ def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
     run = TaskRun.objects.get(task_name=name)
     assert (run.state, run.duplicates) == (RunState.ABANDONED, 0)  # the count went back
     assert client.hget(claim_key(slot_key), "count") == b"2"
-    wait_for(lambda: client.get(slot_key) is None, what="the new call's lease to lapse")
+    lapse(client, slot_key)  # the new call dies too
     assert cleanup_locks().as_dict() == counts()  # the new call died too: the next run folds it
     run.refresh_from_db()
     assert (run.state, run.duplicates, run.transitions.count()) == (RunState.ABANDONED, 2, 1)
@@ -200,8 +201,13 @@ def test_cleanup_locks_redis__claim_taken_again_mid_sweep_is_counted_once(
     assert TaskRun.objects.get(pk=run.pk).duplicates == 2
 
 
+def lapse(client, slot_key: str) -> None:  # type: ignore[no-untyped-def]
+    """The holder of ``slot_key`` is dead: its (long) lease lapses now."""
+    client.pexpire(slot_key, 1)
+    wait_for(lambda: client.get(slot_key) is None, what="the lease to lapse")
+
+
 def counts(**nonzero: int) -> dict[str, object]:
     return {**dict.fromkeys(["stale_runs", "released_locks", "orphan_keys"], 0),
             "unrecorded_slots": 0, "dry_run": False, "runs": [], "in_flight": [],
-            "missed_slots": 0,
-            **nonzero}  # fmt: skip
+            "missed_slots": 0, **nonzero}  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -15,6 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 from django_taskguard.contrib.celery import (
+    GRACE_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
     EpochInterval,
@@ -52,7 +54,10 @@ def test_slot_for__interval_is_epoch_aligned():
     slot = slot_for(every, now)
     assert slot <= now < slot + timedelta(seconds=7)
     assert (slot - datetime(1970, 1, 1, tzinfo=UTC)) % timedelta(seconds=7) == timedelta(0)
-    assert slot_for(every, now + timedelta(seconds=3)) in (slot, slot + timedelta(seconds=7))
+    assert slot == utc(2026, 3, 1, 12, 0, 0)  # 12:00 UTC is a multiple of 7 s since the epoch
+    assert slot_for(every, now + timedelta(seconds=3)) == slot
+    assert slot_for(every, slot + timedelta(seconds=7, microseconds=-1)) == slot
+    assert slot_for(every, slot + timedelta(seconds=7)) == slot + timedelta(seconds=7)
 
 
 def test_slot_for__crontab_uses_the_crontab_time_zone():
@@ -179,6 +184,23 @@ def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transact
     assert len(executions(log)) == 1
 
 
+def test_eager__beat_entry_grace_header_records_a_late_message_missed(
+    eager, transactional_db, tmp_path
+):
+    """A beat entry's options={"headers": {"taskguard_grace": 60}}: a message later than
+    60 s after its slot is recorded missed and not run; one in time runs."""
+    log = tmp_path / "log"
+    late = BASE_SLOT + timedelta(hours=9)
+    in_time = datetime.now(timezone.utc).replace(microsecond=0)
+    for slot in (late, in_time):
+        headers = {**slot_headers(slot, "graced"), GRACE_HEADER: 60}
+        celery_tasks.tick.apply_async(kwargs={"log": str(log), "seconds": 0}, headers=headers)
+    missed = TaskRun.objects.get(slot=late)
+    assert missed.state == RunState.MISSED and "grace (60s)" in missed.error
+    assert TaskRun.objects.get(slot=in_time).state == RunState.SUCCEEDED
+    assert len(executions(log)) == 1
+
+
 def test_eager__no_slot_and_no_schedule_is_recorded_and_raised(eager, transactional_db, tmp_path):
     with pytest.raises(TaskGuardError, match="no slot"):
         celery_tasks.unscheduled.delay(log=str(tmp_path / "log")).get()
@@ -276,22 +298,24 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
         for i in range(2)
     ]
     entry = TaskguardEntry(
-        name="tick-2s-down",
+        name="tick-60s-down",
         task="tests.celery_tasks.tick",
-        schedule=timedelta(seconds=2),
+        schedule=timedelta(seconds=60),
         kwargs={"log": str(log), "seconds": 0},
         app=app,
     )
+    # Both sends must fall in one slot: never start within 20 s of a slot boundary.
+    if time.time() % 60 > 40:
+        time.sleep(60.5 - time.time() % 60)
     with override_settings(
         CACHES=caches, TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
     ):
         sent = [beat.apply_async(entry, advance=False) for beat in beats]
     assert all(result is not None for result in sent)
-    # Both beats sent; the two sends may straddle a 2 s slot boundary (one slot or two).
-    runs = list(TaskRun.objects.all())
-    assert {run.state for run in runs} == {RunState.SUCCEEDED}
-    assert len(executions(log)) == len(runs)
-    assert sum(run.duplicates for run in runs) == 2 - len(runs)
+    # Both beats sent (no claim without Redis); the slot ran once, the other copy is counted.
+    (run,) = TaskRun.objects.all()
+    assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 1)
+    assert len(executions(log)) == 1
 
 
 def test_eager__beat_claim_is_given_back_when_the_publish_fails(

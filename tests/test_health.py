@@ -227,3 +227,15 @@ def test_health_view__a_bearer_token_when_set():
         assert wrong["WWW-Authenticate"] == 'Bearer realm="taskguard"'
         assert probe.get(HEALTH).status_code == 401
         assert staff_client().get(HEALTH).status_code == 200  # staff still may
+
+
+def test_check_schedules__says_when_tasks_were_left_out(monkeypatch):
+    monkeypatch.setattr(health, "MAX_TASKS", 2)
+    for name in ("tests.a", "tests.b", "tests.c"):
+        finished(name, due_slot())
+    status, out = run_check()
+    assert status == 0, out
+    assert "Only the first 2 tasks were judged; the others were not." in out
+    verdict = json.loads(run_check("--json")[1])
+    assert verdict["left_out"] is True
+    assert [task["task"] for task in verdict["tasks"]] == ["tests.a", "tests.b"]

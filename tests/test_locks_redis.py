@@ -63,6 +63,15 @@ def test_redis_lock__acquire_counts_duplicates_and_release_compares_token(redis_
         assert list(lock.scan_run_keys()) == []
 
 
+def test_redis_lock__acquire_sets_the_lease_it_is_given(redis_server):
+    with redis_backend(redis_server) as lock:
+        for lease in (30, 2.5):
+            key = run_key("taskguard", "tests.lease", SLOT + timedelta(seconds=lease))
+            assert lock.acquire(key, "a" * 32, lease, "tests.lease") is Acquired.WON
+            ttl = command(redis_server, "pttl", key)
+            assert lease * 1000 - 1000 < ttl <= lease * 1000, (lease, ttl)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_redis_lock__keys_are_fixed_and_versionless(redis_server):
     with redis_backend(redis_server) as lock:
@@ -433,8 +442,7 @@ def test_claim_once__set_once_then_compare_and_delete(redis_server):
             claim_once("tg:beat:z", "beat-1", 60)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
+def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path, db):
     """Each script's keys share one hash slot: a cluster-mode node runs them (no CROSSSLOT)."""
     # (the cluster bus needs a port of its own: port + 10000 may not exist)
     bus = ("--cluster-port", str(free_port()))
@@ -448,19 +456,19 @@ def test_redis_lock__every_script_runs_on_a_cluster_node(tmp_path):
         with pytest.raises(ResponseError, match="same slot"):  # CROSSSLOT: the node does check
             command(server, "eval", "return 1", 2, "tests:a", "tests:b")
         with redis_backend(server) as lock:
-            KEY = lock.key("tests.lock", SLOT)  # under this ledger's prefix, which scans use
-            assert lock.acquire(KEY, "a" * 32, 3, "tests.lock") is Acquired.WON
-            assert lock.acquire(KEY, "b" * 32, 3, "tests.lock") is Acquired.LOST
-            assert lock.extend(KEY, "a" * 32, 30)
-            assert not lock.release(KEY, "b" * 32)
-            assert lock.release_counted(KEY, "a" * 32) == 1
-            assert lock.acquire(KEY, "d" * 32, 3, "tests.lock") is Acquired.WON
-            assert lock.acquire(KEY, "e" * 32, 3, "tests.lock") is Acquired.LOST
-            assert lock.take_duplicates(KEY) == 1
-            assert lock.release(KEY, "d" * 32)
-            assert lock.acquire(KEY, "f" * 32, 3, "tests.lock") is Acquired.WON
-            assert lock.finish(KEY, "f" * 32) == 0
-            assert lock.acquire(KEY, "g" * 32, 3, "tests.lock") is Acquired.FINISHED
+            key = lock.key("tests.lock", SLOT)  # this ledger's keys: the sweep scans for them
+            assert lock.acquire(key, "a" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(key, "b" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.extend(key, "a" * 32, 30)
+            assert not lock.release(key, "b" * 32)
+            assert lock.release_counted(key, "a" * 32) == 1
+            assert lock.acquire(key, "d" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.acquire(key, "e" * 32, 3, "tests.lock") is Acquired.LOST
+            assert lock.take_duplicates(key) == 1
+            assert lock.release(key, "d" * 32)
+            assert lock.acquire(key, "f" * 32, 3, "tests.lock") is Acquired.WON
+            assert lock.finish(key, "f" * 32) == 0
+            assert lock.acquire(key, "g" * 32, 3, "tests.lock") is Acquired.FINISHED
             assert [record.duplicates for record in lock.unrecorded_claims()] == [1]
             assert list(lock.scan_run_keys()) == []
             assert lock.errors == 0
@@ -617,3 +625,26 @@ def test_redis_lock__connections_dropped_on_errors_are_reused(redis_server):
         lock._probe_at = 0.0
         assert lock.acquire(other, "b" * 32, 30) is Acquired.WON
         assert lock.acquire(other, "c" * 32, 30) is Acquired.LOST
+
+
+@pytest.mark.django_db(transaction=True)
+def test_guard__a_flushed_marker_is_put_back_by_the_next_late_call(redis_server):
+    # Redis forgot the finished slot (FLUSHALL): the next call wins Redis, finds the row
+    # finished (one query), and leaves the marker again, so later ones cost no query.
+    with redis_backend(redis_server) as lock:
+        job = once_per_schedule(name="tests.remarked")(lambda: "ran")
+        assert job.run_for_slot(SLOT) == "ran"
+        command(redis_server, "flushall")
+        assert job.run_for_slot(SLOT) is None
+        assert command(redis_server, "get", lock.key("tests.remarked", SLOT)) == b"=done"
+        seen: list[str] = []
+        duplicate_suppressed.connect(
+            lambda state, **_: seen.append(state), weak=False, dispatch_uid="tests.remarked"
+        )
+        try:
+            with CaptureQueriesContext(connection) as queries:
+                assert job.run_for_slot(SLOT) is None
+        finally:
+            duplicate_suppressed.disconnect(dispatch_uid="tests.remarked")
+        assert len(queries) == 0
+        assert seen == ["finished"]

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -145,3 +145,31 @@ def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch,
         assert set(down.values_list("state", flat=True)) == {RunState.MISSED}
         # After the restart: the latest slot only, then every slot.
         assert after == slots_between(after[0], after[-1])
+
+
+@pytest.mark.parametrize(("stop_timeout", "finishes"), [("20", True), ("1", False)])
+def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
+    child_env, scratch, stop_timeout, finishes
+):
+    """A 4 s body is running when SIGTERM comes: it finishes (recorded succeeded) within
+    --stop-timeout 20; with --stop-timeout 1 the copy exits non-zero and the run is left
+    running, for cleanup_locks to record abandoned when its lease lapses."""
+    log = scratch / "executions.log"
+    env = schedule_env(
+        child_env, log, f"tests.term-{stop_timeout}", TASKGUARD_TEST_BODY_SECONDS="4"
+    )
+    copy = Copy(env, scratch / "a.out", "--stop-timeout", stop_timeout)
+    wait_for(lambda: len(executions(log)) >= 2, timeout=60, what="bodies started")
+    signalled = datetime.now(timezone.utc)
+    code = copy.stop()
+    done = executions(log)
+    assert max(slot for _, slot in done) <= signalled, "a slot was fired after SIGTERM"
+    states = set(TaskRun.objects.filter(task_name__startswith=f"tests.term-{stop_timeout}")
+                 .values_list("state", flat=True))  # fmt: skip
+    if finishes:
+        assert code == 0
+        assert states == {RunState.SUCCEEDED}
+    else:
+        assert code != 0
+        assert RunState.RUNNING in states
+    assert "SIGTERM, no new fires" in (scratch / "a.out").read_text()

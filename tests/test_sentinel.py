@@ -34,6 +34,9 @@ from .redis_support import (
 )
 from .slots import BASE_SLOT
 
+# Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
+pytestmark = pytest.mark.once
+
 SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.sentinel", SLOT)
 A, B = "a" * 32, "b" * 32
@@ -211,9 +214,11 @@ def test_sentinel_failover__slot_held_across_it_runs_once(sentinel, transactiona
 
     with sentinel_backend(sentinel) as lock:
         if not replicated:
-            # The replica takes our SET off the wire but applies nothing for 800 ms;
-            # the master dies before that, so the write is never replicated.
-            on_db(sentinel.replica, 0, "client_pause", 800, True)
+            # The replica takes our SET off the wire but applies nothing for 4 s (and
+            # drops it when its master link dies): the master dies well before that, on a
+            # loaded machine too, so the write is never replicated. (CLIENT UNPAUSE would
+            # itself wait for the pause to end; the Sentinel promotes the replica after it.)
+            on_db(sentinel.replica, 0, "client_pause", 4000, True)
         assert job.run_for_slot(SLOT) == "ran"
         # After the failover, once more: it meets the finished marker on the new master
         # and is counted there (one round trip); cleanup_locks adds it to the row.

@@ -67,7 +67,11 @@ def test_check_transition__allowed_pair_passes(from_state, to_state):
 def test_check_transition__every_other_pair_raises(from_state, to_state):
     with pytest.raises(IllegalTransition, match=f"{from_state}.*{to_state}"):
         check_transition(from_state, to_state)
-    assert issubclass(IllegalTransition, TaskGuardError)
+
+
+def test_check_transition__refusal_is_caught_as_taskguard_error():
+    with pytest.raises(TaskGuardError, match=r"succeeded.*running"):
+        check_transition("succeeded", "running")
 
 
 def test_check_transition__unknown_state_raises():

@@ -395,9 +395,30 @@ def finish(
     return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
 
-def renew(run_id: int, fence: int, lease_seconds: float) -> datetime | None:
-    """Extend a live attempt's lease; ``None`` when the attempt no longer owns the row."""
-    values = _one(sql.renew(_dialect()), [lease_seconds, run_id, fence])
+def renew(
+    run_id: int, fence: int, lease_seconds: float, timeout_seconds: float | None = None
+) -> datetime | None:
+    """Extend a live attempt's lease; ``None`` when the attempt no longer owns the row.
+
+    Only a ``running`` row with this ``fence`` is renewed: an attempt that
+    finished, paused for a retry or was taken over (a new fence) never is.
+    ``timeout_seconds`` bounds the renewal (its waits for locks and its run
+    time); past it the database's error is raised, as for any failed renewal.
+    """
+    d = _dialect()
+    params = [lease_seconds, run_id, fence]
+    if timeout_seconds is None:
+        values = _one(sql.renew(d), params)
+    else:
+        own = sql.busy_timeout(d)
+        previous = _one(own, []) if own else None
+        try:
+            with transaction.atomic(using=alias()):
+                _one(sql.renew_timeout(d, max(1, round(timeout_seconds * 1000))), [])
+                values = _one(sql.renew(d), params)
+        finally:
+            if previous:
+                _one(sql.renew_timeout(d, int(previous[0])), [])
     return aware(values[0]) if values else None
 
 
@@ -923,7 +944,7 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
         for start in range(0, len(names), FACTS_CHUNK):
             part = names[start : start + FACTS_CHUNK]
             for name, run_id, slot, state in _all(
-                sql.recent_runs(d, len(part)), [*part, max(limit - 1, 0)]
+                sql.recent_runs(d, len(part)), [*part, sql.recent_limit(d, limit)]
             ):
                 slot_at = aware(slot)
                 assert slot_at is not None

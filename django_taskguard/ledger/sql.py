@@ -258,6 +258,29 @@ def renew(d: Dialect) -> str:
     )
 
 
+@lru_cache
+def renew_timeout(d: Dialect, milliseconds: int) -> str:
+    """Bound the renewal that follows: it waits for locks and runs ``milliseconds`` at most.
+
+    PostgreSQL: ``SET LOCAL`` (``set_config(..., true)``) of ``statement_timeout`` and
+    ``lock_timeout``, for the renewal's own transaction only. SQLite: the
+    connection's busy timeout (put back afterwards, see :func:`busy_timeout`).
+    """
+    ms = int(milliseconds)  # a number, never text: safe to write into the statement
+    if d.vendor == "postgresql":
+        return (
+            f"SELECT set_config('statement_timeout', '{ms}', true), "
+            f"set_config('lock_timeout', '{ms}', true)"
+        )
+    return f"PRAGMA busy_timeout = {ms}"
+
+
+def busy_timeout(d: Dialect) -> str | None:
+    """Read the connection's own wait for locks, to put back after a bounded renewal
+    (None: the bound ends with the renewal's transaction)."""
+    return "PRAGMA busy_timeout" if d.vendor == "sqlite" else None
+
+
 # -- counting and recording what no attempt wrote --------------------------------
 
 
@@ -466,24 +489,35 @@ def task_facts(d: Dialect, tasks: int) -> str:
 
 
 # The runs of each task whose slot is at or after its ``limit``-th latest (the tasks a
-# VALUES list; one backward probe and one range scan of (task_name, slot) each).
-# Parameters after the VALUES: limit - 1 (the OFFSET).
-_RECENT = (
-    "WITH t(name) AS (VALUES {tasks}) "
-    "SELECT r.task_name, r.id, r.slot, r.state "
-    "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
-    "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "
-    "LIMIT 1 OFFSET %s), {oldest})"
-)
-_OLDEST = {
-    "postgresql": "CAST('-infinity' AS timestamp with time zone)",
-    "sqlite": "'0000-01-01'",
+# VALUES list; one backward probe and one range scan of (task_name, slot) each). On
+# PostgreSQL a LATERAL join says the same with a LIMIT the planner sees (a plan that
+# looks cheap, so no JIT compilation on a big table). Parameter after the VALUES: the
+# limit (PostgreSQL) or the limit less one (the OFFSET, SQLite).
+_RECENT = {
+    "postgresql": (
+        "WITH t(name) AS (VALUES {tasks}) "
+        "SELECT t.name, r.id, r.slot, r.state FROM t CROSS JOIN LATERAL "
+        "(SELECT q.id, q.slot, q.state FROM {run} q WHERE q.task_name = t.name "
+        "ORDER BY q.slot DESC LIMIT %s) AS r"
+    ),
+    "sqlite": (
+        "WITH t(name) AS (VALUES {tasks}) "
+        "SELECT r.task_name, r.id, r.slot, r.state "
+        "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
+        "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "
+        "LIMIT 1 OFFSET %s), '0000-01-01')"
+    ),
 }
+
+
+def recent_limit(d: Dialect, limit: int) -> int:
+    """The parameter :func:`recent_runs` takes for ``limit`` runs per task."""
+    return limit if d.vendor == "postgresql" else max(limit - 1, 0)
 
 
 @lru_cache
 def recent_runs(d: Dialect, tasks: int) -> str:
     """Each of ``tasks`` tasks' runs with the latest slots (parameters: the names, then
-    the limit less one)."""
+    :func:`recent_limit` of the limit)."""
     rows = ", ".join([_NAME_ROW[d.vendor]] * tasks)
-    return _format(_RECENT.replace("{tasks}", rows).replace("{oldest}", _OLDEST[d.vendor]), d)
+    return _format(_RECENT[d.vendor].replace("{tasks}", rows), d)

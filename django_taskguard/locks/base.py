@@ -77,6 +77,10 @@ class LockBackend(ABC):
         """Backend-side cleanup: ``(unrecorded slots recorded, orphan keys removed)``."""
         return 0, 0
 
+    def claimed_task_names(self) -> set[str]:
+        """Tasks the backend holds claim records of (a slot may have no row yet)."""
+        return set()
+
     def take_duplicates(self, key: str) -> int:
         """Return and reset the duplicates counted for ``key`` (folded into the row)."""
         return 0

@@ -425,6 +425,18 @@ class RedisLock(LockBackend):
         except RedisError as exc:
             raise self._loud("scan the claim records", exc) from exc
 
+    def claimed_task_names(self) -> set[str]:
+        """Tasks of every claim record under this ledger's prefix (by ``SCAN``), held or not."""
+        match = scan_pattern(self.key_prefix(), CLAIM)
+        try:
+            keys = [str(key) for key in self.client.scan_iter(match=match, count=500)]
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(key, "task")
+            return {str(name) for name in pipe.execute() if name}
+        except RedisError as exc:
+            raise self._loud("scan the claim records", exc) from exc
+
     def _claim_record(self, key: str) -> ClaimRecord | None:
         pipe = self.client.pipeline(transaction=False)
         pipe.get(lock_key(key))

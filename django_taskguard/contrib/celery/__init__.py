@@ -18,6 +18,7 @@ from typing import Any
 
 from .headers import (
     DEFERRED_HEADER,
+    GRACE_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
     message_headers,
@@ -28,6 +29,7 @@ from .worker import celery_call_context, register
 
 __all__ = [
     "DEFERRED_HEADER",
+    "GRACE_HEADER",
     "SCHEDULE_HEADER",
     "SLOT_HEADER",
     "TaskguardDatabaseScheduler",

@@ -26,7 +26,22 @@ SLOT_HEADER = "taskguard_slot"
 SCHEDULE_HEADER = "taskguard_schedule"
 PERIODIC_TASK_HEADER = "periodic_task_name"  # django-celery-beat's own header
 DEFERRED_HEADER = "taskguard_deferred"  # how often a redelivery was put back
-HEADERS = (SLOT_HEADER, SCHEDULE_HEADER, PERIODIC_TASK_HEADER, DEFERRED_HEADER)
+# A beat entry's misfire grace, in seconds, set by the user in the entry's
+# ``options={"headers": {"taskguard_grace": 60}}``: a message later than that is recorded missed.
+GRACE_HEADER = "taskguard_grace"
+HEADERS = (SLOT_HEADER, SCHEDULE_HEADER, PERIODIC_TASK_HEADER, DEFERRED_HEADER, GRACE_HEADER)
+
+
+def grace_of(headers: dict[str, Any]) -> timedelta | None:
+    """The ``taskguard_grace`` header as a timedelta (None: absent or not a positive number)."""
+    value = headers.get(GRACE_HEADER)
+    try:
+        seconds = float(value) if value is not None and not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        seconds = None
+    if seconds is None or not 0 < seconds <= 7 * 86_400:
+        return None
+    return timedelta(seconds=seconds)
 
 
 def task_identity(task_name: str, schedule_name: str | None) -> str:

@@ -29,6 +29,7 @@ from .headers import (
     PERIODIC_TASK_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
+    grace_of,
     message_headers,
     task_identity,
 )
@@ -64,6 +65,7 @@ def celery_call_context() -> CallContext | None:
         classify_raise=partial(classify_raise, task, request),
         instance=getattr(request, "hostname", None) or None,
         on_busy=partial(defer, task, request) if _may_be_stranded(request, headers) else None,
+        grace=grace_of(headers),
     )
 
 

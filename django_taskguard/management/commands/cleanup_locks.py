@@ -13,6 +13,7 @@ from django.utils.translation import ngettext
 from ... import ledger
 from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
+from ...locks import get_backend
 from ...missed import sweep_missed
 from ...registry import sync
 from ..arguments import whole_number
@@ -96,8 +97,14 @@ def touched(result: CleanupResult) -> bool:
 
 
 def refuse_unknown(task: str) -> None:
-    """A ``--task`` no run has ever had is a typo: say so, with the names that are close."""
-    known = ledger.known_task_names()
+    """A ``--task`` no run has ever had is a typo: say so, with the names that are close.
+
+    A task whose only trace is a claim record in Redis (its first slot's winner died
+    before its row) is known: recording that slot is what ``--task`` is for then.
+    """
+    known = set(ledger.known_task_names())
+    if task not in known:
+        known |= get_backend().claimed_task_names()
     bases = {name.split("[", 1)[0] for name in known}
     if task in known or task in bases:
         return
