@@ -15,10 +15,13 @@ taskguard tables there if needed, and times in one process:
   held by someone else);
 - a guarded call that comes after its slot finished (a new slot each time,
   its key holding the finished-slot marker);
+- the same three for ``@once_per_key`` (a fresh key each time: winner; key held by
+  someone else; key holding the finished marker);
 - one Redis ``PING`` with redis-py, and one on a bare socket (no client library).
 
 Before timing, it checks with Django's ``CaptureQueriesContext`` that both
-losing calls make no database query. Prints medians, p99 and three ratios:
+losing calls (and both keyed ones) make no database query. Prints medians, p99 and
+three ratios, and the same three for keyed calls:
 winner/floor (bar 1.5), loser to a live winner/PING and loser to a finished
 slot/PING (bar 1.5 each; the PING made with redis-py, the client everyone's
 code uses), plus the losers/bare PING for scale.
@@ -155,7 +158,7 @@ def run(rounds: int, port: int) -> None:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from django_taskguard import once_per_schedule
+    from django_taskguard import once_per_key, once_per_schedule
     from django_taskguard.locks import Acquired, run_key
     from django_taskguard.locks.keys import claim_key
     from django_taskguard.locks.redis import RedisLock
@@ -206,11 +209,29 @@ def run(rounds: int, port: int) -> None:
         finished = lock.key(late.task_name or "", slot(i))
         assert lock.acquire(finished, "f" * 32, 3600) is Acquired.WON
         lock.finish(finished, "f" * 32)
-    # Both losers: one Redis round trip, no database query (the bar's condition).
-    for call in (losing, late):
+
+    # The same for keyed calls: a new key every round (key = the round number).
+    def keyed_work(i: int) -> int:
+        return 1
+
+    keyed = once_per_key(key="order:{i}", name=f"bench.keyed.{tag}")(keyed_work)
+    keyed_losing = once_per_key(key="order:{i}", name=f"bench.keyed_losing.{tag}")(keyed_work)
+    keyed_late = once_per_key(key="order:{i}", name=f"bench.keyed_late.{tag}")(keyed_work)
+    for i in range(-52, rounds):
+        lock.acquire(lock.keyed(f"bench.keyed_losing.{tag}", f"order:{i}"), "0" * 32, 3600)
+        finished = lock.keyed(f"bench.keyed_late.{tag}", f"order:{i}")
+        assert lock.acquire(finished, "f" * 32, 3600) is Acquired.WON
+        lock.finish(finished, "f" * 32)
+    # Every loser: one Redis round trip, no database query (the bar's condition).
+    for name, lose in (
+        ("losing", lambda: losing.run_for_slot(slot(-52))),
+        ("late", lambda: late.run_for_slot(slot(-52))),
+        ("keyed losing", lambda: keyed_losing(-52)),
+        ("keyed late", lambda: keyed_late(-52)),
+    ):
         with CaptureQueriesContext(connection) as queries:
-            assert call.run_for_slot(slot(-52)) is None
-        assert len(queries) == 0, f"{call.task_name} queried: {queries.captured_queries}"
+            assert lose() is None
+        assert len(queries) == 0, f"{name} queried: {queries.captured_queries}"
 
     # One round trip with no client library at all, for scale.
     bare = socket.create_connection(("127.0.0.1", port))
@@ -231,6 +252,9 @@ def run(rounds: int, port: int) -> None:
             "guarded winner": lambda i: guarded.run_for_slot(slot(i) + timedelta(days=1)),
             "loser, live winner": lambda i: losing.run_for_slot(slot(i)),
             "loser, finished": lambda i: late.run_for_slot(slot(i)),
+            "keyed winner": lambda i: keyed(i),
+            "keyed loser, live": lambda i: keyed_losing(i),
+            "keyed loser, done": lambda i: keyed_late(i),
         },
         rounds,
     )
@@ -251,6 +275,10 @@ def run(rounds: int, port: int) -> None:
         f"for scale, x a bare-socket PING: live {live / bare_ping_:.2f}, "
         f"finished {done / bare_ping_:.2f}"
     )
+    k_live, k_done = med["keyed loser, live"], med["keyed loser, done"]
+    print(f"keyed winner/floor     = {med['keyed winner'] / med['floor']:.2f}  (bar 1.5)")
+    print(f"keyed loser, live      = {k_live / ping:.2f} x PING  (bar 1.5; 0 queries, checked)")
+    print(f"keyed loser, finished  = {k_done / ping:.2f} x PING  (bar 1.5; 0 queries, checked)")
     bare.close()
     TaskRun.objects.filter(task_name__endswith=tag).delete()
     raw.close()

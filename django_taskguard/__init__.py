@@ -5,20 +5,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["current_run", "once_per_schedule"]
+__all__ = ["current_run", "once_per_key", "once_per_schedule"]
 
 if TYPE_CHECKING:
     from .context import current_run
     from .decorators import once_per_schedule
+    from .keyed import once_per_key
 
 
 def __getattr__(name: str) -> Any:
-    # Imported lazily: both need the app registry, and ``import django_taskguard``
+    # Imported lazily: they need the app registry, and ``import django_taskguard``
     # must work in settings.py before Django is set up.
     if name == "once_per_schedule":
         from .decorators import once_per_schedule
 
         return once_per_schedule
+    if name == "once_per_key":
+        from .keyed import once_per_key
+
+        return once_per_key
     if name == "current_run":
         from .context import current_run
 

@@ -160,6 +160,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     list_display = (
         "state_badge",
         "task_name",
+        "key",
         "slot_display",
         "attempt",
         "owner_display",
@@ -170,7 +171,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     list_display_links = ("task_name",)
     list_filter = ("state", TaskNameFilter)
     date_hierarchy = "slot"
-    search_fields = ("task_name", "owner")
+    search_fields = ("task_name", "key", "owner")
     ordering = ("-slot", "-id")
     show_full_result_count = False
     if hasattr(admin, "ShowFacets"):  # Django 5.0+: facet counts scan the table
@@ -183,16 +184,18 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     change_list_template = "admin/taskguard/taskrun/change_list.html"
     state_colours = STATE_COLOURS
     fields = (
-        ("task_name", "slot_at"),
+        ("task_name", "slot_at", "key"),
         ("state", "attempt", "fence"),
         "owner",
         ("created", "started", "finished"),
         ("lease_until_at", "duplicates"),
         "error",
+        "result",
     )
     readonly_fields = (
         "task_name",
         "slot_at",
+        "key",
         "state",
         "attempt",
         "fence",
@@ -203,6 +206,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "lease_until_at",
         "duplicates",
         "error",
+        "result",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[TaskRun]:

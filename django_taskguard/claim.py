@@ -21,7 +21,7 @@ from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import Row
 from .owner import new_owner, new_token
 from .signals import run_abandoned
-from .states import RunState
+from .states import PRUNABLE_STATES, RunState
 
 logger = logging.getLogger("taskguard.guard")
 
@@ -44,9 +44,15 @@ def claim_slot(
     on_stale: str,
     *,
     count_live: bool = True,
+    key: str | None = None,
+    keep: float | None = None,
     take_missed: bool = True,
 ) -> ActiveRun | Taken:
     """Make this call the slot's live attempt, or say who has it.
+
+    ``key``: the (task, key) row of ``@once_per_key`` instead (``slot`` is the
+    claim's time); a finished one older than ``keep`` seconds is deleted and the
+    key claimed anew.
 
     The first statement is the one-round-trip upsert; only a row that is
     pending, retrying or stale needs a second, compare-and-set step, and a
@@ -58,23 +64,32 @@ def claim_slot(
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
         sent = time.monotonic()
-        row = _claim_row(task_name, slot, owner, lease, abandon, count_live)
+        row = _claim_row(task_name, slot, owner, lease, abandon, count_live, key)
         if row is None:
             continue
         if row.owner == owner:
-            return _active(row, task_name, slot, lease, sent)
+            return _active(row, task_name, slot, lease, sent, key)
         try:
             decided = _decide(row, owner, lease, abandon, slot, task_name, take_missed)
+            if isinstance(decided, Taken) and _reopened(row, key, keep):
+                continue  # the key's keep ran out: its row is gone, claim it anew
         except DatabaseError as exc:
             raise _database_down(task_name, exc) from exc
         if isinstance(decided, Taken):
             return decided
         if decided is not None:
-            return _active(decided, task_name, slot, lease, sent)
+            return _active(decided, task_name, slot, lease, sent, key)
     raise TaskGuardError(
         f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
         f"{CLAIM_ROUNDS} rounds of contention"
     )
+
+
+def _reopened(row: Row, key: str | None, keep: float | None) -> bool:
+    """A finished keyed row whose ``keep`` ran out is deleted: True when it was."""
+    if key is None or keep is None or row.state not in PRUNABLE_STATES:
+        return False
+    return ledger.reopen_key(row.id, keep)
 
 
 def claim_many(
@@ -120,10 +135,11 @@ def _claim_row(
     lease: float,
     abandon: bool,
     count_live: bool = True,
+    key: str | None = None,
 ) -> Row | None:
     try:
         return ledger.claim(
-            task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live
+            task_name, slot, owner, lease, abandon_is_final=abandon, count_live=count_live, key=key
         )
     except DatabaseError as exc:
         if not ledger.connection_lost(exc):
@@ -132,7 +148,7 @@ def _claim_row(
         logger.warning("taskguard claim of %s interrupted (%s); reading back", task_name, exc)
         try:
             ledger.settle_connection()
-            row = ledger.read(task_name, slot)
+            row = ledger.read(task_name, slot, key)
         except DatabaseError as again:
             raise _database_down(task_name, again) from again
         return row if row is not None and row.owner == owner else None
@@ -178,7 +194,14 @@ def _abandon_stale(row: Row, owner: str, dead: str, task_name: str, slot: dateti
     return Taken(RunState.ABANDONED)
 
 
-def _active(row: Row, task_name: str, slot: datetime, lease: float, sent: float) -> ActiveRun:
+def _active(
+    row: Row,
+    task_name: str,
+    slot: datetime,
+    lease: float,
+    sent: float,
+    key: str | None = None,
+) -> ActiveRun:
     assert row.fence is not None
     return ActiveRun(
         id=row.id,
@@ -189,6 +212,7 @@ def _active(row: Row, task_name: str, slot: datetime, lease: float, sent: float)
         owner=row.owner,
         lease_seconds=lease,
         deadline=sent + lease,
+        key=key,
     )
 
 

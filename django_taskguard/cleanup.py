@@ -49,9 +49,10 @@ class Touched:
     reason: str
     lock_released: bool  # its Redis key still held its token and was deleted
     run_id: int = 0
+    key: str | None = None  # an @once_per_key run's key
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        found: dict[str, Any] = {
             "id": self.run_id,
             "task": self.task,
             "slot": self.slot.isoformat(),
@@ -59,6 +60,9 @@ class Touched:
             "reason": self.reason,
             "lock_released": self.lock_released,
         }
+        if self.key is not None:
+            found["key"] = self.key
+        return found
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def cleanup_locks(
         result.released_locks += released
         if len(result.runs) < LISTED:
             result.runs.append(
-                Touched(run.task_name, run.slot, run.owner, reason, released, run.id)
+                Touched(run.task_name, run.slot, run.owner, reason, released, run.id, run.key)
             )
     for flight in ledger.in_flight(task=task, among=runs, limit=LISTED):
         result.in_flight.append(InFlight(*flight))
@@ -180,16 +184,18 @@ def _why(run: RunRef, by: str) -> str:
 
 
 def _holds(lock: LockBackend, run: RunRef) -> bool:
-    return bool(run.token) and call_backend(lock.holder, lock.key(run.task_name, run.slot)) == (
-        run.token
-    )
+    return bool(run.token) and call_backend(
+        lock.holder, lock.key_for(run.task_name, run.slot, run.key)
+    ) == (run.token)
 
 
 def release_if_held(lock: LockBackend, run: RunRef) -> bool:
     """Delete the run's lock key only while it still holds the run's token."""
     if not _holds(lock, run):
         return False
-    return bool(call_backend(lock.release, lock.key(run.task_name, run.slot), run.token))
+    return bool(
+        call_backend(lock.release, lock.key_for(run.task_name, run.slot, run.key), run.token)
+    )
 
 
 def call_backend(method: Callable[..., T], *args: Any) -> T:

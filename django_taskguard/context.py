@@ -23,7 +23,7 @@ logger = logging.getLogger("taskguard.guard")
 
 @dataclass
 class ActiveRun:
-    """One live attempt of one (task, slot): what ``current_run()`` returns."""
+    """One live attempt of one (task, slot) or (task, key): what ``current_run()`` returns."""
 
     id: int
     task_name: str
@@ -33,6 +33,7 @@ class ActiveRun:
     owner: str
     lease_seconds: float
     deadline: float = 0.0  # time.monotonic() by which the lease must be renewed
+    key: str | None = None  # an @once_per_key run's key (its slot: when the key was claimed)
     lost: threading.Event = field(default_factory=threading.Event)
     lost_reason: str = ""
     _lost_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from . import guard, ledger, registry, schedules
 from .conf import lease_problem, taskguard_settings
+from .endings import ClassifyRaise
 from .exceptions import InvalidSchedule, TaskGuardError
 from .models import TASK_NAME_MAX_LENGTH
 from .owner import actor
@@ -40,9 +41,9 @@ class CallContext:
 
     slot: datetime | str | None = None
     task_name: str | None = None
-    # See guard.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
+    # See endings.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
     # redelivers, so retries and redeliveries are attempts, never lost slots.
-    classify_raise: guard.ClassifyRaise | None = None
+    classify_raise: ClassifyRaise | None = None
     # Where the call runs, for people (a Celery worker's ``w1@host``).
     instance: str | None = None
     on_busy: guard.OnBusy | None = None
@@ -86,7 +87,7 @@ class _Spec(Generic[P, R]):
             raise ImproperlyConfigured(USE_TZ_NEEDED)
         now = timezone.now()  # Django's clock: what tests and time-travel libraries patch
         tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
-        name = self.name or (context.task_name if context else None) or _dotted(self.func)
+        name = self.name or (context.task_name if context else None) or dotted_name(self.func)
         given = explicit if explicit is not None else context.slot if context is not None else None
         if given is not None:
             slot = schedules.normalize_slot(given)
@@ -115,9 +116,12 @@ def _tolerance(seconds: float) -> timedelta:
 
 
 def guarded_policy(func: Any) -> guard.Policy | None:
-    """The policy of a function made by ``@once_per_schedule``, or None for any other."""
+    """The policy of a function made by ``@once_per_schedule`` or ``@once_per_key``,
+    or None for any other."""
     policy = getattr(func, "policy", None)
-    if isinstance(policy, guard.Policy) and callable(getattr(func, "run_for_slot", None)):
+    if not isinstance(policy, guard.Policy):
+        return None
+    if callable(getattr(func, "run_for_slot", None)) or callable(getattr(func, "key_of", None)):
         return policy
     return None
 
@@ -140,7 +144,7 @@ def refuse_future_slot(task_name: str, slot: datetime, tolerance: timedelta) -> 
     raise InvalidSchedule(reason)
 
 
-def _context() -> CallContext | None:
+def call_context() -> CallContext | None:
     for source in SLOT_SOURCES:
         context = source()
         if context is not None:
@@ -148,7 +152,7 @@ def _context() -> CallContext | None:
     return None
 
 
-def _dotted(func: Callable[..., Any]) -> str:
+def dotted_name(func: Callable[..., Any]) -> str:
     return f"{func.__module__}.{func.__qualname__}"
 
 
@@ -166,7 +170,7 @@ def validate_task_name(name: str) -> str:
     return name
 
 
-def _choice(argument: str, value: str, allowed: tuple[str, ...]) -> str:
+def choose(argument: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise InvalidSchedule(f"{argument}= must be one of {', '.join(allowed)}; got {value!r}")
     return value
@@ -262,11 +266,11 @@ def once_per_schedule(
         if problem is not None:
             raise InvalidSchedule(problem)
     policy = guard.Policy(
-        on_duplicate=_choice("on_duplicate", on_duplicate, ("skip", "raise")),
-        overlap=_choice("overlap", overlap, ("allow", "skip")),
-        on_stale=_choice("on_stale", on_stale, ("abandon", "retry")),
+        on_duplicate=choose("on_duplicate", on_duplicate, ("skip", "raise")),
+        overlap=choose("overlap", overlap, ("allow", "skip")),
+        on_stale=choose("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
-        catchup=_choice("catchup", catchup, ("latest", "none", "all")),
+        catchup=choose("catchup", catchup, ("latest", "none", "all")),
         grace=_grace(grace),
         max_catchup=_bounded("max_catchup", max_catchup, MAX_CATCHUP_BOUNDS)
         or guard.DEFAULT_MAX_CATCHUP,
@@ -285,19 +289,19 @@ def once_per_schedule(
         if not callable(target):
             raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
         if bad_schedule is not None:
-            where = name or _dotted(target)
+            where = name or dotted_name(target)
             raise InvalidSchedule(
                 f"@once_per_schedule on {where}: {bad_schedule}"
             ) from bad_schedule
         spec = _Spec(target, name, built, policy)
         if name is None:
-            validate_task_name(_dotted(target))
+            validate_task_name(dotted_name(target))
 
         # A plain function (not a callable object) so that Celery's
         # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
         @functools.wraps(target)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            context = _context()
+            context = call_context()
             task_name, slot = spec.resolve(None, context)
             late = policy
             if context is not None and context.grace is not None:
@@ -347,10 +351,10 @@ def once_per_schedule(
         guarded.run_for_slot = run_for_slot  # type: ignore[method-assign]
         if built is not None:
             entry = registry.Entry(
-                task_name=name or _dotted(target),
+                task_name=name or dotted_name(target),
                 schedule=built,
                 policy=policy,
-                function=_dotted(target),
+                function=dotted_name(target),
                 fire=fire,
                 run_for_slot=run_for_slot,
                 func=target,

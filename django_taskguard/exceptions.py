@@ -13,6 +13,10 @@ class InvalidSchedule(TaskGuardError, ValueError):
     """A cron string, interval, slot or task name that cannot be used."""
 
 
+class InvalidKey(TaskGuardError, ValueError):
+    """A key of ``@once_per_key`` that cannot be built, stored or told apart."""
+
+
 class IllegalTransition(TaskGuardError):
     """A state change that the transition table does not allow."""
 
@@ -34,10 +38,12 @@ class LeaseLost(TaskGuardError):
 
 
 class DuplicateRun(TaskGuardError):
-    """The slot was already taken (raised only with ``on_duplicate="raise"``)."""
+    """The slot (or key) was already taken (raised only with ``on_duplicate="raise"``)."""
 
-    def __init__(self, task_name: str, slot: datetime, state: str) -> None:
+    def __init__(self, task_name: str, slot: datetime, state: str, key: str | None = None) -> None:
         self.task_name = task_name
         self.slot = slot
         self.state = state
-        super().__init__(f"{task_name!r} already has slot {slot.isoformat()} ({state})")
+        self.key = key
+        what = f"key {key!r}" if key is not None else f"slot {slot.isoformat()}"
+        super().__init__(f"{task_name!r} already has {what} ({state})")

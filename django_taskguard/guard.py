@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
-from django.db import DatabaseError
 from django.utils import timezone
 
 from . import ledger
 from .claim import Taken, claim_slot
 from .conf import taskguard_settings
 from .context import ActiveRun, activate
-from .exceptions import BackendUnavailable, DuplicateRun, LeaseLost, TaskGuardError
+from .endings import ClassifyRaise, RecordSuccess, finish, record_raised, succeed
+from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from .heartbeat import heartbeats
 from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
@@ -23,8 +24,6 @@ from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
 from .signals import (
     duplicate_suppressed,
-    run_abandoned,
-    run_failed,
     run_missed,
     run_skipped,
     run_started,
@@ -54,23 +53,14 @@ class Policy:
     overlap: str = "allow"  # "allow" | "skip"
     on_stale: str = "abandon"  # "abandon" | "retry"
     lease_seconds: float | None = None
+    # @once_per_key: how long a finished key blocks a new run (None: until pruned)
+    keep_seconds: float | None = None
+    # @once_per_key: store the JSON result; duplicates of the succeeded key get it
+    return_result: bool = False
     catchup: str = "latest"  # "latest" | "none" | "all" (see docs/schedules.md)
     grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
     max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
     pause_after_failures: int | None = None  # pause the task after this many failures in a row
-
-
-@dataclass(frozen=True)
-class Ending:
-    """How a raising attempt ends when its framework says so (see ``ClassifyRaise``).
-
-    ``state`` is ``retrying`` (another attempt follows, due within ``retry_within``
-    seconds when known) or ``skipped`` (the framework dropped the call on purpose).
-    """
-
-    state: str
-    reason: str
-    retry_within: float | None = None
 
 
 # Optional hooks a slot source (the Celery glue) passes for one call:
@@ -82,7 +72,6 @@ class Ending:
 #     call come back later (a broker redelivery) instead of being dropped as a duplicate.
 #     Such a call is not counted in ``duplicates`` then; it is when it comes back to a
 #     finished slot.
-ClassifyRaise = Callable[[BaseException], "Ending | None"]
 OnBusy = Callable[[float], None]
 
 
@@ -97,31 +86,40 @@ def execute(
     classify_raise: ClassifyRaise | None = None,
     on_busy: OnBusy | None = None,
     instance: str | None = None,
+    key: str | None = None,
 ) -> R | None:
-    """Run ``func`` once for (``task_name``, ``slot``) across every instance."""
+    """Run ``func`` once for (``task_name``, ``slot``) across every instance.
+
+    With ``key`` (``@once_per_key``): once for (``task_name``, ``key``); ``slot``
+    is then the call's time, recorded as the row's slot when it claims the key.
+    """
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
     ledger.ensure_autocommit()
-    if timezone.now() - slot > horizon and _refused_as_pruned(task_name, slot, horizon):
+    if (
+        key is None
+        and timezone.now() - slot > horizon
+        and _refused_as_pruned(task_name, slot, horizon)
+    ):
         return None
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
-    key = lock.key(task_name, slot)
+    lock_key = lock.key_for(task_name, slot, key)
 
     # The losing call ends here: one round trip, no database query.
     count = on_busy is None  # a call that will be put back is no duplicate (yet)
-    acquired = lock.acquire(key, token, lease, task_name, count=count)
+    acquired = lock.acquire(lock_key, token, lease, task_name, count=count, run_key=key or "")
     if acquired is Acquired.LOST:
         if on_busy is not None:
             _put_back(on_busy, lease, task_name)
-        _duplicate(task_name, slot, RunState.RUNNING, policy)
+        _duplicate(task_name, slot, RunState.RUNNING, policy, key)
         return None
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
-        _duplicate(task_name, slot, FINISHED, policy)
-        return None
+        _duplicate(task_name, slot, FINISHED, policy, key)
+        return cast("R | None", _stored_result(task_name, key, policy))
     owner = new_owner(token, instance)
     try:
         outcome = claim_slot(
@@ -131,31 +129,72 @@ def execute(
             lease,
             policy.on_stale,
             count_live=count,
+            key=key,
+            keep=policy.keep_seconds,
             take_missed=policy.catchup != "none",
         )
     except BaseException:
         if acquired is Acquired.WON:
-            lock.release(key, token)
+            lock.release(lock_key, token)
         raise
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
             # A finished row (Redis was flushed, or its marker lapsed): put the marker
-            # back, so the next late call is decided in Redis again.
-            if outcome.state in FINISHED_STATES:
-                lock.finish(key, token)
+            # back, so the next late call is decided in Redis again. Not for a key with
+            # a keep: its marker must not outlast the keep, and only the row knows when
+            # the run ended.
+            if outcome.state in FINISHED_STATES and (key is None or policy.keep_seconds is None):
+                lock.finish(lock_key, token)
             else:
-                lock.release(key, token)
+                lock.release(lock_key, token)
         if on_busy is not None and outcome.state == RunState.RUNNING:
             left = lease if outcome.lease_left is None else min(max(outcome.lease_left, 0.0), lease)
             _put_back(on_busy, left, task_name)
-        _duplicate(task_name, slot, outcome.state, policy)
+        _duplicate(task_name, slot, outcome.state, policy, key)
+        if outcome.state == RunState.SUCCEEDED:
+            return cast("R | None", _stored_result(task_name, key, policy))
         return None
-    return _run(outcome, lock, key, policy, func, args, kwargs, classify_raise)
+    return _run(outcome, lock, lock_key, policy, func, args, kwargs, classify_raise)
 
 
-# Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
-# fenced out; raises the database's error (the scheduler's batch writer).
-RecordSuccess = Callable[[ActiveRun, str], bool]
+# The largest JSON result return_result=True stores (bytes); a larger one is not stored.
+RESULT_MAX_BYTES = 64 * 1024
+
+
+def _stored_result(task_name: str, key: str | None, policy: Policy) -> Any:
+    """What a duplicate of a succeeded key returns: its stored result (None without one)."""
+    if key is None or not policy.return_result:
+        return None
+    stored = ledger.result_of(task_name, key)
+    return None if stored is None else json.loads(stored)
+
+
+def _store_result(active: ActiveRun, result: Any) -> None:
+    """Store the attempt's result as JSON for its duplicates, bounded; never raises."""
+    try:
+        text = json.dumps(result, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        logger.warning(
+            "taskguard %s key %r: the result is not JSON (%s); duplicates get None",
+            active.task_name,
+            active.key,
+            exc,
+        )
+        return
+    if len(text) > RESULT_MAX_BYTES:  # ASCII (json.dumps escapes the rest): chars = bytes
+        logger.warning(
+            "taskguard %s key %r: the result is %d bytes of JSON, more than %d; duplicates "
+            "get None",
+            active.task_name,
+            active.key,
+            len(text),
+            RESULT_MAX_BYTES,
+        )
+        return
+    try:
+        ledger.store_result(active.id, active.fence, text)
+    except BackendUnavailable as exc:
+        logger.warning("taskguard could not store the result of run %s (%s)", active.id, exc)
 
 
 def run_claimed(
@@ -222,11 +261,17 @@ def _put_back(on_busy: OnBusy, seconds: float, task_name: str) -> NoReturn:
     raise TaskGuardError(f"the on_busy hook of {task_name!r} returned; it must raise")
 
 
-def _duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
-    duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
-    logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+def _duplicate(
+    task_name: str, slot: datetime, state: str, policy: Policy, key: str | None = None
+) -> None:
+    if key is None:
+        duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
+        logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+    else:
+        duplicate_suppressed.send(sender=task_name, slot=slot, state=state, key=key)
+        logger.info("taskguard %s key %r already taken (%s)", task_name, key, state)
     if policy.on_duplicate == "raise":
-        raise DuplicateRun(task_name, slot, state)
+        raise DuplicateRun(task_name, slot, state, key)
 
 
 def _run(
@@ -257,28 +302,36 @@ def _run(
                 result = func(*args, **kwargs)
             except BaseException as exc:
                 heartbeats.stop(beat)
-                ended = _record_raised(active, exc, classify_raise)
+                ended = record_raised(active, exc, classify_raise)
                 if ended and policy.pause_after_failures:
                     _pause_after_failures(active.task_name, policy.pause_after_failures)
                 raise
             finally:
                 heartbeats.stop(beat)
-        _succeed(active, record_success)
+        if policy.return_result:
+            _store_result(active, result)
+        succeed(active, record_success)
         ended = True
         run_succeeded.send(sender=active.task_name, run=active, result=result)
         return result
     finally:
-        _free(active, lock, key, ended)
+        _free(active, lock, key, ended, policy)
 
 
-def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool) -> None:
-    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row."""
-    duplicates = (
-        lock.finish(key, active.token) if ended else lock.release_counted(key, active.token)
-    )
+def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: Policy) -> None:
+    """Release the lock (or leave the finished-slot marker); fold its duplicates into the row.
+
+    A keyed run's marker lasts no longer than its ``keep``: after that the row decides
+    whether the key may run again.
+    """
+    if ended:
+        marker = policy.keep_seconds if active.key is not None else None
+        duplicates = lock.finish(key, active.token, marker)
+    else:
+        duplicates = lock.release_counted(key, active.token)
     if duplicates:
         try:
-            ledger.add_duplicates(active.task_name, active.slot, duplicates)
+            ledger.add_duplicates(active.task_name, active.slot, duplicates, active.key)
         except BackendUnavailable:
             logger.warning(
                 "taskguard could not add %d duplicate calls to run %s", duplicates, active.id
@@ -290,7 +343,7 @@ def _skip_paused(active: ActiveRun) -> bool:
     if paused is None:
         return False
     reason = f"paused: {paused}"
-    _finish(active, RunState.SKIPPED, reason)
+    finish(active, RunState.SKIPPED, reason)
     run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
     return True
 
@@ -311,151 +364,6 @@ def _skip_for_overlap(active: ActiveRun) -> bool:
     if earlier is None:
         return False
     reason = f"overlap: slot {earlier.isoformat()} of this task is still running"
-    _finish(active, RunState.SKIPPED, reason)
+    finish(active, RunState.SKIPPED, reason)
     run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
     return True
-
-
-def _record_raised(
-    active: ActiveRun, exc: BaseException, classify_raise: ClassifyRaise | None
-) -> bool:
-    """Record a raising attempt's end and send its signal; True when the slot is over.
-
-    Never raises: the caller re-raises the function's own exception, whatever
-    recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
-    """
-    ending = _classify(classify_raise, exc)
-    error = f"{type(exc).__name__}: {exc}"
-    retry_within = None
-    if ending is not None:
-        state, reason = ending.state, ending.reason
-        if state == RunState.RETRYING:
-            grace = taskguard_settings.RETRY_GRACE_SECONDS
-            retry_within = (ending.retry_within or 0.0) + grace
-    elif isinstance(exc, Exception):
-        state, reason = RunState.FAILED, error
-    else:
-        # KeyboardInterrupt, SystemExit: the process is going away mid-run.
-        state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
-    try:
-        _finish(active, state, reason, error=error, retry_within=retry_within)
-        if state == RunState.SKIPPED:
-            run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
-        elif state == RunState.ABANDONED:
-            run_abandoned.send(
-                sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
-            )
-        else:
-            run_failed.send(sender=active.task_name, run=active, exception=exc)
-    except LeaseLost:
-        logger.warning(
-            "taskguard run %s was taken over; its end (%s) is not recorded", active.id, state
-        )
-        return False
-    except Exception:
-        logger.exception(
-            "taskguard could not record that run %s ended %s; the function's own "
-            "exception is raised",
-            active.id,
-            state,
-        )
-        return False
-    return state in (RunState.FAILED, RunState.SKIPPED)
-
-
-def _classify(classify_raise: ClassifyRaise | None, exc: BaseException) -> Ending | None:
-    if classify_raise is None:
-        return None
-    try:
-        return classify_raise(exc)
-    except Exception:
-        logger.exception("taskguard classify_raise hook failed; recording the attempt as failed")
-        return None
-
-
-def _finish(
-    active: ActiveRun,
-    to_state: str,
-    reason: str,
-    *,
-    error: str = "",
-    retry_within: float | None = None,
-) -> None:
-    """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
-    if not active.lease_valid():
-        reason += " (after its lease had expired; no other attempt had taken over)"
-    try:
-        updated = ledger.finish(
-            active.id,
-            active.attempt,
-            active.fence,
-            active.owner,
-            to_state,
-            reason,
-            error=error,
-            retry_within=retry_within,
-        )
-    except DatabaseError as exc:
-        if not ledger.connection_lost(exc):
-            raise BackendUnavailable(
-                f"the outcome of run {active.id} could not be recorded ({exc})"
-            ) from exc
-        updated = _settle_finish(active, to_state, reason, error, retry_within)
-    if updated is None:
-        active.mark_lost(f"fenced out: finishing as {to_state} was refused")
-        raise LeaseLost(
-            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
-            f"finishing as {to_state} was refused because another attempt took the slot over "
-            f"or it was marked abandoned (fence {active.fence})"
-        )
-
-
-def _succeed(active: ActiveRun, record_success: RecordSuccess | None) -> None:
-    """Record a returned attempt ``succeeded``, through ``record_success`` when given."""
-    if record_success is None:
-        _finish(active, RunState.SUCCEEDED, "returned")
-        return
-    reason = "returned"
-    if not active.lease_valid():
-        reason += " (after its lease had expired; no other attempt had taken over)"
-    try:
-        recorded = record_success(active, reason)
-    except DatabaseError:
-        recorded = _settle_finish(active, RunState.SUCCEEDED, reason, "", None) is not None
-    if not recorded:
-        active.mark_lost("fenced out: finishing as succeeded was refused")
-        raise LeaseLost(
-            f"{active.task_name!r} slot {active.slot.isoformat()} attempt {active.attempt}: "
-            f"finishing as succeeded was refused because another attempt took the slot over "
-            f"or it was marked abandoned (fence {active.fence})"
-        )
-
-
-def _settle_finish(
-    active: ActiveRun, to_state: str, reason: str, error: str, retry_within: float | None
-) -> ledger.Row | None:
-    """The finish's outcome is unknown after a connection error: read back, retry once."""
-    try:
-        ledger.settle_connection()
-        current = ledger.read_by_id(active.id)
-        if current is None or current.fence != active.fence:
-            return None
-        if current.state == to_state:
-            return current
-        if current.state != RunState.RUNNING:
-            return None
-        return ledger.finish(
-            active.id,
-            active.attempt,
-            active.fence,
-            active.owner,
-            to_state,
-            reason,
-            error=error,
-            retry_within=retry_within,
-        )
-    except DatabaseError as exc:
-        raise BackendUnavailable(
-            f"the outcome of run {active.id} could not be recorded: database unreachable ({exc}); "
-            f"the run stays 'running' until its lease expires and cleanup_locks abandons it"
-        ) from exc

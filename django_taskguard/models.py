@@ -17,6 +17,8 @@ from .states import TERMINAL_STATES, RunState
 __all__ = ["Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
 
 TASK_NAME_MAX_LENGTH = 255
+# A key of ``@once_per_key`` is stored as given (sanitized); longer ones are refused.
+KEY_MAX_LENGTH = 255
 
 
 class TaskRunQuerySet(models.QuerySet["TaskRun"]):
@@ -51,7 +53,29 @@ class TaskRun(models.Model):
     """What happened to one schedule slot of one task."""
 
     task_name = models.CharField(_("task"), max_length=TASK_NAME_MAX_LENGTH)
-    slot = models.DateTimeField(_("slot"), help_text=_("The schedule fire time, in UTC."))
+    slot = models.DateTimeField(
+        _("slot"),
+        help_text=_(
+            "The schedule fire time, in UTC (a keyed run: when its key was first claimed)."
+        ),
+    )
+    # NULL, not "": a slot's row has no key, and the (task, key) index leaves NULLs out.
+    key = models.CharField(  # noqa: DJ001
+        _("key"),
+        max_length=KEY_MAX_LENGTH,
+        null=True,
+        blank=True,
+        default=None,
+        help_text=_("The key of an @once_per_key run (empty for a schedule slot)."),
+    )
+    # NULL, not "": "" is no JSON; only @once_per_key(return_result=True) stores one.
+    result = models.TextField(  # noqa: DJ001
+        _("result"),
+        null=True,
+        blank=True,
+        default=None,
+        help_text=_("The JSON result of an @once_per_key(return_result=True) run."),
+    )
     state = models.CharField(
         _("state"), max_length=16, choices=RunState.choices, default=RunState.PENDING
     )
@@ -80,6 +104,12 @@ class TaskRun(models.Model):
         ordering = ["-slot", "-id"]
         constraints = [
             models.UniqueConstraint(fields=["task_name", "slot"], name="taskguard_run_task_slot"),
+            # One row per (task, key) for @once_per_key; slot rows (key NULL) are not in it.
+            models.UniqueConstraint(
+                fields=["task_name", "key"],
+                condition=models.Q(key__isnull=False),
+                name="taskguard_run_task_key",
+            ),
             check_constraint(models.Q(state__in=RunState.values), "taskguard_run_state_valid"),
         ]
         indexes = [
@@ -94,6 +124,8 @@ class TaskRun(models.Model):
         permissions = [("cleanup_taskrun", _("Can clean up stale locks and release locks"))]
 
     def __str__(self) -> str:
+        if self.key is not None:
+            return f"{self.task_name} [{self.key}] ({self.state})"
         return f"{self.task_name} @ {self.slot.isoformat()} ({self.state})"
 
     @property

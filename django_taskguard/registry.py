@@ -10,6 +10,7 @@ the missed-slot sweep and the admin read it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -23,13 +24,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import module_has_submodule
 
 from .conf import taskguard_settings
-from .exceptions import InvalidSchedule
 from .guard import Policy
 from .ledger import schedules as store
 from .models import ScheduleSource
 from .schedules import Schedule, describe
 
 AUTODISCOVER = ("tasks", "jobs")
+
+logger = logging.getLogger("taskguard.registry")
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,14 @@ def register(entry: Entry, wrapper: Any) -> None:
     with _lock:
         known = _entries.get(entry.task_name)
         if known is not None and known.function != entry.function:
-            raise InvalidSchedule(
-                f"two schedules are named {entry.task_name!r}: {known.function} and "
-                f"{entry.function}; give one of them another name="
+            # Not an error at import time (a test that redefines a job, a module imported
+            # under two names): the newest wins, and it is said.
+            logger.warning(
+                "taskguard: two schedules are named %r (%s, then %s); the latest is kept. "
+                "Give one of them another name=",
+                entry.task_name,
+                known.function,
+                entry.function,
             )
         _entries[entry.task_name] = entry
         _by_wrapper[id(wrapper)] = entry.task_name

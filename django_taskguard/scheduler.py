@@ -156,10 +156,12 @@ class Scheduler:
             if cursor.next_slot is None or cursor.next_slot > now:
                 continue
             latest = entry.schedule.latest_slot(now)
+            slots = self._after(entry, cursor.fired, latest)
             if entry.policy.catchup == "latest":
-                slots = [latest]
-            else:
-                slots = self._after(entry, cursor.fired, latest)
+                # This loop woke late (a busy host): the slots still within their grace
+                # run; older ones are left to the sweep, the newest always runs.
+                grace = entry.policy.grace
+                slots = [slot for slot in slots[:-1] if now - slot <= grace] + [latest]
             cursor.fired, cursor.next_slot = latest, None
             due.append((entry, slots))
         return due

@@ -1,13 +1,15 @@
 """Signals taskguard sends.
 
-Every signal is sent with ``sender`` = the task name (a ``str``).
+Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
+(``@once_per_key``) is sent like a slot's: its ``run.key`` says which key, its
+``slot`` is when the key was claimed.
 
 - ``run_started(run)``: an attempt won its slot and is about to call the function.
 - ``run_succeeded(run, result)``; ``run_failed(run, exception)``.
 - ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
 - ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken;
   ``state`` is the row's, or ``"finished"`` when Redis's finished-slot marker decided
-  (the row was not read).
+  (the row was not read); and ``key``, for an ``@once_per_key`` call.
 - ``run_abandoned(run_id, slot, reason)``: a run was marked ``abandoned``: its owner died
   (found by cleanup or a later caller), or it was interrupted (``KeyboardInterrupt``,
   ``SystemExit``).

@@ -43,7 +43,7 @@ REDIS_TRANSPORT_OPTIONS = {
     "unacked_restore_throttle": 1,
 }
 
-app = Celery("tests", include=["tests.celery_tasks"])
+app = Celery("tests", include=["tests.celery_tasks", "tests.celery_keyed_tasks"])
 app.conf.update(
     broker_url=BROKER_URL,
     broker_transport_options=REDIS_TRANSPORT_OPTIONS if BROKER_URL.startswith("redis") else {},

@@ -77,8 +77,8 @@ def test_lost_reply__acquire_ran_the_read_back_finds_our_token_and_wins(redis_se
 @pytest.mark.django_db(transaction=True)
 def test_lost_reply__won_by_read_back_on_a_taken_slot_releases_the_key(redis_server, caplog):
     """Redis forgot a finished slot (flushed); the acquire's reply is lost; the read-back
-    says we hold the key; the row says the slot is over: the key must be released,
-    not left to block the slot (as a live run) for a whole lease."""
+    says we hold the key; the row says the slot is over: the key must not be left
+    holding our token (a live run, for a whole lease): it holds the finished marker again."""
 
     @once_per_schedule(name="tests.wire.taken")
     def body() -> str:
@@ -93,7 +93,7 @@ def test_lost_reply__won_by_read_back_on_a_taken_slot_releases_the_key(redis_ser
             assert body.run_for_slot(SLOT) is None
         assert proxy.lost == [b"EVALSHA"], "the fault never happened"
     assert UNDECIDED not in caplog.text
-    assert command(redis_server, "exists", key) == 0, "the key outlived a taken slot"
+    assert command(redis_server, "get", key) == FINISHED_MARKER.encode(), "a token outlived it"
     assert unfinished_keys(redis_server) == []
     assert counted_duplicates("tests.wire.taken") == 1
 

@@ -45,8 +45,14 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
+    """Who imports whom. A package re-exporting its own submodules (``ledger/__init__``
+    importing ``ledger.core``) is not a dependency of the package on itself."""
     known = modules()
-    return {name: imports_of(name, path, set(known)) for name, path in known.items()}
+    edges = {name: imports_of(name, path, set(known)) for name, path in known.items()}
+    return {
+        name: {t for t in targets if not t.startswith(name + ".")}
+        for name, targets in edges.items()
+    }
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

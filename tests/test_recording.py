@@ -12,7 +12,8 @@ from django.core.management import call_command
 from django.db.models.functions import Now
 
 from django_taskguard import guard, ledger
-from django_taskguard.guard import Ending, Policy
+from django_taskguard.endings import Ending
+from django_taskguard.guard import Policy
 from django_taskguard.models import RunState, TaskRun
 
 from .slots import BASE_SLOT

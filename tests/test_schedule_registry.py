@@ -120,16 +120,14 @@ def test_once_per_schedule__stamped_slot_later_than_grace_recorded_missed():
     assert TaskRun.objects.get(task_name="tests.catchup.stamped").state == RunState.MISSED
 
 
-def test_register__two_functions_one_name_refused():
+def test_register__two_functions_one_name_latest_kept_and_said(caplog):
     every_second("tests.reg.twice", [])
 
-    @once_per_schedule(every=SECOND, name="tests.reg.twice-other")
-    def other() -> None: ...
+    @once_per_schedule(every=SECOND, name="tests.reg.twice")
+    def clash() -> None: ...
 
-    with pytest.raises(InvalidSchedule, match="two schedules are named"):
-
-        @once_per_schedule(every=SECOND, name="tests.reg.twice")
-        def clash() -> None: ...
+    assert registry.entries()["tests.reg.twice"].func is clash.__wrapped__
+    assert "two schedules are named 'tests.reg.twice'" in caplog.text
 
 
 def test_sync__saves_schedules_and_keeps_first_seen_and_pause():
@@ -442,3 +440,23 @@ def test_run_schedules__once_catchup_all_runs_slots_the_sweep_recorded_missed():
     runs = TaskRun.objects.filter(task_name="tests.once.swept", slot__gt=newest)
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
     assert len(calls) == 1 + runs.count() >= 8
+
+
+def test_scheduler_due__a_late_wakeup_fires_slots_within_grace_in_order():
+    from django_taskguard.scheduler import Scheduler
+
+    every_second("tests.due.latest", [], grace=5 * SECOND)
+    every_second("tests.due.strict", [], catchup="none", grace=5 * SECOND)
+    entries = [registry.entries()[n] for n in ("tests.due.latest", "tests.due.strict")]
+    scheduler = Scheduler(entries, max_workers=1)
+    try:
+        now = now_second()
+        scheduler.first_due(now - 10 * SECOND)  # the cursors: 10 s ago
+        due = dict((entry.task_name, slots) for entry, slots in scheduler.due(now))
+    finally:
+        scheduler.pool.close()
+        scheduler.writer.close()
+    # latest: the slots still within their grace (5 s), oldest first, then the newest;
+    # none: every slot (the guard records the late ones missed).
+    assert due["tests.due.latest"] == [now - n * SECOND for n in range(5, -1, -1)]
+    assert due["tests.due.strict"] == [now - n * SECOND for n in range(9, -1, -1)]

@@ -16,7 +16,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from ..models import TaskSchedule
-from . import alias, clip, unreachable
+from .core import alias, clip, unreachable
 
 PAUSED_REASON_MAX_LENGTH = 500
 

@@ -105,6 +105,20 @@ def claim(d: Dialect) -> str:
     return f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) SELECT * FROM u"
 
 
+# Parameters: task, slot (the claim's time), key, owner, lease seconds, count_live,
+# abandon_is_final. The same as _CLAIM, one row per (task, key) instead of (task, slot).
+_CLAIM_KEY = (
+    'INSERT INTO {run} AS r (task_name, slot, "key", state, attempt, fence, owner, created_at, '
+    "started_at, lease_until, error, duplicates) "
+    "VALUES (%s, %s, %s, 'running', 1, {fence}, %s, {now}, {now}, {lease}, '', 0) "
+    'ON CONFLICT (task_name, "key") WHERE "key" IS NOT NULL DO UPDATE SET duplicates = '
+    "r.duplicates + CASE WHEN r.state IN ('succeeded', 'failed', 'skipped') "
+    "OR (r.state = 'running' AND r.lease_until > {now} AND %s) "
+    "OR (r.state = 'abandoned' AND %s) THEN 1 ELSE 0 END "
+    "RETURNING {row}, {left}"
+)
+
+
 # Many tasks' rows for one slot at once, with the ``claimed`` transitions of the rows this
 # statement created (PostgreSQL only). Parameters: tasks (text[]), owners (text[]), lease
 # seconds (float8[]), the slot. A plainly taken slot (finished, abandoned, live) counts a
@@ -128,6 +142,16 @@ _CLAIM_MANY = (
 
 
 @lru_cache
+def claim_key(d: Dialect) -> str:
+    """:func:`claim` for a keyed run: the row of (task, key), its slot the claim's time."""
+    upsert = _format(_CLAIM_KEY, d)
+    if not d.one_statement:
+        return upsert
+    log = _format(_CLAIMED, d)
+    return f"WITH u AS ({upsert}), t AS ({log} FROM u WHERE owner = %s) SELECT * FROM u"
+
+
+@lru_cache
 def claim_many(d: Dialect) -> str | None:
     """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite)."""
     return _format(_CLAIM_MANY, d) if d.one_statement else None
@@ -136,11 +160,16 @@ def claim_many(d: Dialect) -> str | None:
 # Many attempts recorded ``succeeded`` at once, each fenced like :func:`change`, with
 # their transitions (PostgreSQL only). Parameters: ids (bigint[]), fences (bigint[]),
 # owners (text[]), reasons (text[]), the new state, the old state, the new state again.
+# The rows are locked first in (task, slot) order, the order :data:`_CLAIM_MANY` locks
+# them in: a batch finish and a batch claim on the same rows never deadlock.
 _SUCCEED_MANY = (
     "WITH c AS (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[]) "
     "AS c(id, fence, owner, reason)), "
+    "l AS (SELECT r.id FROM {run} AS r JOIN c USING (id) ORDER BY r.task_name, r.slot "
+    "FOR UPDATE OF r), "
     "u AS (UPDATE {run} AS r SET state = %s, error = '', finished_at = {now} FROM c "
-    "WHERE r.id = c.id AND r.state = %s AND r.fence = c.fence RETURNING r.id), "
+    "WHERE r.id = c.id AND r.id IN (SELECT id FROM l) AND r.state = %s AND r.fence = c.fence "
+    "RETURNING r.id), "
     "t AS (INSERT INTO {transition} ({columns}) "
     "SELECT c.id, %s, %s, {now}, c.reason, c.owner FROM c JOIN u USING (id)) "
     "SELECT id FROM u"
@@ -164,6 +193,11 @@ def claimed_transition(d: Dialect) -> str:
 @lru_cache
 def read_slot(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
+
+
+@lru_cache
+def read_key(d: Dialect) -> str:
+    return _format('SELECT {row}, {left} FROM {run} WHERE task_name = %s AND "key" = %s', d)
 
 
 @lru_cache
@@ -288,6 +322,57 @@ def busy_timeout(d: Dialect) -> str | None:
 def add_duplicates(d: Dialect) -> str:
     return _format(
         "UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND slot = %s", d
+    )
+
+
+@lru_cache
+def add_duplicates_key(d: Dialect) -> str:
+    return _format(
+        'UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND "key" = %s', d
+    )
+
+
+# The JSON result of a keyed run (return_result=True): written by its live attempt
+# (fenced), read by its duplicates once it succeeded.
+@lru_cache
+def store_result(d: Dialect) -> str:
+    return _format("UPDATE {run} SET result = %s WHERE id = %s AND fence = %s AND state = %s", d)
+
+
+@lru_cache
+def read_result(d: Dialect) -> str:
+    return _format('SELECT state, result FROM {run} WHERE task_name = %s AND "key" = %s', d)
+
+
+# task, slot, key, state, reason (the error), duplicates: a keyed row no attempt held.
+@lru_cache
+def insert_unheld_key(d: Dialect) -> str:
+    return _format(
+        'INSERT INTO {run} (task_name, slot, "key", state, attempt, fence, owner, created_at, '
+        "finished_at, error, duplicates) "
+        "VALUES (%s, %s, %s, %s, 0, NULL, '', {now}, {now}, %s, %s) "
+        'ON CONFLICT (task_name, "key") WHERE "key" IS NOT NULL DO NOTHING RETURNING id',
+        d,
+    )
+
+
+_SECONDS_AGO = {  # the database's now minus %s seconds
+    "postgresql": "statement_timestamp() - make_interval(secs => %s)",
+    "sqlite": "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || %s || ' seconds')",
+}
+
+
+# id, keep seconds, then the prunable states: a finished keyed run whose ``keep``
+# has run out (by the database's clock) is deleted, so its key may run again.
+@lru_cache
+def reopen_key(d: Dialect) -> str:
+    states = ", ".join(["%s"] * len(PRUNABLE_STATES))
+    finished_before = _SECONDS_AGO[d.vendor]
+    return _format(
+        f'DELETE FROM {{run}} WHERE id = %s AND "key" IS NOT NULL AND '
+        f"COALESCE(finished_at, created_at) <= {finished_before} AND state IN ({states}) "
+        f"RETURNING id",
+        d,
     )
 
 

@@ -12,6 +12,7 @@ from django.core.signals import setting_changed
 from ..conf import taskguard_settings
 from .base import Acquired, LockBackend, run_key
 from .database import DatabaseLock
+from .keys import enqueue_key
 
 if TYPE_CHECKING:
     from .redis import RedisLock
@@ -20,6 +21,9 @@ __all__ = [
     "Acquired",
     "LockBackend",
     "claim_once",
+    "claim_or_read",
+    "enqueue_key",
+    "extend_claim",
     "get_backend",
     "is_redis_cache",
     "redis_key_prefix",
@@ -95,6 +99,20 @@ def claim_once(key: str, value: str, ttl_seconds: int) -> bool:
     not answer. The beat's ``BEAT_CLAIM`` uses it.
     """
     return _redis_lock().claim_once(key, value, ttl_seconds)
+
+
+def claim_or_read(key: str, value: str, ttl_seconds: float) -> str:
+    """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; return its holder.
+
+    Like :func:`claim_once`, on the ``REDIS_ALIAS`` server (``SET NX GET PX``): the
+    holder is ``value`` when the key is ours now. Celery's ``apply_once`` uses it.
+    """
+    return _redis_lock().claim_or_read(key, value, ttl_seconds)
+
+
+def extend_claim(key: str, value: str, ttl_seconds: float) -> bool:
+    """Make ``key`` live ``ttl_seconds`` more, only while it holds ``value``."""
+    return _redis_lock().extend_claim(key, value, ttl_seconds)
 
 
 def redis_key_prefix() -> str:

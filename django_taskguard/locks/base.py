@@ -33,6 +33,14 @@ class LockBackend(ABC):
     def key(self, task_name: str, slot: datetime) -> str:
         """The key this backend locks (task, slot) under; what the other methods take."""
 
+    def keyed(self, task_name: str, key: str) -> str:
+        """The key this backend locks an ``@once_per_key`` run (task, key) under."""
+        return ""
+
+    def key_for(self, task_name: str, slot: datetime, key: str | None) -> str:
+        """:meth:`key` of a slot's run, :meth:`keyed` of a keyed run (``key`` not None)."""
+        return self.key(task_name, slot) if key is None else self.keyed(task_name, key)
+
     @abstractmethod
     def acquire(
         self,
@@ -42,11 +50,13 @@ class LockBackend(ABC):
         task_name: str = "",
         *,
         count: bool = True,
+        run_key: str = "",
     ) -> Acquired:
         """Take ``key`` for ``token`` for ``lease_seconds``, or count a duplicate.
 
-        ``task_name`` is recorded next to the count, so that a slot whose
-        winner died before its database row can still be recorded by cleanup.
+        ``task_name`` (and ``run_key``, a keyed run's key) is recorded next to the
+        count, so that a run whose winner died before its database row can still
+        be recorded by cleanup.
         ``count=False``: a lost call is not counted (it will be put back).
         """
 
@@ -68,9 +78,10 @@ class LockBackend(ABC):
         self.release(key, token)
         return count
 
-    def finish(self, key: str, token: str) -> int:
+    def finish(self, key: str, token: str, marker_seconds: float | None = None) -> int:
         """The winner's row is recorded finished: release ``key`` (leaving a finished-slot
-        marker where the backend keeps one) and return the duplicates counted for it."""
+        marker where the backend keeps one, for ``marker_seconds`` at most when given)
+        and return the duplicates counted for it."""
         return self.release_counted(key, token)
 
     def sweep(self, task: str | None, dry_run: bool) -> tuple[int, int]:

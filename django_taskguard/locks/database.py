@@ -21,6 +21,7 @@ class DatabaseLock(LockBackend):
         task_name: str = "",
         *,
         count: bool = True,
+        run_key: str = "",
     ) -> Acquired:
         return Acquired.BYPASSED
 
@@ -30,5 +31,5 @@ class DatabaseLock(LockBackend):
     def release(self, key: str, token: str) -> bool:
         return True
 
-    def finish(self, key: str, token: str) -> int:
+    def finish(self, key: str, token: str, marker_seconds: float | None = None) -> int:
         return 0

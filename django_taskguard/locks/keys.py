@@ -11,6 +11,10 @@ together) stays in one hash slot:
 ``digest`` is a fixed-length hash of the task name (never raw user text),
 ``slot`` the slot in UTC (``20261121T210000.000000Z``). The prefix may not
 contain braces: the first ``{`` of a key opens its hash tag.
+
+A keyed run (``@once_per_key``) has ``k<key digest>`` in place of the slot:
+``{prefix}:run:{<digest>:k<key digest>}``, the key hashed like the task name
+(a key is user text: never in a Redis key raw).
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ def slot_label(slot: datetime) -> str:
     return slot.astimezone(dt_timezone.utc).strftime(_LABEL)
 
 
+KEYED = "k"  # the label of a keyed run: "k" and the key's digest
+
+
+def key_digest(key: str) -> str:
+    """A fixed-length, key-safe stand-in for an ``@once_per_key`` key."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def check_prefix(prefix: str) -> str:
     """``prefix``, or ``ImproperlyConfigured`` if it would break the keys' hash tag."""
     if "{" in prefix or "}" in prefix:
@@ -53,6 +65,19 @@ def check_prefix(prefix: str) -> str:
 def run_key(prefix: str, task_name: str, slot: datetime) -> str:
     """The lock key of one (task, slot)."""
     return f"{prefix}:{RUN}:{{{task_digest(task_name)}:{slot_label(slot)}}}"
+
+
+def keyed_run_key(prefix: str, task_name: str, key: str) -> str:
+    """The lock key of one (task, key) of ``@once_per_key``."""
+    return f"{prefix}:{RUN}:{{{task_digest(task_name)}:{KEYED}{key_digest(key)}}}"
+
+
+ENQUEUE = "enq"  # Celery's apply_once: the message queued or running for a key
+
+
+def enqueue_key(prefix: str, task_name: str, key: str) -> str:
+    """The record of the message ``apply_once`` published for (task, key)."""
+    return f"{prefix}:{ENQUEUE}:{{{task_digest(task_name)}:{KEYED}{key_digest(key)}}}"
 
 
 def claim_key(run_key: str) -> str:
@@ -75,15 +100,17 @@ def scan_pattern(prefix: str, kind: str) -> str:
 
 @dataclass(frozen=True)
 class SlotKey:
-    """A lock key or claim record, read back."""
+    """A lock key or claim record, read back: of a slot, or of a key (``slot`` None)."""
 
     prefix: str
     kind: str  # RUN or CLAIM
     digest: str
-    slot: datetime
+    slot: datetime | None
+    keyed: str | None = None  # the key's digest, for a keyed run
 
     def format(self) -> str:
-        return f"{self.prefix}:{self.kind}:{{{self.digest}:{slot_label(self.slot)}}}"
+        label = slot_label(self.slot) if self.slot is not None else f"{KEYED}{self.keyed}"
+        return f"{self.prefix}:{self.kind}:{{{self.digest}:{label}}}"
 
     @classmethod
     def parse(cls, key: str) -> SlotKey | None:
@@ -95,6 +122,9 @@ class SlotKey:
         digest, _, label = tail[:-1].partition(":")
         if kind not in (RUN, CLAIM) or not prefix or len(digest) != 32:
             return None
+        if label.startswith(KEYED) and len(label) == 33:
+            keyed = cls(prefix, kind, digest, None, label[1:])
+            return keyed if keyed.format() == key else None
         try:
             slot = datetime.strptime(label, _LABEL).replace(tzinfo=dt_timezone.utc)
         except ValueError:

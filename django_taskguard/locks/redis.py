@@ -45,6 +45,7 @@ from .keys import (
     SlotKey,
     check_prefix,
     claim_key,
+    keyed_run_key,
     lock_key,
     run_key,
     scan_pattern,
@@ -53,6 +54,7 @@ from .redis_client import build_client, call, readable
 from .redis_scripts import (
     ACQUIRE,
     CLAIM_ONCE,
+    CLAIM_OR_READ,
     COMPARE_DELETE,
     EXTEND,
     FINISH,
@@ -123,6 +125,9 @@ class RedisLock(LockBackend):
     def key(self, task_name: str, slot: datetime) -> str:
         return run_key(self.key_prefix(), task_name, slot)
 
+    def keyed(self, task_name: str, key: str) -> str:
+        return keyed_run_key(self.key_prefix(), task_name, key)
+
     @classmethod
     def for_alias(cls, alias: str) -> RedisLock:
         check_prefix(taskguard_settings.KEY_PREFIX)
@@ -163,11 +168,12 @@ class RedisLock(LockBackend):
         task_name: str = "",
         *,
         count: bool = True,
+        run_key: str = "",
     ) -> Acquired:
         # (`_down_since` tested inline: this is the hot path of every call)
         if self._down_since is not None and self._backing_off():
             return self._unavailable(task_name, None)
-        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name, int(count))
+        args = (token, int(lease_seconds * 1000), CLAIM_RECORD_MS, task_name, int(count), run_key)
         try:
             won = self._eval(ACQUIRE, (key, claim_key(key)), args)
         except RedisError as exc:
@@ -202,15 +208,19 @@ class RedisLock(LockBackend):
     def release_counted(self, key: str, token: str) -> int:
         return int(self._quiet(RELEASE_COUNTED, (key, claim_key(key)), (token,)) or 0)
 
-    def finish(self, key: str, token: str) -> int:
-        """Leave the finished marker for ``FINISHED_MARKER_SECONDS``; return the duplicates.
+    def finish(self, key: str, token: str, marker_seconds: float | None = None) -> int:
+        """Leave the finished marker for ``FINISHED_MARKER_SECONDS`` (or ``marker_seconds``
+        when shorter; 0: no marker, the key is deleted); return the duplicates.
 
         One round trip: if ``key`` holds ``token`` (or has lapsed) it is set to the
         marker, so a late call is answered by Redis alone (``Acquired.FINISHED``);
         the claim record's count is returned and the record deleted if it is
         this token's. Call it only once the row is recorded finished.
         """
-        ms = int(taskguard_settings.FINISHED_MARKER_SECONDS * 1000)
+        seconds = taskguard_settings.FINISHED_MARKER_SECONDS
+        if marker_seconds is not None:
+            seconds = min(seconds, marker_seconds)
+        ms = int(seconds * 1000)
         return int(self._quiet(FINISH, (key, claim_key(key)), (token, ms)) or 0)
 
     def take_duplicates(self, key: str) -> int:
@@ -231,6 +241,26 @@ class RedisLock(LockBackend):
         except RedisError as exc:
             self.errors += 1
             raise self._loud(f"claim {key}", exc) from exc
+
+    def claim_or_read(self, key: str, value: str, ttl_seconds: float) -> str:
+        """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; return its holder
+        (``value`` when it is ours now). One round trip; ``BackendUnavailable`` on error."""
+        if isinstance(ttl_seconds, bool) or not ttl_seconds > 0:
+            raise ValueError(f"ttl_seconds must be positive, not {ttl_seconds!r}")
+        try:
+            return str(self._eval(CLAIM_OR_READ, (key,), (value, max(1, int(ttl_seconds * 1000)))))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"claim {key}", exc) from exc
+
+    def extend_claim(self, key: str, value: str, ttl_seconds: float) -> bool:
+        """Make ``key`` live ``ttl_seconds`` more, only while it holds ``value``."""
+        try:
+            ms = max(1, int(ttl_seconds * 1000))
+            return bool(self._eval(EXTEND, (key,), (value, ms)))
+        except RedisError as exc:
+            self.errors += 1
+            raise self._loud(f"extend {key}", exc) from exc
 
     def release_claim(self, key: str, value: str) -> bool:
         """Delete ``key`` only while it holds ``value`` (compare-and-delete); True if deleted."""
@@ -446,10 +476,13 @@ class RedisLock(LockBackend):
         held = holder is not None and holder != FINISHED_MARKER  # a marker: the lock is gone
         if held or not fields or parsed is None or not fields.get("task"):
             return None
+        if parsed.slot is None and not fields.get("key"):
+            return None  # a keyed run's record names its key; this one does not
         return ClaimRecord(
             key=key,
             task_name=fields["task"],
             slot=parsed.slot,
+            run_key=fields.get("key"),
             duplicates=int(fields.get("count", 0)),
             token=fields.get("token", ""),
         )

@@ -25,18 +25,20 @@ class Script:
 FINISHED_MARKER = "=done"
 
 # Take the lock for ARGV[1] for ARGV[2] ms (or find it already ours): 1. Else count
-# one duplicate on the claim record (ARGV[4] = task; it lives ARGV[3] ms): 2 when the
-# key holds the finished marker (always counted), 0 for a live holder (counted
-# unless ARGV[5] is '0'). SET NX GET (Redis >= 7) answers "was it free, and whose
-# is it" in one command.
+# one duplicate on the claim record (ARGV[4] = task, ARGV[6] = a keyed run's key or
+# ''; it lives ARGV[3] ms): 2 when the key holds the finished marker (always
+# counted), 0 for a live holder (counted unless ARGV[5] is '0'). SET NX GET
+# (Redis >= 7) answers "was it free, and whose is it" in one command.
 ACQUIRE = Script.of(
     "local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2]) "
     "if not held then redis.call('HSET', KEYS[2], 'task', ARGV[4], 'token', ARGV[1]) "
+    "if ARGV[6] ~= '' then redis.call('HSET', KEYS[2], 'key', ARGV[6]) end "
     "redis.call('PEXPIRE', KEYS[2], ARGV[3]) return 1 end "
     "if held == ARGV[1] then return 1 end "
     f"local finished = held == '{FINISHED_MARKER}' "
     "if not finished and ARGV[5] == '0' then return 0 end "
     "redis.call('HINCRBY', KEYS[2], 'count', 1) redis.call('HSETNX', KEYS[2], 'task', ARGV[4]) "
+    "if ARGV[6] ~= '' then redis.call('HSETNX', KEYS[2], 'key', ARGV[6]) end "
     "redis.call('PEXPIRE', KEYS[2], ARGV[3]) "
     "if finished then return 2 end return 0"
 )
@@ -96,6 +98,12 @@ FORGET_CLAIM = Script.of(
 # Set KEYS[1] to ARGV[1] for ARGV[2] seconds unless it exists. 1 = set (ours now).
 CLAIM_ONCE = Script.of(
     "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 1 end return 0"
+)
+# Set KEYS[1] to ARGV[1] for ARGV[2] ms unless it exists; return what it holds now
+# (ARGV[1]: ours). One round trip answers "taken, and by whom".
+CLAIM_OR_READ = Script.of(
+    "local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2]) "
+    "if not held then return ARGV[1] end return held"
 )
 # Delete KEYS[1] only while it holds ARGV[1] (never a plain DEL). 1 = deleted.
 COMPARE_DELETE = Script.of(

@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Protocol, TypeVar
 
 import redis
+from django.utils import timezone
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 
@@ -52,9 +53,15 @@ class ClaimRecord:
 
     key: str  # the claim record's key
     task_name: str
-    slot: datetime
+    slot: datetime | None  # None: a keyed run's record (``run_key`` says which)
     duplicates: int  # calls counted in Redis, not yet in TaskRun.duplicates
     token: str  # the Redis winner's token ("" when the winner already finished)
+    run_key: str | None = None  # the key of an @once_per_key run
+
+    @property
+    def when(self) -> datetime:
+        """The slot, or for a keyed run the time it is recorded (its row's slot)."""
+        return self.slot if self.slot is not None else timezone.now()
 
 
 class RedisLock(Protocol):
@@ -93,7 +100,9 @@ def record_claims(lock: RedisLock, task: str | None, dry_run: bool) -> int:
     """Record every claimed slot that has no row; return how many (or would be)."""
     if dry_run:
         claims = _claims(lock, task)
-        return sum(not ledger.row_exists(claim.task_name, claim.slot) for claim in claims)
+        return sum(
+            not ledger.row_exists(claim.task_name, claim.when, claim.run_key) for claim in claims
+        )
     guard = Lock(
         lock.client,
         f"{lock.key_prefix()}:cleanup:claims",
@@ -155,31 +164,32 @@ def _record(lock: RedisLock, claim: ClaimRecord) -> bool:
         # holder folds the record's whole count into the row when it releases
         # (or the next sweep does, if it dies too): take our count back so it is
         # not counted twice. The abandoned row, if we made it, stays recorded.
-        ledger.add_duplicates(claim.task_name, claim.slot, -claim.duplicates)
+        ledger.add_duplicates(claim.task_name, claim.when, -claim.duplicates, claim.run_key)
         logger.info("taskguard claim %s is held again; its count is left to it", claim.key)
     return created
 
 
 def _write(claim: ClaimRecord) -> bool:
     """Add the count to the slot's row, or insert the row ``abandoned``; True if inserted."""
-    if ledger.add_duplicates(claim.task_name, claim.slot, claim.duplicates):
+    slot, key = claim.when, claim.run_key
+    if ledger.add_duplicates(claim.task_name, slot, claim.duplicates, key):
         return False
     reason = _reason(claim)
     run_id = ledger.insert_abandoned(
         claim.task_name,
-        claim.slot,
+        slot,
         reason=reason,
         duplicates=claim.duplicates,
         actor=actor("cleanup"),
+        key=key,
     )
     if run_id is None:
         # A caller inserted the row between our UPDATE and INSERT: count on its row.
-        ledger.add_duplicates(claim.task_name, claim.slot, claim.duplicates)
+        ledger.add_duplicates(claim.task_name, slot, claim.duplicates, key)
         return False
-    logger.warning(
-        "taskguard %s slot %s recorded abandoned: %s", claim.task_name, claim.slot, reason
-    )
-    run_abandoned.send(sender=claim.task_name, run_id=run_id, slot=claim.slot, reason=reason)
+    what = f"key {key!r}" if key is not None else f"slot {slot}"
+    logger.warning("taskguard %s %s recorded abandoned: %s", claim.task_name, what, reason)
+    run_abandoned.send(sender=claim.task_name, run_id=run_id, slot=slot, reason=reason)
     return True
 
 
@@ -220,7 +230,7 @@ class RunKey:
     key: str
     token: str
     digest: str
-    slot: datetime
+    slot: datetime | None  # None: a keyed run's lock key
 
 
 def _scan(lock: RedisLock, digest: str | None) -> Iterator[RunKey]:
@@ -233,7 +243,10 @@ def _scan(lock: RedisLock, digest: str | None) -> Iterator[RunKey]:
 
 def _verdict(found: RunKey) -> str:
     """``live``, ``dead`` (its attempt is over) or ``unrecorded`` (no row names the token)."""
-    rows = ledger.token_holders(found.slot, found.token)
+    if found.slot is None:
+        rows = ledger.keyed_token_holders(found.token)
+    else:
+        rows = ledger.token_holders(found.slot, found.token)
     mine = [alive for name, alive in rows if task_digest(name) == found.digest]
     if not mine:
         return "unrecorded"

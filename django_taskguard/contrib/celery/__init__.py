@@ -4,7 +4,8 @@ worker-side slot source that reads it.
 - :mod:`.headers`: the headers, task identities and slots both sides agree on;
 - :mod:`.worker`: the slot source of guarded tasks, retries, put-backs;
 - :mod:`.beat`: ``TaskguardScheduler`` (``beat_schedule`` in settings);
-- :mod:`.beat_db`: ``TaskguardDatabaseScheduler`` (django-celery-beat).
+- :mod:`.beat_db`: ``TaskguardDatabaseScheduler`` (django-celery-beat);
+- :mod:`.enqueue`: ``apply_once`` / ``OnceTask``, enqueue de-duplication by key.
 
 The schedulers are loaded on first use (beat code has no place in a worker, and
 django-celery-beat's models can only be imported once apps are ready), so
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import enqueue
+from .enqueue import OnceTask, apply_once
 from .headers import (
     DEFERRED_HEADER,
+    ENQUEUE_HEADER,
     GRACE_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
@@ -29,11 +33,14 @@ from .worker import celery_call_context, register
 
 __all__ = [
     "DEFERRED_HEADER",
+    "ENQUEUE_HEADER",
     "GRACE_HEADER",
     "SCHEDULE_HEADER",
     "SLOT_HEADER",
+    "OnceTask",
     "TaskguardDatabaseScheduler",
     "TaskguardScheduler",
+    "apply_once",
     "celery_call_context",
     "message_headers",
     "slot_for",
@@ -41,6 +48,7 @@ __all__ = [
 ]
 
 register()
+enqueue.register()
 
 _LAZY = {
     "EpochInterval": "beat",

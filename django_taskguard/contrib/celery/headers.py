@@ -29,7 +29,16 @@ DEFERRED_HEADER = "taskguard_deferred"  # how often a redelivery was put back
 # A beat entry's misfire grace, in seconds, set by the user in the entry's
 # ``options={"headers": {"taskguard_grace": 60}}``: a message later than that is recorded missed.
 GRACE_HEADER = "taskguard_grace"
-HEADERS = (SLOT_HEADER, SCHEDULE_HEADER, PERIODIC_TASK_HEADER, DEFERRED_HEADER, GRACE_HEADER)
+# apply_once: {"key": ..., "ttl": seconds, "keep": seconds or None} of the message
+ENQUEUE_HEADER = "taskguard_enqueue"
+HEADERS = (
+    SLOT_HEADER,
+    SCHEDULE_HEADER,
+    PERIODIC_TASK_HEADER,
+    DEFERRED_HEADER,
+    GRACE_HEADER,
+    ENQUEUE_HEADER,
+)
 
 
 def grace_of(headers: dict[str, Any]) -> timedelta | None:

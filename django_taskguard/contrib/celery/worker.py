@@ -20,8 +20,8 @@ from django.utils import timezone
 from ... import ledger
 from ...context import active_run
 from ...decorators import SLOT_SOURCES, CallContext, guarded_policy
+from ...endings import Ending
 from ...exceptions import TaskGuardError
-from ...guard import Ending
 from ...owner import actor
 from ...states import RunState
 from .headers import (
@@ -57,7 +57,8 @@ def celery_call_context() -> CallContext | None:
     if request.called_directly:
         return CallContext(task_name=name)
     slot = headers.get(SLOT_HEADER)
-    if slot is None and getattr(body, "schedule", None) is None:
+    keyed = callable(getattr(body, "key_of", None))  # @once_per_key: no slot to find
+    if slot is None and not keyed and getattr(body, "schedule", None) is None:
         record_no_slot(getattr(body, "task_name", None) or name, request)
     return CallContext(
         slot=slot,

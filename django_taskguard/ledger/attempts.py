@@ -1,0 +1,322 @@
+"""The hot paths of an attempt: claim, start, take over, abandon, finish, renew."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    connections,
+    transaction,
+)
+
+from ..exceptions import TaskGuardError
+from ..states import PRUNABLE_STATES, RunState, check_transition
+from . import sql
+from .core import (
+    ERROR_MAX_LENGTH,
+    REASON_MAX_LENGTH,
+    Row,
+    Step,
+    alias,
+    aware,
+    bump_fence,
+    change,
+    clip,
+    dialect,
+    fetch_all,
+    one,
+    slot_param,
+    to_row,
+    unreachable,
+)
+
+# -- the hot paths -----------------------------------------------------------------
+
+
+def claim(
+    task_name: str,
+    slot: datetime,
+    owner: str,
+    lease_seconds: float,
+    *,
+    abandon_is_final: bool,
+    count_live: bool = True,
+    key: str | None = None,
+) -> Row:
+    """Insert the (task, slot) row as ``running`` for ``owner``, or find it taken.
+
+    With ``key``: the (task, key) row instead, ``slot`` being the claim's time.
+
+    One round trip either way. The returned row's ``owner`` equals ``owner``
+    exactly when this call created it. When the slot is plainly taken (a live
+    or finished attempt) the row's ``duplicates`` is incremented in the same
+    statement (a live attempt only with ``count_live``: a caller that will be
+    put back is counted when it comes back); the other cases (pending,
+    retrying, stale) are for the caller to decide (:func:`start_attempt`,
+    :func:`take_over`, :func:`abandon`).
+    """
+    if key is not None:
+        return _claim_key(task_name, slot, key, owner, lease_seconds, abandon_is_final, count_live)
+    d = dialect()
+    params = [task_name, slot_param(slot), owner, lease_seconds, count_live, abandon_is_final]
+    if d.one_statement:
+        row = to_row(one(sql.claim(d), [*params, owner]))
+    else:
+        with transaction.atomic(using=alias()):
+            bump_fence(d)
+            row = to_row(one(sql.claim(d), params))
+            if row is not None and row.owner == owner:
+                one(sql.claimed_transition(d), [row.id])
+    assert row is not None
+    return row
+
+
+def claim_many(
+    task_names: Sequence[str], slot: datetime, owners: Sequence[str], leases: Sequence[float]
+) -> dict[str, Row] | None:
+    """:func:`claim` for one slot of many tasks in one statement (``on_stale="abandon"``).
+
+    Returns each task's row (``owner`` equal to the one given: this call created it), or
+    None where the database cannot do it in one statement (SQLite: claim one by one).
+    """
+    statement = sql.claim_many(dialect())
+    if statement is None:
+        return None
+    found = fetch_all(statement, [list(task_names), list(owners), list(leases), slot_param(slot)])
+    rows = {}
+    for values in found:
+        row = to_row(values[1:])
+        assert row is not None
+        rows[str(values[0])] = row
+    return rows
+
+
+def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
+    """Record many running attempts ``succeeded`` in one statement, each fenced:
+    ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
+    fenced out). None where the database cannot do it in one statement (SQLite)."""
+    d = dialect()
+    statement = sql.succeed_many(d)
+    if statement is None:
+        return None
+    check_transition(RunState.RUNNING, RunState.SUCCEEDED)
+    params = [
+        [run_id for run_id, _, _, _ in items],
+        [fence for _, fence, _, _ in items],
+        [owner for _, _, owner, _ in items],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, _, reason in items],
+        RunState.SUCCEEDED,
+        RunState.RUNNING,
+        RunState.RUNNING,
+        RunState.SUCCEEDED,
+    ]
+    return {int(run_id) for (run_id,) in fetch_all(statement, params)}
+
+
+# A keyed row's slot is its claim's time; two keys of one task claimed in the same
+# microsecond would meet on the (task, slot) constraint: the later takes the next one.
+SLOT_COLLISION_ROUNDS = 5
+
+
+def _claim_key(
+    task_name: str,
+    slot: datetime,
+    key: str,
+    owner: str,
+    lease_seconds: float,
+    abandon_is_final: bool,
+    count_live: bool,
+) -> Row:
+    d = dialect()
+    for _ in range(SLOT_COLLISION_ROUNDS):
+        params = [
+            task_name,
+            slot_param(slot),
+            key,
+            owner,
+            lease_seconds,
+            count_live,
+            abandon_is_final,
+        ]
+        try:
+            if d.one_statement:
+                row = to_row(one(sql.claim_key(d), [*params, owner]))
+            else:
+                with transaction.atomic(using=alias()):
+                    bump_fence(d)
+                    row = to_row(one(sql.claim_key(d), params))
+                    if row is not None and row.owner == owner:
+                        one(sql.claimed_transition(d), [row.id])
+        except IntegrityError:
+            # Only the (task, slot) constraint can refuse it: (task, key) is the arbiter.
+            slot += timedelta(microseconds=1)
+            continue
+        assert row is not None
+        return row
+    raise TaskGuardError(
+        f"{task_name!r} key {key!r}: {SLOT_COLLISION_ROUNDS} claims of this task at the same "
+        f"microsecond; try again"
+    )
+
+
+def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
+    if key is not None:
+        return to_row(one(sql.read_key(dialect()), [task_name, key]))
+    return to_row(one(sql.read_slot(dialect()), [task_name, slot_param(slot)]))
+
+
+def store_result(run_id: int, fence: int, result: str) -> bool:
+    """Store a live keyed attempt's JSON result (fenced); False when it no longer owns the row."""
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.store_result(dialect()), [result, run_id, fence, RunState.RUNNING])
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def result_of(task_name: str, key: str) -> str | None:
+    """The JSON result a succeeded keyed run stored, or None."""
+    try:
+        found = one(sql.read_result(dialect()), [task_name, key])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    if found is None or found[0] != RunState.SUCCEEDED:
+        return None
+    return None if found[1] is None else str(found[1])
+
+
+def reopen_key(run_id: int, keep_seconds: float) -> bool:
+    """Delete a finished keyed run (and its transitions) once ``keep_seconds`` have
+    passed since it finished, by the database's clock: its key may run again.
+
+    False when the row is not finished, not old enough, or already gone.
+    """
+    d = dialect()
+    with transaction.atomic(using=alias()):
+        deleted = one(sql.reopen_key(d), [run_id, keep_seconds, *PRUNABLE_STATES])
+        if deleted is None:
+            return False
+        one(sql.delete_transitions(d, 1), [run_id])
+    return True
+
+
+def read_by_id(run_id: int) -> Row | None:
+    return to_row(one(sql.read_id(dialect()), [run_id]))
+
+
+def start_attempt(row: Row, owner: str, lease_seconds: float, reason: str) -> Row | None:
+    """A pending or retrying row becomes ``owner``'s running attempt (``None``: it changed)."""
+    return change(
+        row,
+        [Step(RunState.RUNNING, reason)],
+        actor=owner,
+        fenced=False,
+        sets=sql.START_ATTEMPT,
+        values=(owner, lease_seconds),
+    )
+
+
+def take_over(row: Row, owner: str, lease_seconds: float, why: str) -> Row | None:
+    """A dead attempt's row (running past its lease, or abandoned) becomes ``owner``'s.
+
+    A running row is taken only while its lease has expired by the database's
+    clock: the compare-and-set checks it, so a live owner is never displaced.
+    """
+    running = row.state == RunState.RUNNING
+    return change(
+        row,
+        [
+            Step(RunState.RETRYING, why),
+            Step(RunState.RUNNING, f"taken over by attempt {row.attempt + 1}"),
+        ],
+        actor=owner,
+        fenced=running,
+        lease="expired" if running else "",
+        sets=sql.START_ATTEMPT,
+        values=(owner, lease_seconds),
+    )
+
+
+def abandon(
+    row: Row, *, actor: str, reason: str, lease: str = "expired", count_duplicate: bool = False
+) -> Row | None:
+    """A running row whose owner is dead becomes ``abandoned`` (``None``: it changed).
+
+    ``lease="expired"``: only while its lease has expired by the database's
+    clock; ``""``: the caller has other proof (its process is gone).
+    ``count_duplicate``: the caller that found it counts as a duplicate.
+    """
+    return change(
+        row,
+        [Step(RunState.ABANDONED, reason)],
+        actor=actor,
+        lease=lease,
+        sets=sql.ABANDON,
+        values=(clip(reason, ERROR_MAX_LENGTH), int(count_duplicate)),
+    )
+
+
+def finish(
+    run_id: int,
+    attempt: int,
+    fence: int,
+    owner: str,
+    to_state: str,
+    reason: str,
+    *,
+    error: str = "",
+    duplicates: int = 0,
+    retry_within: float | None = None,
+) -> Row | None:
+    """Record how an attempt ended, fenced: ``None`` when it no longer owns the row.
+
+    ``retry_within``: another attempt follows (a retry) within that many
+    seconds; the row's lease says by when, so that ``cleanup_locks`` records it
+    ``abandoned`` if the retry never comes.
+    """
+    row = Row(run_id, RunState.RUNNING, attempt, fence, owner, None)
+    stored = clip(error, ERROR_MAX_LENGTH)
+    values: tuple[Any, ...]
+    if retry_within is None:
+        sets, values = sql.END_ATTEMPT, (stored, duplicates)
+    else:
+        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates)
+    return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
+
+
+def renew(
+    run_id: int, fence: int, lease_seconds: float, timeout_seconds: float | None = None
+) -> datetime | None:
+    """Extend a live attempt's lease; ``None`` when the attempt no longer owns the row.
+
+    Only a ``running`` row with this ``fence`` is renewed: an attempt that
+    finished, paused for a retry or was taken over (a new fence) never is.
+    ``timeout_seconds`` bounds the renewal (its waits for locks and its run
+    time); past it the database's error is raised, as for any failed renewal.
+    """
+    d = dialect()
+    params = [lease_seconds, run_id, fence]
+    if timeout_seconds is None:
+        values = one(sql.renew(d), params)
+    else:
+        own = sql.busy_timeout(d)
+        previous = one(own, []) if own else None
+        try:
+            with transaction.atomic(using=alias()):
+                one(sql.renew_timeout(d, max(1, round(timeout_seconds * 1000))), [])
+                values = one(sql.renew(d), params)
+        finally:
+            if previous:
+                one(sql.renew_timeout(d, int(previous[0])), [])
+    return aware(values[0]) if values else None
+
+
+def earlier_slot_running(task_name: str, slot: datetime) -> datetime | None:
+    """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
+    values = one(sql.earlier_running(dialect()), [task_name, slot_param(slot)])
+    return aware(values[0]) if values else None

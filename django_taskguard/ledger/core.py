@@ -1,0 +1,314 @@
+"""The ledger's plumbing: its database, row types, the one compare-and-set writer,
+and the ledger's own row (identity, fences)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from datetime import timezone as dt_timezone
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
+from django.db.models import Max, QuerySet
+from django.utils.dateparse import parse_datetime
+
+from ..conf import taskguard_settings
+from ..exceptions import BackendUnavailable, TaskGuardError
+from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition
+from ..owner import token_of
+from ..states import check_transition
+from . import sql
+
+logger = logging.getLogger("taskguard.ledger")
+
+CONNECTION_ERRORS = (OperationalError, InterfaceError)
+# Text the ledger stores for people: reasons and errors are cut to this.
+REASON_MAX_LENGTH = 500
+ERROR_MAX_LENGTH = 10_000
+
+
+def alias() -> str:
+    """The database that holds the ledger."""
+    return taskguard_settings.DATABASE_ALIAS
+
+
+def runs() -> TaskRunQuerySet:
+    """Every run, read from the ledger's database (for the admin and other readers)."""
+    queryset: TaskRunQuerySet = TaskRun.objects.using(alias())
+    return queryset
+
+
+def transitions(run_id: int) -> QuerySet[TaskRunTransition]:
+    """One run's transition log, oldest first."""
+    return TaskRunTransition.objects.using(alias()).filter(run_id=run_id).order_by("at", "id")
+
+
+@dataclass(frozen=True)
+class Row:
+    """The columns of a ``TaskRun`` that the hot paths read back."""
+
+    id: int
+    state: str
+    attempt: int
+    fence: int | None
+    owner: str
+    lease_until: datetime | None
+    lease_left: float | None = None  # seconds, by the database's clock (read rows only)
+
+    @property
+    def expired(self) -> bool:
+        """The lease ran out, by the database's clock."""
+        return self.lease_left is not None and self.lease_left <= 0
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A run as maintenance reads it: a :class:`Row` with its task and slot."""
+
+    id: int
+    task_name: str
+    slot: datetime
+    state: str
+    attempt: int
+    fence: int | None
+    owner: str
+    lease_until: datetime | None
+    key: str | None = None  # an @once_per_key run's key
+
+    @property
+    def row(self) -> Row:
+        return Row(self.id, self.state, self.attempt, self.fence, self.owner, self.lease_until)
+
+    @property
+    def token(self) -> str:
+        return token_of(self.owner)
+
+
+@dataclass(frozen=True)
+class Step:
+    to_state: str
+    reason: str
+
+
+# -- plumbing ----------------------------------------------------------------------
+
+
+def connection_lost(exc: Exception) -> bool:
+    """True when ``exc`` may have cut a statement off mid-flight (outcome unknown).
+
+    Only a networked database loses connections; SQLite raises
+    ``OperationalError`` for real errors too, which must not be retried.
+    """
+    return isinstance(exc, CONNECTION_ERRORS) and connections[alias()].vendor != "sqlite"
+
+
+def settle_connection() -> None:
+    """Drop a connection that failed mid-statement so the next statement reconnects."""
+    connections[alias()].close()
+
+
+def unreachable(exc: Exception) -> BackendUnavailable:
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
+
+
+def describe_error(exc: Exception) -> str:
+    """``is unreachable (...)``, or ``is busy (...)`` for SQLite's lock timeout."""
+    if "database is locked" in str(exc):
+        return (
+            f"is busy: another connection held SQLite's write lock past its timeout ({exc}); "
+            f"raise DATABASES[...]['OPTIONS']['timeout'] or use PostgreSQL for many writers"
+        )
+    return f"is unreachable ({exc})"
+
+
+def ensure_reachable() -> None:
+    """Raise ``BackendUnavailable`` unless the ledger's database answers."""
+    try:
+        connections[alias()].ensure_connection()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def ensure_autocommit() -> None:
+    """Refuse to claim inside the caller's transaction.
+
+    A claim inside an open ``atomic`` block would hold the row lock (and hide
+    the row from every other instance) until the caller commits, and would
+    vanish if the caller rolled back: the opposite of a durable claim.
+    """
+    connection = transaction.get_connection(alias())
+    # Not get_autocommit(): it would connect, and an unreachable database must
+    # surface from the claim as BackendUnavailable. A closed connection opens
+    # with the configured AUTOCOMMIT.
+    opened = connection.connection is not None
+    autocommit = connection.autocommit if opened else connection.settings_dict["AUTOCOMMIT"]
+    if connection.in_atomic_block or not autocommit:
+        raise TaskGuardError(
+            "a taskguard claim cannot run inside an open transaction (transaction.atomic, "
+            "ATOMIC_REQUESTS or autocommit turned off): it must commit on its own so other "
+            "instances see it. Call the guarded function outside the atomic block, or from "
+            "transaction.on_commit()."
+        )
+
+
+def dialect() -> sql.Dialect:
+    return sql.dialect(alias())
+
+
+def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.fetchone() if cursor.description else None
+
+
+def fetch_all(statement: str, params: Sequence[Any]) -> list[Sequence[Any]]:
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        return list(cursor.fetchall())
+
+
+def slot_param(slot: datetime) -> Any:
+    return connections[alias()].ops.adapt_datetimefield_value(slot)
+
+
+def aware(value: Any) -> datetime | None:
+    """A datetime column's value as an aware UTC datetime (SQLite hands back text)."""
+    dt = value if value is None or isinstance(value, datetime) else parse_datetime(str(value))
+    if dt is not None and dt.tzinfo is None:
+        dt = dt.replace(tzinfo=dt_timezone.utc)
+    return dt
+
+
+def to_row(values: Sequence[Any] | None) -> Row | None:
+    if values is None:
+        return None
+    left = float(values[6]) if len(values) > 6 and values[6] is not None else None
+    return Row(
+        int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), left
+    )
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` made storable and cut to ``limit`` characters (marked when cut).
+
+    What a database refuses becomes visible instead: NUL (PostgreSQL rejects it
+    in text) as ``\\x00``, lone surrogates (no encoding takes them) as
+    ``\\udcxx``. A message is the user's, any text at all.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def change(
+    row: Row,
+    path: Sequence[Step],
+    *,
+    actor: str,
+    fenced: bool = True,
+    lease: str = "",
+    sets: tuple[str, ...] = (),
+    values: tuple[Any, ...] = (),
+) -> Row | None:
+    """Move ``row`` along ``path`` if it is still as read; write one transition per step."""
+    state = row.state
+    steps: list[tuple[str, str, str]] = []
+    for step in path:
+        check_transition(state, step.to_state)
+        steps.append((state, step.to_state, clip(step.reason, REASON_MAX_LENGTH)))
+        state = step.to_state
+    d = dialect()
+    params: list[Any] = [state, *values, row.id, row.state]
+    if fenced:
+        params.append(row.fence)
+    assignments = sql.assignments(d, sets)
+    if d.one_statement:
+        statement = sql.change_logged(d, assignments, fenced, lease, len(steps))
+        step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
+        return to_row(one(statement, [*params, actor, *step_params]))
+    with transaction.atomic(using=alias()):
+        if sets is sql.START_ATTEMPT:
+            bump_fence(d)
+        updated = to_row(one(sql.change(d, assignments, fenced, lease), params))
+        if updated is not None:
+            with connections[alias()].cursor() as cursor:
+                cursor.executemany(
+                    sql.transition(d), [(row.id, f, t, r, actor) for f, t, r in steps]
+                )
+        return updated
+
+
+# -- the ledger's own row: identity and fences ------------------------------------
+
+_identities: dict[str, str] = {}
+
+
+def identity() -> str:
+    """This ledger's identity (a UUID's hex), read once per process and database.
+
+    Written by the migration that made the table; made again if the row is gone
+    (a flushed test database): what matters is that two ledgers differ.
+    """
+    name = alias()
+    try:
+        return _identities[name]
+    except KeyError:
+        pass
+    try:
+        found = one(sql.identity(), [])
+        if found is None:
+            found = (ensure_ledger_row().identity,)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    value = _identities[name] = uuid.UUID(str(found[0])).hex
+    return value
+
+
+def ensure_ledger_row(using: str | None = None) -> Ledger:
+    """The ledger's row; made (fences counted on from the highest stored) when missing.
+
+    A new row keeps the identity this process already knows for that database,
+    if any: a flushed table (``manage.py flush``, a test case) must not give the
+    ledger a second identity while its keys are in use.
+    """
+    using = using or alias()
+    last = TaskRun.objects.using(using).aggregate(last=Max("fence"))["last"] or 0
+    defaults: dict[str, Any] = {"fence": last}
+    if using in _identities:
+        defaults["identity"] = uuid.UUID(_identities[using])
+    row, _ = Ledger.objects.using(using).get_or_create(id=1, defaults=defaults)
+    return row
+
+
+def bump_fence(d: sql.Dialect) -> None:
+    """SQLite: move the fence counter on, inside the caller's transaction."""
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(sql.bump_fence(d))
+        if cursor.rowcount == 0:
+            ensure_ledger_row()
+            cursor.execute(sql.bump_fence(d))
+
+
+def fence_at_least(value: int) -> None:
+    """Make every fence handed out from now on larger than ``value``.
+
+    For rows that arrive with their fences (``loaddata``, a restore): the fence
+    source must never hand out one of theirs again.
+    """
+    d = dialect()
+    with transaction.atomic(using=alias()):
+        if not d.one_statement:
+            ensure_ledger_row()
+        one(sql.fence_at_least(d), [value])

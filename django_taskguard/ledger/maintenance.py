@@ -1,0 +1,181 @@
+"""Maintenance reads and writes: stale runs, runs in flight, retention, task names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+
+from django.db import (
+    DatabaseError,
+    connections,
+    transaction,
+)
+from django.db.models import Q, QuerySet
+
+from ..models import TaskRun, TaskRunQuerySet, TaskRunTransition
+from ..states import PRUNABLE_STATES
+from . import sql
+from .core import RunRef, alias, aware, dialect, fetch_all, one, runs, transitions, unreachable
+
+# -- maintenance -------------------------------------------------------------------
+
+
+def stale_runs(
+    *, task: str | None = None, among: QuerySet[TaskRun] | None = None, batch_size: int = 500
+) -> Iterator[RunRef]:
+    """Rows whose owner is presumed gone, by the database's clock, by ascending id:
+    running past their lease, and retrying past the deadline of their retry.
+
+    ``among`` limits them to a queryset's runs (read as a subquery).
+    """
+    queryset = for_task(runs().overdue(), task)
+    if among is not None:
+        queryset = queryset.filter(pk__in=among.order_by().values("pk"))
+    return refs(queryset, batch_size)
+
+
+def in_flight(
+    *, task: str | None = None, among: QuerySet[TaskRun] | None = None, limit: int = 100
+) -> list[tuple[str, datetime, str, datetime, float]]:
+    """Live attempts (lease valid by the database's clock), soonest to expire first:
+    ``(task, slot, owner, lease_until, seconds left)``."""
+    queryset = for_task(runs().live(), task)
+    if among is not None:
+        queryset = queryset.filter(pk__in=among.order_by().values("pk"))
+    try:
+        now = database_now()
+        found = queryset.order_by("lease_until").values_list(
+            "task_name", "slot", "owner", "lease_until"
+        )[:limit]
+        return [
+            (name, slot, owner, until, (until - now).total_seconds())
+            for name, slot, owner, until in found
+            if until is not None
+        ]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def for_task(queryset: TaskRunQuerySet, task: str | None) -> TaskRunQuerySet:
+    """Runs of ``task``: its own name, or one of its per-schedule names (``task[entry]``)."""
+    if task is None:
+        return queryset
+    return queryset.filter(Q(task_name=task) | Q(task_name__startswith=f"{task}["))
+
+
+def known_task_names(limit: int = 1000) -> list[str]:
+    """Task names the ledger has runs of (for messages that suggest one)."""
+    try:
+        return task_names(limit)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def running_in_pid_space(space: str, batch_size: int = 500) -> Iterator[RunRef]:
+    """Running rows whose owner's pid space is ``space`` (see ``owner.Owner``)."""
+    return refs(runs().running().filter(owner__contains=f":{space}:"), batch_size)
+
+
+def run_ref(run_id: int) -> tuple[RunRef, bool] | None:
+    """One run and whether its lease is alive by the database's clock."""
+    try:
+        found = runs().filter(pk=run_id).with_lease().values(*REF_FIELDS, "lease_alive").first()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    if found is None:
+        return None
+    alive = bool(found.pop("lease_alive"))
+    return RunRef(**found), alive
+
+
+REF_FIELDS = (
+    "id",
+    "task_name",
+    "slot",
+    "state",
+    "attempt",
+    "fence",
+    "owner",
+    "lease_until",
+    "key",
+)
+
+
+def refs(queryset: QuerySet[TaskRun], batch_size: int) -> Iterator[RunRef]:
+    last = 0
+    while True:
+        try:
+            batch = list(
+                queryset.filter(pk__gt=last).order_by("pk").values(*REF_FIELDS)[:batch_size]
+            )
+        except DatabaseError as exc:
+            raise unreachable(exc) from exc
+        for values in batch:
+            yield RunRef(**values)
+        if len(batch) < batch_size:
+            return
+        last = batch[-1]["id"]
+
+
+def database_now() -> datetime:
+    """The database's clock (every instance judges deadlines against the same time)."""
+    try:
+        value = aware(one(sql.now(dialect()), [])[0])  # type: ignore[index]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    assert value is not None
+    return value
+
+
+def last_transition(run_id: int) -> TaskRunTransition | None:
+    return transitions(run_id).order_by("-at", "-id").first()
+
+
+def prunable(before: datetime) -> TaskRunQuerySet:
+    """Finished runs whose slot is older than ``before``."""
+    queryset: TaskRunQuerySet = runs().filter(state__in=PRUNABLE_STATES, slot__lt=before)
+    return queryset
+
+
+def count_prunable(before: datetime) -> tuple[int, int]:
+    """How many runs, and transitions of theirs, :func:`prunable` finds."""
+    queryset = prunable(before)
+    pks = queryset.values("pk")
+    return queryset.count(), TaskRunTransition.objects.using(alias()).filter(run__in=pks).count()
+
+
+def prunable_ids(before: datetime, after_id: int, limit: int) -> list[int]:
+    return list(
+        prunable(before).filter(pk__gt=after_id).order_by("pk").values_list("pk", flat=True)[:limit]
+    )
+
+
+def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
+    """Delete these runs if still finished (state re-checked), with their transitions.
+
+    One short transaction; returns (runs, transitions) deleted.
+    """
+    d = dialect()
+    with transaction.atomic(using=alias()):
+        deleted = [
+            run_id
+            for (run_id,) in fetch_all(sql.delete_finished(d, len(ids)), [*ids, *PRUNABLE_STATES])
+        ]
+        if not deleted:
+            return 0, 0
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.delete_transitions(d, len(deleted)), deleted)
+            return len(deleted), max(cursor.rowcount, 0)
+
+
+def task_names(limit: int) -> list[str]:
+    """Distinct task names by a loose index scan on (task_name, slot), not a DISTINCT scan."""
+    # A recursive CTE hops from name to next name through the index (PostgreSQL
+    # has no skip scan; SQLite and PostgreSQL both run it).
+    statement = (
+        f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {sql.RUN} "
+        f"UNION ALL SELECT (SELECT MIN(task_name) FROM {sql.RUN} WHERE task_name > names.name) "
+        f"FROM names WHERE names.name IS NOT NULL) "
+        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+    )
+    return [name for (name,) in fetch_all(statement, [limit])]

@@ -1,0 +1,157 @@
+"""Reads for health, metrics and the admin's overview, a fixed number of statements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+)
+
+from ..states import RunState
+from . import sql
+from .core import aware, dialect, fetch_all, slot_param, unreachable
+
+# -- monitoring: health, metrics and the admin's overview ---------------------------
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """One run as the overview's strip reads it."""
+
+    id: int
+    slot: datetime
+    state: str
+
+
+@dataclass(frozen=True)
+class LastRun:
+    slot: datetime
+    finished_at: datetime | None
+
+
+def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
+    """Each named task's run in ``state`` with the latest slot (tasks without one are left out)."""
+    found: dict[str, LastRun] = {}
+    d = dialect()
+    chunk = 200
+    try:
+        for start in range(0, len(names), chunk):
+            part = names[start : start + chunk]
+            statement = sql.latest_in_state(d, len(part))
+            for name, slot, finished in fetch_all(statement, [*part, state, state]):
+                slot_at = aware(slot)
+                if slot_at is not None:
+                    found[name] = LastRun(slot_at, aware(finished))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return found
+
+
+@dataclass
+class StateSummary:
+    """A task's runs in one state over a window of slots."""
+
+    runs: int = 0
+    duplicates: int = 0
+    duration_sum: float = 0.0
+    duration_count: int = 0
+    # How many durations are at most each bound (cumulative, as Prometheus has them).
+    buckets: tuple[int, ...] = ()
+
+
+def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, str], StateSummary]:
+    """Per (task, state), the runs whose slot is at or after ``since``: one statement,
+    a range scan of the slot index (its cost is the window's row count)."""
+    statement = sql.window_summary(dialect(), len(bounds))
+    try:
+        rows = fetch_all(statement, [*bounds, slot_param(since)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {
+        (name, state): StateSummary(
+            int(count),
+            int(duplicates),
+            float(total),
+            int(timed),
+            tuple(int(n or 0) for n in below),
+        )
+        for name, state, count, duplicates, total, timed, *below in rows
+    }
+
+
+@dataclass(frozen=True)
+class TaskFacts:
+    """What the health verdict needs of one task's runs, read in one probe per value."""
+
+    due_state: str | None  # the state of the row at the due slot asked for (None: no row)
+    missed: int  # runs recorded missed with a slot at or after ``since``
+    stale: int  # running rows whose lease expired by the database's clock
+    oldest_stale_slot: datetime | None
+    oldest_stale_lease: datetime | None
+    ended: int  # of the task's last ``last`` ended runs (succeeded, failed, abandoned): how many
+    failed: int  # ... and how many of those did not succeed
+    latest_ended_slot: datetime | None
+
+
+ENDED_STATES = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+FACTS_CHUNK = 200  # tasks per statement
+
+
+def task_facts(
+    asks: Sequence[tuple[str, datetime | None]], since: datetime, last: int
+) -> dict[str, TaskFacts]:
+    """For each ``(task, due slot)``: its :class:`TaskFacts`, one statement per 200 tasks."""
+    d = dialect()
+    found: dict[str, TaskFacts] = {}
+    try:
+        for start in range(0, len(asks), FACTS_CHUNK):
+            part = asks[start : start + FACTS_CHUNK]
+            params: list[Any] = []
+            for name, due in part:
+                params += [name, None if due is None else slot_param(due)]
+            params += [RunState.MISSED, slot_param(since), *[RunState.RUNNING] * 3]
+            params += [*ENDED_STATES, last, *ENDED_STATES, last, RunState.SUCCEEDED]
+            params += ENDED_STATES
+            for values in fetch_all(sql.task_facts(d, len(part)), params):
+                name, due_state, missed, stale, stale_slot, stale_lease, ended, failed, latest = (
+                    values
+                )
+                found[name] = TaskFacts(
+                    due_state,
+                    int(missed),
+                    int(stale),
+                    aware(stale_slot),
+                    aware(stale_lease),
+                    int(ended),
+                    int(failed),
+                    aware(latest),
+                )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return found
+
+
+def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]:
+    """Each task's ``limit`` runs with the latest slots, newest first: one statement per
+    200 tasks; per task, one probe for its ``limit``-th latest slot and a range scan of
+    the (task_name, slot) index from there."""
+    d = dialect()
+    found: dict[str, list[SlotRun]] = {name: [] for name in names}
+    try:
+        for start in range(0, len(names), FACTS_CHUNK):
+            part = names[start : start + FACTS_CHUNK]
+            for name, run_id, slot, state in fetch_all(
+                sql.recent_runs(d, len(part)), [*part, sql.recent_limit(d, limit)]
+            ):
+                slot_at = aware(slot)
+                assert slot_at is not None
+                found[name].append(SlotRun(int(run_id), slot_at, state))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    for runs_of_task in found.values():
+        runs_of_task.sort(key=lambda run: run.slot, reverse=True)
+    return found

@@ -1,0 +1,198 @@
+"""What no attempt wrote: duplicate counts, rows no attempt held, slot queries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    connections,
+    transaction,
+)
+
+from ..states import RunState, check_transition
+from . import sql
+from .core import (
+    REASON_MAX_LENGTH,
+    alias,
+    aware,
+    clip,
+    dialect,
+    fetch_all,
+    one,
+    runs,
+    slot_param,
+    unreachable,
+)
+
+# -- what no attempt wrote -----------------------------------------------------------
+
+
+def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None = None) -> bool:
+    """Add ``count`` duplicate calls to the slot's (or key's) row; False when there is no row."""
+    params: list[Any]
+    if key is not None:
+        statement, params = sql.add_duplicates_key(dialect()), [count, task_name, key]
+    else:
+        statement, params = sql.add_duplicates(dialect()), [count, task_name, slot_param(slot)]
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(statement, params)
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def insert_abandoned(
+    task_name: str,
+    slot: datetime,
+    *,
+    reason: str,
+    duplicates: int,
+    actor: str,
+    key: str | None = None,
+) -> int | None:
+    """Record a slot (or key) no attempt ever held as ``abandoned``; None when it has a row."""
+    return insert_unheld(task_name, slot, RunState.ABANDONED, reason, duplicates, actor, key)
+
+
+def insert_skipped(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
+    """Record a slot that will not run as ``skipped``; None when it has a row already."""
+    return insert_unheld(task_name, slot, RunState.SKIPPED, reason, 0, actor)
+
+
+def insert_missed(task_name: str, slot: datetime, *, reason: str, actor: str) -> int | None:
+    """Record a due slot that no instance claimed within its grace as ``missed``;
+    None when it has a row already."""
+    return insert_unheld(task_name, slot, RunState.MISSED, reason, 0, actor)
+
+
+def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *, actor: str) -> int:
+    """Record many slots no attempt held (``missed``, or ``skipped`` while paused) at once:
+    ``(task, slot, reason)`` each; a slot that has a row keeps it. Returns how many were new."""
+    check_transition(RunState.PENDING, state)
+    if not rows:
+        return 0
+    d = dialect()
+    if not d.one_statement:
+        inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+        return sum(1 for run_id in inserted if run_id is not None)
+    params = [
+        [task for task, _, _ in rows],
+        [slot_param(slot) for _, slot, _ in rows],
+        [clip(reason, REASON_MAX_LENGTH) for _, _, reason in rows],
+        state,
+        RunState.PENDING,
+        state,
+        actor,
+    ]
+    try:
+        found = one(sql.insert_unheld_many(d), params)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def latest_slot(task_name: str) -> datetime | None:
+    """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
+    slot is one a catch-up still runs)."""
+    try:
+        found = one(sql.latest_slot(dialect()), [task_name, RunState.MISSED])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return aware(found[0]) if found else None
+
+
+def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
+    """The slots of ``task_name`` in ``(after, until]`` that have a row."""
+    try:
+        found = fetch_all(
+            sql.slots_in(dialect()), [task_name, slot_param(after), slot_param(until)]
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {slot for (value,) in found if (slot := aware(value)) is not None}
+
+
+def count_slots(task_name: str, after: datetime, until: datetime) -> int:
+    try:
+        found = one(sql.count_slots(dialect()), [task_name, slot_param(after), slot_param(until)])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(found[0]) if found else 0
+
+
+def failed_streak(task_name: str, length: int) -> bool:
+    """True when the newest ``length`` finished runs of ``task_name`` all failed."""
+    states = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+    try:
+        found = fetch_all(sql.last_states(dialect()), [task_name, *states, length])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return len(found) == length and all(state == RunState.FAILED for (state,) in found)
+
+
+def insert_unheld(
+    task_name: str,
+    slot: datetime,
+    state: str,
+    reason: str,
+    duplicates: int,
+    actor: str,
+    key: str | None = None,
+) -> int | None:
+    """A row no attempt ever held (attempt 0, no owner, no fence), with its transition."""
+    check_transition(RunState.PENDING, state)
+    d = dialect()
+    reason = clip(reason, REASON_MAX_LENGTH)
+    try:
+        with transaction.atomic(using=alias()):
+            if key is None:
+                statement = sql.insert_unheld(d)
+                params = [task_name, slot_param(slot), state, reason, duplicates]
+            else:
+                statement = sql.insert_unheld_key(d)
+                params = [task_name, slot_param(slot), key, state, reason, duplicates]
+            inserted = one(statement, params)
+            if inserted is None:
+                return None
+            one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return int(inserted[0])
+
+
+def row_exists(task_name: str, slot: datetime, key: str | None = None) -> bool:
+    found = runs().filter(task_name=task_name)
+    found = found.filter(key=key) if key is not None else found.filter(slot=slot)
+    try:
+        return found.exists()
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def token_holders(slot: datetime, token: str) -> list[tuple[str, bool]]:
+    """``(task_name, lease alive)`` of the runs at ``slot`` whose owner holds ``token``."""
+    try:
+        found = runs().filter(slot=slot, owner__endswith=f":{token}").with_lease()
+        pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
+        return [(name, bool(alive)) for name, alive in pairs]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def keyed_token_holders(token: str) -> list[tuple[str, bool]]:
+    """``(task_name, lease alive)`` of the unfinished keyed runs whose owner holds ``token``."""
+    try:
+        found = (
+            runs()
+            .filter(state__in=(RunState.RUNNING, RunState.RETRYING), key__isnull=False)
+            .filter(owner__endswith=f":{token}")
+            .with_lease()
+        )
+        pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
+        return [(name, bool(alive)) for name, alive in pairs]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
