@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test run: lint, the package, types, the suite on SQLite and on PostgreSQL, and a
-# brief soak. What CI runs (.ci/run) and what the README tells developers to run.
+# The whole test run: lint, the package, types, the docs, the suite on SQLite and on
+# PostgreSQL, the smoke set on the other supported Django versions, and a brief soak. What CI
+# runs (.ci/run) and what the README tells developers to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,12 +16,18 @@ echo "== package (build, contents, the wheel in a new startproject site)"
 bash scripts/package-check.sh
 echo "== mypy (strict, django-stubs)"
 $PY -m mypy
+echo "== docs (mkdocs build --strict)"
+docs_site=$(mktemp -d "${TMPDIR:-/tmp}/taskguard-docs.XXXXXX")
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$docs_site"
+rm -rf "$docs_site"
 
 export TASKGUARD_SOAK_SECONDS="${TASKGUARD_SOAK_SECONDS:-15}"
 echo "== tests on SQLite (the \"once\" tests run in the PostgreSQL pass only)"
 $PY -m pytest -m "not soak and not once" "$@"
 echo "== tests on PostgreSQL"
 TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
+echo "== version matrix: the smoke set on Django 4.2, 6.0 and 6.1"
+bash scripts/matrix.sh
 echo "== soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS; every chaos kind at least once)"
 # No exit-5 escape: a soak that vanished (no test carries the marker) is a failure.
 TASKGUARD_TEST_DB=postgres $PY -m pytest -m soak "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -13,8 +14,6 @@ from celery.beat import SchedulingError
 from celery.schedules import crontab, schedule
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
-from django_celery_beat.clockedschedule import clocked
-from django_celery_beat.tzcrontab import TzAwareCrontab
 
 from django_taskguard.contrib.celery import (
     GRACE_HEADER,
@@ -62,6 +61,10 @@ def test_slot_for__interval_is_epoch_aligned():
 
 
 def test_slot_for__crontab_uses_the_crontab_time_zone():
+    # django-celery-beat is imported where used: the version matrix's smoke set runs this
+    # module without it.
+    from django_celery_beat.tzcrontab import TzAwareCrontab
+
     nightly = TzAwareCrontab(minute=0, hour=21, tz=ZoneInfo("America/New_York"))
     assert slot_for(nightly, utc(2026, 7, 2, 3, 0)) == utc(2026, 7, 2, 1, 0)  # 21:00 EDT
     paris = crontab(minute=0, hour=21, app=app)  # celery's timezone: Europe/Paris
@@ -87,6 +90,8 @@ def test_slot_for__crontab_on_dst_days_one_slot_per_fire_time():
 
 
 def test_slot_for__clocked_is_the_clocked_time():
+    from django_celery_beat.clockedschedule import clocked
+
     when = utc(2026, 5, 1, 8, 15)
     assert slot_for(clocked(when), when + timedelta(seconds=2)) == when
 
@@ -135,6 +140,15 @@ def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
     }
     assert entry.options == {"headers": {"mine": 1}}  # the schedule's own entry is untouched
     assert copy.copy(entry) == entry
+
+
+def test_database_scheduler__without_django_celery_beat_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "django_taskguard.contrib.celery.beat_db", raising=False)
+    monkeypatch.setitem(sys.modules, "django_celery_beat", None)  # as if not installed
+    import django_taskguard.contrib.celery as contrib
+
+    with pytest.raises(ImportError, match=r"pip install \"django-taskguard\[celery-beat\]\""):
+        contrib.TaskguardDatabaseScheduler  # noqa: B018
 
 
 # --- eager task calls ----------------------------------------------------------------

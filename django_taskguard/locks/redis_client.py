@@ -65,7 +65,8 @@ def build_client(alias: str, timeout: float) -> redis.Redis:
         SOCKET_CONNECT_TIMEOUT=timeout,
         SENTINEL_KWARGS={**(options.get("SENTINEL_KWARGS") or {}), **strict},
     )
-    factory = get_connection_factory(options)
+    # By keyword: django-redis 6 (the last for Django 4.2) takes (path, options), 7 (options).
+    factory = get_connection_factory(options=options)
     params = factory.make_connection_params(_master_url(_write_location(config["LOCATION"])))
     return redis.Redis(connection_pool=factory.get_connection_pool(params))
 

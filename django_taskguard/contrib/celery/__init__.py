@@ -69,7 +69,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(beat, name)
     if module == "beat_db":
-        from . import beat_db
-
+        try:
+            from . import beat_db
+        except ModuleNotFoundError as error:
+            if (error.name or "").partition(".")[0] != "django_celery_beat":
+                raise
+            raise ImportError(
+                f"{name} needs django-celery-beat: "
+                'pip install "django-taskguard[celery-beat]" (or use TaskguardScheduler)'
+            ) from error
         return getattr(beat_db, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

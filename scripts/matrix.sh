@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The version matrix: a smoke set on every supported Django other than the main one (the full
+# suite runs on the main combination, Python 3.11 + Django 5.2, in .venv). Each entry gets
+# its own venv, .venv-<name>/, built by uv with the user extras [redis,celery,postgres] and
+# [test] (no django-celery-beat: it caps Django below 6.1, and the package must work
+# without it). A venv is rebuilt only when pyproject.toml or its entry below changes (a stamp
+# file inside it); uv's cache (~/.cache/uv) makes a rebuild take seconds. Called by
+# scripts/test.sh; runs on its own too: `bash scripts/matrix.sh [NAME...]` (e.g. django61),
+# with PostgreSQL up (scripts/ensure-services.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+UV=${UV:-.venv/bin/uv}
+
+# name, Python, Django: the oldest supported Python that CI has for the oldest Django, and
+# the newest Python for the newest Django.
+MATRIX=(
+  "django42 3.10 Django>=4.2,<4.3"
+  "django60 3.12 Django>=6.0,<6.1"
+  "django61 3.13 Django>=6.1,<6.2"
+)
+
+# A race of real processes (run on SQLite and on PostgreSQL), the migrations check, an admin
+# page rendered, the Celery beat scheduler stamping a slot and a task recording that slot, and
+# a guarded call on the Redis backend (django-redis differs across Django versions).
+SMOKE=(
+  tests/test_race.py
+  tests/test_locks_redis.py::test_guard__winner_folds_redis_duplicates_into_the_row
+  tests/test_checks.py::test_makemigrations__check_reports_no_changes
+  tests/test_admin.py::test_changelist__columns_badges_and_lease
+  tests/test_contrib_celery.py::test_scheduler_stamp__headers_carry_slot_and_entry_name
+  tests/test_contrib_celery.py::test_eager__slot_from_header_and_identity_with_schedule_name
+  tests/test_contrib_celery.py::test_database_scheduler__without_django_celery_beat_names_the_extra
+)
+
+find_python() {  # python$1 that runs: on PATH, else pyenv's; else "$1", for uv to find
+  local version=$1 candidate
+  for candidate in "python$version" "${PYENV_ROOT:-$HOME/.pyenv}/versions/$version".*/bin/"python$version"; do
+    if "$candidate" -c "" >/dev/null 2>&1; then
+      command -v "$candidate"
+      return
+    fi
+  done
+  echo "$version"
+}
+
+build() {  # build() NAME PYTHON DJANGO: make .venv-NAME current
+  local venv=.venv-$1 stamp want
+  stamp=.venv-$1/.taskguard-stamp
+  want="$2 $3 $(sha256sum pyproject.toml | cut -d' ' -f1)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  rm -rf "$venv"
+  "$UV" venv -q --python "$(find_python "$2")" "$venv"
+  "$UV" pip install -q --python "$venv/bin/python" -e ".[redis,celery,postgres,test]" "$3"
+  echo "$want" >"$stamp"
+}
+
+selected=("$@")
+matrix_start=$SECONDS
+for entry in "${MATRIX[@]}"; do
+  read -r name python django <<<"$entry"
+  if [ ${#selected[@]} -gt 0 ] && [[ " ${selected[*]} " != *" $name "* ]]; then
+    continue
+  fi
+  start=$SECONDS
+  build "$name" "$python" "$django"
+  versions=$(".venv-$name/bin/python" -c \
+    'import django, platform; print(f"Python {platform.python_version()}, Django {django.__version__}")')
+  echo "-- $name: $versions (venv ready in $((SECONDS - start))s)"
+  for db in sqlite postgres; do
+    TASKGUARD_TEST_DB=$db ".venv-$name/bin/python" -m pytest -q -p no:cacheprovider "${SMOKE[@]}"
+  done
+  echo "-- $name: smoke set passed on SQLite and PostgreSQL in $((SECONDS - start))s"
+done
+echo "-- version matrix done in $((SECONDS - matrix_start))s"
