@@ -63,4 +63,5 @@ PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.M
 def check_transition(from_state: str, to_state: str) -> None:
     """Raise ``IllegalTransition`` unless ``from_state -> to_state`` is allowed."""
     if to_state not in TRANSITIONS.get(from_state, frozenset()):
-        raise IllegalTransition(f"a run cannot go from {from_state!r} to {to_state!r}")
+        # str(): a RunState member reads as its value ('succeeded'), like a plain string.
+        raise IllegalTransition(f"a run cannot go from {str(from_state)!r} to {str(to_state)!r}")

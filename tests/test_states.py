@@ -210,3 +210,9 @@ def test_change__state_rolls_back_when_its_transition_row_cannot_be_written():
     assert run.state == S.RUNNING
     assert run.finished_at is None
     assert ledger.change(row, [Step(S.SUCCEEDED, "done")], actor="x") is not None
+
+
+def test_check_transition__the_message_names_states_by_their_values():
+    with pytest.raises(IllegalTransition) as info:
+        check_transition(S.SUCCEEDED, S.RUNNING)
+    assert str(info.value) == "a run cannot go from 'succeeded' to 'running'"
