@@ -113,16 +113,7 @@ def finish(
     if not active.lease_valid():
         reason += " (after its lease had expired; no other attempt had taken over)"
     try:
-        updated = ledger.finish(
-            active.id,
-            active.attempt,
-            active.fence,
-            active.owner,
-            to_state,
-            reason,
-            error=error,
-            retry_within=retry_within,
-        )
+        updated = _write(active, to_state, reason, error, retry_within)
     except DatabaseError as exc:
         if not ledger.connection_lost(exc):
             raise BackendUnavailable(
@@ -172,18 +163,25 @@ def _settle_finish(
             return current
         if current.state != RunState.RUNNING:
             return None
-        return ledger.finish(
-            active.id,
-            active.attempt,
-            active.fence,
-            active.owner,
-            to_state,
-            reason,
-            error=error,
-            retry_within=retry_within,
-        )
+        return _write(active, to_state, reason, error, retry_within)
     except DatabaseError as exc:
         raise BackendUnavailable(
             f"the outcome of run {active.id} could not be recorded: database unreachable ({exc}); "
             f"the run stays 'running' until its lease expires and cleanup_locks abandons it"
         ) from exc
+
+
+def _write(
+    active: ActiveRun, to_state: str, reason: str, error: str, retry_within: float | None
+) -> ledger.Row | None:
+    """The fenced finish of ``active`` (``None``: it no longer owns the row)."""
+    return ledger.finish(
+        active.id,
+        active.attempt,
+        active.fence,
+        active.owner,
+        to_state,
+        reason,
+        error=error,
+        retry_within=retry_within,
+    )
