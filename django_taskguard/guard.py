@@ -223,15 +223,7 @@ def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) 
         f"late: called {late.total_seconds():.1f}s after its slot; catchup='none' runs a "
         f"slot only within its grace ({policy.grace.total_seconds():g}s)"
     )
-    try:
-        run_id = ledger.insert_missed(task_name, slot, reason=reason, actor=actor("guard"))
-    except BackendUnavailable as exc:
-        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
-    if run_id is None:
-        return False
-    logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
-    run_missed.send(sender=task_name, slot=slot, reason=reason)
-    return True
+    return _record_refusal(task_name, slot, RunState.MISSED, reason)
 
 
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
@@ -245,14 +237,24 @@ def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bo
         f"slot {slot.isoformat()} is older than the retention horizon (PRUNE_AFTER_DAYS = "
         f"{horizon.days}): its record may have been pruned, so it is never run"
     )
+    return _record_refusal(task_name, slot, RunState.SKIPPED, reason)
+
+
+def _record_refusal(task_name: str, slot: datetime, state: str, reason: str) -> bool:
+    """Record a slot this call will not run (``missed`` or ``skipped``), with its signal.
+
+    False when the slot has a row already: then the claim decides, as for any call.
+    """
+    insert = ledger.insert_missed if state == RunState.MISSED else ledger.insert_skipped
     try:
-        run_id = ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("guard"))
+        run_id = insert(task_name, slot, reason=reason, actor=actor("guard"))
     except BackendUnavailable as exc:
         raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
     if run_id is None:
         return False
-    logger.warning("taskguard %s: %s", task_name, reason)
-    run_skipped.send(sender=task_name, slot=slot, reason=reason)
+    logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
+    signal = run_missed if state == RunState.MISSED else run_skipped
+    signal.send(sender=task_name, slot=slot, reason=reason)
     return True
 
 
