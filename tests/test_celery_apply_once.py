@@ -9,12 +9,18 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from django_taskguard.locks.keys import enqueue_key
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import RedisServer, python, wait_for
 from .redis_support import child_redis_env, command, redis_backend
 from .test_celery_e2e import Cluster, rabbitmq_url  # noqa: F401 (a fixture)
+
+# Enqueue de-duplication is decided in Redis before any row exists; the keyed claim the workers
+# make is proven on both databases by test_keyed.py. One pass (PostgreSQL) is enough here.
+pytestmark = pytest.mark.once
 
 CHARGE = "tests.celery_keyed_tasks.charge"
 QUEUE = "celery"  # the Redis broker's default queue: a list of messages
