@@ -24,6 +24,8 @@ rm -rf "$docs_site"
 export TASKGUARD_SOAK_SECONDS="${TASKGUARD_SOAK_SECONDS:-15}"
 echo "== tests on SQLite (the \"once\" tests run in the PostgreSQL pass only)"
 $PY -m pytest -m "not soak and not once" "$@"
+echo "== the example project's tests (written with django_taskguard.testing)"
+(cd example_project && "../$PY" -m pytest)
 echo "== tests on PostgreSQL"
 TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
 echo "== version matrix: the smoke set on Django 4.2, 6.0 and 6.1"
