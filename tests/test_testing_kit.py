@@ -225,6 +225,13 @@ def test_freeze_now__an_every_call_takes_the_epoch_aligned_slot(taskguard):
     assert [run.slot.strftime("%H:%M") for run in runs_for(quarterly)] == ["10:15", "10:00"]
 
 
+def test_freeze_now__frozen_in_the_future_runs_that_slot_on_the_real_database_clock(taskguard):
+    with freeze_now(datetime(2031, 1, 1, 10, 7, tzinfo=UTC)):
+        assert quarterly("future") == "ran future"
+    run = assert_ran_once(quarterly, datetime(2031, 1, 1, 10, 0, tzinfo=UTC))
+    assert abs(run.finished_at - ledger.database_now()) < timedelta(hours=1)
+
+
 def test_freeze_now__bad_input_is_refused():
     with pytest.raises(TaskGuardError, match="naive"):
         freeze_now(datetime(2026, 3, 1, 21))
