@@ -30,7 +30,7 @@ from django_taskguard.testing import (
 )
 from tests import celery_keyed_tasks, celery_tasks
 
-from .conftest import ROOT, RedisServer
+from .conftest import ROOT
 from .redis_support import redis_backend
 from .slots import BASE_SLOT
 
@@ -249,12 +249,10 @@ def test_freeze_now__bad_input_is_refused():
 # --- reset_locks ---------------------------------------------------------------------
 
 
-def test_reset_locks__deletes_this_ledgers_redis_keys_and_nothing_else(taskguard, tmp_path):
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    client = server.client()
+def test_reset_locks__deletes_this_ledgers_redis_keys_and_nothing_else(taskguard, redis_server):
+    client = redis_server.client()
     try:
-        with redis_backend(server, LEASE_SECONDS=30) as lock:
+        with redis_backend(redis_server, LEASE_SECONDS=30) as lock:
             prefix = lock.key_prefix()
             client.set("myapp:session:1", "kept")
             client.set("taskguard:0123456789ab:run:{other-ledger}", "kept")
@@ -275,7 +273,6 @@ def test_reset_locks__deletes_this_ledgers_redis_keys_and_nothing_else(taskguard
             assert_ran_once(quarterly, slot)
     finally:
         client.close()
-        server.stop()
 
 
 def test_reset_locks__the_database_backend_has_no_keys_and_caches_are_rebuilt(taskguard):

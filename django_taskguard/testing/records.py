@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import ledger
 from ..exceptions import TaskGuardError
-from ..models import RunState, TaskRun
+from ..models import RunState, TaskRun, TaskRunQuerySet
 from ..schedules import normalize_slot
 from .calls import target_of
 
@@ -34,6 +34,10 @@ def runs_for(
     per-schedule runs (``"app.tasks.report[nightly-eu]"``, a beat entry's) are included.
     ``slot`` (an aware datetime or ISO-8601 string) or ``key`` narrows them down.
     """
+    return list(_runs(task, slot, key))
+
+
+def _runs(task: Any, slot: datetime | str | None, key: str | None) -> TaskRunQuerySet:
     if slot is not None and key is not None:
         raise TaskGuardError("runs_for: give slot= or key=, not both")
     queryset = ledger.for_task(ledger.runs(), task_name_of(task))
@@ -41,7 +45,7 @@ def runs_for(
         queryset = queryset.filter(slot=normalize_slot(slot), key__isnull=True)
     if key is not None:
         queryset = queryset.filter(key=key)
-    return list(queryset.order_by("-slot", "-id"))
+    return queryset.order_by("-slot", "-id")
 
 
 def assert_ran_once(
@@ -95,20 +99,17 @@ def _failure(
     task: Any, slot: datetime | str | None, key: str | None, expected: str, found: list[TaskRun]
 ) -> str:
     name = task_name_of(task)
-    where = (
-        f"key {key!r}"
-        if key is not None
-        else f"slot {normalize_slot(slot).isoformat()}"
-        if slot is not None
-        else "any slot"
-    )
+    if key is not None:
+        where = f"key {key!r}"
+    else:
+        where = "any slot" if slot is None else f"slot {normalize_slot(slot).isoformat()}"
     lines = [f"expected taskguard task {name!r} {expected} for {where}; "]
     if found:
         lines[0] += f"found {len(found)} run{'s' if len(found) > 1 else ''}:"
         lines.extend(describe(run) for run in found)
     else:
         lines[0] += "found no run."
-        others = runs_for(task)[:SHOWN]
+        others = list(_runs(task, None, None)[:SHOWN])
         if others:
             lines.append(f"Its latest runs (newest first, at most {SHOWN}):")
             lines.extend(describe(run, transitions=False) for run in others)
