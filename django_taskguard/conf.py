@@ -65,15 +65,6 @@ def token_problem(name: str, value: Any) -> str | None:
             f"{TOKEN_MIN_LENGTH}"
         )
     return None
-    if not isinstance(value, str) or len(value) < TOKEN_MIN_LENGTH:
-        shown = "a string" if isinstance(value, str) else repr(type(value).__name__)
-        return (
-            f"TASKGUARD[{name!r}] must be None (staff only) or a string of at least "
-            f"{TOKEN_MIN_LENGTH} characters, not {shown} of that length"
-            if isinstance(value, str)
-            else f"TASKGUARD[{name!r}] must be None (staff only) or a string, not {shown}"
-        )
-    return None
 
 
 def number_problem(name: str, value: Any) -> str | None:

@@ -70,9 +70,19 @@ top = {n.split("/")[0] for n in wheel}
 dist_info = {t for t in top if t.endswith(".dist-info")}
 if top - dist_info != {"django_taskguard"} or len(dist_info) != 1:
     problems.append(f"wheel holds more than django_taskguard: {sorted(top)}")
-for need in ["django_taskguard/py.typed", "django_taskguard/migrations/0001_initial.py"]:
+for need in [
+    "django_taskguard/py.typed",
+    "django_taskguard/migrations/0001_initial.py",
+    "django_taskguard/testing/pytest_plugin.py",
+]:
     if need not in wheel:
         problems.append(f"wheel lacks {need}")
+with zipfile.ZipFile(wheel_path) as whl:
+    entry_points = "".join(
+        whl.read(n).decode() for n in whl.namelist() if n.endswith(".dist-info/entry_points.txt")
+    )
+if "[pytest11]" not in entry_points or "django_taskguard.testing.pytest_plugin" not in entry_points:
+    problems.append("wheel has no pytest11 entry point for django_taskguard.testing.pytest_plugin")
 if not any(n.startswith("django_taskguard/templates/") and n.endswith(".html") for n in wheel):
     problems.append("wheel has no django_taskguard/templates/**.html")
 if not any(n.startswith(tuple(dist_info)) and n.endswith("/LICENSE") for n in wheel):
@@ -128,6 +138,10 @@ results = [tick.run_for_slot(slot), tick.run_for_slot(slot)]
 assert results == ["ran", None], results
 run = TaskRun.objects.get(task_name="smoke.tick", slot=slot)
 assert run.state == RunState.SUCCEEDED, run.state
+# The test kit works without pytest (a unittest project has none).
+from django_taskguard.testing import assert_ran_once  # noqa: E402
+
+assert assert_ran_once(tick, slot) == run
 print(f"   {results}; run {run.state}, duplicates={run.duplicates}")
 EOF
 "$VPY" smoke.py

@@ -26,6 +26,8 @@ echo "== tests on SQLite (the \"once\" tests run in the PostgreSQL pass only)"
 # The three-copies scheduler test runs 10 s here and its full 30 s in the PostgreSQL pass.
 TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-10}" \
   $PY -m pytest -m "not soak and not once" "$@"
+echo "== the example project's tests (written with django_taskguard.testing)"
+(cd example_project && "../$PY" -m pytest)
 echo "== tests on PostgreSQL"
 TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
 echo "== version matrix: the smoke set on Django 4.2, 6.0 and 6.1"

@@ -157,7 +157,10 @@ def ensure_autocommit() -> None:
             "a taskguard claim cannot run inside an open transaction (transaction.atomic, "
             "ATOMIC_REQUESTS or autocommit turned off): it must commit on its own so other "
             "instances see it. Call the guarded function outside the atomic block, or from "
-            "transaction.on_commit()."
+            "transaction.on_commit(). In a test: use a transactional one (pytest-django: "
+            "@pytest.mark.django_db(transaction=True) or taskguard's `taskguard` fixture; "
+            "unittest: TransactionTestCase or django_taskguard.testing.TaskguardTestCase), "
+            "not TestCase or the `db` fixture, which run each test inside a transaction."
         )
 
 

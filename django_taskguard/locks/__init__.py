@@ -22,8 +22,10 @@ __all__ = [
     "LockBackend",
     "claim_once",
     "claim_or_read",
+    "delete_ledger_keys",
     "enqueue_key",
     "extend_claim",
+    "forget_clients",
     "get_backend",
     "is_redis_cache",
     "redis_key_prefix",
@@ -64,6 +66,29 @@ def forget_backend() -> None:
     """Drop the cached backend (the settings changed)."""
     global _cached
     _cached = None
+
+
+def forget_clients() -> None:
+    """Drop the cached backend and close every cached Redis lock client (tests: the next
+    call builds them again from the settings in force, with no backoff left over)."""
+    forget_backend()
+    try:
+        from .redis import RedisLock
+    except ImportError:  # pragma: no cover - without the [redis] extra nothing is cached
+        return
+    RedisLock.close_all()
+
+
+def delete_ledger_keys() -> int:
+    """Delete every key this ledger keeps in the ``REDIS_ALIAS`` Redis; return how many.
+
+    Lock keys, claim records, finished markers, enqueue and beat records: everything
+    under :func:`redis_key_prefix`, found by ``SCAN`` (never ``FLUSHDB``). 0 when
+    ``REDIS_ALIAS`` is not a django-redis cache. For tests only: live runs' locks go too.
+    """
+    if not is_redis_cache(taskguard_settings.REDIS_ALIAS):
+        return 0
+    return _redis_lock().delete_ledger_keys()
 
 
 def _settings_changed(*, setting: str, **kwargs: Any) -> None:

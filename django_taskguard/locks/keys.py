@@ -94,8 +94,16 @@ def lock_key(claim_key: str) -> str:
 
 def scan_pattern(prefix: str, kind: str) -> str:
     """The ``SCAN MATCH`` pattern of every key of ``kind`` (``RUN``/``CLAIM``) under ``prefix``."""
-    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
-    return f"{escaped}:{kind}:{{*}}"
+    return f"{_escaped(prefix)}:{kind}:{{*}}"
+
+
+def ledger_pattern(prefix: str) -> str:
+    """The ``SCAN MATCH`` pattern of every key under ``prefix``, of any kind."""
+    return f"{_escaped(prefix)}:*"
+
+
+def _escaped(prefix: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from .keys import (
     check_prefix,
     claim_key,
     keyed_run_key,
+    ledger_pattern,
     lock_key,
     run_key,
     scan_pattern,
@@ -426,6 +427,34 @@ class RedisLock(LockBackend):
                 yield from self._held(batch)
         except RedisError as exc:
             raise self._loud("scan the lock keys", exc) from exc
+
+    def delete_ledger_keys(self) -> int:
+        """Delete every key under this ledger's prefix, by ``SCAN``; return how many.
+
+        For tests between two test cases (``django_taskguard.testing.reset_locks``):
+        the locks of live runs go too. Other ledgers' keys (other projects, other test
+        databases) are never touched, and the database is never flushed. One ``DEL``
+        per key in a pipeline, not one ``DEL`` of many (whose keys span hash slots).
+        """
+        deleted = 0
+        try:
+            batch: list[str] = []
+            for key in self.client.scan_iter(match=ledger_pattern(self.key_prefix()), count=500):
+                batch.append(str(key))
+                if len(batch) == 500:
+                    deleted += self._delete(batch)
+                    batch = []
+            if batch:
+                deleted += self._delete(batch)
+        except RedisError as exc:
+            raise self._loud("delete this ledger's keys", exc) from exc
+        return deleted
+
+    def _delete(self, keys: list[str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(key)
+        return sum(int(n) for n in pipe.execute())
 
     def _held(self, keys: list[str]) -> Iterator[tuple[str, str | None]]:
         pipe = self.client.pipeline(transaction=False)
