@@ -153,15 +153,8 @@ def test_run_schedules_enqueue__refuses_a_schedule_no_task_wraps(jobs):
 @override_settings(**JOBS)
 def test_run_schedules_enqueue__without_django_tasks_is_a_command_error(jobs, monkeypatch):
     monkeypatch.setattr(registry, "QUEUE_FINDERS", [])
-    with pytest.raises(CommandError, match="needs Django 6.0 or later, or the django-tasks"):
-        call_command(
-            "run_schedules",
-            "--enqueue",
-            "--once",
-            "--task",
-            "tests.djtasks.tick",
-            stdout=StringIO(),
-        )
+    with pytest.raises(CommandError, match=r"needs Django 6\.0 or later, or the django-tasks"):
+        call_command("run_schedules", "--enqueue", "--once", stdout=StringIO())
 
 
 @override_settings(**JOBS)
