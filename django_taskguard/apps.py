@@ -22,3 +22,9 @@ class TaskguardConfig(AppConfig):
             from .contrib.celery.worker import register
 
             register()
+        if find_spec("django.tasks") is not None or find_spec("django_tasks") is not None:
+            # Django 6.0+ or the backport: run_schedules --enqueue finds schedules that a
+            # django.tasks @task() wraps.
+            from .contrib.tasks import register as register_tasks
+
+            register_tasks()

@@ -57,6 +57,11 @@ class CallContext:
 # the beat-stamped message header).
 SLOT_SOURCES: list[Callable[[], CallContext | None]] = []
 
+# The keyword argument that carries a slot with an enqueued call (django.tasks has no
+# message headers): ``contrib.tasks.enqueue_for_slot`` and ``run_schedules --enqueue`` add
+# it, the guarded function takes it off before calling the user's and claims that slot.
+SLOT_KWARG = "_taskguard_slot"
+
 
 class Guarded(Protocol[P, R]):
     """A guarded function: call it like the original; it returns None when not run."""
@@ -142,6 +147,19 @@ def refuse_future_slot(task_name: str, slot: datetime, tolerance: timedelta) -> 
     if run_id is not None:
         run_skipped.send(sender=task_name, slot=slot, reason=reason)
     raise InvalidSchedule(reason)
+
+
+def refuse_task_object(target: Any, decorator: str) -> None:
+    """Refuse what is not a function, saying so plainly for a django.tasks task (the
+    decorator goes under ``@task()``, whose worker must call the guarded function)."""
+    if callable(target):
+        return
+    if callable(getattr(target, "enqueue", None)) and callable(getattr(target, "func", None)):
+        raise InvalidSchedule(
+            f"{decorator} is above a task object ({target!r}); put it under the task "
+            f"decorator: @task() on top, then {decorator}, then def"
+        )
+    raise InvalidSchedule(f"{decorator.partition('(')[0]} decorates a callable, not {target!r}")
 
 
 def call_context() -> CallContext | None:
@@ -286,8 +304,7 @@ def once_per_schedule(
         )
 
     def decorate(target: Callable[P, R]) -> Guarded[P, R]:
-        if not callable(target):
-            raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
+        refuse_task_object(target, "@once_per_schedule(...)")
         if bad_schedule is not None:
             where = name or dotted_name(target)
             raise InvalidSchedule(
@@ -301,8 +318,9 @@ def once_per_schedule(
         # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
         @functools.wraps(target)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            carried = cast("dict[str, Any]", kwargs).pop(SLOT_KWARG, None)
             context = call_context()
-            task_name, slot = spec.resolve(None, context)
+            task_name, slot = spec.resolve(carried, context)
             late = policy
             if context is not None and context.grace is not None:
                 late = dataclasses.replace(policy, catchup="none", grace=context.grace)

@@ -24,6 +24,7 @@ from .decorators import (
     call_context,
     choose,
     dotted_name,
+    refuse_task_object,
     validate_task_name,
 )
 from .exceptions import InvalidKey, InvalidSchedule
@@ -222,8 +223,7 @@ def once_per_key(
     given = key
 
     def decorate(target: Callable[P, R]) -> KeyGuarded[P, R]:
-        if not callable(target):
-            raise InvalidSchedule(f"@once_per_key decorates a callable, not {target!r}")
+        refuse_task_object(target, "@once_per_key(...)")
         where = name or dotted_name(target)
         if name is None:
             validate_task_name(where)

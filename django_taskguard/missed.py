@@ -1,8 +1,11 @@
 """The missed-slot sweep: a due slot that no instance claimed within its grace is
 recorded ``missed`` (a paused task's: ``skipped``, reason ``paused``).
 
-It needs no scheduler alive: ``cleanup_locks`` (from cron) and ``run_schedules`` both
-run it, any number of copies at once (every write is an insert that does nothing
+A slot handed to a task queue (``run_schedules
+--enqueue``) has a ``pending`` row; one that no worker started within its grace is ended
+the same way (a compare-and-set from ``pending``: a worker's claim and the sweep never both
+win). It needs no scheduler alive: ``cleanup_locks`` (from cron) and ``run_schedules``
+both run it, any number of copies at once (every write is an insert that does nothing
 when the slot has a row). It reads the schedules from ``TaskSchedule`` and checks,
 per schedule, the slots after the last sweep's mark (``swept_until``; the first time,
 after the schedule was first seen) up to ``now - grace``.
@@ -83,7 +86,38 @@ def _sweep_one(
             logger.warning("taskguard %s: %d due slots were missed", row.task_name, total)
             run_missed.send(sender=row.task_name, slot=missing[-1], reason=rows[-1][2], count=total)
     if not dry_run:
+        _end_pending(row, start, end, result)
         store.mark_swept(row.task_name, end)
+
+
+def _end_pending(row: TaskSchedule, start: datetime, end: datetime, result: SweepResult) -> None:
+    """Slots handed to a task queue (``pending``) that no worker started within their grace
+    end like slots nobody fired (a late worker may still run a missed one: catch-up)."""
+    if row.paused:
+        state = RunState.SKIPPED
+        why = f"paused: {row.paused_reason or 'paused'} (enqueued, not started; the sweep)"
+    else:
+        state = RunState.MISSED
+        grace = row.grace.total_seconds()
+        why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
+    ended = ledger.end_pending(
+        row.task_name,
+        start,
+        end,
+        state=state,
+        reason=why,
+        actor=actor("sweep"),
+        limit=ENUMERATE_CAP,
+    )
+    if not ended:
+        return
+    result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + len(ended)
+    if row.paused:
+        result.paused_slots += len(ended)
+        return
+    result.missed_slots += len(ended)
+    logger.warning("taskguard %s: %d enqueued slots were never started", row.task_name, len(ended))
+    run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended))
 
 
 def _missing(

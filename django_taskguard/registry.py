@@ -43,6 +43,9 @@ class Entry:
     returns True when the body ran in this call.
     ``run_for_slot(slot)`` is the decorated function's own (an operator's call:
     no lateness policy), for backfill.
+    ``enqueue(slot)``: set when a task queue's task wraps the function (a django.tasks
+    ``@task()`` above it, see :data:`QUEUE_FINDERS`): hands the slot to that task's
+    backend and says what it made there (``run_schedules --enqueue``).
     """
 
     task_name: str
@@ -54,6 +57,7 @@ class Entry:
     func: Callable[[], Any]  # the undecorated function (a batch claim runs it)
     source: str = ScheduleSource.FUNCTION
     named: bool = False  # the decorator was given name=
+    enqueue: Callable[[datetime], str] | None = None
 
     def record(self) -> store.Record:
         policy = self.policy
@@ -68,6 +72,19 @@ class Entry:
             **describe(self.schedule),
         )
 
+
+@dataclass(frozen=True)
+class Queued:
+    """A task queue's task object that wraps a decorated function."""
+
+    func: Any  # the decorated function the task calls
+    enqueue: Callable[[datetime], str]  # hand one slot to the queue; say what it made
+
+
+# Recognisers of a task queue's task objects, asked about every attribute of the modules
+# that :func:`discover` imports (``contrib.tasks`` registers django.tasks'): a Queued when
+# the attribute is a task that wraps a decorated function, else None.
+QUEUE_FINDERS: list[Callable[[Any], Queued | None]] = []
 
 _lock = threading.Lock()
 _entries: dict[str, Entry] = {}
@@ -114,6 +131,7 @@ def discover() -> dict[str, Entry]:
             if module_has_submodule(config.module, name):
                 modules.append(import_module(f"{config.name}.{name}"))
     _find_celery_tasks(modules)
+    _find_queued(modules)
     return entries()
 
 
@@ -154,3 +172,20 @@ def _find_celery_tasks(modules: Iterable[ModuleType]) -> None:
                 for key, name in list(_by_wrapper.items()):
                     if name == found:
                         _by_wrapper[key] = celery.task_name
+
+
+def _find_queued(modules: Iterable[ModuleType]) -> None:
+    """A decorated function that a task queue's task wraps can be handed to its queue."""
+    if not QUEUE_FINDERS:
+        return
+    for module in modules:
+        for value in list(vars(module).values()):
+            for finder in QUEUE_FINDERS:
+                queued = finder(value)
+                found = _by_wrapper.get(id(queued.func)) if queued is not None else None
+                if queued is None or found is None:
+                    continue
+                with _lock:
+                    entry = _entries.get(found)
+                    if entry is not None and entry.source == ScheduleSource.FUNCTION:
+                        _entries[found] = replace(entry, enqueue=queued.enqueue)

@@ -1,7 +1,8 @@
 """The scheduler loop behind ``manage.py run_schedules``.
 
 It fires every registered plain-function schedule at its slots, in this process, on a
-bounded pool of threads. Any number of copies may run on any number of hosts: each
+bounded pool of threads (with ``enqueue``: hands each due slot to the schedule's task
+queue instead, see :mod:`.handoff`). Any number of copies may run on any number of hosts: each
 copy fires every slot and the guard decides which call runs it (G1-G3 as for any
 guarded call). Slots are computed on this process's clock (``timezone.now()``);
 clocks that disagree by less than ``SLOT_TOLERANCE_SECONDS`` still agree on every
@@ -35,6 +36,7 @@ from .claim import Taken, claim_many
 from .conf import taskguard_settings
 from .context import ActiveRun
 from .guard import duplicate, run_claimed
+from .handoff import hand_off
 from .missed import sweep_missed
 from .registry import Entry
 
@@ -116,6 +118,7 @@ class Scheduler:
     max_workers: int = 8
     sweep_every: float = 60.0
     batch: bool = True  # claim the schedules due at one slot together (PostgreSQL)
+    enqueue: bool = False  # hand due slots to each entry's task queue instead of running them
     # Per task, when its schedule was first registered: no slot before it is fired.
     first_seen: dict[str, datetime] = field(default_factory=dict)
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
@@ -195,6 +198,10 @@ class Scheduler:
         Schedules due at the same slot are claimed together, in one statement
         (PostgreSQL), then their bodies run on the pool: see :meth:`_claim_batch`.
         """
+        if self.enqueue:
+            for entry, slots in due:
+                self.pool.submit(functools.partial(self._hand_off, entry, slots))
+            return
         batches: dict[datetime, list[Entry]] = {}
         now = timezone.now()
         for entry, slots in due:
@@ -271,6 +278,15 @@ class Scheduler:
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
                 outcome = "ran" if ran else "not run here (another call has it, or it is recorded)"
+            self._log(entry, slot, outcome, time.monotonic() - started)
+
+    def _hand_off(self, entry: Entry, slots: list[datetime]) -> None:
+        for slot in slots:
+            started = time.monotonic()
+            try:
+                outcome = hand_off(entry, slot)
+            except Exception as exc:
+                outcome = f"raised {type(exc).__name__}: {exc}"
             self._log(entry, slot, outcome, time.monotonic() - started)
 
     # -- the loop ----------------------------------------------------------------

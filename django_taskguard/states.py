@@ -13,7 +13,8 @@ from .exceptions import IllegalTransition
 
 
 class RunState(models.TextChoices):
-    # created by a beat that stamped the slot; -> running | skipped | abandoned
+    # handed to a task queue, not started (run_schedules --enqueue); -> running | skipped
+    # | abandoned | missed (the sweep: no worker started it within its grace)
     PENDING = "pending", _("pending")
     # an attempt holds the lease; -> succeeded | failed | retrying | skipped | abandoned
     RUNNING = "running", _("running")

@@ -22,7 +22,8 @@ MATRIX=(
 
 # A race of real processes (run on SQLite and on PostgreSQL), the migrations check, an admin
 # page rendered, the Celery beat scheduler stamping a slot and a task recording that slot, and
-# a guarded call on the Redis backend (django-redis differs across Django versions).
+# a guarded call on the Redis backend (django-redis differs across Django versions), and a
+# slot carried by a django.tasks task (Django's own django.tasks on 6.x; skipped on 4.2).
 SMOKE=(
   tests/test_race.py
   tests/test_locks_redis.py::test_guard__winner_folds_redis_duplicates_into_the_row
@@ -31,6 +32,7 @@ SMOKE=(
   tests/test_contrib_celery.py::test_scheduler_stamp__headers_carry_slot_and_entry_name
   tests/test_contrib_celery.py::test_eager__slot_from_header_and_identity_with_schedule_name
   tests/test_contrib_celery.py::test_database_scheduler__without_django_celery_beat_names_the_extra
+  tests/test_contrib_tasks.py::test_enqueue_for_slot__the_slot_travels_and_is_claimed_not_recomputed
 )
 
 find_python() {  # python$1 that runs: on PATH, else pyenv's; else "$1", for uv to find

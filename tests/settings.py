@@ -33,6 +33,20 @@ INSTALLED_APPS = [
 if find_spec("django_celery_beat"):
     INSTALLED_APPS.insert(-1, "django_celery_beat")
 
+# django.tasks (Django 6.0+) or its backport, and django-tasks-db's queue where installed
+# (the dev extra has both; the version matrix's smoke environments have Django's own or none).
+TASKS_MODULE = next((m for m in ("django.tasks", "django_tasks") if find_spec(m)), None)
+if TASKS_MODULE is not None:
+    if TASKS_MODULE == "django_tasks":
+        INSTALLED_APPS.insert(-1, "django_tasks")
+    TASKS = {
+        "default": {"BACKEND": f"{TASKS_MODULE}.backends.immediate.ImmediateBackend"},
+        "dummy": {"BACKEND": f"{TASKS_MODULE}.backends.dummy.DummyBackend"},
+    }
+    if find_spec("django_tasks_db"):
+        INSTALLED_APPS.insert(-1, "django_tasks_db")
+        TASKS["db"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}
+
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

@@ -89,6 +89,7 @@ from .monitoring import (
     task_facts,
     window_summary,
 )
+from .pending import end_pending, give_back_pending, insert_pending
 from .records import (
     add_duplicates,
     count_slots,
@@ -137,6 +138,7 @@ __all__ = [
     "describe_error",
     "dialect",
     "earlier_slot_running",
+    "end_pending",
     "ensure_autocommit",
     "ensure_ledger_row",
     "ensure_reachable",
@@ -145,10 +147,12 @@ __all__ = [
     "fetch_all",
     "finish",
     "for_task",
+    "give_back_pending",
     "identity",
     "in_flight",
     "insert_abandoned",
     "insert_missed",
+    "insert_pending",
     "insert_skipped",
     "insert_unheld",
     "insert_unheld_many",

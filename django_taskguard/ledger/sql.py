@@ -387,6 +387,25 @@ def insert_unheld(d: Dialect) -> str:
     )
 
 
+# task, slot: a slot handed to a task queue and not started yet (run_schedules --enqueue).
+@lru_cache
+def insert_pending(d: Dialect) -> str:
+    return _format(
+        "INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+        "error, duplicates) VALUES (%s, %s, 'pending', 0, NULL, '', {now}, '', 0) "
+        "ON CONFLICT (task_name, slot) DO NOTHING RETURNING id",
+        d,
+    )
+
+
+# id: a pending row whose hand-off failed is given back, only while nothing started it.
+@lru_cache
+def give_back_pending(d: Dialect) -> str:
+    return _format(
+        "DELETE FROM {run} WHERE id = %s AND state = 'pending' AND attempt = 0 RETURNING id", d
+    )
+
+
 # Many rows no attempt ever held, with their transitions, in one statement (PostgreSQL).
 # Parameters: tasks (text[]), slots (timestamptz[]), reasons (text[]), state, from state,
 # state again, actor. Returns the number of rows inserted.

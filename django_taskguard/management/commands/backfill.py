@@ -1,4 +1,5 @@
-"""``manage.py backfill TASK --from ISO --to ISO``: run each slot of a range that has no row."""
+"""``manage.py backfill TASK --from ISO --to ISO [--enqueue]``: run (or enqueue) each slot of
+a range that has no row."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from django.utils import timezone
 from ... import ledger
 from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable
+from ...handoff import hand_off
 from ...models import ScheduleSource
 from ...registry import Entry, sync
 from ..arguments import aware_datetime, unknown_task
@@ -35,14 +37,32 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help="List what would run; run nothing."
         )
+        parser.add_argument(
+            "--enqueue",
+            action="store_true",
+            help="Enqueue each slot to the backend of the django.tasks task that wraps TASK "
+            "instead of running it here (its workers run it).",
+        )
 
     def handle(
-        self, *args: Any, task: str, start: datetime, end: datetime, dry_run: bool, **options: Any
+        self,
+        *args: Any,
+        task: str,
+        start: datetime,
+        end: datetime,
+        dry_run: bool,
+        enqueue: bool,
+        **options: Any,
     ) -> None:
         if end < start:
             raise CommandError("--to is before --from")
         try:
             entry = self._entry(task)
+            if enqueue and entry.enqueue is None:
+                raise CommandError(
+                    f"--enqueue: {task} is not wrapped by a django.tasks @task() (put @task() "
+                    f"above @once_per_schedule), so there is no backend to enqueue to"
+                )
             slots, refused, taken = self._plan(entry, start, end)
         except BackendUnavailable as exc:
             raise CommandError(f"backfill failed: {exc}") from exc
@@ -52,11 +72,18 @@ class Command(BaseCommand):
                 f"({taskguard_settings.PRUNE_AFTER_DAYS} days): the guard refuses them (their "
                 f"rows may have been pruned), so they are not run."
             )
-        verb = "Would run" if dry_run else "Running"
+        doing = "enqueue" if enqueue else "run"
+        verb = f"Would {doing}" if dry_run else ("Enqueueing" if enqueue else "Running")
         self.stdout.write(f"{verb} {len(slots)} slots of {task} ({taken} already have a row).")
         if dry_run:
             for slot in slots:
                 self.stdout.write(f"  {slot.isoformat()}")
+            return
+        if enqueue:
+            failed = sum(1 for slot in slots if not self._enqueue(entry, slot))
+            self.stdout.write(f"Enqueued {len(slots) - failed} slots of {task}; {failed} raised.")
+            if failed:
+                raise CommandError(f"{failed} slots of {task} could not be enqueued")
             return
         failed = sum(1 for slot in slots if not self._run(entry, slot))
         self.stdout.write(f"Ran {len(slots) - failed} slots of {task}; {failed} raised.")
@@ -104,4 +131,13 @@ class Command(BaseCommand):
         row = ledger.read(entry.task_name, slot)
         state = row.state if row is not None else "no row"
         self.stdout.write(f"  {slot.isoformat()}: {state}{'' if result is None else ' (ran)'}")
+        return True
+
+    def _enqueue(self, entry: Entry, slot: datetime) -> bool:
+        try:
+            outcome = hand_off(entry, slot, scheduled=False)
+        except Exception as exc:
+            self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
+            return False
+        self.stdout.write(f"  {slot.isoformat()}: {outcome}")
         return True

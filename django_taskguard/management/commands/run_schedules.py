@@ -12,11 +12,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from ... import ledger
+from ... import ledger, registry
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
 from ...models import ScheduleSource
-from ...registry import sync
+from ...registry import Entry, sync
 from ...scheduler import Scheduler, logger
 from ..arguments import whole_number
 
@@ -27,12 +27,19 @@ class Command(BaseCommand):
         "the installed apps' tasks and jobs modules) at its slots, in this process, on a "
         "bounded thread pool. Run any number of copies on any number of hosts: each slot "
         "runs once. SIGTERM stops firing and waits for running calls (--stop-timeout). "
-        "It also runs the missed-slot sweep."
+        "It also runs the missed-slot sweep. --enqueue hands each due slot to its django.tasks "
+        "backend instead (one task per slot across every copy); the backend's workers run it."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
             "--once", action="store_true", help="Fire what is due now, wait for it, and exit."
+        )
+        parser.add_argument(
+            "--enqueue",
+            action="store_true",
+            help="Enqueue each due slot to the backend of the django.tasks task that wraps the "
+            "schedule (@task() above @once_per_schedule) instead of running it here.",
         )
         parser.add_argument(
             "--max-workers",
@@ -85,6 +92,8 @@ class Command(BaseCommand):
             if unknown:
                 raise CommandError(f"no plain-function schedule named {', '.join(unknown)}")
             entries = [entry for entry in entries if entry.task_name in wanted]
+        if options["enqueue"]:
+            _check_enqueue(entries)
         logger.info(
             "run_schedules: %d schedules (%s)",
             len(entries),
@@ -96,6 +105,7 @@ class Command(BaseCommand):
             sweep_every=options["sweep_every"],
             first_seen=first_seen,
             batch=not options["no_batch"],
+            enqueue=options["enqueue"],
         )
         if options["once"]:
             fired = scheduler.run_once()
@@ -115,3 +125,21 @@ class Command(BaseCommand):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, handler)
             signal.signal(signal.SIGINT, handler)
+
+
+def _check_enqueue(entries: list[Entry]) -> None:
+    """--enqueue needs a task to enqueue for every schedule it fires: refuse otherwise,
+    rather than run some in this process."""
+    if not registry.QUEUE_FINDERS:
+        raise CommandError(
+            "--enqueue hands slots to django.tasks: it needs Django 6.0 or later, or the "
+            "django-tasks backport (pip install django-tasks) on older Django"
+        )
+    plain = sorted(entry.task_name for entry in entries if entry.enqueue is None)
+    if plain:
+        raise CommandError(
+            f"--enqueue: {', '.join(plain)} {'is' if len(plain) == 1 else 'are'} not wrapped "
+            f"by a django.tasks @task(), so there is no backend to enqueue to. Put @task() "
+            f"above @once_per_schedule, or choose the schedules to enqueue with --task (and "
+            f"run the others with run_schedules --task NAME, without --enqueue)"
+        )

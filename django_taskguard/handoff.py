@@ -1,0 +1,66 @@
+"""Hand a due slot to its task queue once, across every copy of ``run_schedules --enqueue``.
+
+The database decides which copy enqueues: the one whose ``pending`` row for (task, slot)
+is new. The others enqueue nothing, so the queue holds one task per slot, not one per
+copy (the worker's guard would run the slot once anyway; this saves the queue the
+duplicates). The slot travels with the task (``decorators.SLOT_KWARG``) and the worker's
+guarded call claims that slot, however late it runs; the claim turns the row
+``running``. An enqueue that raises gives the row back (the slot has no row again: the
+sweep records it ``missed`` after its grace, or ``backfill`` hands it out again). A row
+that no worker starts within its grace is ended by the missed-slot sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.utils import timezone
+
+from . import ledger
+from .exceptions import BackendUnavailable, TaskGuardError
+from .guard import refused_late
+from .registry import Entry
+
+logger = logging.getLogger("taskguard.scheduler")
+
+
+def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
+    """Enqueue ``slot`` of ``entry`` unless another copy did; say what happened.
+
+    ``scheduled``: a scheduler's call, so the catch-up policy applies (``catchup="none"``
+    records a slot later than its grace ``missed`` instead); backfill's is an operator's.
+    """
+    if entry.enqueue is None:
+        raise TaskGuardError(f"{entry.task_name} is not a task of a task queue: nothing to enqueue")
+    ledger.ensure_autocommit()
+    if scheduled and refused_late(entry.task_name, slot, entry.policy, timezone.now()):
+        return "not enqueued: late (recorded missed, catchup='none')"
+    run_id = ledger.insert_pending(entry.task_name, slot)
+    if run_id is None:
+        return "not enqueued here (it has a row: another copy enqueued it, or it ran)"
+    try:
+        made = entry.enqueue(slot)
+    except BaseException:
+        _give_back(entry.task_name, slot, run_id)
+        raise
+    return f"enqueued ({made})"
+
+
+def _give_back(task_name: str, slot: datetime, run_id: int) -> None:
+    try:
+        given = ledger.give_back_pending(run_id)
+    except BackendUnavailable as exc:
+        logger.warning(
+            "taskguard %s slot %s: the enqueue failed and its pending row %s could not be "
+            "given back (%s); the sweep records it missed after its grace",
+            task_name,
+            slot.isoformat(),
+            run_id,
+            exc,
+        )
+        return
+    if given:
+        logger.warning(
+            "taskguard %s slot %s: the enqueue failed; the slot was given back", task_name, slot
+        )
