@@ -67,7 +67,8 @@ def claim(
         row = to_row(one(sql.claim(d), [*params, owner]))
     else:
         with transaction.atomic(using=alias()):
-            bump_fence(d)
+            if d.fence_counter:
+                bump_fence(d)
             row = to_row(one(sql.claim(d), params))
             if row is not None and row.owner == owner:
                 one(sql.claimed_transition(d), [row.id])
@@ -147,8 +148,13 @@ def _claim_key(
                 row = to_row(one(sql.claim_key(d), [*params, owner]))
             else:
                 with transaction.atomic(using=alias()):
-                    bump_fence(d)
-                    row = to_row(one(sql.claim_key(d), params))
+                    if d.fence_counter:
+                        bump_fence(d)
+                    found = one(sql.claim_key(d), params)
+                    if not d.update_returning and found is not None and found[7] != key:
+                        # MariaDB: the upsert met another key's row on (task, slot).
+                        raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
+                    row = to_row(found)
                     if row is not None and row.owner == owner:
                         one(sql.claimed_transition(d), [row.id])
         except IntegrityError:
@@ -202,6 +208,8 @@ def reopen_key(run_id: int, keep_seconds: float) -> bool:
         if deleted is None:
             return False
         one(sql.delete_transitions(d, 1), [run_id])
+        if d.immediate_foreign_keys:
+            one(sql.delete_runs(d, 1), [run_id])
     return True
 
 
@@ -301,7 +309,14 @@ def renew(
     """
     d = dialect()
     params = [lease_seconds, run_id, fence]
-    if timeout_seconds is None:
+    if not d.update_returning:
+        milliseconds = None if timeout_seconds is None else max(1, round(timeout_seconds * 1000))
+        with transaction.atomic(using=alias()):
+            with connections[alias()].cursor() as cursor:
+                cursor.execute(sql.renew(d, milliseconds), params)
+                renewed = cursor.rowcount > 0
+            values = one(sql.lease_of(d), [run_id]) if renewed else None
+    elif timeout_seconds is None:
         values = one(sql.renew(d), params)
     else:
         own = sql.busy_timeout(d)

@@ -239,15 +239,30 @@ def change(
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return to_row(one(statement, [*params, actor, *step_params]))
     with transaction.atomic(using=alias()):
-        if sets is sql.START_ATTEMPT:
+        if sets is sql.START_ATTEMPT and d.fence_counter:
             bump_fence(d)
-        updated = to_row(one(sql.change(d, assignments, fenced, lease), params))
+        updated = _update(d, sql.change(d, assignments, fenced, lease), params, row.id)
         if updated is not None:
             with connections[alias()].cursor() as cursor:
                 cursor.executemany(
                     sql.transition(d), [(row.id, f, t, r, actor) for f, t, r in steps]
                 )
         return updated
+
+
+def _update(d: sql.Dialect, statement: str, params: Sequence[Any], run_id: int) -> Row | None:
+    """Run a compare-and-set ``UPDATE`` of run ``run_id``; the row as changed, or None.
+
+    Without ``UPDATE ... RETURNING`` (MariaDB) the row is read back in the same
+    transaction, under the lock the ``UPDATE`` took.
+    """
+    if d.update_returning:
+        return to_row(one(statement, params))
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        if cursor.rowcount == 0:
+            return None
+    return to_row(one(sql.changed_row(d), [run_id]))
 
 
 # -- the ledger's own row: identity and fences ------------------------------------
@@ -309,6 +324,6 @@ def fence_at_least(value: int) -> None:
     """
     d = dialect()
     with transaction.atomic(using=alias()):
-        if not d.one_statement:
+        if d.fence_counter:
             ensure_ledger_row()
         one(sql.fence_at_least(d), [value])

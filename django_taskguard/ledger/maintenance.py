@@ -165,7 +165,10 @@ def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
             return 0, 0
         with connections[alias()].cursor() as cursor:
             cursor.execute(sql.delete_transitions(d, len(deleted)), deleted)
-            return len(deleted), max(cursor.rowcount, 0)
+            transitions_deleted = max(cursor.rowcount, 0)
+            if d.immediate_foreign_keys:
+                cursor.execute(sql.delete_runs(d, len(deleted)), deleted)
+            return len(deleted), transitions_deleted
 
 
 def task_names(limit: int) -> list[str]:
