@@ -15,7 +15,7 @@ from ._compat import check_constraint
 from .owner import Owner
 from .states import TERMINAL_STATES, RunState
 
-__all__ = ["Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
+__all__ = ["DatabaseNow", "Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
 
 TASK_NAME_MAX_LENGTH = 255
 # A key of ``@once_per_key`` is stored as given (sanitized); longer ones are refused.
@@ -43,7 +43,9 @@ class TaskRunQuerySet(models.QuerySet["TaskRun"]):
 
     def overdue(self) -> TaskRunQuerySet:
         """Stale running rows, and retrying rows whose retry is overdue (its deadline passed)."""
-        return self.filter(state__in=(RunState.RUNNING, RunState.RETRYING), lease_until__lte=DatabaseNow())
+        return self.filter(
+            state__in=(RunState.RUNNING, RunState.RETRYING), lease_until__lte=DatabaseNow()
+        )
 
     def live(self) -> TaskRunQuerySet:
         """Running rows whose lease is still valid by the database's clock."""

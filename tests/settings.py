@@ -2,8 +2,8 @@
 
 ``TASKGUARD_TEST_DB=postgres`` runs it on PostgreSQL (``TASKGUARD_PG_*`` to
 point elsewhere), ``TASKGUARD_TEST_DB=mariadb`` on a private MariaDB server the
-session starts (``tests/mariadb_server.py``); the default is an SQLite file, so that the real processes
-the race tests start share one database. Child processes get the test
+session starts (``tests/mariadb_server.py``); the default is an SQLite file, so
+that the real processes the race tests start share one database. Child processes get the test
 database's name through ``TASKGUARD_TEST_DB_NAME``.
 """
 
@@ -78,6 +78,7 @@ elif DB_KIND == "mariadb":
     # The session's private server (started here, once; children inherit its port).
     # TASKGUARD_TEST_MARIADB_ISOLATION: Django's default, "read committed", or
     # "repeatable read" (InnoDB's own default).
+    MARIADB_TEST = {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"}
     MARIADB = {
         "ENGINE": "django.db.backends.mysql",
         "USER": "root",
@@ -85,17 +86,14 @@ elif DB_KIND == "mariadb":
         "PORT": str(mariadb_server.port()),
         "OPTIONS": {
             "charset": "utf8mb4",
-            "isolation_level": os.environ.get(
-                "TASKGUARD_TEST_MARIADB_ISOLATION", "read committed"
-            ),
+            "isolation_level": os.environ.get("TASKGUARD_TEST_MARIADB_ISOLATION", "read committed"),
         },
-        "TEST": {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"},
     }
     DATABASES = {
         "default": {
             **MARIADB,
             "NAME": CHILD_DB_NAME or "taskguard",
-            "TEST": {**MARIADB["TEST"], "NAME": "test_taskguard"} if not CHILD_DB_NAME else {},
+            "TEST": {**MARIADB_TEST, "NAME": "test_taskguard"} if not CHILD_DB_NAME else {},
         }
     }
 elif DB_KIND == "sqlite":
@@ -120,7 +118,7 @@ if DB_KIND == "mariadb":
     DATABASES["ledger"] = {
         **MARIADB,
         "NAME": ledger_name or "taskguard_ledger",
-        "TEST": {**MARIADB["TEST"], "NAME": "test_taskguard_ledger"} if not ledger_name else {},
+        "TEST": {**MARIADB_TEST, "NAME": "test_taskguard_ledger"} if not ledger_name else {},
     }
 elif DB_KIND == "postgres":
     DATABASES["ledger"] = {

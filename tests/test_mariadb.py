@@ -13,7 +13,7 @@ from datetime import timezone as dt_timezone
 
 import pytest
 from django.core import checks
-from django.db import connection
+from django.db import OperationalError, connection
 
 from django_taskguard import ledger
 from django_taskguard.ledger import sql
@@ -112,6 +112,33 @@ def test_fences__come_from_a_sequence_that_never_goes_back():
         "tests.mariadb.fence", SLOT + timedelta(minutes=2), "h:1:c", 30, abandon_is_final=True
     )
     assert third.fence is not None and third.fence > second.fence
+
+
+@mariadb_only
+@pytest.mark.timeout(30)  # unbounded, InnoDB's own lock wait (50 s) would end it
+@pytest.mark.django_db(transaction=True)
+def test_renew__a_bounded_renewal_gives_up_on_a_row_locked_elsewhere():
+    """``SET STATEMENT max_statement_time=...`` bounds the renewal's wait for a lock held
+    by another connection: the database's error comes back, the row is left as it was."""
+    import MySQLdb
+
+    row = ledger.claim("tests.mariadb.renew", SLOT, "h:1:a", 30, abandon_is_final=True)
+    params = connection.settings_dict
+    other = MySQLdb.connect(
+        host=params["HOST"], port=int(params["PORT"]), user=params["USER"], db=params["NAME"]
+    )
+    try:
+        cursor = other.cursor()
+        cursor.execute("START TRANSACTION")
+        cursor.execute("SELECT id FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [row.id])
+        with pytest.raises(OperationalError) as raised:
+            ledger.renew(row.id, row.fence, 600, timeout_seconds=0.5)  # type: ignore[arg-type]
+        # 1969: max_statement_time exceeded; 1205: the lock wait timeout (1 s) came first.
+        assert raised.value.args[0] in (1969, 1205), raised.value
+        other.rollback()
+    finally:
+        other.close()
+    assert ledger.renew(row.id, row.fence, 600, timeout_seconds=0.5) is not None  # type: ignore[arg-type]
 
 
 @mariadb_only

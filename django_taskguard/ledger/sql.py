@@ -471,8 +471,7 @@ def read_result(d: Dialect) -> str:
 @lru_cache
 def insert_unheld_key(d: Dialect) -> str:
     return _format(
-        _insert_new(d)
-        + "{run} (task_name, slot, {key}, state, attempt, fence, owner, created_at, "
+        _insert_new(d) + "{run} (task_name, slot, {key}, state, attempt, fence, owner, created_at, "
         "finished_at, error, duplicates) "
         "VALUES (%s, %s, %s, %s, 0, NULL, '', {now}, {now}, %s, %s) "
         + _unless_there(d, "(task_name, {key}) WHERE {key} IS NOT NULL")

@@ -29,7 +29,9 @@ def forwards(apps: Any, schema_editor: Any) -> None:
         return
     with schema_editor.connection.cursor() as cursor:
         for table in BINARY:
-            cursor.execute(f"ALTER TABLE {table} CONVERT TO CHARACTER SET utf8mb4 COLLATE {COLLATION}")
+            cursor.execute(
+                f"ALTER TABLE {table} CONVERT TO CHARACTER SET utf8mb4 COLLATE {COLLATION}"
+            )
         cursor.execute(f"SELECT COALESCE(MAX(fence), 0) + 1 FROM {RUN}")
         (start,) = cursor.fetchone()
         cursor.execute(f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} START WITH {int(start)}")
