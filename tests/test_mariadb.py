@@ -115,6 +115,33 @@ def test_fences__come_from_a_sequence_that_never_goes_back():
 
 
 @mariadb_only
+@pytest.mark.django_db(transaction=True)
+def test_claim__one_compound_statement_commits_the_row_and_its_transition_or_neither():
+    """In autocommit the claim is one ``BEGIN NOT ATOMIC`` statement with a transaction of
+    its own: a transition the database refuses takes the run row back with it, and the
+    connection is left in autocommit, in no transaction."""
+    refuse = (
+        "CREATE TRIGGER taskguard_test_refuse BEFORE INSERT ON taskguard_taskruntransition "
+        "FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by test trigger'"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(refuse)
+    try:
+        with pytest.raises(OperationalError, match="refused by test trigger"):
+            ledger.claim("tests.mariadb.block", SLOT, "h:1:a", 30, abandon_is_final=True)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT @@autocommit, @@in_transaction")
+            assert cursor.fetchone() == (1, 0)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS taskguard_test_refuse")
+    assert not TaskRun.objects.filter(task_name="tests.mariadb.block").exists()
+    row = ledger.claim("tests.mariadb.block", SLOT, "h:1:a", 30, abandon_is_final=True)
+    assert row.owner == "h:1:a"
+    assert TaskRun.objects.get(pk=row.id).transitions.count() == 1
+
+
+@mariadb_only
 @pytest.mark.timeout(30)  # unbounded, InnoDB's own lock wait (50 s) would end it
 @pytest.mark.django_db(transaction=True)
 def test_renew__a_bounded_renewal_gives_up_on_a_row_locked_elsewhere():

@@ -23,11 +23,13 @@ from .core import (
     Step,
     alias,
     aware,
+    block_row,
     bump_fence,
     change,
     clip,
     dialect,
     fetch_all,
+    in_autocommit,
     one,
     slot_param,
     to_row,
@@ -65,6 +67,8 @@ def claim(
     params = [task_name, slot_param(slot), owner, lease_seconds, count_live, abandon_is_final]
     if d.one_statement:
         row = to_row(one(sql.claim(d), [*params, owner]))
+    elif d.compound and in_autocommit():
+        row = block_row(one(sql.claim_block(d, keyed=False), [*params, owner]))
     else:
         with transaction.atomic(using=alias()):
             if d.fence_counter:
@@ -82,7 +86,7 @@ def claim_many(
     """:func:`claim` for one slot of many tasks in one statement (``on_stale="abandon"``).
 
     Returns each task's row (``owner`` equal to the one given: this call created it), or
-    None where the database cannot do it in one statement (SQLite: claim one by one).
+    None where the database cannot do it in one statement (SQLite, MariaDB: claim one by one).
     """
     statement = sql.claim_many(dialect())
     if statement is None:
@@ -99,7 +103,7 @@ def claim_many(
 def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
     """Record many running attempts ``succeeded`` in one statement, each fenced:
     ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
-    fenced out). None where the database cannot do it in one statement (SQLite)."""
+    fenced out). None where the database cannot do it in one statement (SQLite, MariaDB)."""
     d = dialect()
     statement = sql.succeed_many(d)
     if statement is None:
@@ -146,6 +150,12 @@ def _claim_key(
         try:
             if d.one_statement:
                 row = to_row(one(sql.claim_key(d), [*params, owner]))
+            elif d.compound and in_autocommit():
+                found = one(sql.claim_block(d, keyed=True), [*params, owner])
+                if found is not None and found[7] != key:
+                    # The upsert met another key's row on (task, slot): it changed nothing.
+                    raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
+                row = block_row(found)
             else:
                 with transaction.atomic(using=alias()):
                     if d.fence_counter:

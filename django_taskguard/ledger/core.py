@@ -165,6 +165,18 @@ def dialect() -> sql.Dialect:
     return sql.dialect(alias())
 
 
+def in_autocommit() -> bool:
+    """The ledger's connection is in autocommit, in no transaction: a statement may open
+    and commit one of its own (MariaDB's compound statements, :func:`sql.claim_block`)."""
+    connection = connections[alias()]
+    return not connection.in_atomic_block and connection.get_autocommit()
+
+
+def block_row(values: Sequence[Any] | None) -> Row | None:
+    """The row a compound statement returned (all NULL: it wrote nothing)."""
+    return None if values is None or values[0] is None else to_row(values[:7])
+
+
 def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
@@ -238,6 +250,10 @@ def change(
         statement = sql.change_logged(d, assignments, fenced, lease, len(steps))
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return to_row(one(statement, [*params, actor, *step_params]))
+    if d.compound and in_autocommit():
+        statement = sql.change_block(d, assignments, fenced, lease, len(steps))
+        step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
+        return block_row(one(statement, [*params, row.id, *step_params]))
     with transaction.atomic(using=alias()):
         if sets is sql.START_ATTEMPT and d.fence_counter:
             bump_fence(d)

@@ -51,6 +51,8 @@ class Dialect:
     # Foreign keys checked at each statement, not at commit (MariaDB): a run's
     # transitions are deleted before it.
     immediate_foreign_keys: bool = False
+    # A write and its transitions as one compound statement in autocommit (MariaDB).
+    compound: bool = False
     # Before every slot (the boundary of a scan that finds no N-th latest slot).
     min_slot: str = "'0000-01-01'"
 
@@ -86,6 +88,7 @@ MARIADB = Dialect(
     key="`key`",
     update_returning=False,
     immediate_foreign_keys=True,
+    compound=True,
     min_slot="'1000-01-01'",
 )
 DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE, "mysql": MARIADB}
@@ -119,14 +122,14 @@ def vendor_problem(connection: Any) -> str | None:
 
 def mysql_problem(is_mariadb: bool, version: tuple[int, ...]) -> str | None:
     """MariaDB older than :data:`MARIADB_MINIMUM`, or MySQL (no sequences, no RETURNING)."""
-    found = ".".join(map(str, version))
+    found, minimum = ".".join(map(str, version)), ".".join(map(str, MARIADB_MINIMUM))
     if not is_mariadb:
         return (
-            f"MySQL {found} is not supported: the ledger needs MariaDB "
-            f"{'.'.join(map(str, MARIADB_MINIMUM))}+ (sequences, INSERT ... RETURNING)"
+            f"MySQL {found} is not supported: the ledger needs MariaDB {minimum} or later "
+            f"(sequences, INSERT ... RETURNING)"
         )
     if tuple(version[:2]) < MARIADB_MINIMUM:
-        return f"MariaDB {found} is too old: the ledger needs MariaDB 10.11 or later"
+        return f"MariaDB {found} is too old: the ledger needs MariaDB {minimum} or later"
     return None
 
 
@@ -175,6 +178,45 @@ _CLAIM_KEY_UPSERT = (
     + _COUNT_DUPLICATE.replace("{mine}", "{key} <=> VALUES({key})")
     + " RETURNING {row}, {left}, {key}"
 )
+
+# MariaDB in one round trip, as PostgreSQL's data-modifying CTEs are: an anonymous
+# compound statement that runs a write and its transitions in a transaction of its own,
+# rolls back and re-raises on any error, and only then returns the row (read into
+# variables under the row's lock; all NULL when nothing was written). Only on a
+# connection in autocommit: START TRANSACTION inside the caller's transaction would
+# commit it (see :func:`core.in_autocommit`).
+_BLOCK = (
+    "BEGIN NOT ATOMIC "
+    "DECLARE v_id, v_attempt, v_fence BIGINT; DECLARE v_state VARCHAR(16); "
+    "DECLARE v_owner, v_key VARCHAR(255); DECLARE v_lease DATETIME(6); "
+    "DECLARE v_left DECIMAL(30, 6); "
+    "DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END; "
+    "START TRANSACTION; {body} COMMIT; "
+    "SELECT v_id, v_state, v_attempt, v_fence, v_owner, v_lease, v_left, v_key; END"
+)
+_INTO = "INTO v_id, v_state, v_attempt, v_fence, v_owner, v_lease, v_left, v_key"
+# After an upsert: the row it inserted or found (ON DUPLICATE KEY UPDATE ... id =
+# LAST_INSERT_ID(id) makes LAST_INSERT_ID() name it either way), and its ``claimed``
+# transition when this call made it (one more parameter: the owner).
+_CLAIMED_ROW = (
+    "; SELECT {row}, {left}, {key} " + _INTO + " FROM {run} WHERE id = LAST_INSERT_ID(); "
+    "IF v_owner = %s THEN INSERT INTO {transition} ({columns}) "
+    "VALUES (v_id, 'pending', 'running', {now}, 'claimed', v_owner); END IF;"
+)
+
+
+def _block(body: str) -> str:
+    return _BLOCK.replace("{body}", body)
+
+
+@lru_cache
+def claim_block(d: Dialect, keyed: bool) -> str:
+    """MariaDB: :func:`claim` (or :func:`claim_key`) and its ``claimed`` transition in one
+    round trip; :func:`claim`'s parameters and the owner again. Returns the row and its
+    key (the caller compares it: another key's row when the slot collided)."""
+    upsert = _CLAIM_KEY_UPSERT if keyed else _CLAIM_UPSERT
+    upsert = upsert.split(" RETURNING ")[0] + ", id = LAST_INSERT_ID(id)"
+    return _format(_block(upsert + _CLAIMED_ROW), d)
 
 
 @lru_cache
@@ -246,7 +288,7 @@ def claim_key(d: Dialect) -> str:
 
 @lru_cache
 def claim_many(d: Dialect) -> str | None:
-    """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite)."""
+    """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite, MariaDB)."""
     return _format(_CLAIM_MANY, d) if d.one_statement else None
 
 
@@ -332,6 +374,26 @@ def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -
     sets = ", ".join(("state = %s", *assignments))
     returning = " RETURNING {row}" if d.update_returning else ""
     return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where}{returning}", d)
+
+
+@lru_cache
+def change_block(
+    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+) -> str:
+    """MariaDB: :func:`change` and its ``steps`` transition rows in one round trip.
+
+    Parameters: :func:`change`'s, the id again, then (id, from, to, reason, actor) per
+    step. The row comes back without its lease left, as from :func:`change_logged`.
+    """
+    update = change(d, assignments, fenced, lease)
+    values = ", ".join(["(%s, %s, %s, {now}, %s, %s)"] * steps)
+    return _format(
+        _block(
+            f"{update}; IF ROW_COUNT() > 0 THEN SELECT {{row}}, NULL, NULL {_INTO} FROM {{run}} "
+            f"WHERE id = %s; INSERT INTO {{transition}} ({{columns}}) VALUES {values}; END IF;"
+        ),
+        d,
+    )
 
 
 @lru_cache
