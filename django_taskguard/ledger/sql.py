@@ -7,11 +7,13 @@ judged by the database's clock (``now``).
 On PostgreSQL a state change and its transition row are one statement (a
 data-modifying CTE); elsewhere they are two statements in one transaction.
 
-MariaDB (Django's vendor "mysql") has no ``UPDATE ... RETURNING``: a change is
-an ``UPDATE`` and a read of the row it changed, in one transaction that holds
-the row's lock. Its claim is ``INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING``
-(one statement, the row as it is after it, as on PostgreSQL); its clock is
-``UTC_TIMESTAMP(6)`` (Django stores UTC there, whatever the session's time zone).
+MariaDB (Django's vendor "mysql") has no ``UPDATE ... RETURNING`` and no
+data-modifying CTEs: a change is an ``UPDATE`` and a read of the row it changed
+under its lock, a claim ``INSERT ... ON DUPLICATE KEY UPDATE``; with their
+transitions they are one compound statement with a transaction of its own
+(:data:`_BLOCK`), or, inside the caller's transaction, separate statements. Its
+clock is ``UTC_TIMESTAMP(6)`` (Django stores UTC there, whatever the session's
+time zone).
 """
 
 from __future__ import annotations
@@ -656,6 +658,24 @@ def last_states(d: Dialect) -> str:
     )
 
 
+@lru_cache
+def task_names(d: Dialect) -> str:
+    """The first ``%s`` distinct task names, by a loose index scan of (task_name, slot).
+
+    A recursive CTE hops from name to next name through the index (PostgreSQL has no
+    skip scan). MariaDB runs that CTE slowly (each hop a scan) but does the loose scan
+    itself for ``DISTINCT`` ("Using index for group-by").
+    """
+    if d.vendor == "mysql":
+        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name LIMIT %s"
+    return (
+        f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {RUN} "
+        f"UNION ALL SELECT (SELECT MIN(task_name) FROM {RUN} WHERE task_name > names.name) "
+        f"FROM names WHERE names.name IS NOT NULL) "
+        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+    )
+
+
 # -- the ledger's own row ----------------------------------------------------------
 
 
@@ -749,14 +769,22 @@ def latest_in_state(d: Dialect, names: int) -> str:
     probe of (task_name, state, slot) each."""
     rows = ", ".join([_NAME_ROW[d.vendor]] * names)
     latest = (
-        "(SELECT r.{column} FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+        "(SELECT r.{column} FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
         "ORDER BY r.slot DESC LIMIT 1)"
     )
+    hint = _task_state_index(d)
     return (
         f"WITH t(name) AS (VALUES {rows}) SELECT t.name, "
-        f"{latest.format(column='slot', run=RUN)}, "
-        f"{latest.format(column='finished_at', run=RUN)} FROM t"
+        f"{latest.format(column='slot', run=RUN, hint=hint)}, "
+        f"{latest.format(column='finished_at', run=RUN, hint=hint)} FROM t"
     )
+
+
+def _task_state_index(d: Dialect) -> str:
+    """MariaDB: probe (task_name, state, slot) for a task's latest run in a state. Left to
+    itself it scans the task's (task_name, slot) range backwards for that state, every
+    run of the task when none is in it (178 ms against 1 ms for 100 tasks of 2,000 runs)."""
+    return "FORCE INDEX (taskguard_run_task_state) " if d.vendor == "mysql" else ""
 
 
 # Per task, its health facts: the tasks are a VALUES list (name, due slot), the facts
@@ -770,9 +798,9 @@ _FACTS = (
     "AND r.slot >= %s), "
     "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
     "AND r.lease_until <= {now}), "
-    "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "(SELECT r.slot FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
     "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
-    "(SELECT r.lease_until FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "(SELECT r.lease_until FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
     "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
     "(SELECT COUNT(*) FROM (SELECT r.state FROM {run} r WHERE r.task_name = t.name AND "
     + _ENDED
@@ -818,7 +846,7 @@ def task_facts(d: Dialect, tasks: int) -> str:
     (task_name, slot) or (task_name, state, slot). See :func:`last_ended_params`."""
     rows = ", ".join([_TASK_ROW[d.vendor]] * tasks)
     template = _FACTS_MARIADB if d.vendor == "mysql" else _FACTS
-    return _format(template.replace("{tasks}", rows), d)
+    return _format(template.replace("{tasks}", rows).replace("{hint}", _task_state_index(d)), d)
 
 
 def last_ended_params(d: Dialect, ended: tuple[str, ...], last: int) -> list[Any]:
