@@ -15,11 +15,12 @@ import pytest
 from django.core import checks
 from django.db import OperationalError, connection
 
-from django_taskguard import ledger
+from django_taskguard import current_run, ledger, once_per_schedule
 from django_taskguard.ledger import sql
-from django_taskguard.models import TaskRun
+from django_taskguard.models import RunState, TaskRun
 
-from .conftest import python
+from .conftest import python, wait_for
+from .slots import BASE_SLOT
 from .test_race import race_each_slot_once
 
 mariadb_only = pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's own SQL")
@@ -166,6 +167,61 @@ def test_renew__a_bounded_renewal_gives_up_on_a_row_locked_elsewhere():
     finally:
         other.close()
     assert ledger.renew(row.id, row.fence, 600, timeout_seconds=0.5) is not None  # type: ignore[arg-type]
+
+
+@mariadb_only
+@pytest.mark.django_db(transaction=True)
+def test_database_lost_mid_run__every_connection_killed_the_run_is_still_recorded():
+    """``KILL CONNECTION`` of every connection of the run while its body runs (its own,
+    the heartbeat's): the renewals reconnect, and the finish, whose compound statement
+    meets this thread's dead connection, settles it and records the result once."""
+    import MySQLdb
+
+    @once_per_schedule(name="tests.mariadb.lost", lease_seconds=3)
+    def body() -> str:
+        run = current_run()
+        first = lease_until(run.id)
+        wait_for(lambda: lease_until(run.id) > first, 10, "a first renewal")
+        params = connection.settings_dict
+        killer = MySQLdb.connect(
+            host=params["HOST"],
+            port=int(params["PORT"]),
+            user=params["USER"],
+            db=params["NAME"],
+            autocommit=True,
+        )
+        try:
+            cursor = killer.cursor()
+            cursor.execute(
+                "SELECT id FROM information_schema.PROCESSLIST "
+                "WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+            )
+            victims = [victim for (victim,) in cursor.fetchall()]
+            assert len(victims) >= 2, victims  # this thread's and the heartbeat's
+            for victim in victims:
+                cursor.execute("KILL CONNECTION %s", [victim])
+
+            def lease() -> datetime:  # read here: this thread's own connection is dead
+                cursor.execute("SELECT lease_until FROM taskguard_taskrun WHERE id = %s", [run.id])
+                return cursor.fetchone()[0]  # type: ignore[no-any-return,index]
+
+            killed_at = lease()
+            wait_for(lambda: lease() > killed_at, 10, "a renewal after the kill")
+        finally:
+            killer.close()
+        run.check()
+        return "ran"
+
+    assert body.run_for_slot(BASE_SLOT) == "ran"
+    run = TaskRun.objects.get(task_name="tests.mariadb.lost")
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
+    assert [t.to_state for t in run.transitions.order_by("id")] == ["running", "succeeded"]
+
+
+def lease_until(run_id: int) -> datetime:
+    value = TaskRun.objects.filter(pk=run_id).values_list("lease_until", flat=True).get()
+    assert value is not None
+    return value
 
 
 @mariadb_only
