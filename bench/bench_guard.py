@@ -1,14 +1,16 @@
 """Benchmark the guarded call against its floor (a script, not a test).
 
-    python bench/bench_guard.py [--rounds 2000]
+    python bench/bench_guard.py [--rounds 2000] [--database mariadb]
 
 Starts a private redis-server on a free loopback port, uses PostgreSQL
 (``TASKGUARD_BENCH_DB``, default database ``test`` on 127.0.0.1:5432 as user
-postgres; ``TASKGUARD_PG_HOST/PORT/USER`` to point elsewhere), creates the
-taskguard tables there if needed, and times in one process:
+postgres; ``TASKGUARD_PG_HOST/PORT/USER`` to point elsewhere), or with
+``--database mariadb`` a private MariaDB server it starts on a free port (as the
+tests do), creates the taskguard tables there if needed, and times in one process:
 
 - floor: ``SET NX PX`` + Lua compare-and-delete + ``INSERT ... ON CONFLICT DO
-  NOTHING`` + ``UPDATE`` on the raw redis-py client and the raw psycopg cursor;
+  NOTHING`` (MariaDB: ``INSERT IGNORE``) + ``UPDATE`` on the raw redis-py client and
+  the raw driver cursor, on the same database as the guarded calls;
 - an unguarded call of the same function;
 - a guarded winning call (a fresh slot each time);
 - a guarded call that loses to a live winner (a new slot each time, its key
@@ -73,7 +75,38 @@ def start_redis(directory: str) -> tuple[subprocess.Popen[bytes], int]:
     sys.exit("redis-server did not start")
 
 
-def configure(port: int) -> None:
+def database(kind: str) -> dict[str, object]:
+    if kind == "mariadb":
+        from tests import mariadb_server  # a private server, stopped when this exits
+
+        port = mariadb_server.port()
+        with socket.create_connection(("127.0.0.1", port)):
+            pass
+        subprocess.run(
+            ["mariadb", "--no-defaults", "-uroot", "-h127.0.0.1", f"-P{port}", "-e",
+             "CREATE DATABASE IF NOT EXISTS bench CHARACTER SET utf8mb4"],
+            check=True,
+        )  # fmt: skip
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": "bench",
+            "USER": "root",
+            "HOST": "127.0.0.1",
+            "PORT": str(port),
+            "OPTIONS": {"charset": "utf8mb4"},
+            "CONN_MAX_AGE": None,
+        }
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": os.environ.get("TASKGUARD_BENCH_DB", "test"),
+        "USER": os.environ.get("TASKGUARD_PG_USER", "postgres"),
+        "HOST": os.environ.get("TASKGUARD_PG_HOST", "127.0.0.1"),
+        "PORT": os.environ.get("TASKGUARD_PG_PORT", "5432"),
+        "CONN_MAX_AGE": None,
+    }
+
+
+def configure(port: int, kind: str) -> None:
     import django
     from django.conf import settings
 
@@ -81,16 +114,7 @@ def configure(port: int) -> None:
         USE_TZ=True,
         TIME_ZONE="UTC",
         INSTALLED_APPS=["django_taskguard"],
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": os.environ.get("TASKGUARD_BENCH_DB", "test"),
-                "USER": os.environ.get("TASKGUARD_PG_USER", "postgres"),
-                "HOST": os.environ.get("TASKGUARD_PG_HOST", "127.0.0.1"),
-                "PORT": os.environ.get("TASKGUARD_PG_PORT", "5432"),
-                "CONN_MAX_AGE": None,
-            }
-        },
+        DATABASES={"default": database(kind)},
         CACHES={
             "default": {
                 "BACKEND": "django_redis.cache.RedisCache",
@@ -139,11 +163,12 @@ def p99(samples: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--database", choices=["postgresql", "mariadb"], default="postgresql")
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="taskguard-bench-")
     server, port = start_redis(directory)
     try:
-        configure(port)
+        configure(port, args.database)
         run(args.rounds, port)
     finally:
         server.terminate()
@@ -174,22 +199,27 @@ def run(rounds: int, port: int) -> None:
 
     raw = redis.Redis(port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
     connection.ensure_connection()
-    cursor = connection.connection.cursor()  # the raw psycopg cursor
+    cursor = connection.connection.cursor()  # the driver's raw cursor (autocommit)
     table = TaskRun._meta.db_table
+
+    mariadb = connection.vendor == "mysql"
+    now = "UTC_TIMESTAMP(6)" if mariadb else "now()"
+    insert = "INSERT IGNORE INTO" if mariadb else "INSERT INTO"
+    ignore = "" if mariadb else " ON CONFLICT DO NOTHING"
 
     def floor(i: int) -> None:
         key, token = run_key("bench", f"floor.{tag}", slot(i)), uuid.uuid4().hex
+        at = connection.ops.adapt_datetimefield_value(base + timedelta(seconds=i))
         raw.set(key, token, nx=True, px=30000)
         cursor.execute(
-            f"INSERT INTO {table} (task_name, slot, state, attempt, owner, created_at, error, "
-            "duplicates) VALUES (%s, %s, 'running', 1, %s, now(), '', 0) "
-            "ON CONFLICT DO NOTHING",
-            (f"bench.floor.{tag}", base + timedelta(seconds=i), token),
+            f"{insert} {table} (task_name, slot, state, attempt, owner, created_at, error, "
+            f"duplicates) VALUES (%s, %s, 'running', 1, %s, {now}, '', 0){ignore}",
+            (f"bench.floor.{tag}", at, token),
         )
         cursor.execute(
-            f"UPDATE {table} SET state = 'succeeded', finished_at = now() "
+            f"UPDATE {table} SET state = 'succeeded', finished_at = {now} "
             "WHERE task_name = %s AND slot = %s",
-            (f"bench.floor.{tag}", base + timedelta(seconds=i)),
+            (f"bench.floor.{tag}", at),
         )
         raw.evalsha(RELEASE.sha, 2, key, claim_key(key), token)
 
@@ -258,8 +288,9 @@ def run(rounds: int, port: int) -> None:
         },
         rounds,
     )
-    database = connection.settings_dict["NAME"]
-    print(f"{rounds} interleaved rounds; loopback Redis :{port}, PostgreSQL database {database}")
+    name = connection.settings_dict["NAME"]
+    kind = f"MariaDB {connection.mysql_version}" if mariadb else "PostgreSQL"  # type: ignore[attr-defined]
+    print(f"{rounds} interleaved rounds; loopback Redis :{port}, {kind} database {name}")
     for name, samples in results.items():
         print(
             f"  {name:19} median {statistics.median(samples) * 1e6:9.1f} us   "

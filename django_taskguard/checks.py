@@ -8,7 +8,7 @@ from typing import Any
 from django.apps import AppConfig
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import connections, router
+from django.db import DatabaseError, connections, router
 
 from .conf import (
     BACKENDS,
@@ -120,14 +120,47 @@ def _check_database() -> list[CheckMessage]:
             )
         ]
     vendor = connections[alias].vendor
-    if vendor not in ("postgresql", "sqlite"):
+    if vendor not in ("postgresql", "sqlite", "mysql"):
         return [
             Error(
-                f"taskguard supports PostgreSQL and SQLite; DATABASES[{alias!r}] is {vendor}.",
+                f"taskguard supports PostgreSQL, MariaDB and SQLite; DATABASES[{alias!r}] "
+                f"is {vendor}.",
                 id="taskguard.E007",
             )
         ]
     return _check_routing(alias)
+
+
+@register(Tags.database)
+def check_ledger_server(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """MariaDB 10.11+, not MySQL (E007): Django's "mysql" is both, and only the server
+    tells which (``check --database``, ``migrate``)."""
+    from .ledger.sql import vendor_problem
+
+    alias = taskguard_settings.DATABASE_ALIAS
+    if not databases or alias not in databases or alias not in connections.settings:
+        return []
+    connection = connections[alias]
+    if connection.vendor != "mysql":
+        return []
+    try:
+        problem = vendor_problem(connection)
+    except DatabaseError:
+        return []  # unreachable: the command that asked for the check says so itself
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"DATABASES[{alias!r}]: {problem}.",
+            hint="Put the ledger on MariaDB 10.11 or later, PostgreSQL or SQLite "
+            "(TASKGUARD['DATABASE_ALIAS']).",
+            id="taskguard.E007",
+        )
+    ]
 
 
 def _check_routing(alias: str) -> list[CheckMessage]:

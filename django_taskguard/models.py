@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from django.db import models
 from django.db.models.functions import Now
@@ -14,11 +15,22 @@ from ._compat import check_constraint
 from .owner import Owner
 from .states import TERMINAL_STATES, RunState
 
-__all__ = ["Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
+__all__ = ["DatabaseNow", "Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
 
 TASK_NAME_MAX_LENGTH = 255
 # A key of ``@once_per_key`` is stored as given (sanitized); longer ones are refused.
 KEY_MAX_LENGTH = 255
+
+
+class DatabaseNow(Now):
+    """The database's clock, in UTC, as the ledger's columns hold it.
+
+    Django's ``Now()`` is ``CURRENT_TIMESTAMP(6)`` on MariaDB: the session's time
+    zone, while Django stores UTC there. ``UTC_TIMESTAMP(6)`` is right whatever it is.
+    """
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
 
 
 class TaskRunQuerySet(models.QuerySet["TaskRun"]):
@@ -27,25 +39,27 @@ class TaskRunQuerySet(models.QuerySet["TaskRun"]):
 
     def stale(self) -> TaskRunQuerySet:
         """Running rows whose lease expired by the database's clock (owner presumed dead)."""
-        return self.filter(state=RunState.RUNNING, lease_until__lte=Now())
+        return self.filter(state=RunState.RUNNING, lease_until__lte=DatabaseNow())
 
     def overdue(self) -> TaskRunQuerySet:
         """Stale running rows, and retrying rows whose retry is overdue (its deadline passed)."""
-        return self.filter(state__in=(RunState.RUNNING, RunState.RETRYING), lease_until__lte=Now())
+        return self.filter(
+            state__in=(RunState.RUNNING, RunState.RETRYING), lease_until__lte=DatabaseNow()
+        )
 
     def live(self) -> TaskRunQuerySet:
         """Running rows whose lease is still valid by the database's clock."""
-        return self.filter(state=RunState.RUNNING, lease_until__gt=Now())
+        return self.filter(state=RunState.RUNNING, lease_until__gt=DatabaseNow())
 
     def finished(self) -> TaskRunQuerySet:
         return self.filter(state__in=TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED})
 
     def with_lease(self) -> TaskRunQuerySet:
         """Annotate ``lease_alive`` and ``db_now``, judged by the database's clock."""
-        alive = models.Q(state=RunState.RUNNING, lease_until__gt=Now())
+        alive = models.Q(state=RunState.RUNNING, lease_until__gt=DatabaseNow())
         return self.annotate(
             lease_alive=models.ExpressionWrapper(alive, output_field=models.BooleanField()),
-            db_now=Now(),
+            db_now=DatabaseNow(),
         )
 
 

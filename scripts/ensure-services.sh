@@ -3,8 +3,10 @@
 # the redis-server binary (the suite starts its own private servers on free
 # ports and never touches a running Redis), a running RabbitMQ on
 # 127.0.0.1:5672 with the guest user (the Celery e2e test makes, and deletes,
-# its own vhost on it), and Chromium for the admin's browser test. Installs only
-# what is missing and starts only what is stopped; needs root.
+# its own vhost on it), Chromium for the admin's browser test, and MariaDB's
+# server binaries (the MariaDB pass starts a private mariadbd in a temporary
+# directory; no service is started) with the headers mysqlclient builds against.
+# Installs only what is missing and starts only what is stopped; needs root.
 set -euo pipefail
 
 missing=()
@@ -14,6 +16,11 @@ command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 command -v pg_ctlcluster >/dev/null 2>&1 || command -v pg_isready >/dev/null 2>&1 \
   || missing+=(postgresql)
 command -v rabbitmqctl >/dev/null 2>&1 || missing+=(rabbitmq-server)
+# mariadb-server-core: mariadbd and mariadb-install-db; mariadb-client: the client and
+# mariadb-tzinfo-to-sql (found in /usr/sbin too: root's PATH may not have it).
+command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server-core)
+command -v mariadb-tzinfo-to-sql >/dev/null 2>&1 || missing+=(mariadb-client)
+pkg-config --exists libmariadb 2>/dev/null || missing+=(libmariadb-dev pkg-config)
 
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"

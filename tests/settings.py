@@ -1,8 +1,9 @@
 """Settings for the test suite.
 
 ``TASKGUARD_TEST_DB=postgres`` runs it on PostgreSQL (``TASKGUARD_PG_*`` to
-point elsewhere); the default is an SQLite file, so that the real processes
-the race tests start share one database. Child processes get the test
+point elsewhere), ``TASKGUARD_TEST_DB=mariadb`` on a private MariaDB server the
+session starts (``tests/mariadb_server.py``); the default is an SQLite file, so
+that the real processes the race tests start share one database. Child processes get the test
 database's name through ``TASKGUARD_TEST_DB_NAME``.
 """
 
@@ -85,6 +86,30 @@ if DB_KIND == "postgres":
             "TEST": {"NAME": f"test_taskguard_{os.getpid()}"} if not CHILD_DB_NAME else {},
         }
     }
+elif DB_KIND == "mariadb":
+    from tests import mariadb_server
+
+    # The session's private server (started here, once; children inherit its port).
+    # TASKGUARD_TEST_MARIADB_ISOLATION: Django's default, "read committed", or
+    # "repeatable read" (InnoDB's own default).
+    MARIADB_TEST = {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"}
+    MARIADB = {
+        "ENGINE": "django.db.backends.mysql",
+        "USER": "root",
+        "HOST": "127.0.0.1",
+        "PORT": str(mariadb_server.port()),
+        "OPTIONS": {
+            "charset": "utf8mb4",
+            "isolation_level": os.environ.get("TASKGUARD_TEST_MARIADB_ISOLATION", "read committed"),
+        },
+    }
+    DATABASES = {
+        "default": {
+            **MARIADB,
+            "NAME": CHILD_DB_NAME or "taskguard",
+            "TEST": {**MARIADB_TEST, "NAME": "test_taskguard"} if not CHILD_DB_NAME else {},
+        }
+    }
 elif DB_KIND == "sqlite":
     sqlite_file = CHILD_DB_NAME or str(SCRATCH / f"taskguard-test-{os.getpid()}.sqlite3")
     DATABASES = {
@@ -96,11 +121,20 @@ elif DB_KIND == "sqlite":
         }
     }
 else:
-    raise RuntimeError(f"TASKGUARD_TEST_DB must be 'sqlite' or 'postgres', not {DB_KIND!r}")
+    raise RuntimeError(
+        f"TASKGUARD_TEST_DB must be 'sqlite', 'postgres' or 'mariadb', not {DB_KIND!r}"
+    )
 
 # A second database for the ledger (TASKGUARD["DATABASE_ALIAS"] = "ledger"), a real one:
 # tests that ask for it get it created, migrated and flushed like "default".
-if DB_KIND == "postgres":
+if DB_KIND == "mariadb":
+    ledger_name = os.environ.get("TASKGUARD_TEST_LEDGER_DB_NAME")
+    DATABASES["ledger"] = {
+        **MARIADB,
+        "NAME": ledger_name or "taskguard_ledger",
+        "TEST": {**MARIADB_TEST, "NAME": "test_taskguard_ledger"} if not ledger_name else {},
+    }
+elif DB_KIND == "postgres":
     DATABASES["ledger"] = {
         **DATABASES["default"],
         "NAME": os.environ.get("TASKGUARD_TEST_LEDGER_DB_NAME", "taskguard_ledger"),

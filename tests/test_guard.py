@@ -615,7 +615,9 @@ def test_duplicate_call__is_one_database_statement(lock_backend):
     no sequence; its one writer at a time makes the counter safe), so Django
     captures four entries: ``BEGIN``, the counter's ``UPDATE``, the upsert,
     ``COMMIT`` (SQLite is in-process, so these are library calls, not network
-    round trips). Nothing else on either: no read-back, no transition row.
+    round trips). MariaDB: one compound statement (``BEGIN NOT ATOMIC``) that runs the
+    upsert (``ON DUPLICATE KEY UPDATE``) in a transaction of its own and returns the row:
+    one round trip. Nothing else on any: no read-back, no transition row.
     """
 
     @once_per_schedule(name="tests.guard.cost")
@@ -626,7 +628,7 @@ def test_duplicate_call__is_one_database_statement(lock_backend):
     with CaptureQueriesContext(db_connection) as queries:
         assert body.run_for_slot(SLOT) is None
     statements = [q["sql"] for q in queries.captured_queries]
-    upserts = [s for s in statements if "ON CONFLICT" in s]
+    upserts = [s for s in statements if "ON CONFLICT" in s or "ON DUPLICATE KEY" in s]
     if lock_backend == "redis":
         # It met the finished-slot marker: one Redis round trip, no database query;
         # the count waits on a claim record until it is folded into the row.
@@ -636,6 +638,9 @@ def test_duplicate_call__is_one_database_statement(lock_backend):
     if db_connection.vendor == "postgresql":
         assert len(statements) == 1
         assert statements[0].startswith("WITH u AS (INSERT INTO")
+    elif db_connection.vendor == "mysql":
+        assert len(statements) == 1
+        assert statements[0].startswith("BEGIN NOT ATOMIC")
     else:
         assert [statements[0], statements[3]] == ["BEGIN", "COMMIT"]
         assert statements[1].startswith("UPDATE taskguard_ledger SET fence = fence + 1")
@@ -689,5 +694,7 @@ def test_database_alias__current_run_row_is_read_through_it():
         body.run_for_slot(SLOT)
     assert seen["state"] == RunState.RUNNING
     assert len(seen["mirror_reads"]) == 1 and "taskguard_taskrun" in seen["mirror_reads"][0]
-    assert any("ON CONFLICT" in q["sql"] for q in whole.captured_queries)
+    assert any(
+        "ON CONFLICT" in q["sql"] or "ON DUPLICATE KEY" in q["sql"] for q in whole.captured_queries
+    )
     assert TaskRun.objects.get().state == RunState.SUCCEEDED

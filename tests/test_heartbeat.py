@@ -468,11 +468,11 @@ def test_renew__timeout_applies_to_the_renewal_only():
 
 
 def own_timeouts() -> list[Any]:
-    statements = (
-        ["SHOW statement_timeout", "SHOW lock_timeout"]
-        if connection.vendor == "postgresql"
-        else ["PRAGMA busy_timeout"]
-    )
+    statements = {
+        "postgresql": ["SHOW statement_timeout", "SHOW lock_timeout"],
+        "mysql": ["SELECT @@max_statement_time", "SELECT @@innodb_lock_wait_timeout"],
+        "sqlite": ["PRAGMA busy_timeout"],
+    }[connection.vendor]
     with connection.cursor() as cursor:
         found = []
         for statement in statements:

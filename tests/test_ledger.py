@@ -140,7 +140,7 @@ def test_read__finds_the_row_by_task_and_slot():
         row.owner,
         row.fence,
     )
-    assert connection.vendor in ("sqlite", "postgresql")
+    assert connection.vendor in ("sqlite", "postgresql", "mysql")
 
 
 def test_claim__with_autocommit_turned_off_is_refused_and_writes_nothing():

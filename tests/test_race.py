@@ -79,8 +79,12 @@ def winners(log: Path) -> set[int]:
 
 
 def test_race__8_processes_200_slots_run_each_slot_once(child_env, scratch):
-    log = scratch / "executions.log"
-    racers = start_racers(child_env, log, "tests.race", PROCESSES, SLOTS)
+    race_each_slot_once(child_env, scratch / "executions.log", "tests.race")
+
+
+def race_each_slot_once(env: dict[str, str], log: Path, task: str) -> None:
+    """8 processes race for 200 slots of ``task``: each slot ran once, the rest counted."""
+    racers = start_racers(env, log, task, PROCESSES, SLOTS)
     outcomes = []
     for racer in racers:
         out, err = racer.communicate(timeout=300)
@@ -93,7 +97,7 @@ def test_race__8_processes_200_slots_run_each_slot_once(child_env, scratch):
     assert sum(o["won"] for o in outcomes) == SLOTS
     assert sum(o["lost"] for o in outcomes) == SLOTS * (PROCESSES - 1)
 
-    runs = TaskRun.objects.filter(task_name="tests.race")
+    runs = TaskRun.objects.filter(task_name=task)
     assert runs.count() == SLOTS
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
     assert sum(runs.values_list("duplicates", flat=True)) == SLOTS * (PROCESSES - 1)

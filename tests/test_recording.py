@@ -9,12 +9,11 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
-from django.db.models.functions import Now
 
 from django_taskguard import guard, ledger
 from django_taskguard.endings import Ending
 from django_taskguard.guard import Policy
-from django_taskguard.models import RunState, TaskRun
+from django_taskguard.models import DatabaseNow, RunState, TaskRun
 
 from .slots import BASE_SLOT
 
@@ -82,7 +81,7 @@ def test_retrying_run__a_retry_that_never_comes_is_abandoned_by_cleanup():
     assert 7200 + 30 - 5 <= left <= 7200 + 30 + 5
     assert call_command_json("cleanup_locks")["stale_runs"] == 0, "not due yet"
 
-    TaskRun.objects.filter(pk=run.pk).update(lease_until=Now() - timedelta(seconds=1))
+    TaskRun.objects.filter(pk=run.pk).update(lease_until=DatabaseNow() - timedelta(seconds=1))
     assert call_command_json("cleanup_locks")["stale_runs"] == 1
     run.refresh_from_db()
     assert run.state == RunState.ABANDONED

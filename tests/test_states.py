@@ -178,6 +178,11 @@ TRIGGER_SQL = {
         "CREATE TRIGGER taskguard_test_refuse BEFORE INSERT ON taskguard_taskruntransition "
         "FOR EACH ROW EXECUTE FUNCTION taskguard_test_refuse()",
     ],
+    "mysql": [
+        "CREATE TRIGGER taskguard_test_refuse BEFORE INSERT ON taskguard_taskruntransition "
+        "FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'transition refused by test "
+        "trigger'"
+    ],
 }
 DROP_SQL = {
     "sqlite": ["DROP TRIGGER IF EXISTS taskguard_test_refuse"],
@@ -185,6 +190,7 @@ DROP_SQL = {
         "DROP TRIGGER IF EXISTS taskguard_test_refuse ON taskguard_taskruntransition",
         "DROP FUNCTION IF EXISTS taskguard_test_refuse()",
     ],
+    "mysql": ["DROP TRIGGER IF EXISTS taskguard_test_refuse"],
 }
 
 

@@ -23,11 +23,13 @@ from .core import (
     Step,
     alias,
     aware,
+    block_row,
     bump_fence,
     change,
     clip,
     dialect,
     fetch_all,
+    in_autocommit,
     one,
     slot_param,
     to_row,
@@ -65,9 +67,12 @@ def claim(
     params = [task_name, slot_param(slot), owner, lease_seconds, count_live, abandon_is_final]
     if d.one_statement:
         row = to_row(one(sql.claim(d), [*params, owner]))
+    elif d.compound and in_autocommit():
+        row = block_row(one(sql.claim_block(d, keyed=False), [*params, owner]))
     else:
         with transaction.atomic(using=alias()):
-            bump_fence(d)
+            if d.fence_counter:
+                bump_fence(d)
             row = to_row(one(sql.claim(d), params))
             if row is not None and row.owner == owner:
                 one(sql.claimed_transition(d), [row.id])
@@ -81,7 +86,7 @@ def claim_many(
     """:func:`claim` for one slot of many tasks in one statement (``on_stale="abandon"``).
 
     Returns each task's row (``owner`` equal to the one given: this call created it), or
-    None where the database cannot do it in one statement (SQLite: claim one by one).
+    None where the database cannot do it in one statement (SQLite, MariaDB: claim one by one).
     """
     statement = sql.claim_many(dialect())
     if statement is None:
@@ -98,7 +103,7 @@ def claim_many(
 def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
     """Record many running attempts ``succeeded`` in one statement, each fenced:
     ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
-    fenced out). None where the database cannot do it in one statement (SQLite)."""
+    fenced out). None where the database cannot do it in one statement (SQLite, MariaDB)."""
     d = dialect()
     statement = sql.succeed_many(d)
     if statement is None:
@@ -145,10 +150,21 @@ def _claim_key(
         try:
             if d.one_statement:
                 row = to_row(one(sql.claim_key(d), [*params, owner]))
+            elif d.compound and in_autocommit():
+                found = one(sql.claim_block(d, keyed=True), [*params, owner])
+                if found is not None and found[7] != key:
+                    # The upsert met another key's row on (task, slot): it changed nothing.
+                    raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
+                row = block_row(found)
             else:
                 with transaction.atomic(using=alias()):
-                    bump_fence(d)
-                    row = to_row(one(sql.claim_key(d), params))
+                    if d.fence_counter:
+                        bump_fence(d)
+                    found = one(sql.claim_key(d), params)
+                    if not d.update_returning and found is not None and found[7] != key:
+                        # MariaDB: the upsert met another key's row on (task, slot).
+                        raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
+                    row = to_row(found)
                     if row is not None and row.owner == owner:
                         one(sql.claimed_transition(d), [row.id])
         except IntegrityError:
@@ -202,6 +218,8 @@ def reopen_key(run_id: int, keep_seconds: float) -> bool:
         if deleted is None:
             return False
         one(sql.delete_transitions(d, 1), [run_id])
+        if d.immediate_foreign_keys:
+            one(sql.delete_runs(d, 1), [run_id])
     return True
 
 
@@ -301,7 +319,14 @@ def renew(
     """
     d = dialect()
     params = [lease_seconds, run_id, fence]
-    if timeout_seconds is None:
+    if not d.update_returning:
+        milliseconds = None if timeout_seconds is None else max(1, round(timeout_seconds * 1000))
+        with transaction.atomic(using=alias()):
+            with connections[alias()].cursor() as cursor:
+                cursor.execute(sql.renew(d, milliseconds), params)
+                renewed = cursor.rowcount > 0
+            values = one(sql.lease_of(d), [run_id]) if renewed else None
+    elif timeout_seconds is None:
         values = one(sql.renew(d), params)
     else:
         own = sql.busy_timeout(d)

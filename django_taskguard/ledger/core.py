@@ -168,6 +168,18 @@ def dialect() -> sql.Dialect:
     return sql.dialect(alias())
 
 
+def in_autocommit() -> bool:
+    """The ledger's connection is in autocommit, in no transaction: a statement may open
+    and commit one of its own (MariaDB's compound statements, :func:`sql.claim_block`)."""
+    connection = connections[alias()]
+    return not connection.in_atomic_block and connection.get_autocommit()
+
+
+def block_row(values: Sequence[Any] | None) -> Row | None:
+    """The row a compound statement returned (all NULL: it wrote nothing)."""
+    return None if values is None or values[0] is None else to_row(values[:7])
+
+
 def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
@@ -241,16 +253,35 @@ def change(
         statement = sql.change_logged(d, assignments, fenced, lease, len(steps))
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return to_row(one(statement, [*params, actor, *step_params]))
+    if d.compound and in_autocommit():
+        statement = sql.change_block(d, assignments, fenced, lease, len(steps))
+        step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
+        return block_row(one(statement, [*params, row.id, *step_params]))
     with transaction.atomic(using=alias()):
-        if sets is sql.START_ATTEMPT:
+        if sets is sql.START_ATTEMPT and d.fence_counter:
             bump_fence(d)
-        updated = to_row(one(sql.change(d, assignments, fenced, lease), params))
+        updated = _update(d, sql.change(d, assignments, fenced, lease), params, row.id)
         if updated is not None:
             with connections[alias()].cursor() as cursor:
                 cursor.executemany(
                     sql.transition(d), [(row.id, f, t, r, actor) for f, t, r in steps]
                 )
         return updated
+
+
+def _update(d: sql.Dialect, statement: str, params: Sequence[Any], run_id: int) -> Row | None:
+    """Run a compare-and-set ``UPDATE`` of run ``run_id``; the row as changed, or None.
+
+    Without ``UPDATE ... RETURNING`` (MariaDB) the row is read back in the same
+    transaction, under the lock the ``UPDATE`` took.
+    """
+    if d.update_returning:
+        return to_row(one(statement, params))
+    with connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        if cursor.rowcount == 0:
+            return None
+    return to_row(one(sql.changed_row(d), [run_id]))
 
 
 # -- the ledger's own row: identity and fences ------------------------------------
@@ -312,6 +343,6 @@ def fence_at_least(value: int) -> None:
     """
     d = dialect()
     with transaction.atomic(using=alias()):
-        if not d.one_statement:
+        if d.fence_counter:
             ensure_ledger_row()
         one(sql.fence_at_least(d), [value])

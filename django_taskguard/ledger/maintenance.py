@@ -165,17 +165,12 @@ def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
             return 0, 0
         with connections[alias()].cursor() as cursor:
             cursor.execute(sql.delete_transitions(d, len(deleted)), deleted)
-            return len(deleted), max(cursor.rowcount, 0)
+            transitions_deleted = max(cursor.rowcount, 0)
+            if d.immediate_foreign_keys:
+                cursor.execute(sql.delete_runs(d, len(deleted)), deleted)
+            return len(deleted), transitions_deleted
 
 
 def task_names(limit: int) -> list[str]:
     """Distinct task names by a loose index scan on (task_name, slot), not a DISTINCT scan."""
-    # A recursive CTE hops from name to next name through the index (PostgreSQL
-    # has no skip scan; SQLite and PostgreSQL both run it).
-    statement = (
-        f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {sql.RUN} "
-        f"UNION ALL SELECT (SELECT MIN(task_name) FROM {sql.RUN} WHERE task_name > names.name) "
-        f"FROM names WHERE names.name IS NOT NULL) "
-        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
-    )
-    return [name for (name,) in fetch_all(statement, [limit])]
+    return [name for (name,) in fetch_all(sql.task_names(dialect()), [limit])]

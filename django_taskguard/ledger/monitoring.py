@@ -114,7 +114,8 @@ def task_facts(
             for name, due in part:
                 params += [name, None if due is None else slot_param(due)]
             params += [RunState.MISSED, slot_param(since), *[RunState.RUNNING] * 3]
-            params += [*ENDED_STATES, last, *ENDED_STATES, last, RunState.SUCCEEDED]
+            recent = sql.last_ended_params(d, ENDED_STATES, last)
+            params += [*recent, *recent, RunState.SUCCEEDED]
             params += ENDED_STATES
             for values in fetch_all(sql.task_facts(d, len(part)), params):
                 name, due_state, missed, stale, stale_slot, stale_lease, ended, failed, latest = (

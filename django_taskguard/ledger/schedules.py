@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 from django.db.models import Q
 from django.utils import timezone
 
@@ -80,12 +80,16 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
         )
         for record in records
     ]
+    # MariaDB names no conflict target: its upsert meets any unique key, and task_name is
+    # the only one a new row (no id yet) can meet.
+    features = connections[alias()].features
+    target = ["task_name"] if features.supports_update_conflicts_with_target else None
     try:
         TaskSchedule.objects.using(alias()).bulk_create(
             rows,
             batch_size=500,
             update_conflicts=True,
-            unique_fields=["task_name"],
+            unique_fields=target,
             update_fields=[*_CODE_FIELDS, "last_seen"],
         )
     except DatabaseError as exc:

@@ -6,12 +6,21 @@ judged by the database's clock (``now``).
 
 On PostgreSQL a state change and its transition row are one statement (a
 data-modifying CTE); elsewhere they are two statements in one transaction.
+
+MariaDB (Django's vendor "mysql") has no ``UPDATE ... RETURNING`` and no
+data-modifying CTEs: a change is an ``UPDATE`` and a read of the row it changed
+under its lock, a claim ``INSERT ... ON DUPLICATE KEY UPDATE``; with their
+transitions they are one compound statement with a transaction of its own
+(:data:`_BLOCK`), or, inside the caller's transaction, separate statements. Its
+clock is ``UTC_TIMESTAMP(6)`` (Django stores UTC there, whatever the session's
+time zone).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from django.db import connections
 
@@ -38,6 +47,16 @@ class Dialect:
     lease_left: str  # seconds until lease_until, by the database's clock (NULL: no lease)
     next_fence: str
     one_statement: bool  # True: data-modifying CTEs (PostgreSQL)
+    key: str = '"key"'  # the key column, quoted (a reserved word)
+    update_returning: bool = True  # False: UPDATE, then read the row back (MariaDB)
+    fence_counter: bool = False  # the ledger row's counter, bumped first (SQLite)
+    # Foreign keys checked at each statement, not at commit (MariaDB): a run's
+    # transitions are deleted before it.
+    immediate_foreign_keys: bool = False
+    # A write and its transitions as one compound statement in autocommit (MariaDB).
+    compound: bool = False
+    # Before every slot (the boundary of a scan that finds no N-th latest slot).
+    min_slot: str = "'0000-01-01'"
 
 
 POSTGRES = Dialect(
@@ -58,18 +77,62 @@ SQLITE = Dialect(
     # goes back when retention deletes the newest rows.
     next_fence=f"(SELECT fence FROM {LEDGER} WHERE id = 1)",
     one_statement=False,
+    fence_counter=True,
 )
-DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE}
+MARIADB = Dialect(
+    vendor="mysql",
+    now="UTC_TIMESTAMP(6)",
+    lease_from_now="UTC_TIMESTAMP(6) + INTERVAL CAST(%s AS DECIMAL(20, 6)) SECOND",
+    lease_left="TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until) / 1000000",
+    # A MariaDB SEQUENCE (migration 0009): not transactional, never goes back.
+    next_fence=f"NEXTVAL({FENCE_SEQUENCE})",
+    one_statement=False,
+    key="`key`",
+    update_returning=False,
+    immediate_foreign_keys=True,
+    compound=True,
+    min_slot="'1000-01-01'",
+)
+DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE, "mysql": MARIADB}
+# The oldest MariaDB the ledger runs on (INSERT/DELETE ... RETURNING, sequences: 10.5 and
+# 10.3; 10.11 is the oldest long-term release still maintained, and the one tested).
+MARIADB_MINIMUM = (10, 11)
 
 
 def dialect(alias: str) -> Dialect:
-    vendor = connections[alias].vendor
-    try:
-        return DIALECTS[vendor]
-    except KeyError:
-        raise TaskGuardError(
-            f"database vendor {vendor!r} is not supported (PostgreSQL or SQLite)"
-        ) from None
+    connection = connections[alias]
+    vendor = connection.vendor
+    problem = vendor_problem(connection)
+    if problem is not None:
+        raise TaskGuardError(problem)
+    return DIALECTS[vendor]
+
+
+def vendor_problem(connection: Any) -> str | None:
+    """Why the ledger cannot live on ``connection``'s database (None: it can).
+
+    MySQL-compatible databases connect to tell MariaDB from MySQL (once per connection
+    object: Django caches what the server said).
+    """
+    vendor = connection.vendor
+    if vendor not in DIALECTS:
+        return f"database vendor {vendor!r} is not supported (PostgreSQL, MariaDB or SQLite)"
+    if vendor == "mysql":
+        return mysql_problem(bool(connection.mysql_is_mariadb), tuple(connection.mysql_version))
+    return None
+
+
+def mysql_problem(is_mariadb: bool, version: tuple[int, ...]) -> str | None:
+    """MariaDB older than :data:`MARIADB_MINIMUM`, or MySQL (no sequences, no RETURNING)."""
+    found, minimum = ".".join(map(str, version)), ".".join(map(str, MARIADB_MINIMUM))
+    if not is_mariadb:
+        return (
+            f"MySQL {found} is not supported: the ledger needs MariaDB {minimum} or later "
+            f"(sequences, INSERT ... RETURNING)"
+        )
+    if tuple(version[:2]) < MARIADB_MINIMUM:
+        return f"MariaDB {found} is too old: the ledger needs MariaDB {minimum} or later"
+    return None
 
 
 # -- claiming --------------------------------------------------------------------
@@ -91,6 +154,73 @@ _CLAIMED = (
 )
 
 
+# MariaDB: the same upsert, by ON DUPLICATE KEY UPDATE (its bare column names are the
+# existing row's), with the same parameters. It takes the row's lock (exclusive) at once
+# when it finds the row: no shared lock to upgrade, so no deadlock between claimers.
+_COUNT_DUPLICATE = (
+    "duplicates = duplicates + CASE WHEN ({mine}) AND (state IN ('succeeded', 'failed', "
+    "'skipped') OR (state = 'running' AND lease_until > {now} AND %s) "
+    "OR (state = 'abandoned' AND %s)) THEN 1 ELSE 0 END"
+)
+_CLAIM_UPSERT = (
+    "INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+    "started_at, lease_until, error, duplicates) "
+    "VALUES (%s, %s, 'running', 1, {fence}, %s, {now}, {now}, {lease}, '', 0) "
+    "ON DUPLICATE KEY UPDATE " + _COUNT_DUPLICATE.replace("{mine}", "TRUE") + " "
+    "RETURNING {row}, {left}"
+)
+# Keyed: ON DUPLICATE KEY UPDATE meets any unique key, so a (task, slot) collision finds
+# another key's row: it is left as it is (the CASE asks for this key) and returned with
+# its key, which the caller compares (and then claims the next microsecond).
+_CLAIM_KEY_UPSERT = (
+    "INSERT INTO {run} (task_name, slot, {key}, state, attempt, fence, owner, created_at, "
+    "started_at, lease_until, error, duplicates) "
+    "VALUES (%s, %s, %s, 'running', 1, {fence}, %s, {now}, {now}, {lease}, '', 0) "
+    "ON DUPLICATE KEY UPDATE "
+    + _COUNT_DUPLICATE.replace("{mine}", "{key} <=> VALUES({key})")
+    + " RETURNING {row}, {left}, {key}"
+)
+
+# MariaDB in one round trip, as PostgreSQL's data-modifying CTEs are: an anonymous
+# compound statement that runs a write and its transitions in a transaction of its own,
+# rolls back and re-raises on any error, and only then returns the row (read into
+# variables under the row's lock; all NULL when nothing was written). Only on a
+# connection in autocommit: START TRANSACTION inside the caller's transaction would
+# commit it (see :func:`core.in_autocommit`).
+_BLOCK = (
+    "BEGIN NOT ATOMIC "
+    "DECLARE v_id, v_attempt, v_fence BIGINT; DECLARE v_state VARCHAR(16); "
+    "DECLARE v_owner, v_key VARCHAR(255); DECLARE v_lease DATETIME(6); "
+    "DECLARE v_left DECIMAL(30, 6); "
+    "DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END; "
+    "START TRANSACTION; {body} COMMIT; "
+    "SELECT v_id, v_state, v_attempt, v_fence, v_owner, v_lease, v_left, v_key; END"
+)
+_INTO = "INTO v_id, v_state, v_attempt, v_fence, v_owner, v_lease, v_left, v_key"
+# After an upsert: the row it inserted or found (ON DUPLICATE KEY UPDATE ... id =
+# LAST_INSERT_ID(id) makes LAST_INSERT_ID() name it either way), and its ``claimed``
+# transition when this call made it (one more parameter: the owner).
+_CLAIMED_ROW = (
+    "; SELECT {row}, {left}, {key} " + _INTO + " FROM {run} WHERE id = LAST_INSERT_ID(); "
+    "IF v_owner = %s THEN INSERT INTO {transition} ({columns}) "
+    "VALUES (v_id, 'pending', 'running', {now}, 'claimed', v_owner); END IF;"
+)
+
+
+def _block(body: str) -> str:
+    return _BLOCK.replace("{body}", body)
+
+
+@lru_cache
+def claim_block(d: Dialect, keyed: bool) -> str:
+    """MariaDB: :func:`claim` (or :func:`claim_key`) and its ``claimed`` transition in one
+    round trip; :func:`claim`'s parameters and the owner again. Returns the row and its
+    key (the caller compares it: another key's row when the slot collided)."""
+    upsert = _CLAIM_KEY_UPSERT if keyed else _CLAIM_UPSERT
+    upsert = upsert.split(" RETURNING ")[0] + ", id = LAST_INSERT_ID(id)"
+    return _format(_block(upsert + _CLAIMED_ROW), d)
+
+
 @lru_cache
 def claim(d: Dialect) -> str:
     """Upsert the (task, slot) row as ``running``; with the ``claimed`` transition on PostgreSQL.
@@ -98,6 +228,8 @@ def claim(d: Dialect) -> str:
     PostgreSQL takes one more parameter, the owner again (the transition is
     written only when this call created the row).
     """
+    if not d.update_returning:
+        return _format(_CLAIM_UPSERT, d)
     upsert = _format(_CLAIM, d)
     if not d.one_statement:
         return upsert
@@ -108,10 +240,10 @@ def claim(d: Dialect) -> str:
 # Parameters: task, slot (the claim's time), key, owner, lease seconds, count_live,
 # abandon_is_final. The same as _CLAIM, one row per (task, key) instead of (task, slot).
 _CLAIM_KEY = (
-    'INSERT INTO {run} AS r (task_name, slot, "key", state, attempt, fence, owner, created_at, '
+    "INSERT INTO {run} AS r (task_name, slot, {key}, state, attempt, fence, owner, created_at, "
     "started_at, lease_until, error, duplicates) "
     "VALUES (%s, %s, %s, 'running', 1, {fence}, %s, {now}, {now}, {lease}, '', 0) "
-    'ON CONFLICT (task_name, "key") WHERE "key" IS NOT NULL DO UPDATE SET duplicates = '
+    "ON CONFLICT (task_name, {key}) WHERE {key} IS NOT NULL DO UPDATE SET duplicates = "
     "r.duplicates + CASE WHEN r.state IN ('succeeded', 'failed', 'skipped') "
     "OR (r.state = 'running' AND r.lease_until > {now} AND %s) "
     "OR (r.state = 'abandoned' AND %s) THEN 1 ELSE 0 END "
@@ -143,7 +275,12 @@ _CLAIM_MANY = (
 
 @lru_cache
 def claim_key(d: Dialect) -> str:
-    """:func:`claim` for a keyed run: the row of (task, key), its slot the claim's time."""
+    """:func:`claim` for a keyed run: the row of (task, key), its slot the claim's time.
+
+    MariaDB returns the row's key too: another key's row when the slot collided.
+    """
+    if not d.update_returning:
+        return _format(_CLAIM_KEY_UPSERT, d)
     upsert = _format(_CLAIM_KEY, d)
     if not d.one_statement:
         return upsert
@@ -153,7 +290,7 @@ def claim_key(d: Dialect) -> str:
 
 @lru_cache
 def claim_many(d: Dialect) -> str | None:
-    """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite)."""
+    """:data:`_CLAIM_MANY`, or None where it cannot be one statement (SQLite, MariaDB)."""
     return _format(_CLAIM_MANY, d) if d.one_statement else None
 
 
@@ -197,7 +334,7 @@ def read_slot(d: Dialect) -> str:
 
 @lru_cache
 def read_key(d: Dialect) -> str:
-    return _format('SELECT {row}, {left} FROM {run} WHERE task_name = %s AND "key" = %s', d)
+    return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND {key} = %s", d)
 
 
 @lru_cache
@@ -237,7 +374,35 @@ def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -
     elif lease == "live":
         where += " AND r.lease_until > {now}"
     sets = ", ".join(("state = %s", *assignments))
-    return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where} RETURNING {{row}}", d)
+    returning = " RETURNING {row}" if d.update_returning else ""
+    return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where}{returning}", d)
+
+
+@lru_cache
+def change_block(
+    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+) -> str:
+    """MariaDB: :func:`change` and its ``steps`` transition rows in one round trip.
+
+    Parameters: :func:`change`'s, the id again, then (id, from, to, reason, actor) per
+    step. The row comes back without its lease left, as from :func:`change_logged`.
+    """
+    update = change(d, assignments, fenced, lease)
+    values = ", ".join(["(%s, %s, %s, {now}, %s, %s)"] * steps)
+    return _format(
+        _block(
+            f"{update}; IF ROW_COUNT() > 0 THEN SELECT {{row}}, NULL, NULL {_INTO} FROM {{run}} "
+            f"WHERE id = %s; INSERT INTO {{transition}} ({{columns}}) VALUES {values}; END IF;"
+        ),
+        d,
+    )
+
+
+@lru_cache
+def changed_row(d: Dialect) -> str:
+    """Read back the row an ``UPDATE`` without ``RETURNING`` changed (MariaDB), in its
+    transaction: the row's lock is still held, so it is the row as changed."""
+    return _format("SELECT {row} FROM {run} WHERE id = %s", d)
 
 
 @lru_cache
@@ -284,12 +449,32 @@ def assignments(d: Dialect, names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @lru_cache
-def renew(d: Dialect) -> str:
-    return _format(
+def renew(d: Dialect, milliseconds: int | None = None) -> str:
+    """Extend the lease of a running attempt (parameters: lease seconds, id, fence).
+
+    MariaDB: no ``RETURNING`` (read the lease back with :func:`lease_of`), and a bound
+    of ``milliseconds`` is the statement's own (``SET STATEMENT ... FOR``).
+    """
+    returning = " RETURNING lease_until" if d.update_returning else ""
+    update = _format(
         "UPDATE {run} AS r SET lease_until = {lease} "
-        "WHERE r.id = %s AND r.fence = %s AND r.state = 'running' RETURNING lease_until",
+        "WHERE r.id = %s AND r.fence = %s AND r.state = 'running'" + returning,
         d,
     )
+    if milliseconds is None or d.vendor != "mysql":
+        return update
+    ms = int(milliseconds)  # a number, never text: safe to write into the statement
+    # max_statement_time ends the statement, its waits for locks included; the lock wait
+    # timeout counts whole seconds (at least one).
+    return (
+        f"SET STATEMENT max_statement_time = {ms / 1000:.3f}, "
+        f"innodb_lock_wait_timeout = {max(1, -(-ms // 1000))} FOR {update}"
+    )
+
+
+@lru_cache
+def lease_of(d: Dialect) -> str:
+    return _format("SELECT lease_until FROM {run} WHERE id = %s", d)
 
 
 @lru_cache
@@ -301,6 +486,8 @@ def renew_timeout(d: Dialect, milliseconds: int) -> str:
     connection's busy timeout (put back afterwards, see :func:`busy_timeout`).
     """
     ms = int(milliseconds)  # a number, never text: safe to write into the statement
+    if d.vendor == "mysql":
+        raise AssertionError("MariaDB bounds the renewal itself: sql.renew(d, milliseconds)")
     if d.vendor == "postgresql":
         return (
             f"SELECT set_config('statement_timeout', '{ms}', true), "
@@ -328,7 +515,7 @@ def add_duplicates(d: Dialect) -> str:
 @lru_cache
 def add_duplicates_key(d: Dialect) -> str:
     return _format(
-        'UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND "key" = %s', d
+        "UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND {key} = %s", d
     )
 
 
@@ -341,24 +528,39 @@ def store_result(d: Dialect) -> str:
 
 @lru_cache
 def read_result(d: Dialect) -> str:
-    return _format('SELECT state, result FROM {run} WHERE task_name = %s AND "key" = %s', d)
+    return _format("SELECT state, result FROM {run} WHERE task_name = %s AND {key} = %s", d)
 
 
 # task, slot, key, state, reason (the error), duplicates: a keyed row no attempt held.
 @lru_cache
 def insert_unheld_key(d: Dialect) -> str:
     return _format(
-        'INSERT INTO {run} (task_name, slot, "key", state, attempt, fence, owner, created_at, '
+        _insert_new(d) + "{run} (task_name, slot, {key}, state, attempt, fence, owner, created_at, "
         "finished_at, error, duplicates) "
         "VALUES (%s, %s, %s, %s, 0, NULL, '', {now}, {now}, %s, %s) "
-        'ON CONFLICT (task_name, "key") WHERE "key" IS NOT NULL DO NOTHING RETURNING id',
+        + _unless_there(d, "(task_name, {key}) WHERE {key} IS NOT NULL")
+        + "RETURNING id",
         d,
     )
+
+
+def _insert_new(d: Dialect) -> str:
+    """``INSERT INTO`` that leaves a row already there alone (with :func:`_unless_there`).
+
+    MariaDB: ``INSERT IGNORE``, which returns no row for a row it left alone. It would
+    also turn a bad value into a warning; these rows' values are all checked before.
+    """
+    return "INSERT INTO " if d.update_returning else "INSERT IGNORE INTO "
+
+
+def _unless_there(d: Dialect, target: str) -> str:
+    return f"ON CONFLICT {target} DO NOTHING " if d.update_returning else ""
 
 
 _SECONDS_AGO = {  # the database's now minus %s seconds
     "postgresql": "statement_timestamp() - make_interval(secs => %s)",
     "sqlite": "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || %s || ' seconds')",
+    "mysql": "UTC_TIMESTAMP(6) - INTERVAL CAST(%s AS DECIMAL(20, 6)) SECOND",
 }
 
 
@@ -368,21 +570,41 @@ _SECONDS_AGO = {  # the database's now minus %s seconds
 def reopen_key(d: Dialect) -> str:
     states = ", ".join(["%s"] * len(PRUNABLE_STATES))
     finished_before = _SECONDS_AGO[d.vendor]
-    return _format(
-        f'DELETE FROM {{run}} WHERE id = %s AND "key" IS NOT NULL AND '
-        f"COALESCE(finished_at, created_at) <= {finished_before} AND state IN ({states}) "
-        f"RETURNING id",
-        d,
+    where = (
+        f"id = %s AND {{key}} IS NOT NULL AND "
+        f"COALESCE(finished_at, created_at) <= {finished_before} AND state IN ({states})"
     )
+    return _format(_delete_runs_where(d, where), d)
+
+
+def _delete_runs_where(d: Dialect, where: str) -> str:
+    """Delete the runs ``where`` holds for, returning their ids.
+
+    With immediate foreign keys (MariaDB) a run cannot go before its transitions:
+    its row is locked and returned instead, for :func:`delete_runs` to delete after
+    :func:`delete_transitions`, in the same transaction.
+    """
+    if d.immediate_foreign_keys:
+        return f"SELECT id FROM {RUN} WHERE {where} FOR UPDATE"
+    return f"DELETE FROM {RUN} WHERE {where} RETURNING id"
+
+
+@lru_cache
+def delete_runs(d: Dialect, count: int) -> str:
+    """Delete ``count`` runs locked by :func:`_delete_runs_where` (MariaDB)."""
+    ids = ", ".join(["%s"] * count)
+    return f"DELETE FROM {RUN} WHERE id IN ({ids})"
 
 
 # task, slot, state, reason (the error), duplicates: a row no attempt ever held.
 @lru_cache
 def insert_unheld(d: Dialect) -> str:
     return _format(
-        "INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
-        "finished_at, error, duplicates) VALUES (%s, %s, %s, 0, NULL, '', {now}, {now}, %s, %s) "
-        "ON CONFLICT (task_name, slot) DO NOTHING RETURNING id",
+        _insert_new(d)
+        + "{run} (task_name, slot, state, attempt, fence, owner, created_at, finished_at, "
+        "error, duplicates) VALUES (%s, %s, %s, 0, NULL, '', {now}, {now}, %s, %s) "
+        + _unless_there(d, "(task_name, slot)")
+        + "RETURNING id",
         d,
     )
 
@@ -455,6 +677,24 @@ def last_states(d: Dialect) -> str:
     )
 
 
+@lru_cache
+def task_names(d: Dialect) -> str:
+    """The first ``%s`` distinct task names, by a loose index scan of (task_name, slot).
+
+    A recursive CTE hops from name to next name through the index (PostgreSQL has no
+    skip scan). MariaDB runs that CTE slowly (each hop a scan) but does the loose scan
+    itself for ``DISTINCT`` ("Using index for group-by").
+    """
+    if d.vendor == "mysql":
+        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name LIMIT %s"
+    return (
+        f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {RUN} "
+        f"UNION ALL SELECT (SELECT MIN(task_name) FROM {RUN} WHERE task_name > names.name) "
+        f"FROM names WHERE names.name IS NOT NULL) "
+        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+    )
+
+
 # -- the ledger's own row ----------------------------------------------------------
 
 
@@ -470,6 +710,9 @@ def fence_at_least(d: Dialect) -> str:
             f"SELECT setval('{FENCE_SEQUENCE}', GREATEST(%s, "
             f"(SELECT last_value FROM {FENCE_SEQUENCE})))"
         )
+    if d.vendor == "mysql":
+        # MariaDB's SETVAL ignores a value below the sequence's: it never goes back.
+        return f"SELECT SETVAL({FENCE_SEQUENCE}, %s)"
     return f"UPDATE {LEDGER} SET fence = MAX(fence, %s) WHERE id = 1"
 
 
@@ -485,7 +728,7 @@ def delete_finished(d: Dialect, count: int) -> str:
     """Delete ``count`` runs by id if they are (still) in one of the prunable states."""
     ids = ", ".join(["%s"] * count)
     states = ", ".join(["%s"] * len(PRUNABLE_STATES))
-    return f"DELETE FROM {RUN} WHERE id IN ({ids}) AND state IN ({states}) RETURNING id"
+    return _delete_runs_where(d, f"id IN ({ids}) AND state IN ({states})")
 
 
 @lru_cache
@@ -504,6 +747,8 @@ def _format(template: str, d: Dialect) -> str:
         fence=d.next_fence,
         row=ROW,
         left=d.lease_left,
+        key=d.key,
+        min_slot=d.min_slot,
     )
 
 
@@ -513,9 +758,10 @@ def _format(template: str, d: Dialect) -> str:
 DURATION = {
     "postgresql": "EXTRACT(EPOCH FROM (finished_at - started_at))",
     "sqlite": "(julianday(finished_at) - julianday(started_at)) * 86400.0",
+    "mysql": "TIMESTAMPDIFF(MICROSECOND, started_at, finished_at) / 1000000",
 }
 # A VALUES row of one task name (PostgreSQL cannot infer a parameter's type there).
-_NAME_ROW = {"postgresql": "(CAST(%s AS varchar))", "sqlite": "(%s)"}
+_NAME_ROW = {"postgresql": "(CAST(%s AS varchar))", "sqlite": "(%s)", "mysql": "(%s)"}
 
 
 @lru_cache
@@ -542,14 +788,22 @@ def latest_in_state(d: Dialect, names: int) -> str:
     probe of (task_name, state, slot) each."""
     rows = ", ".join([_NAME_ROW[d.vendor]] * names)
     latest = (
-        "(SELECT r.{column} FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+        "(SELECT r.{column} FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
         "ORDER BY r.slot DESC LIMIT 1)"
     )
+    hint = _task_state_index(d)
     return (
         f"WITH t(name) AS (VALUES {rows}) SELECT t.name, "
-        f"{latest.format(column='slot', run=RUN)}, "
-        f"{latest.format(column='finished_at', run=RUN)} FROM t"
+        f"{latest.format(column='slot', run=RUN, hint=hint)}, "
+        f"{latest.format(column='finished_at', run=RUN, hint=hint)} FROM t"
     )
+
+
+def _task_state_index(d: Dialect) -> str:
+    """MariaDB: probe (task_name, state, slot) for a task's latest run in a state. Left to
+    itself it scans the task's (task_name, slot) range backwards for that state, every
+    run of the task when none is in it (178 ms against 1 ms for 100 tasks of 2,000 runs)."""
+    return "FORCE INDEX (taskguard_run_task_state) " if d.vendor == "mysql" else ""
 
 
 # Per task, its health facts: the tasks are a VALUES list (name, due slot), the facts
@@ -563,9 +817,9 @@ _FACTS = (
     "AND r.slot >= %s), "
     "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
     "AND r.lease_until <= {now}), "
-    "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "(SELECT r.slot FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
     "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
-    "(SELECT r.lease_until FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
+    "(SELECT r.lease_until FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
     "AND r.lease_until <= {now} ORDER BY r.slot LIMIT 1), "
     "(SELECT COUNT(*) FROM (SELECT r.state FROM {run} r WHERE r.task_name = t.name AND "
     + _ENDED
@@ -581,15 +835,44 @@ _FACTS = (
 _TASK_ROW = {
     "postgresql": "(CAST(%s AS varchar), CAST(%s AS timestamp with time zone))",
     "sqlite": "(%s, %s)",
+    "mysql": "(%s, %s)",
 }
+
+
+# MariaDB cannot see the outer task in a derived table: "the last N ended runs" is the
+# ended runs from the N-th latest one's slot on (slots are unique per task). Parameters
+# of each of the two: the ended states, N less one, the ended states again.
+_LAST_ENDED = (
+    "FROM {run} r WHERE r.task_name = t.name AND r.slot >= COALESCE((SELECT q.slot "
+    "FROM {run} q WHERE q.task_name = t.name AND q.state IN (%s, %s, %s) "
+    "ORDER BY q.slot DESC LIMIT 1 OFFSET %s), {min_slot}) AND " + _ENDED
+)
+_FACTS_MARIADB = (
+    _FACTS.split("(SELECT COUNT(*) FROM (SELECT")[0]
+    + "(SELECT COUNT(*) "
+    + _LAST_ENDED
+    + "), (SELECT COUNT(*) "
+    + _LAST_ENDED
+    + " AND r.state <> %s), (SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND "
+    + _ENDED
+    + " ORDER BY r.slot DESC LIMIT 1) FROM t"
+)
 
 
 @lru_cache
 def task_facts(d: Dialect, tasks: int) -> str:
     """The health facts of ``tasks`` tasks, one row each: every value an index probe on
-    (task_name, slot) or (task_name, state, slot)."""
+    (task_name, slot) or (task_name, state, slot). See :func:`last_ended_params`."""
     rows = ", ".join([_TASK_ROW[d.vendor]] * tasks)
-    return _format(_FACTS.replace("{tasks}", rows), d)
+    template = _FACTS_MARIADB if d.vendor == "mysql" else _FACTS
+    return _format(template.replace("{tasks}", rows).replace("{hint}", _task_state_index(d)), d)
+
+
+def last_ended_params(d: Dialect, ended: tuple[str, ...], last: int) -> list[Any]:
+    """The parameters that pick a task's ``last`` ended runs in :func:`task_facts`."""
+    if d.vendor == "mysql":
+        return [*ended, last - 1, *ended]
+    return [*ended, last]
 
 
 # The runs of each task whose slot is at or after its ``limit``-th latest (the tasks a
@@ -609,9 +892,10 @@ _RECENT = {
         "SELECT r.task_name, r.id, r.slot, r.state "
         "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
         "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "
-        "LIMIT 1 OFFSET %s), '0000-01-01')"
+        "LIMIT 1 OFFSET %s), {min_slot})"
     ),
 }
+_RECENT["mysql"] = _RECENT["sqlite"]
 
 
 def recent_limit(d: Dialect, limit: int) -> int:
