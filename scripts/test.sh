@@ -53,6 +53,7 @@ MARIADB_TESTS=(
   tests/test_health.py
   tests/test_metrics.py
   tests/test_schedule_registry.py
+  tests/test_contrib_tasks.py
 )
 echo "== the guarantee tests and a smoke set on MariaDB (a private server)"
 TASKGUARD_TEST_DB=mariadb $PY -m pytest -m "not soak and not once" "${MARIADB_TESTS[@]}" "$@"

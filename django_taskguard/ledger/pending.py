@@ -31,7 +31,9 @@ from .core import (
 def insert_pending(task_name: str, slot: datetime) -> int | None:
     """Record ``slot`` as handed out (``pending``); None when it has a row already."""
     try:
-        found = one(sql.insert_pending(dialect()), [task_name, slot_param(slot)])
+        found = one(
+            sql.insert_pending(dialect()), [task_name, slot_param(slot), RunState.PENDING.value]
+        )
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return int(found[0]) if found else None
@@ -41,7 +43,7 @@ def give_back_pending(run_id: int) -> bool:
     """Delete a ``pending`` row that no attempt started (its enqueue failed), so that the
     slot has no row again; False when something started it meanwhile."""
     try:
-        return one(sql.give_back_pending(dialect()), [run_id]) is not None
+        return one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value]) is not None
     except DatabaseError as exc:
         raise unreachable(exc) from exc
 

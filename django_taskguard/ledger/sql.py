@@ -609,23 +609,24 @@ def insert_unheld(d: Dialect) -> str:
     )
 
 
-# task, slot: a slot handed to a task queue and not started yet (run_schedules --enqueue).
+# task, slot, the pending state: a slot handed to a task queue and not started yet
+# (run_schedules --enqueue).
 @lru_cache
 def insert_pending(d: Dialect) -> str:
     return _format(
-        "INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
-        "error, duplicates) VALUES (%s, %s, 'pending', 0, NULL, '', {now}, '', 0) "
-        "ON CONFLICT (task_name, slot) DO NOTHING RETURNING id",
+        _insert_new(d) + "{run} (task_name, slot, state, attempt, fence, owner, created_at, error, "
+        "duplicates) VALUES (%s, %s, %s, 0, NULL, '', {now}, '', 0) "
+        + _unless_there(d, "(task_name, slot)")
+        + "RETURNING id",
         d,
     )
 
 
-# id: a pending row whose hand-off failed is given back, only while nothing started it.
+# id, the pending state: a pending row whose hand-off failed is given back, only while
+# nothing started it.
 @lru_cache
 def give_back_pending(d: Dialect) -> str:
-    return _format(
-        "DELETE FROM {run} WHERE id = %s AND state = 'pending' AND attempt = 0 RETURNING id", d
-    )
+    return _format("DELETE FROM {run} WHERE id = %s AND state = %s AND attempt = 0 RETURNING id", d)
 
 
 # Many rows no attempt ever held, with their transitions, in one statement (PostgreSQL).
