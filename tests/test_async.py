@@ -146,12 +146,12 @@ def test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking(lock_bac
 
 
 def test_async__lease_renewed_while_awaiting_and_current_run_inside(lock_backend):
-    @once_per_schedule(name="tests.async.lease", lease_seconds=1)
+    @once_per_schedule(name="tests.async.lease", lease_seconds=2)
     async def body() -> dict[str, Any]:
         run = current_run()
         first_deadline = run.deadline
         row = await sync_to_async(lambda: run.run)()  # the row: read off the loop
-        while time.monotonic() < first_deadline + 1.5:  # outlive the first lease
+        while time.monotonic() < first_deadline + 0.7:  # outlive the first lease
             await asyncio.sleep(0.05)
         run.check()  # renewed meanwhile: no LeaseLost
         lease_until = await sync_to_async(lambda: TaskRun.objects.get(pk=run.id).lease_until)()
@@ -280,7 +280,8 @@ def assert_cancelled_and_freed(task_name: str) -> None:
     assert heartbeat.heartbeats.live() == 0
     lock = get_backend()
     key = lock.key_for(task_name, SLOT, None)
-    assert lock.acquire(key, "probe", 5, task_name) is Acquired.WON, "the lock was not freed"
+    probe = lock.acquire(key, "probe", 5, task_name)  # BYPASSED: the row is the lock
+    assert probe in (Acquired.WON, Acquired.BYPASSED), "the lock was not freed"
     lock.release(key, "probe")
 
 
