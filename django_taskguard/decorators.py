@@ -344,7 +344,8 @@ def once_per_schedule(
     (epoch-aligned) or ``schedule=`` (a celery ``crontab``/``schedule``).
     The winning call returns the function's result; a call that finds its
     slot taken returns ``None`` (or raises ``DuplicateRun`` with
-    ``on_duplicate="raise"``).
+    ``on_duplicate="raise"``). A coroutine function stays one (the claim and the
+    finish run in worker threads, see docs/decorators.md).
 
     ``catchup``/``grace``/``max_catchup``: what happens to slots that fell due while
     nothing fired them (see docs/schedules.md); ``pause_after_failures=N`` pauses the

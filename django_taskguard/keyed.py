@@ -227,6 +227,7 @@ def once_per_key(
     finished key blocks a new run (``None``: until ``prune_runs`` deletes its row;
     ``timedelta(0)``: only while it runs). ``return_result=True``: the result is stored
     as JSON (at most 64 KiB) and a duplicate of the succeeded key returns it (one query).
+    A coroutine function stays one (the claim and the finish run in worker threads).
     """
     if func is not None or key is None:
         raise InvalidSchedule(

@@ -3,7 +3,8 @@
 Each test runs its own loop (``asyncio.run``). That the loop is never blocked is
 shown by events, not by time: signal receivers that run inside the claim and the
 finish wait for a ticker coroutine on the same loop to tick; were they on the
-loop's thread, the ticker could not tick and they would time out.
+loop's thread, the ticker could not tick and they would time out. Tests that barely
+depend on the database are marked ``once`` (scripts/test.sh runs them on PostgreSQL only).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.db import connections
 
 from django_taskguard import current_run, heartbeat, ledger, once_per_key, once_per_schedule
 from django_taskguard.cleanup import cleanup_locks
@@ -41,6 +43,7 @@ from .test_race import assert_raced, go_file, release
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SLOT = BASE_SLOT + timedelta(hours=5)
+T = TypeVar("T")
 WAIT = 30.0  # seconds an event may take on a loaded machine before the test fails
 
 
@@ -69,6 +72,18 @@ class Ticker:
             assert self.changed.wait_for(lambda: self.ticks >= target, WAIT), "loop blocked"
 
 
+async def in_thread(func: Callable[[], T]) -> T:
+    """Run the blocking ``func`` in a worker thread and close that thread's connections."""
+
+    def call() -> T:
+        try:
+            return func()
+        finally:
+            connections.close_all()
+
+    return await sync_to_async(call, thread_sensitive=False)()
+
+
 @contextmanager
 def receiving(signal: Any, receiver: Any) -> Iterator[None]:
     signal.connect(receiver, weak=False)
@@ -78,6 +93,7 @@ def receiving(signal: Any, receiver: Any) -> Iterator[None]:
         signal.disconnect(receiver)
 
 
+@pytest.mark.once
 def test_async__decorators_return_coroutine_functions():
     @once_per_schedule(every=timedelta(minutes=1))
     async def scheduled() -> int:
@@ -145,16 +161,17 @@ def test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking(lock_bac
     assert counted_duplicates("tests.async.many") == 49
 
 
-def test_async__lease_renewed_while_awaiting_and_current_run_inside(lock_backend):
+@pytest.mark.once
+def test_async__lease_renewed_while_awaiting_and_current_run_inside():
     @once_per_schedule(name="tests.async.lease", lease_seconds=2)
     async def body() -> dict[str, Any]:
         run = current_run()
         first_deadline = run.deadline
-        row = await sync_to_async(lambda: run.run)()  # the row: read off the loop
+        row = await in_thread(lambda: run.run)  # the row: read off the loop
         while time.monotonic() < first_deadline + 0.7:  # outlive the first lease
             await asyncio.sleep(0.05)
         run.check()  # renewed meanwhile: no LeaseLost
-        lease_until = await sync_to_async(lambda: TaskRun.objects.get(pk=run.id).lease_until)()
+        lease_until = await in_thread(lambda: TaskRun.objects.get(pk=run.id).lease_until)
         return {"renewed": run.deadline > first_deadline, "row": row.pk == run.id,
                 "lease_until": lease_until, "first": row.lease_until, "slot": run.slot}  # fmt: skip
 
@@ -165,7 +182,8 @@ def test_async__lease_renewed_while_awaiting_and_current_run_inside(lock_backend
     assert heartbeat.heartbeats.live() == 0
 
 
-def test_async__lease_lost_when_taken_over_check_raises_and_finish_is_refused(lock_backend):
+@pytest.mark.once
+def test_async__lease_lost_when_taken_over_check_raises_and_finish_is_refused():
     """An operator abandons the running row: the next renewal is refused, ``check()`` in
     the coroutine raises ``LeaseLost``, and nothing more is recorded for the attempt."""
 
@@ -177,7 +195,7 @@ def test_async__lease_lost_when_taken_over_check_raises_and_finish_is_refused(lo
     @once_per_schedule(name="tests.async.lost", lease_seconds=3)
     async def body() -> str:
         run = current_run()
-        await sync_to_async(abandon, thread_sensitive=False)(run.id)
+        await in_thread(lambda: abandon(run.id))
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
             run.check()
@@ -191,7 +209,8 @@ def test_async__lease_lost_when_taken_over_check_raises_and_finish_is_refused(lo
     assert heartbeat.heartbeats.live() == 0
 
 
-def test_async__exception_reaches_the_caller_and_is_recorded(lock_backend):
+@pytest.mark.once
+def test_async__exception_reaches_the_caller_and_is_recorded():
     @once_per_key(key="order:{n}")
     async def charge(n: int) -> int:
         await asyncio.sleep(0)
@@ -204,6 +223,7 @@ def test_async__exception_reaches_the_caller_and_is_recorded(lock_backend):
     assert asyncio.run(charge(7)) is None  # a failed key is over
 
 
+@pytest.mark.once
 def test_async__keyed_duplicates_on_one_loop_get_the_stored_result(lock_backend):
     calls = 0
 
@@ -223,6 +243,7 @@ def test_async__keyed_duplicates_on_one_loop_get_the_stored_result(lock_backend)
     assert results.count(None) + results.count({"n": 1}) == 11
 
 
+@pytest.mark.once
 def test_async__cancelled_while_running_is_recorded_and_raised(lock_backend):
     started = threading.Event()
 
@@ -244,6 +265,24 @@ def test_async__cancelled_while_running_is_recorded_and_raised(lock_backend):
     assert_cancelled_and_freed("tests.async.cancel")
 
 
+@pytest.mark.once
+def test_async__wait_for_timeout_raises_timeout_error_and_is_recorded():
+    """``asyncio.wait_for`` cancels the call when its timeout passes (during the claim or
+    the body, whichever it meets): the caller gets its ``TimeoutError``, the run is recorded."""
+
+    @once_per_schedule(name="tests.async.timeout")
+    async def body() -> None:
+        await asyncio.Event().wait()  # never returns
+
+    async def main() -> None:
+        await asyncio.wait_for(body.run_for_slot(SLOT), timeout=0.5)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(main())
+    assert_cancelled_and_freed("tests.async.timeout")
+
+
+@pytest.mark.once
 def test_async__cancelled_during_the_claim_is_recorded_and_never_runs(lock_backend):
     """Cancelled while its claim is in a worker thread: the claim is seen through, then
     recorded as interrupted; the function never starts."""
@@ -285,7 +324,8 @@ def assert_cancelled_and_freed(task_name: str) -> None:
     lock.release(key, "probe")
 
 
-def test_async__run_schedules_fires_a_coroutine_function(lock_backend):
+@pytest.mark.once
+def test_async__run_schedules_fires_a_coroutine_function():
     """The scheduler's threads have no loop: a registered coroutine function is run to its end."""
     seen: list[ActiveRun] = []
 
