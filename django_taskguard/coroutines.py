@@ -29,12 +29,12 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
 from .context import activate
-from .guard import REFUSED, Attempt, Refused
+from .guard import REFUSED, Attempt, Refused, Started
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-Begin = Callable[[], "Attempt | Refused"]
+Begin = Callable[[], Started]
 
 
 async def execute(
@@ -69,7 +69,7 @@ async def execute(
     return returned
 
 
-def _open(begin: Begin) -> Attempt | Refused:
+def _open(begin: Begin) -> Started:
     started = begin()
     if isinstance(started, Attempt) and not started.open():
         return REFUSED

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NoReturn, TypeVar, Union, cast
+from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 
 from django.utils import timezone
 
@@ -106,7 +106,7 @@ def execute(
 
 
 def run(
-    started: Attempt | Refused,
+    started: Started,
     func: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -126,7 +126,7 @@ class Refused:
 
 
 REFUSED = Refused()
-Started = Union["Attempt", Refused]  # what begin() returns
+Started: TypeAlias = "Attempt | Refused"  # what begin() returns
 
 
 def begin(
@@ -138,7 +138,7 @@ def begin(
     on_busy: OnBusy | None = None,
     instance: str | None = None,
     key: str | None = None,
-) -> Attempt | Refused:
+) -> Started:
     """Claim (``task_name``, ``slot``): the attempt that will run the function, or a refusal
     (the duplicate is counted and signalled). Blocking: Redis and the database."""
     default_lease, horizon = taskguard_settings.for_claim()
