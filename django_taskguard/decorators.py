@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
+from asgiref.sync import async_to_sync, iscoroutinefunction
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import guard, ledger, registry, schedules
+from . import coroutines, guard, ledger, registry, schedules
 from .conf import lease_problem, taskguard_settings
 from .endings import ClassifyRaise
 from .exceptions import InvalidSchedule, TaskGuardError
@@ -23,6 +24,7 @@ from .signals import run_skipped
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 OnDuplicate = Literal["skip", "raise"]
 Overlap = Literal["allow", "skip"]
@@ -76,6 +78,34 @@ class Guarded(Protocol[P, R]):
     def run_for_slot(
         self, slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs
     ) -> R | None: ...
+
+
+class AsyncGuarded(Protocol[P, T]):
+    """A guarded coroutine function: await it like the original; it returns None when not run."""
+
+    task_name: str | None
+    schedule: schedules.Schedule | None
+    policy: guard.Policy
+    __wrapped__: Callable[P, Awaitable[T]]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T | None]: ...
+
+    def run_for_slot(
+        self, slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, T | None]: ...
+
+
+class ScheduleDecorator(Protocol):
+    """What ``@once_per_schedule(...)`` returns: it guards a function or a coroutine function."""
+
+    # A coroutine function matches both; the first wins (mypy asks to be told).
+    @overload
+    def __call__(  # type: ignore[overload-overlap]
+        self, func: Callable[P, Coroutine[Any, Any, T]], /
+    ) -> AsyncGuarded[P, T]: ...
+
+    @overload
+    def __call__(self, func: Callable[P, R], /) -> Guarded[P, R]: ...
 
 
 @dataclass(frozen=True)
@@ -217,6 +247,79 @@ def _bounded(argument: str, value: int | None, bounds: tuple[int, int]) -> int |
     return value
 
 
+def _begin_call(
+    spec: _Spec[Any, Any], carried: str | None, context: CallContext | None
+) -> guard.Started:
+    """Claim the slot of a plain call: the one an enqueued task carried (``SLOT_KWARG``),
+    else the slot source's, else the schedule's latest."""
+    task_name, slot = spec.resolve(carried, context)
+    late = spec.policy
+    if context is not None and context.grace is not None:
+        late = dataclasses.replace(late, catchup="none", grace=context.grace)
+    if late.catchup == "none" and guard.refused_late(task_name, slot, late, timezone.now()):
+        return guard.REFUSED
+    hooks = context or CallContext()
+    return guard.begin(
+        task_name,
+        slot,
+        spec.policy,
+        classify_raise=hooks.classify_raise,
+        instance=hooks.instance,
+        on_busy=hooks.on_busy,
+    )
+
+
+def _begin_for_slot(spec: _Spec[Any, Any], slot: datetime | str) -> guard.Started:
+    """Claim the slot given to ``run_for_slot``."""
+    if slot is None:
+        # resolve(None) means "no explicit slot": it would quietly fall
+        # back to the schedule's current slot.
+        raise InvalidSchedule("run_for_slot() needs a slot: an aware datetime, not None")
+    task_name, resolved = spec.resolve(slot)
+    return guard.begin(task_name, resolved, spec.policy)
+
+
+def _plain_forms(
+    spec: _Spec[Any, Any], func: Callable[..., Any]
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The guarded function and its ``run_for_slot``, running ``func`` in the caller's thread."""
+
+    # A plain function (not a callable object) so that Celery's
+    # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
+    @functools.wraps(spec.func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        carried = kwargs.pop(SLOT_KWARG, None)
+        return guard.run(_begin_call(spec, carried, call_context()), func, args, kwargs)
+
+    def run_for_slot(slot: datetime | str, /, *args: Any, **kwargs: Any) -> Any:
+        return guard.run(_begin_for_slot(spec, slot), func, args, kwargs)
+
+    return wrapper, run_for_slot
+
+
+def _async_forms(spec: _Spec[Any, Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The guarded coroutine function and its ``run_for_slot`` (see ``coroutines``)."""
+    target = spec.func
+
+    @functools.wraps(target)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        carried = kwargs.pop(SLOT_KWARG, None)
+        begin = functools.partial(_begin_call, spec, carried, call_context())  # caller's task
+        return await coroutines.execute(begin, target, args, kwargs)
+
+    async def run_for_slot(slot: datetime | str, /, *args: Any, **kwargs: Any) -> Any:
+        begin = functools.partial(_begin_for_slot, spec, slot)
+        return await coroutines.execute(begin, target, args, kwargs)
+
+    return wrapper, run_for_slot
+
+
+@overload
+def once_per_schedule(  # type: ignore[overload-overlap]
+    func: Callable[P, Coroutine[Any, Any, T]], /
+) -> AsyncGuarded[P, T]: ...
+
+
 @overload
 def once_per_schedule(func: Callable[P, R], /) -> Guarded[P, R]: ...
 
@@ -236,11 +339,11 @@ def once_per_schedule(
     grace: timedelta | None = None,
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
-) -> Callable[[Callable[P, R]], Guarded[P, R]]: ...
+) -> ScheduleDecorator: ...
 
 
 def once_per_schedule(
-    func: Callable[P, R] | None = None,
+    func: Callable[..., Any] | None = None,
     /,
     *,
     cron: str | None = None,
@@ -255,7 +358,7 @@ def once_per_schedule(
     grace: timedelta | None = None,
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
-) -> Guarded[P, R] | Callable[[Callable[P, R]], Guarded[P, R]]:
+) -> Any:
     """Run the decorated function at most once per schedule slot, across every instance.
 
     The slot is, in order: the one given to ``.run_for_slot(slot)``; the one
@@ -264,7 +367,8 @@ def once_per_schedule(
     (epoch-aligned) or ``schedule=`` (a celery ``crontab``/``schedule``).
     The winning call returns the function's result; a call that finds its
     slot taken returns ``None`` (or raises ``DuplicateRun`` with
-    ``on_duplicate="raise"``).
+    ``on_duplicate="raise"``). A coroutine function stays one (the claim and the
+    finish run in worker threads, see docs/decorators.md).
 
     ``catchup``/``grace``/``max_catchup``: what happens to slots that fell due while
     nothing fired them (see docs/schedules.md); ``pause_after_failures=N`` pauses the
@@ -303,8 +407,10 @@ def once_per_schedule(
             "grace= work without one (a stamped message later than grace is recorded missed)"
         )
 
-    def decorate(target: Callable[P, R]) -> Guarded[P, R]:
+    def decorate(target: Callable[..., Any]) -> Any:
         refuse_task_object(target, "@once_per_schedule(...)")
+        if not callable(target):
+            raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
         if bad_schedule is not None:
             where = name or dotted_name(target)
             raise InvalidSchedule(
@@ -314,38 +420,13 @@ def once_per_schedule(
         if name is None:
             validate_task_name(dotted_name(target))
 
-        # A plain function (not a callable object) so that Celery's
-        # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
-        @functools.wraps(target)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            carried = cast("dict[str, Any]", kwargs).pop(SLOT_KWARG, None)
-            context = call_context()
-            task_name, slot = spec.resolve(carried, context)
-            late = policy
-            if context is not None and context.grace is not None:
-                late = dataclasses.replace(policy, catchup="none", grace=context.grace)
-            if late.catchup == "none" and guard.refused_late(task_name, slot, late, timezone.now()):
-                return None
-            hooks = context or CallContext()
-            return guard.execute(
-                task_name,
-                slot,
-                policy,
-                target,
-                args,
-                kwargs,
-                classify_raise=hooks.classify_raise,
-                instance=hooks.instance,
-                on_busy=hooks.on_busy,
-            )
-
-        def run_for_slot(slot: datetime | str, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
-            if slot is None:
-                # resolve(None) means "no explicit slot": it would quietly fall
-                # back to the schedule's current slot.
-                raise InvalidSchedule("run_for_slot() needs a slot: an aware datetime, not None")
-            task_name, resolved = spec.resolve(slot)
-            return guard.execute(task_name, resolved, policy, target, args, kwargs)
+        if iscoroutinefunction(target):
+            wrapper, run_for_slot = _async_forms(spec)
+            plain: Callable[..., Any] = async_to_sync(target)  # run_schedules' threads
+            _, plain_run_for_slot = _plain_forms(spec, plain)
+        else:
+            wrapper, run_for_slot = _plain_forms(spec, target)
+            plain, plain_run_for_slot = target, run_for_slot
 
         def fire(slot: datetime) -> bool:
             """A scheduler's call for ``slot`` (the catch-up policy applies); True if it ran."""
@@ -354,19 +435,19 @@ def once_per_schedule(
                 return False
             ran = False
 
-            def body() -> R:
+            def body() -> Any:
                 nonlocal ran
                 ran = True
-                return target()  # type: ignore[call-arg]
+                return plain()
 
             guard.execute(task_name, resolved, policy, body, (), {})
             return ran
 
-        guarded = cast("Guarded[P, R]", wrapper)
+        guarded: Any = wrapper  # typed by the overloads
         guarded.task_name = name
         guarded.schedule = built
         guarded.policy = policy
-        guarded.run_for_slot = run_for_slot  # type: ignore[method-assign]
+        guarded.run_for_slot = run_for_slot
         if built is not None:
             entry = registry.Entry(
                 task_name=name or dotted_name(target),
@@ -374,8 +455,8 @@ def once_per_schedule(
                 policy=policy,
                 function=dotted_name(target),
                 fire=fire,
-                run_for_slot=run_for_slot,
-                func=target,
+                run_for_slot=plain_run_for_slot,
+                func=plain,
                 named=name is not None,
             )
             registry.register(entry, wrapper)

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 
 from django.utils import timezone
 
@@ -17,7 +17,7 @@ from .conf import taskguard_settings
 from .context import ActiveRun, activate
 from .endings import ClassifyRaise, RecordSuccess, finish, record_raised, succeed
 from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
-from .heartbeat import heartbeats
+from .heartbeat import Beat, heartbeats
 from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
 from .owner import actor, new_owner, new_token
@@ -93,6 +93,54 @@ def execute(
     With ``key`` (``@once_per_key``): once for (``task_name``, ``key``); ``slot``
     is then the call's time, recorded as the row's slot when it claims the key.
     """
+    started = begin(
+        task_name,
+        slot,
+        policy,
+        classify_raise=classify_raise,
+        on_busy=on_busy,
+        instance=instance,
+        key=key,
+    )
+    return run(started, func, args, kwargs)
+
+
+def run(
+    started: Started,
+    func: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> R | None:
+    """Run ``func`` as the attempt :func:`begin` started, or return what a refused call returns."""
+    if isinstance(started, Refused):
+        return cast("R | None", started.result)
+    return started.run(func, args, kwargs)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A call that does not run the function, and what it returns instead (``None``, or
+    the stored result of a succeeded key)."""
+
+    result: Any = None
+
+
+REFUSED = Refused()
+Started: TypeAlias = "Attempt | Refused"  # what begin() returns
+
+
+def begin(
+    task_name: str,
+    slot: datetime,
+    policy: Policy,
+    *,
+    classify_raise: ClassifyRaise | None = None,
+    on_busy: OnBusy | None = None,
+    instance: str | None = None,
+    key: str | None = None,
+) -> Started:
+    """Claim (``task_name``, ``slot``): the attempt that will run the function, or a refusal
+    (the duplicate is counted and signalled). Blocking: Redis and the database."""
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
@@ -103,7 +151,7 @@ def execute(
         and timezone.now() - slot > horizon
         and _refused_as_pruned(task_name, slot, horizon)
     ):
-        return None
+        return REFUSED
     lease = policy.lease_seconds or default_lease
     lock = get_backend()
     token = new_token()
@@ -116,10 +164,10 @@ def execute(
         if on_busy is not None:
             _put_back(on_busy, lease, task_name)
         _duplicate(task_name, slot, RunState.RUNNING, policy, key)
-        return None
+        return REFUSED
     if acquired is Acquired.FINISHED:  # the slot is over: a put-back would only come back
         _duplicate(task_name, slot, FINISHED, policy, key)
-        return cast("R | None", _stored_result(task_name, key, policy))
+        return _refused_with_result(task_name, key, policy)
     owner = new_owner(token, instance)
     try:
         outcome = claim_slot(
@@ -152,21 +200,21 @@ def execute(
             _put_back(on_busy, left, task_name)
         _duplicate(task_name, slot, outcome.state, policy, key)
         if outcome.state == RunState.SUCCEEDED:
-            return cast("R | None", _stored_result(task_name, key, policy))
-        return None
-    return _run(outcome, lock, lock_key, policy, func, args, kwargs, classify_raise)
+            return _refused_with_result(task_name, key, policy)
+        return REFUSED
+    return Attempt(outcome, lock, lock_key, policy, classify_raise)
 
 
 # The largest JSON result return_result=True stores (bytes); a larger one is not stored.
 RESULT_MAX_BYTES = 64 * 1024
 
 
-def _stored_result(task_name: str, key: str | None, policy: Policy) -> Any:
+def _refused_with_result(task_name: str, key: str | None, policy: Policy) -> Refused:
     """What a duplicate of a succeeded key returns: its stored result (None without one)."""
     if key is None or not policy.return_result:
-        return None
+        return REFUSED
     stored = ledger.result_of(task_name, key)
-    return None if stored is None else json.loads(stored)
+    return REFUSED if stored is None else Refused(json.loads(stored))
 
 
 def _store_result(active: ActiveRun, result: Any) -> None:
@@ -204,7 +252,7 @@ def run_claimed(
     record_success: RecordSuccess | None = None,
 ) -> R | None:
     """Run an attempt that :func:`claim.claim_many` made (no Redis key: the row is the lock)."""
-    return _run(active, _ROW_LOCK, "", policy, func, (), {}, None, record_success)
+    return Attempt(active, _ROW_LOCK, "", policy, None, record_success).run(func, (), {})
 
 
 def duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> None:
@@ -276,48 +324,90 @@ def _duplicate(
         raise DuplicateRun(task_name, slot, state, key)
 
 
-def _run(
-    active: ActiveRun,
-    lock: LockBackend,
-    key: str,
-    policy: Policy,
-    func: Callable[..., R],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    classify_raise: ClassifyRaise | None,
-    record_success: RecordSuccess | None = None,
-) -> R | None:
-    """Run the function as ``active``; record how it ended; free or mark the lock."""
-    ended = False  # the row is recorded finished: the lock may say so too
-    try:
-        if _skip_paused(active) or (policy.overlap == "skip" and _skip_for_overlap(active)):
-            ended = True
+@dataclass(eq=False)
+class Attempt:
+    """A claimed attempt, from its claim to its recorded end.
+
+    Both paths go through the same steps: :meth:`open`, then the function (called, or
+    awaited by ``coroutines``), then :meth:`returned` or :meth:`raised`. Every step but
+    the function's own is blocking (the database, Redis) and none needs the caller's
+    thread: ``current_run()`` is set by the caller around the function.
+    """
+
+    active: ActiveRun
+    lock: LockBackend
+    key: str  # the lock key ("" for the row lock)
+    policy: Policy
+    classify_raise: ClassifyRaise | None = None
+    record_success: RecordSuccess | None = None
+    beat: Beat | None = None
+
+    def run(
+        self, func: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> R | None:
+        """Run the function in this thread as this attempt; record how it ended."""
+        if not self.open():
             return None
-        with activate(active):
-            beat = None
+        with activate(self.active):
             try:
-                # Inside the try: a heartbeat that cannot start or a receiver that raises
-                # fails this attempt (recorded), instead of leaving the row running
-                # until its lease lapses.
-                beat = heartbeats.start(active, lock, key)
-                run_started.send(sender=active.task_name, run=active)
                 result = func(*args, **kwargs)
             except BaseException as exc:
-                heartbeats.stop(beat)
-                ended = record_raised(active, exc, classify_raise)
-                if ended and policy.pause_after_failures:
-                    _pause_after_failures(active.task_name, policy.pause_after_failures)
+                self.raised(exc)
                 raise
-            finally:
-                heartbeats.stop(beat)
-        if policy.return_result:
-            _store_result(active, result)
-        succeed(active, record_success)
-        ended = True
-        run_succeeded.send(sender=active.task_name, run=active, result=result)
-        return result
-    finally:
-        _free(active, lock, key, ended, policy)
+        return self.returned(result)
+
+    def open(self) -> bool:
+        """Start the attempt: its heartbeat and ``run_started``. False: it is not run
+        (the task is paused, or overlaps an earlier slot): recorded ``skipped``, lock freed."""
+        try:
+            skipped = _skip_paused(self.active) or (
+                self.policy.overlap == "skip" and _skip_for_overlap(self.active)
+            )
+        except BaseException:
+            self._free(ended=False)
+            raise
+        if skipped:
+            self._free(ended=True)
+            return False
+        with activate(self.active):
+            try:
+                # A heartbeat that cannot start or a receiver that raises fails this
+                # attempt (recorded), instead of leaving the row running until its
+                # lease lapses.
+                self.beat = heartbeats.start(self.active, self.lock, self.key)
+                run_started.send(sender=self.active.task_name, run=self.active)
+            except BaseException as exc:
+                self.raised(exc)
+                raise
+        return True
+
+    def returned(self, result: R) -> R:
+        """Record that the function returned ``result`` (fenced: ``LeaseLost`` if taken over)."""
+        heartbeats.stop(self.beat)
+        ended = False  # the row is recorded finished: the lock may say so too
+        try:
+            if self.policy.return_result:
+                _store_result(self.active, result)
+            succeed(self.active, self.record_success)
+            ended = True
+            run_succeeded.send(sender=self.active.task_name, run=self.active, result=result)
+            return result
+        finally:
+            self._free(ended)
+
+    def raised(self, exc: BaseException) -> None:
+        """Record that the function raised ``exc``; never raises (the caller re-raises ``exc``)."""
+        heartbeats.stop(self.beat)
+        ended = False
+        try:
+            ended = record_raised(self.active, exc, self.classify_raise)
+            if ended and self.policy.pause_after_failures:
+                _pause_after_failures(self.active.task_name, self.policy.pause_after_failures)
+        finally:
+            self._free(ended)
+
+    def _free(self, ended: bool) -> None:
+        _free(self.active, self.lock, self.key, ended, self.policy)
 
 
 def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: Policy) -> None:

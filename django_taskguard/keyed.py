@@ -6,15 +6,17 @@ from __future__ import annotations
 import functools
 import inspect
 import string
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
+from asgiref.sync import iscoroutinefunction
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import guard
+from . import coroutines, guard
 from .conf import lease_problem
 from .decorators import (
     USE_TZ_NEEDED,
@@ -32,10 +34,38 @@ from .models import KEY_MAX_LENGTH
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 # ``keep`` is stored nowhere: it is judged when a call meets a finished key, in
 # seconds on the database's clock. Ten years is "forever" for any real use.
 KEEP_MAX = timedelta(days=3650)
+
+
+class AsyncKeyGuarded(Protocol[P, T]):
+    """A keyed coroutine function: await it like the original; it returns None when not run."""
+
+    task_name: str | None
+    policy: guard.Policy
+    __wrapped__: Callable[P, Awaitable[T]]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T | None]: ...
+
+    def key_of(self, *args: P.args, **kwargs: P.kwargs) -> str:
+        """The key a call with these arguments runs under (checked, as stored)."""
+        ...
+
+
+class KeyDecorator(Protocol):
+    """What ``@once_per_key(...)`` returns: it guards a function or a coroutine function."""
+
+    # A coroutine function matches both; the first wins (mypy asks to be told).
+    @overload
+    def __call__(  # type: ignore[overload-overlap]
+        self, func: Callable[P, Coroutine[Any, Any, T]], /
+    ) -> AsyncKeyGuarded[P, T]: ...
+
+    @overload
+    def __call__(self, func: Callable[P, R], /) -> KeyGuarded[P, R]: ...
 
 
 class KeyGuarded(Protocol[P, R]):
@@ -187,7 +217,7 @@ def once_per_key(
     on_stale: OnStale = "abandon",
     lease_seconds: float | None = None,
     return_result: bool = False,
-) -> Callable[[Callable[P, R]], KeyGuarded[P, R]]:
+) -> KeyDecorator:
     """Run the decorated function at most once per key, across every instance.
 
     ``key`` is a format string over the function's parameters
@@ -198,6 +228,7 @@ def once_per_key(
     finished key blocks a new run (``None``: until ``prune_runs`` deletes its row;
     ``timedelta(0)``: only while it runs). ``return_result=True``: the result is stored
     as JSON (at most 64 KiB) and a duplicate of the succeeded key returns it (one query).
+    A coroutine function stays one (the claim and the finish run in worker threads).
     """
     if func is not None or key is None:
         raise InvalidSchedule(
@@ -222,38 +253,74 @@ def once_per_key(
 
     given = key
 
-    def decorate(target: Callable[P, R]) -> KeyGuarded[P, R]:
+    def decorate(target: Callable[..., Any]) -> Any:
         refuse_task_object(target, "@once_per_key(...)")
+        if not callable(target):
+            raise InvalidSchedule(f"@once_per_key decorates a callable, not {target!r}")
         where = name or dotted_name(target)
         if name is None:
             validate_task_name(where)
         make_key = _KeyMaker(given, target, where)
 
-        # A plain function, so that Celery's ``shared_task(bind=True)`` can bind it.
-        @functools.wraps(target)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            if not django_settings.USE_TZ:
-                raise ImproperlyConfigured(USE_TZ_NEEDED)
-            run_key = make_key(*args, **kwargs)
-            hooks = call_context() or CallContext()
-            task_name = name or hooks.task_name or where
-            return guard.execute(
-                task_name,
-                timezone.now(),
-                policy,
-                target,
-                args,
-                kwargs,
-                classify_raise=hooks.classify_raise,
-                instance=hooks.instance,
-                on_busy=hooks.on_busy,
-                key=run_key,
-            )
+        keyed = _Keyed(name, where, policy, make_key)
+        if iscoroutinefunction(target):
+            wrapper = _async_form(keyed, target)
+        else:
+            wrapper = _plain_form(keyed, target)
 
-        guarded = cast("KeyGuarded[P, R]", wrapper)
+        guarded: Any = wrapper  # typed by KeyDecorator
         guarded.task_name = name
         guarded.policy = policy
-        guarded.key_of = make_key  # type: ignore[method-assign]
+        guarded.key_of = make_key
         return guarded
 
-    return decorate
+    return cast("KeyDecorator", decorate)
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    """What a keyed call needs besides the function: the names, the policy, the key."""
+
+    name: str | None
+    where: str
+    policy: guard.Policy
+    make_key: _KeyMaker[Any]
+
+    def begin(self, run_key: str, hooks: CallContext) -> guard.Started:
+        """Claim ``run_key`` for this call (blocking: Redis and the database)."""
+        return guard.begin(
+            self.name or hooks.task_name or self.where,
+            timezone.now(),
+            self.policy,
+            classify_raise=hooks.classify_raise,
+            instance=hooks.instance,
+            on_busy=hooks.on_busy,
+            key=run_key,
+        )
+
+
+def _plain_form(keyed: _Keyed, target: Callable[..., Any]) -> Callable[..., Any]:
+    # A plain function, so that Celery's ``shared_task(bind=True)`` can bind it.
+    @functools.wraps(target)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not django_settings.USE_TZ:
+            raise ImproperlyConfigured(USE_TZ_NEEDED)
+        run_key = keyed.make_key(*args, **kwargs)
+        started = keyed.begin(run_key, call_context() or CallContext())
+        return guard.run(started, target, args, kwargs)
+
+    return wrapper
+
+
+def _async_form(keyed: _Keyed, target: Callable[..., Any]) -> Callable[..., Any]:
+    """The guarded coroutine function (see ``coroutines``)."""
+
+    @functools.wraps(target)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not django_settings.USE_TZ:
+            raise ImproperlyConfigured(USE_TZ_NEEDED)
+        run_key = keyed.make_key(*args, **kwargs)
+        begin = functools.partial(keyed.begin, run_key, call_context() or CallContext())
+        return await coroutines.execute(begin, target, args, kwargs)
+
+    return wrapper

@@ -22,8 +22,10 @@ MATRIX=(
 
 # A race of real processes (run on SQLite and on PostgreSQL), the migrations check, an admin
 # page rendered, the Celery beat scheduler stamping a slot and a task recording that slot, and
-# a guarded call on the Redis backend (django-redis differs across Django versions), and a
-# slot carried by a django.tasks task (Django's own django.tasks on 6.x; skipped on 4.2).
+# a guarded call on the Redis backend (django-redis differs across Django versions), a slot
+# carried by a django.tasks task (Django's own django.tasks on 6.x; skipped on 4.2), and
+# guarded coroutine functions: many tasks on one loop, cancellation (asyncio differs across
+# Python versions).
 SMOKE=(
   tests/test_race.py
   tests/test_locks_redis.py::test_guard__winner_folds_redis_duplicates_into_the_row
@@ -33,6 +35,9 @@ SMOKE=(
   tests/test_contrib_celery.py::test_eager__slot_from_header_and_identity_with_schedule_name
   tests/test_contrib_celery.py::test_database_scheduler__without_django_celery_beat_names_the_extra
   tests/test_contrib_tasks.py::test_enqueue_for_slot__the_slot_travels_and_is_claimed_not_recomputed
+  tests/test_async.py::test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking
+  tests/test_async.py::test_async__cancelled_during_the_claim_is_recorded_and_never_runs
+  tests/test_async.py::test_async__wait_for_timeout_raises_timeout_error_and_is_recorded
 )
 
 find_python() {  # python$1 that runs: on PATH, else pyenv's; else "$1", for uv to find

@@ -75,6 +75,34 @@ def race(args: argparse.Namespace) -> dict[str, int]:
     return {"won": won, "lost": lost, "began": began, "ended": time.time()}
 
 
+def async_race(args: argparse.Namespace) -> dict[str, float]:
+    """On one event loop, ``--tasks`` coroutines per slot for slots 0..N-1, all at once."""
+    import asyncio
+
+    from django_taskguard import current_run, once_per_schedule
+
+    @once_per_schedule(name=args.task)
+    async def body(index: int) -> int:
+        run = current_run()
+        await asyncio.sleep(0)  # the other tasks run while this one holds its slot
+        assert current_run() is run
+        record(args.log, f"{index} {os.getpid()} {run.fence} {time.time():.6f}")
+        return index
+
+    async def fire_all() -> list[int | None]:
+        slots = [BASE_SLOT + timedelta(minutes=index) for index in range(args.slots)]
+        calls = [
+            body.run_for_slot(slots[i], i) for i in range(args.slots) for _ in range(args.tasks)
+        ]
+        return await asyncio.gather(*calls)
+
+    barrier(args)
+    began = time.time()
+    results = asyncio.run(fire_all())
+    won = sum(1 for result in results if result is not None)
+    return {"won": won, "lost": len(results) - won, "began": began, "ended": time.time()}
+
+
 def hold(args: argparse.Namespace) -> dict[str, object]:
     """Claim one slot and run a body that sleeps ``--seconds`` (to be killed or paused)."""
     from django_taskguard import current_run, once_per_schedule
@@ -263,6 +291,7 @@ def claim_then_die(args: argparse.Namespace) -> dict[str, object]:
 
 SCENARIOS = {
     "race": race,
+    "async_race": async_race,
     "hold": hold,
     "tick": tick,
     "down": down,
@@ -278,6 +307,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task", default="tests.race")
     parser.add_argument("--log", required=True)
     parser.add_argument("--slots", type=int, default=200)
+    parser.add_argument("--tasks", type=int, default=5, help="`async_race`: tasks per slot")
     parser.add_argument("--slot", type=int, default=0)
     parser.add_argument("--start-at", type=float, default=0.0)
     parser.add_argument("--go", default="", help="start when this file exists (see barrier)")

@@ -1,0 +1,388 @@
+"""Guarded coroutine functions: real concurrency on one event loop, and in several processes.
+
+Each test runs its own loop (``asyncio.run``). That the loop is never blocked is
+shown by events, not by time: signal receivers that run inside the claim and the
+finish wait for a ticker coroutine on the same loop to tick; were they on the
+loop's thread, the ticker could not tick and they would time out. Tests that barely
+depend on the database are marked ``once`` (scripts/test.sh runs them on PostgreSQL only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.db import connections
+
+from django_taskguard import current_run, heartbeat, ledger, once_per_key, once_per_schedule
+from django_taskguard.cleanup import cleanup_locks
+from django_taskguard.context import ActiveRun, active_run
+from django_taskguard.decorators import dotted_name
+from django_taskguard.exceptions import LeaseLost
+from django_taskguard.locks import Acquired, get_backend
+from django_taskguard.models import RunState, TaskRun
+from django_taskguard.registry import entries, unregister
+from django_taskguard.signals import duplicate_suppressed, run_started, run_succeeded
+
+from .conftest import counted_duplicates, python
+from .redis_support import child_redis_env
+from .slots import BASE_SLOT
+from .test_race import assert_raced, go_file, release
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SLOT = BASE_SLOT + timedelta(hours=5)
+T = TypeVar("T")
+WAIT = 30.0  # seconds an event may take on a loaded machine before the test fails
+
+
+class Ticker:
+    """A coroutine that ticks on the loop; threads wait until it has ticked again."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.changed = threading.Condition()
+        self.stop = False
+        self.loop_thread = threading.get_ident()
+
+    async def run(self) -> None:
+        self.loop_thread = threading.get_ident()
+        while not self.stop:
+            with self.changed:
+                self.ticks += 1
+                self.changed.notify_all()
+            await asyncio.sleep(0.001)
+
+    def wait_ticks(self, more: int = 2) -> None:
+        """From a worker thread: block until the loop has ticked ``more`` times (or fail)."""
+        assert threading.get_ident() != self.loop_thread, "a blocking step ran on the loop"
+        with self.changed:
+            target = self.ticks + more
+            assert self.changed.wait_for(lambda: self.ticks >= target, WAIT), "loop blocked"
+
+
+async def in_thread(func: Callable[[], T]) -> T:
+    """Run the blocking ``func`` in a worker thread and close that thread's connections."""
+
+    def call() -> T:
+        try:
+            return func()
+        finally:
+            connections.close_all()
+
+    return await sync_to_async(call, thread_sensitive=False)()
+
+
+@contextmanager
+def receiving(signal: Any, receiver: Any) -> Iterator[None]:
+    signal.connect(receiver, weak=False)
+    try:
+        yield
+    finally:
+        signal.disconnect(receiver)
+
+
+@pytest.mark.once
+def test_async__decorators_return_coroutine_functions():
+    @once_per_schedule(every=timedelta(minutes=1))
+    async def scheduled() -> int:
+        return 1
+
+    @once_per_key(key="k:{n}")
+    async def keyed(n: int) -> int:
+        return n
+
+    unregister(dotted_name(scheduled.__wrapped__))
+    assert iscoroutinefunction(scheduled) and iscoroutinefunction(keyed)
+    assert iscoroutinefunction(scheduled.run_for_slot)
+    assert keyed.key_of(3) == "k:3" and scheduled.__wrapped__.__name__ == "scheduled"
+
+
+def test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking(lock_backend):
+    """50 tasks on one loop call the same slot: one runs, 49 get None and are counted.
+    The claim (duplicate_suppressed, run_started) and the finish (run_succeeded) run in
+    worker threads, two claims at once at least, while the loop goes on."""
+    ticker = Ticker()
+    ran: list[ActiveRun] = []
+    claims_in_flight = threading.Barrier(2, timeout=WAIT)  # two losers in their claims at once
+    losers = Counter[int]()
+    lock = threading.Lock()
+
+    def on_duplicate(**kwargs: Any) -> None:
+        with lock:
+            losers[threading.get_ident()] += 1
+            first_two = sum(losers.values()) <= 2
+        if first_two:
+            claims_in_flight.wait()
+        ticker.wait_ticks()
+
+    def on_step(**kwargs: Any) -> None:
+        ticker.wait_ticks()
+
+    @once_per_schedule(name="tests.async.many")
+    async def body() -> str:
+        run = current_run()
+        ran.append(run)
+        await asyncio.sleep(0.01)  # the others claim while this one runs
+        assert current_run() is run
+        return "ran"
+
+    async def main() -> list[str | None]:
+        ticking = asyncio.ensure_future(ticker.run())
+        try:
+            return await asyncio.gather(*(body.run_for_slot(SLOT) for _ in range(50)))
+        finally:
+            ticker.stop = True
+            await ticking
+
+    with (
+        receiving(duplicate_suppressed, on_duplicate),
+        receiving(run_started, on_step),
+        receiving(run_succeeded, on_step),
+    ):
+        results = asyncio.run(main())
+
+    assert results.count("ran") == 1 and results.count(None) == 49
+    assert len(ran) == 1 and active_run() is None
+    assert sum(losers.values()) == 49 and ticker.loop_thread not in losers
+    run = TaskRun.objects.get(task_name="tests.async.many")
+    assert (run.state, run.fence) == (RunState.SUCCEEDED, ran[0].fence)
+    assert counted_duplicates("tests.async.many") == 49
+
+
+@pytest.mark.once
+def test_async__lease_renewed_while_awaiting_and_current_run_inside():
+    @once_per_schedule(name="tests.async.lease", lease_seconds=2)
+    async def body() -> dict[str, Any]:
+        run = current_run()
+        first_deadline = run.deadline
+        row = await in_thread(lambda: run.run)  # the row: read off the loop
+        while time.monotonic() < first_deadline + 0.7:  # outlive the first lease
+            await asyncio.sleep(0.05)
+        run.check()  # renewed meanwhile: no LeaseLost
+        lease_until = await in_thread(lambda: TaskRun.objects.get(pk=run.id).lease_until)
+        return {"renewed": run.deadline > first_deadline, "row": row.pk == run.id,
+                "lease_until": lease_until, "first": row.lease_until, "slot": run.slot}  # fmt: skip
+
+    outcome = asyncio.run(body.run_for_slot(SLOT))
+    assert outcome["renewed"] and outcome["row"] and outcome["slot"] == SLOT
+    assert outcome["lease_until"] > outcome["first"]
+    assert TaskRun.objects.get(task_name="tests.async.lease").state == RunState.SUCCEEDED
+    assert heartbeat.heartbeats.live() == 0
+
+
+@pytest.mark.once
+def test_async__lease_lost_when_taken_over_check_raises_and_finish_is_refused():
+    """An operator abandons the running row: the next renewal is refused, ``check()`` in
+    the coroutine raises ``LeaseLost``, and nothing more is recorded for the attempt."""
+
+    def abandon(run_id: int) -> None:
+        row = ledger.read_by_id(run_id)
+        assert row is not None
+        assert ledger.abandon(row, actor="tests", reason="taken away", lease="") is not None
+
+    @once_per_schedule(name="tests.async.lost", lease_seconds=3)
+    async def body() -> str:
+        run = current_run()
+        await in_thread(lambda: abandon(run.id))
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            run.check()
+            await asyncio.sleep(0.05)
+        return "not lost"
+
+    with pytest.raises(LeaseLost, match="lost its lease"):
+        asyncio.run(body.run_for_slot(SLOT))
+    run = TaskRun.objects.get(task_name="tests.async.lost")
+    assert (run.state, run.error) == (RunState.ABANDONED, "taken away")
+    assert heartbeat.heartbeats.live() == 0
+
+
+@pytest.mark.once
+def test_async__exception_reaches_the_caller_and_is_recorded():
+    @once_per_key(key="order:{n}")
+    async def charge(n: int) -> int:
+        await asyncio.sleep(0)
+        raise ValueError(f"card {n} declined")
+
+    with pytest.raises(ValueError, match="card 7 declined"):
+        asyncio.run(charge(7))
+    run = TaskRun.objects.get(key="order:7")
+    assert run.state == RunState.FAILED and run.error == "ValueError: card 7 declined"
+    assert asyncio.run(charge(7)) is None  # a failed key is over
+
+
+@pytest.mark.once
+def test_async__keyed_duplicates_on_one_loop_get_the_stored_result(lock_backend):
+    calls = 0
+
+    @once_per_key(key="doc:{n}", return_result=True)
+    async def render(n: int) -> dict[str, int]:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+        return {"n": n}
+
+    async def main() -> list[Any]:
+        first = await asyncio.gather(*(render(1) for _ in range(10)))
+        return [*first, await render(1)]
+
+    results = asyncio.run(main())
+    assert calls == 1 and results.count({"n": 1}) >= 2  # the winner and the late caller
+    assert results.count(None) + results.count({"n": 1}) == 11
+
+
+@pytest.mark.once
+def test_async__cancelled_while_running_is_recorded_and_raised(lock_backend):
+    started = threading.Event()
+
+    @once_per_schedule(name="tests.async.cancel")
+    async def body() -> str:
+        started.set()
+        await asyncio.Event().wait()  # until cancelled
+        return "never"
+
+    async def main() -> None:
+        task = asyncio.ensure_future(body.run_for_slot(SLOT))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
+    assert_cancelled_and_freed("tests.async.cancel")
+
+
+@pytest.mark.once
+def test_async__wait_for_timeout_raises_timeout_error_and_is_recorded():
+    """``asyncio.wait_for`` cancels the call when its timeout passes (during the claim or
+    the body, whichever it meets): the caller gets its ``TimeoutError``, the run is recorded."""
+
+    @once_per_schedule(name="tests.async.timeout")
+    async def body() -> None:
+        await asyncio.Event().wait()  # never returns
+
+    async def main() -> None:
+        await asyncio.wait_for(body.run_for_slot(SLOT), timeout=0.5)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(main())
+    assert_cancelled_and_freed("tests.async.timeout")
+
+
+@pytest.mark.once
+def test_async__cancelled_during_the_claim_is_recorded_and_never_runs(lock_backend):
+    """Cancelled while its claim is in a worker thread: the claim is seen through, then
+    recorded as interrupted; the function never starts."""
+    in_claim, cancelled = threading.Event(), threading.Event()
+    ran = []
+
+    def hold_the_claim(**kwargs: Any) -> None:
+        in_claim.set()
+        assert cancelled.wait(WAIT)
+
+    @once_per_schedule(name="tests.async.cancel_claim")
+    async def body() -> None:
+        ran.append(1)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(body.run_for_slot(SLOT))
+        while not in_claim.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.05)  # the cancellation is delivered while the claim still waits
+        cancelled.set()
+        await task
+
+    with receiving(run_started, hold_the_claim), pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
+    assert ran == []
+    assert_cancelled_and_freed("tests.async.cancel_claim")
+
+
+def assert_cancelled_and_freed(task_name: str) -> None:
+    run = TaskRun.objects.get(task_name=task_name)
+    assert run.state == RunState.ABANDONED
+    assert run.transitions.order_by("id").last().reason == "interrupted (CancelledError)"  # type: ignore[union-attr]
+    assert heartbeat.heartbeats.live() == 0
+    lock = get_backend()
+    key = lock.key_for(task_name, SLOT, None)
+    probe = lock.acquire(key, "probe", 5, task_name)  # BYPASSED: the row is the lock
+    assert probe in (Acquired.WON, Acquired.BYPASSED), "the lock was not freed"
+    lock.release(key, "probe")
+
+
+@pytest.mark.once
+def test_async__run_schedules_fires_a_coroutine_function():
+    """The scheduler's threads have no loop: a registered coroutine function is run to its end."""
+    seen: list[ActiveRun] = []
+
+    @once_per_schedule(name="tests.async.fired", every=timedelta(minutes=1))
+    async def tick() -> None:
+        await asyncio.sleep(0)
+        seen.append(current_run())
+
+    try:
+        assert entries()["tests.async.fired"].fire(SLOT) is True
+    finally:
+        unregister("tests.async.fired")
+    assert len(seen) == 1 and seen[0].slot == SLOT
+    assert TaskRun.objects.get(task_name="tests.async.fired").state == RunState.SUCCEEDED
+
+
+PROCESSES, SLOTS, TASKS = 4, 20, 5
+
+
+@pytest.mark.parametrize("backend", ["database", "redis"])
+def test_async_race__processes_each_with_a_loop_of_tasks_run_each_slot_once(
+    backend, child_env, scratch, request
+):
+    """4 processes, each a loop with 5 tasks on each of 20 slots: every slot runs once."""
+    env = child_env
+    if backend == "redis":
+        env = child_redis_env(child_env, request.getfixturevalue("redis_server"))
+    log, task = scratch / "executions.log", f"tests.async_race.{backend}"
+    argv = [python(), "-m", "tests.proc", "async_race", "--task", task, "--log", str(log),
+            "--slots", str(SLOTS), "--tasks", str(TASKS), "--go", str(go_file(log))]  # fmt: skip
+    racers = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(PROCESSES)
+    ]
+    release(racers, go_file(log))
+    outcomes = []
+    for racer in racers:
+        out, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+
+    executions = Counter(line.split()[0] for line in Path(log).read_text().splitlines())
+    assert len(executions) == SLOTS and set(executions.values()) == {1}, executions
+    assert sum(o["won"] for o in outcomes) == SLOTS
+    assert sum(o["lost"] for o in outcomes) == SLOTS * (PROCESSES * TASKS - 1)
+    assert_raced(outcomes)
+    if backend == "redis":
+        with _redis(request):
+            cleanup_locks()  # fold the duplicates counted in Redis into the rows
+    runs = TaskRun.objects.filter(task_name=task)
+    assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    assert sum(runs.values_list("duplicates", flat=True)) == SLOTS * (PROCESSES * TASKS - 1)
+
+
+@contextmanager
+def _redis(request: pytest.FixtureRequest) -> Iterator[None]:
+    from .redis_support import redis_backend
+
+    with redis_backend(request.getfixturevalue("redis_server")):
+        yield
