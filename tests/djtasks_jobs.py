@@ -10,6 +10,7 @@ the Immediate backend). Every execution appends ``TASK SLOT-OR-KEY PID TIME`` to
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from datetime import timedelta
@@ -47,6 +48,16 @@ def charge(order_id: int) -> int:
     run = current_run()
     _note(f"{run.task_name} {run.key}")
     return order_id
+
+
+# A coroutine function under the guard, under @task(): the carried slot reaches it too.
+@task(backend=BACKEND)
+@once_per_schedule(every=timedelta(minutes=1), name="tests.djtasks.atick")
+async def atick() -> str:
+    await asyncio.sleep(0)
+    run = current_run()
+    _note(f"{run.task_name} {run.slot.isoformat()}")
+    return run.slot.isoformat()
 
 
 # On the Dummy backend: enqueued, never run (a queue with no worker).

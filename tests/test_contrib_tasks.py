@@ -97,6 +97,15 @@ def test_enqueue_for_slot__the_slot_travels_and_is_claimed_not_recomputed(jobs):
     assert TaskRun.objects.get(task_name="tests.djtasks.tick").duplicates == 1
 
 
+def test_enqueue_for_slot__a_coroutine_function_gets_its_carried_slot(jobs):
+    slot = latest(MINUTE) - 3 * MINUTE
+    assert enqueue_for_slot(jobs.atick, slot).return_value == slot.isoformat()
+    assert enqueue_for_slot(jobs.atick, slot).return_value is None  # the slot is done
+    run = TaskRun.objects.get(task_name="tests.djtasks.atick")
+    assert (run.slot, run.state, run.duplicates) == (slot, RunState.SUCCEEDED, 1)
+    assert jobs.executed == [f"tests.djtasks.atick {slot.isoformat()}"]
+
+
 def test_task__enqueued_without_a_slot_runs_the_schedules_latest(jobs):
     result = jobs.tick.enqueue()
     run = TaskRun.objects.get(task_name="tests.djtasks.tick")
