@@ -99,6 +99,36 @@ def test_collation__names_and_keys_that_differ_in_case_or_trailing_space_are_dis
 
 @mariadb_only
 @pytest.mark.django_db(transaction=True)
+def test_charset__keys_and_names_outside_latin1_on_a_latin1_database():
+    """Many servers default to latin1: the tables are utf8mb4 (migration 0009), and the
+    compound statement's variables must say so too, or such a key fails to be read."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@character_set_database, DATABASE()")
+        charset, name = cursor.fetchone()
+        cursor.execute(f"ALTER DATABASE `{name}` CHARACTER SET latin1")
+    connection.close()  # the next statements see the database's new default
+    try:
+        for n, key in enumerate(("order:日本", "emoji:🎉", "é")):
+            won = ledger.claim(
+                "tests.mariadb.日本", SLOT, f"h:1:{n}", 30, abandon_is_final=True, key=key
+            )
+            assert won.owner == f"h:1:{n}"
+            assert (
+                ledger.claim(
+                    "tests.mariadb.日本", SLOT, f"h:2:{n}", 30, abandon_is_final=True, key=key
+                ).owner
+                == f"h:1:{n}"
+            )  # the second claim finds the first one's row
+        keys = TaskRun.objects.filter(task_name="tests.mariadb.日本").values_list("key", flat=True)
+        assert sorted(keys) == sorted(["order:日本", "emoji:🎉", "é"])
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER DATABASE `{name}` CHARACTER SET {charset}")
+        connection.close()
+
+
+@mariadb_only
+@pytest.mark.django_db(transaction=True)
 def test_fences__come_from_a_sequence_that_never_goes_back():
     first = ledger.claim("tests.mariadb.fence", SLOT, "h:1:a", 30, abandon_is_final=True)
     assert first.fence is not None
@@ -222,6 +252,42 @@ def lease_until(run_id: int) -> datetime:
     value = TaskRun.objects.filter(pk=run_id).values_list("lease_until", flat=True).get()
     assert value is not None
     return value
+
+
+@mariadb_only
+@pytest.mark.timeout(60)
+@pytest.mark.django_db(transaction=True)
+def test_claim__a_lock_wait_timeout_is_a_clear_error_not_a_contention_retry():
+    """MariaDB's driver raises OperationalError for a lock wait timeout too: the caller
+    gets the server's error, not three rounds of read-backs and a wrong verdict."""
+    import MySQLdb
+
+    from django_taskguard.exceptions import BackendUnavailable
+
+    ran = []
+
+    @once_per_schedule(name="tests.mariadb.locked")
+    def locked() -> None:
+        ran.append(1)
+
+    row = ledger.claim("tests.mariadb.locked", BASE_SLOT, "h:1:a", 30, abandon_is_final=True)
+    params = connection.settings_dict
+    other = MySQLdb.connect(
+        host=params["HOST"], port=int(params["PORT"]), user=params["USER"], db=params["NAME"]
+    )
+    try:
+        cursor = other.cursor()
+        cursor.execute("START TRANSACTION")
+        cursor.execute("SELECT id FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [row.id])
+        with connection.cursor() as ours:  # InnoDB's wait is 50 s by default
+            ours.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        with pytest.raises(BackendUnavailable, match="Lock wait timeout"):
+            locked.run_for_slot(BASE_SLOT)
+        other.rollback()
+    finally:
+        other.close()
+    assert not ran
+    assert TaskRun.objects.get(id=row.id).owner == "h:1:a"
 
 
 @mariadb_only

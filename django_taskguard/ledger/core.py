@@ -106,9 +106,24 @@ def connection_lost(exc: Exception) -> bool:
     """True when ``exc`` may have cut a statement off mid-flight (outcome unknown).
 
     Only a networked database loses connections; SQLite raises
-    ``OperationalError`` for real errors too, which must not be retried.
+    ``OperationalError`` for real errors too, which must not be retried. So does
+    MariaDB's driver (a value the column refuses, a lock wait or statement timeout):
+    there only the errors below leave the outcome unknown, or rolled back whole.
     """
-    return isinstance(exc, CONNECTION_ERRORS) and connections[alias()].vendor != "sqlite"
+    if not isinstance(exc, CONNECTION_ERRORS):
+        return False
+    vendor = connections[alias()].vendor
+    if vendor == "mysql":
+        number = exc.args[0] if exc.args else None
+        return isinstance(exc, InterfaceError) or number in MARIADB_CUT_OFF
+    return vendor != "sqlite"
+
+
+# MariaDB errors after which a write's outcome is unknown or was rolled back whole, so
+# reading the row back decides: server gone (2006), connection lost mid-query (2013,
+# 2055), connection killed (1927), cannot connect (2002, 2003), deadlock (1213: InnoDB
+# rolled the transaction back).
+MARIADB_CUT_OFF = frozenset({2002, 2003, 2006, 2013, 2055, 1927, 1213})
 
 
 def settle_connection() -> None:

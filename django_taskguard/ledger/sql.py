@@ -189,8 +189,12 @@ _CLAIM_KEY_UPSERT = (
 # commit it (see :func:`core.in_autocommit`).
 _BLOCK = (
     "BEGIN NOT ATOMIC "
-    "DECLARE v_id, v_attempt, v_fence BIGINT; DECLARE v_state VARCHAR(16); "
-    "DECLARE v_owner, v_key VARCHAR(255); DECLARE v_lease DATETIME(6); "
+    # The text variables say their character set: undeclared, they take the database's
+    # default (latin1 on many servers), and a key outside it would fail to be read.
+    "DECLARE v_id, v_attempt, v_fence BIGINT; "
+    "DECLARE v_state VARCHAR(16) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin; "
+    "DECLARE v_owner, v_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin; "
+    "DECLARE v_lease DATETIME(6); "
     "DECLARE v_left DECIMAL(30, 6); "
     "DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END; "
     "START TRANSACTION; {body} COMMIT; "
