@@ -262,8 +262,9 @@ def duplicate(task_name: str, slot: datetime, state: str, policy: Policy) -> Non
 
 def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) -> bool:
     """``catchup="none"``: a scheduled call later than ``grace`` after its slot is
-    recorded ``missed`` and not run. False when it is in time, or when the slot has a
-    row already (then the claim decides, as for any call)."""
+    recorded ``missed`` and not run, and so is a slot handed to a task queue (``pending``)
+    that a worker starts that late. False when it is in time, or when the slot has any
+    other row (then the claim decides, as for any call)."""
     late = now - slot
     if policy.catchup != "none" or late <= policy.grace:
         return False
@@ -271,7 +272,18 @@ def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) 
         f"late: called {late.total_seconds():.1f}s after its slot; catchup='none' runs a "
         f"slot only within its grace ({policy.grace.total_seconds():g}s)"
     )
-    return _record_refusal(task_name, slot, RunState.MISSED, reason)
+    if _record_refusal(task_name, slot, RunState.MISSED, reason):
+        return True
+    try:
+        ended = ledger.end_pending_slot(
+            task_name, slot, state=RunState.MISSED, reason=reason, actor=actor("guard")
+        )
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
+    if ended:
+        logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
+        run_missed.send(sender=task_name, slot=slot, reason=reason)
+    return ended
 
 
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:

@@ -68,6 +68,8 @@ def _sweep_one(
 ) -> None:
     start = max(row.swept_until or row.first_seen, floor)
     end = now - row.grace
+    if not dry_run:
+        _end_pending(row, end, result)
     if end <= start:
         return
     schedule = rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
@@ -86,13 +88,14 @@ def _sweep_one(
             logger.warning("taskguard %s: %d due slots were missed", row.task_name, total)
             run_missed.send(sender=row.task_name, slot=missing[-1], reason=rows[-1][2], count=total)
     if not dry_run:
-        _end_pending(row, start, end, result)
         store.mark_swept(row.task_name, end)
 
 
-def _end_pending(row: TaskSchedule, start: datetime, end: datetime, result: SweepResult) -> None:
-    """Slots handed to a task queue (``pending``) that no worker started within their grace
-    end like slots nobody fired (a late worker may still run a missed one: catch-up)."""
+def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
+    """Slots handed to a task queue (``pending``) at or before ``end`` (their grace ago)
+    that no worker started end like slots nobody fired (a late worker may still run a
+    missed one: catch-up). By hand-out time, whatever the slot: a backfilled slot is old
+    when it is handed out."""
     if row.paused:
         state = RunState.SKIPPED
         why = f"paused: {row.paused_reason or 'paused'} (enqueued, not started; the sweep)"
@@ -100,15 +103,14 @@ def _end_pending(row: TaskSchedule, start: datetime, end: datetime, result: Swee
         state = RunState.MISSED
         grace = row.grace.total_seconds()
         why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
-    ended = ledger.end_pending(
-        row.task_name,
-        start,
-        end,
-        state=state,
-        reason=why,
-        actor=actor("sweep"),
-        limit=ENUMERATE_CAP,
-    )
+    ended: list[datetime] = []
+    while True:  # in batches, until none is left
+        batch = ledger.end_pending(
+            row.task_name, end, state=state, reason=why, actor=actor("sweep"), limit=ENUMERATE_CAP
+        )
+        ended += batch
+        if len(batch) < ENUMERATE_CAP:
+            break
     if not ended:
         return
     result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + len(ended)

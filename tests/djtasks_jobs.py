@@ -67,6 +67,18 @@ def parked() -> None:
     _note(f"tests.djtasks.parked {current_run().slot.isoformat()}")
 
 
+# catchup="none": a slot is run within its grace of the slot or not at all.
+@task(backend="dummy")
+@once_per_schedule(
+    every=timedelta(minutes=1),
+    catchup="none",
+    grace=timedelta(seconds=5),
+    name="tests.djtasks.strict",
+)
+def strict() -> None:
+    _note(f"tests.djtasks.strict {current_run().slot.isoformat()}")
+
+
 # A schedule no task wraps: run_schedules --enqueue has nowhere to send it.
 @once_per_schedule(every=timedelta(minutes=1), name="tests.djtasks.plain")
 def plain() -> None:

@@ -216,6 +216,36 @@ def test_enqueued_never_started__the_sweep_records_it_missed_a_late_worker_still
 
 
 @override_settings(**JOBS)
+def test_backfilled_never_started__ended_by_when_it_was_handed_out_not_by_its_slot(jobs):
+    """A slot long past, handed out by backfill, is outside every sweep window by slot:
+    it is ended once no worker started it within its grace of being handed out."""
+    first_seen_ago("tests.djtasks.parked", minutes=5)
+    entry = registry.entries()["tests.djtasks.parked"]
+    old = latest(MINUTE) - 30 * MINUTE  # before the schedule was first seen: no sweep's
+    assert hand_off(entry, old, scheduled=False).startswith("enqueued")
+
+    sweep_missed(now=ledger.database_now())  # just handed out: within its grace
+    assert ledger.read("tests.djtasks.parked", old).state == RunState.PENDING
+    result = sweep_missed(now=ledger.database_now() + 10 * MINUTE)
+    run = TaskRun.objects.get(task_name="tests.djtasks.parked", slot=old)
+    assert run.state == RunState.MISSED and result.missed_slots >= 1
+    assert run.error.startswith("missed: enqueued, but no worker started it")
+
+
+@override_settings(**JOBS)
+def test_enqueued_catchup_none__a_worker_past_the_grace_records_it_missed_not_run(jobs):
+    registry.discover()
+    entry = registry.entries()["tests.djtasks.strict"]
+    slot = latest(MINUTE) - 2 * MINUTE  # past its 5 s grace
+    assert hand_off(entry, slot, scheduled=False).startswith("enqueued")
+    assert jobs.strict.call(**{SLOT_KWARG: slot.isoformat()}) is None
+    run = TaskRun.objects.get(task_name="tests.djtasks.strict", slot=slot)
+    assert run.state == RunState.MISSED and run.error.startswith("late: called")
+    assert [(t.from_state, t.to_state) for t in run.transitions.all()] == [("pending", "missed")]
+    assert jobs.executed == []
+
+
+@override_settings(**JOBS)
 def test_hand_off__a_failed_enqueue_gives_the_slot_back(jobs):
     registry.discover()
     entry = registry.entries()["tests.djtasks.parked"]

@@ -89,7 +89,7 @@ from .monitoring import (
     task_facts,
     window_summary,
 )
-from .pending import end_pending, give_back_pending, insert_pending
+from .pending import end_pending, end_pending_slot, give_back_pending, insert_pending
 from .records import (
     add_duplicates,
     count_slots,
@@ -139,6 +139,7 @@ __all__ = [
     "dialect",
     "earlier_slot_running",
     "end_pending",
+    "end_pending_slot",
     "ensure_autocommit",
     "ensure_ledger_row",
     "ensure_reachable",

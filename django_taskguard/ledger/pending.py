@@ -11,7 +11,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.db import DatabaseError
+from django.db.models import QuerySet
 
+from ..models import TaskRun
 from ..states import RunState
 from . import sql
 from .core import (
@@ -50,28 +52,57 @@ def give_back_pending(run_id: int) -> bool:
 
 def end_pending(
     task_name: str,
-    after: datetime,
-    until: datetime,
+    handed_out_by: datetime,
     *,
     state: str,
     reason: str,
     actor: str,
     limit: int,
 ) -> list[datetime]:
-    """The ``pending`` slots of ``task_name`` in ``(after, until]`` (at most ``limit``,
-    oldest first) become ``state`` (``missed``, or ``skipped``); returns those changed."""
+    """The ``pending`` rows of ``task_name`` handed out at or before ``handed_out_by``
+    (at most ``limit``, oldest slot first) become ``state`` (``missed``, or ``skipped``);
+    returns the slots changed.
+
+    Judged by when the slot was handed out, not by the slot: ``backfill --enqueue`` hands
+    out slots long past, and a row no worker starts must end whatever its slot.
+    """
+    return _end(
+        runs().filter(created_at__lte=handed_out_by).order_by("slot"),
+        task_name,
+        state=state,
+        reason=reason,
+        actor=actor,
+        limit=limit,
+    )
+
+
+def end_pending_slot(
+    task_name: str, slot: datetime, *, state: str, reason: str, actor: str
+) -> bool:
+    """The ``pending`` row of (``task_name``, ``slot``), if there is one and nothing started
+    it, becomes ``state``; True when this call changed it."""
+    found = _end(
+        runs().filter(slot=slot), task_name, state=state, reason=reason, actor=actor, limit=1
+    )
+    return bool(found)
+
+
+def _end(
+    candidates: QuerySet[TaskRun],
+    task_name: str,
+    *,
+    state: str,
+    reason: str,
+    actor: str,
+    limit: int,
+) -> list[datetime]:
+    """Compare-and-set each pending row of ``candidates`` to ``state``: a worker's claim
+    that got there first wins, and the row is left to it."""
     try:
         found = list(
-            runs()
-            .filter(
-                task_name=task_name,
-                key__isnull=True,
-                state=RunState.PENDING,
-                slot__gt=after,
-                slot__lte=until,
-            )
-            .order_by("slot")
-            .values_list("id", "slot", "attempt", "fence", "owner", "lease_until")[:limit]
+            candidates.filter(
+                task_name=task_name, key__isnull=True, state=RunState.PENDING
+            ).values_list("id", "slot", "attempt", "fence", "owner", "lease_until")[:limit]
         )
         ended = []
         stored = clip(reason, ERROR_MAX_LENGTH)
