@@ -281,6 +281,29 @@ def test_reset_locks__the_database_backend_has_no_keys_and_caches_are_rebuilt(ta
     assert get_backend() is not before
 
 
+def test_reset_locks__a_second_process_on_the_same_database_gets_its_own_identity(
+    taskguard, child_env
+):
+    """``manage.py test --parallel`` clones one test database for every worker: without
+    an identity of its own, each worker would use (and reset) the others' Redis keys."""
+    ours = ledger.identity()
+    probe = (
+        "import django; django.setup()\n"
+        "from django_taskguard import ledger\n"
+        "from django_taskguard.testing import reset_locks\n"
+        "before = ledger.identity(); reset_locks(); reset_locks()\n"
+        "print(before, ledger.identity())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=child_env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()
+    assert before == ours  # the database's, which this process gave it
+    assert after != ours  # the child's own, once, whatever the number of resets
+    assert ledger.identity() == ours
+
+
 class TaskguardTestCaseTests(TaskguardTestCase):
     def test_a_guarded_call_commits_and_is_asserted(self) -> None:
         assert run_for_slot(quarterly, BASE_SLOT) == "ran "

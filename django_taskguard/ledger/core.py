@@ -325,6 +325,24 @@ def identity() -> str:
     return value
 
 
+def new_identity() -> str:
+    """Give this ledger a new identity, and return it (the test kit's, once per process).
+
+    Processes that share a cloned test database (``manage.py test --parallel``) would
+    otherwise share one identity, and so one another's Redis keys. Not for a live
+    ledger: the keys under its old identity would be orphaned until they expire.
+    """
+    name = alias()
+    value = uuid.uuid4()
+    try:
+        ensure_ledger_row(name)
+        Ledger.objects.using(name).filter(id=1).update(identity=value)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    _identities[name] = value.hex
+    return value.hex
+
+
 def ensure_ledger_row(using: str | None = None) -> Ledger:
     """The ledger's row; made (fences counted on from the highest stored) when missing.
 
