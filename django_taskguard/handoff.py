@@ -18,7 +18,7 @@ from datetime import datetime
 from django.utils import timezone
 
 from . import ledger
-from .exceptions import BackendUnavailable, TaskGuardError
+from .exceptions import TaskGuardError
 from .guard import refused_late
 from .registry import Entry
 
@@ -50,7 +50,7 @@ def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
 def _give_back(task_name: str, slot: datetime, run_id: int) -> None:
     try:
         given = ledger.give_back_pending(run_id)
-    except BackendUnavailable as exc:
+    except Exception as exc:  # whatever it is, the enqueue's own error is the one raised
         logger.warning(
             "taskguard %s slot %s: the enqueue failed and its pending row %s could not be "
             "given back (%s); the sweep records it missed after its grace",
