@@ -711,6 +711,15 @@ def test_e2e__rabbitmq_worker_sigkilled_mid_slot_every_slot_once(rabbit_cluster,
     drain([name])
 
     sends = Counter(slot for _, slot, _ in published(cluster))
+
+    # drain() waits for the runs, not for the last copies the two beats sent: one may
+    # still be on its way to a worker. Wait for each to be counted (one that never
+    # arrives fails here).
+    def counted() -> bool:
+        found = dict(TaskRun.objects.filter(task_name=name).values_list("slot", "duplicates"))
+        return all(found.get(slot, -1) >= sent - 1 for slot, sent in sends.items())
+
+    wait_for(counted, 30, "every copy the beats sent to reach a worker")
     runs = {run.slot: run for run in TaskRun.objects.filter(task_name=name)}
     assert set(runs) == set(sends) and len(sends) >= 4
     gaps = [b for a, b in itertools.pairwise(sorted(sends)) if b - a != timedelta(seconds=2)]
