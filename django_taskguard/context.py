@@ -36,6 +36,9 @@ class ActiveRun:
     key: str | None = None  # an @once_per_key run's key (its slot: when the key was claimed)
     lost: threading.Event = field(default_factory=threading.Event)
     lost_reason: str = ""
+    # Set once the attempt's end is recorded: a task the coroutine spawned (it inherits
+    # current_run()) or a thread that outlived the call learns it holds nothing any more.
+    ended: threading.Event = field(default_factory=threading.Event)
     _lost_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +84,11 @@ class ActiveRun:
         raised, it keeps raising (a renewal that comes back late does not undo
         what the caller was told).
         """
+        if self.ended.is_set():
+            raise LeaseLost(
+                f"{self.task_name!r} slot {self.slot.isoformat()} attempt {self.attempt} "
+                f"(fence {self.fence}) has ended: it holds no lease any more"
+            )
         if not self.lease_valid():
             self.mark_lost("the lease was not renewed before its deadline")
             reason = self.lost_reason

@@ -15,19 +15,31 @@ The coroutine itself is awaited on the loop, with ``current_run()`` set in its
 task's context. A step in flight when the task is cancelled is waited for (a
 thread cannot be stopped, and a claim nobody sees through would hold its slot
 until its lease lapsed); then the attempt is recorded like any interrupted one
-and the ``CancelledError`` is raised.
+and the ``CancelledError`` is raised. When nobody can wait any more (the loop is
+closing and cancels the step too, or the coroutine is closed and never resumed), an
+attempt claimed meanwhile is ended where it is found: by the claiming thread itself
+if it has not handed the attempt over yet, else in a thread of its own.
+
+The steps run on one bounded pool of threads for the whole process (not the loop's
+default executor): its threads outlive event loops, so a connection kept by
+``CONN_MAX_AGE`` is reused instead of piling up with every ``asyncio.run``, and the
+number of connections the ledger holds is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import AsyncToSync, sync_to_async
 from django.db import close_old_connections
 
+from . import ledger
 from .context import activate
 from .guard import REFUSED, Attempt, Refused, Started
 
@@ -49,7 +61,13 @@ async def execute(
     attempt's end. Returns what the plain path returns: the result, or what a refused
     call returns (``None``, a key's stored result).
     """
-    started, cancelled = await _settled(functools.partial(_open, begin))
+    await _refuse_in_callers_transaction()
+    handoff = _Handoff(begin)
+    try:
+        started, cancelled = await _settled(handoff.open)
+    except BaseException:
+        handoff.give_up()  # nobody will see a claim made meanwhile through: it is ended
+        raise
     if isinstance(started, Refused):
         if cancelled is not None:
             raise cancelled
@@ -60,6 +78,9 @@ async def execute(
     with activate(started.active):
         try:
             result = await func(*args, **kwargs)
+        except GeneratorExit as exc:  # closed, never to be resumed: no awaiting now
+            _end_elsewhere(started, exc)
+            raise
         except BaseException as exc:  # CancelledError too: recorded, then raised
             await _settled(functools.partial(started.raised, exc))
             raise
@@ -69,11 +90,73 @@ async def execute(
     return returned
 
 
-def _open(begin: Begin) -> Started:
-    started = begin()
-    if isinstance(started, Attempt) and not started.open():
-        return REFUSED
-    return started
+async def _refuse_in_callers_transaction() -> None:
+    """Refuse a claim inside the transaction of the sync code that called us.
+
+    Django's connections are per thread: the worker threads never see the caller's
+    ``atomic`` block. A caller that reached this coroutine through ``async_to_sync``
+    has a sync thread waiting for it, where its transaction lives: the check runs
+    there (no I/O). Under a plain event loop there is no such thread and no check.
+    """
+    executors = getattr(AsyncToSync, "executors", None)  # asgiref's: set by async_to_sync
+    if executors is None or hasattr(executors, "current"):
+        await sync_to_async(ledger.ensure_autocommit, thread_sensitive=True)()
+
+
+class _Handoff:
+    """The claim, made in a worker thread, handed to the awaiting coroutine; or, when
+    the coroutine gave up waiting, ended by whichever side finds the other gone."""
+
+    def __init__(self, begin: Begin) -> None:
+        self._begin = begin
+        self._lock = threading.Lock()
+        self._gave_up = False
+        self._delivered: Attempt | None = None
+
+    def open(self) -> Started:
+        """In the worker thread: claim and open the attempt, and hand it over."""
+        started = self._begin()
+        if isinstance(started, Attempt) and not started.open():
+            return REFUSED
+        if isinstance(started, Attempt):
+            with self._lock:
+                if not self._gave_up:
+                    self._delivered = started
+                    return started
+            started.raised(asyncio.CancelledError())  # nobody awaits it any more
+            return REFUSED
+        return started
+
+    def give_up(self) -> None:
+        """On the loop: the coroutine will not see the claim through."""
+        with self._lock:
+            self._gave_up = True
+            delivered, self._delivered = self._delivered, None
+        if delivered is not None:  # handed over, but the result never reached us
+            _end_elsewhere(delivered, asyncio.CancelledError())
+
+
+def _end_elsewhere(started: Attempt, exc: BaseException) -> None:
+    """Record ``started`` interrupted by ``exc`` from a thread of its own (the loop can no
+    longer wait for it; a non-daemon thread, so that the process waits for the record)."""
+    threading.Thread(
+        target=_step, args=(functools.partial(started.raised, exc),), name="taskguard-end"
+    ).start()
+
+
+# The worker threads of every guarded coroutine call in this process (made per process:
+# a forked child makes its own). Bounded like asyncio's default executor.
+_POOL_SIZE = min(32, (os.cpu_count() or 1) + 4)
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="taskguard"))
+        return _pool[1]
 
 
 async def _settled(step: Callable[[], T]) -> tuple[T, asyncio.CancelledError | None]:
@@ -82,7 +165,8 @@ async def _settled(step: Callable[[], T]) -> tuple[T, asyncio.CancelledError | N
 
     An exception of the step is raised (it wins over a cancellation).
     """
-    future = asyncio.ensure_future(sync_to_async(_step, thread_sensitive=False)(step))
+    call = sync_to_async(_step, thread_sensitive=False, executor=_executor())
+    future = asyncio.ensure_future(call(step))
     cancelled: asyncio.CancelledError | None = None
     while True:
         try:

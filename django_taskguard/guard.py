@@ -419,7 +419,10 @@ class Attempt:
             self._free(ended)
 
     def _free(self, ended: bool) -> None:
-        _free(self.active, self.lock, self.key, ended, self.policy)
+        try:
+            _free(self.active, self.lock, self.key, ended, self.policy)
+        finally:
+            self.active.ended.set()
 
 
 def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: Policy) -> None:

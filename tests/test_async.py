@@ -35,7 +35,7 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.registry import entries, unregister
 from django_taskguard.signals import duplicate_suppressed, run_started, run_succeeded
 
-from .conftest import counted_duplicates, python
+from .conftest import counted_duplicates, python, wait_for
 from .redis_support import child_redis_env
 from .slots import BASE_SLOT
 from .test_race import assert_raced, go_file, release
@@ -310,6 +310,94 @@ def test_async__cancelled_during_the_claim_is_recorded_and_never_runs(lock_backe
         asyncio.run(main())
     assert ran == []
     assert_cancelled_and_freed("tests.async.cancel_claim")
+
+
+@pytest.mark.once
+def test_async__the_loop_closing_while_it_claims_leaves_no_live_attempt_behind(lock_backend):
+    """asyncio.run ends with the call still claiming (a fire-and-forget task): the loop
+    cancels the claim's step too, and nobody awaits it. The claiming thread ends the
+    attempt itself, instead of leaving it running with a live heartbeat."""
+    in_claim, loop_gone = threading.Event(), threading.Event()
+    ran = []
+
+    def hold_the_claim(**kwargs: Any) -> None:
+        in_claim.set()
+        assert loop_gone.wait(WAIT)
+
+    @once_per_schedule(name="tests.async.orphaned")
+    async def body() -> None:
+        ran.append(1)
+
+    async def main() -> None:
+        orphan = asyncio.ensure_future(body.run_for_slot(SLOT))  # never awaited
+        while not in_claim.is_set():
+            await asyncio.sleep(0.01)
+        assert not orphan.done()
+
+    with receiving(run_started, hold_the_claim):
+        asyncio.run(main())
+        loop_gone.set()
+
+        def ended() -> bool:
+            run = TaskRun.objects.filter(task_name="tests.async.orphaned").first()
+            return run is not None and run.state != RunState.RUNNING
+
+        wait_for(ended, WAIT, "the attempt nobody awaited to be ended")
+    assert ran == []
+    assert_cancelled_and_freed("tests.async.orphaned")
+
+
+@pytest.mark.once
+def test_async__refused_inside_the_transaction_of_the_sync_code_that_calls_it():
+    """async_to_sync from inside atomic(): the claim would commit on its own while the
+    caller's work could still roll back. Refused, as on the plain path."""
+    from asgiref.sync import async_to_sync
+    from django.db import transaction
+
+    from django_taskguard.exceptions import TaskGuardError
+
+    ran = []
+
+    @once_per_schedule(name="tests.async.in_atomic")
+    async def body() -> None:
+        ran.append(1)
+
+    with transaction.atomic(), pytest.raises(TaskGuardError, match="inside an open transaction"):
+        async_to_sync(body.run_for_slot)(SLOT)
+    assert ran == [] and not TaskRun.objects.filter(task_name="tests.async.in_atomic").exists()
+    assert async_to_sync(body.run_for_slot)(SLOT) is None and ran == [1]  # outside: it runs
+
+
+@pytest.mark.once
+def test_async__a_task_spawned_inside_learns_the_attempt_ended():
+    """A task the coroutine spawns inherits current_run(); after the call ended, check()
+    says the attempt holds no lease any more (it did not pass until the old deadline)."""
+    seen: list[str] = []
+    go = asyncio.Event
+
+    @once_per_schedule(name="tests.async.spawned")
+    async def body() -> asyncio.Task[None]:
+        started = go()
+
+        async def later() -> None:
+            await started.wait()
+            try:
+                current_run().check()
+                seen.append("passed")
+            except LeaseLost as exc:
+                seen.append(str(exc))
+
+        started_task = asyncio.ensure_future(later())
+        body.gate = started  # type: ignore[attr-defined]
+        return started_task
+
+    async def main() -> None:
+        spawned = await body.run_for_slot(SLOT)
+        body.gate.set()  # type: ignore[attr-defined]
+        await spawned
+
+    asyncio.run(main())
+    assert len(seen) == 1 and "has ended" in seen[0], seen
 
 
 def assert_cancelled_and_freed(task_name: str) -> None:
