@@ -116,16 +116,16 @@ class _Handoff:
     def open(self) -> Started:
         """In the worker thread: claim and open the attempt, and hand it over."""
         started = self._begin()
-        if isinstance(started, Attempt) and not started.open():
+        if not isinstance(started, Attempt):
+            return started
+        if not started.open():
             return REFUSED
-        if isinstance(started, Attempt):
-            with self._lock:
-                if not self._gave_up:
-                    self._delivered = started
-                    return started
-            started.raised(asyncio.CancelledError())  # nobody awaits it any more
-            return REFUSED
-        return started
+        with self._lock:
+            if not self._gave_up:
+                self._delivered = started
+                return started
+        started.raised(asyncio.CancelledError())  # nobody awaits it any more
+        return REFUSED
 
     def give_up(self) -> None:
         """On the loop: the coroutine will not see the claim through."""

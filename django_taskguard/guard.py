@@ -272,18 +272,7 @@ def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) 
         f"late: called {late.total_seconds():.1f}s after its slot; catchup='none' runs a "
         f"slot only within its grace ({policy.grace.total_seconds():g}s)"
     )
-    if _record_refusal(task_name, slot, RunState.MISSED, reason):
-        return True
-    try:
-        ended = ledger.end_pending_slot(
-            task_name, slot, state=RunState.MISSED, reason=reason, actor=actor("guard")
-        )
-    except BackendUnavailable as exc:
-        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
-    if ended:
-        logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
-        run_missed.send(sender=task_name, slot=slot, reason=reason)
-    return ended
+    return _record_refusal(task_name, slot, RunState.MISSED, reason, end_pending=True)
 
 
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
@@ -300,17 +289,26 @@ def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bo
     return _record_refusal(task_name, slot, RunState.SKIPPED, reason)
 
 
-def _record_refusal(task_name: str, slot: datetime, state: str, reason: str) -> bool:
+def _record_refusal(
+    task_name: str, slot: datetime, state: str, reason: str, *, end_pending: bool = False
+) -> bool:
     """Record a slot this call will not run (``missed`` or ``skipped``), with its signal.
 
     False when the slot has a row already: then the claim decides, as for any call.
+    ``end_pending``: a ``pending`` row (handed to a task queue, started by nobody) is
+    ended with ``state`` instead, by compare-and-set (False when a claim got there first).
     """
     insert = ledger.insert_missed if state == RunState.MISSED else ledger.insert_skipped
+    by = actor("guard")
     try:
-        run_id = insert(task_name, slot, reason=reason, actor=actor("guard"))
+        recorded = insert(task_name, slot, reason=reason, actor=by) is not None
+        if not recorded and end_pending:
+            recorded = ledger.end_pending_slot(
+                task_name, slot, state=state, reason=reason, actor=by
+            )
     except BackendUnavailable as exc:
         raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
-    if run_id is None:
+    if not recorded:
         return False
     logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
     signal = run_missed if state == RunState.MISSED else run_skipped
