@@ -8,6 +8,8 @@ the check's version rule is tested everywhere.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 
@@ -32,6 +34,25 @@ def deadlocks() -> int:
     with connection.cursor() as cursor:
         cursor.execute("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
         return int(cursor.fetchone()[1])  # type: ignore[index]
+
+
+@contextmanager
+def locked_elsewhere(run_id: int) -> Iterator[None]:
+    """The run's row locked ``FOR UPDATE`` by another connection while the block runs."""
+    import MySQLdb
+
+    params = connection.settings_dict
+    other = MySQLdb.connect(
+        host=params["HOST"], port=int(params["PORT"]), user=params["USER"], db=params["NAME"]
+    )
+    try:
+        cursor = other.cursor()
+        cursor.execute("START TRANSACTION")
+        cursor.execute("SELECT id FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [run_id])
+        yield
+        other.rollback()
+    finally:
+        other.close()
 
 
 def child_isolation(env: dict[str, str]) -> str:
@@ -178,24 +199,12 @@ def test_claim__one_compound_statement_commits_the_row_and_its_transition_or_nei
 def test_renew__a_bounded_renewal_gives_up_on_a_row_locked_elsewhere():
     """``SET STATEMENT max_statement_time=...`` bounds the renewal's wait for a lock held
     by another connection: the database's error comes back, the row is left as it was."""
-    import MySQLdb
-
     row = ledger.claim("tests.mariadb.renew", SLOT, "h:1:a", 30, abandon_is_final=True)
-    params = connection.settings_dict
-    other = MySQLdb.connect(
-        host=params["HOST"], port=int(params["PORT"]), user=params["USER"], db=params["NAME"]
-    )
-    try:
-        cursor = other.cursor()
-        cursor.execute("START TRANSACTION")
-        cursor.execute("SELECT id FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [row.id])
+    with locked_elsewhere(row.id):
         with pytest.raises(OperationalError) as raised:
             ledger.renew(row.id, row.fence, 600, timeout_seconds=0.5)  # type: ignore[arg-type]
         # 1969: max_statement_time exceeded; 1205: the lock wait timeout (1 s) came first.
         assert raised.value.args[0] in (1969, 1205), raised.value
-        other.rollback()
-    finally:
-        other.close()
     assert ledger.renew(row.id, row.fence, 600, timeout_seconds=0.5) is not None  # type: ignore[arg-type]
 
 
@@ -260,8 +269,6 @@ def lease_until(run_id: int) -> datetime:
 def test_claim__a_lock_wait_timeout_is_a_clear_error_not_a_contention_retry():
     """MariaDB's driver raises OperationalError for a lock wait timeout too: the caller
     gets the server's error, not three rounds of read-backs and a wrong verdict."""
-    import MySQLdb
-
     from django_taskguard.exceptions import BackendUnavailable
 
     ran = []
@@ -271,21 +278,11 @@ def test_claim__a_lock_wait_timeout_is_a_clear_error_not_a_contention_retry():
         ran.append(1)
 
     row = ledger.claim("tests.mariadb.locked", BASE_SLOT, "h:1:a", 30, abandon_is_final=True)
-    params = connection.settings_dict
-    other = MySQLdb.connect(
-        host=params["HOST"], port=int(params["PORT"]), user=params["USER"], db=params["NAME"]
-    )
-    try:
-        cursor = other.cursor()
-        cursor.execute("START TRANSACTION")
-        cursor.execute("SELECT id FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [row.id])
+    with locked_elsewhere(row.id):
         with connection.cursor() as ours:  # InnoDB's wait is 50 s by default
             ours.execute("SET SESSION innodb_lock_wait_timeout = 1")
         with pytest.raises(BackendUnavailable, match="Lock wait timeout"):
             locked.run_for_slot(BASE_SLOT)
-        other.rollback()
-    finally:
-        other.close()
     assert not ran
     assert TaskRun.objects.get(id=row.id).owner == "h:1:a"
 
