@@ -409,8 +409,6 @@ def once_per_schedule(
 
     def decorate(target: Callable[..., Any]) -> Any:
         refuse_task_object(target, "@once_per_schedule(...)")
-        if not callable(target):
-            raise InvalidSchedule(f"@once_per_schedule decorates a callable, not {target!r}")
         if bad_schedule is not None:
             where = name or dotted_name(target)
             raise InvalidSchedule(

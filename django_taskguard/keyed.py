@@ -255,8 +255,6 @@ def once_per_key(
 
     def decorate(target: Callable[..., Any]) -> Any:
         refuse_task_object(target, "@once_per_key(...)")
-        if not callable(target):
-            raise InvalidSchedule(f"@once_per_key decorates a callable, not {target!r}")
         where = name or dotted_name(target)
         if name is None:
             validate_task_name(where)
