@@ -152,18 +152,15 @@ def _claim_key(
                 row = to_row(one(sql.claim_key(d), [*params, owner]))
             elif d.compound and in_autocommit():
                 found = one(sql.claim_block(d, keyed=True), [*params, owner])
-                if found is not None and found[7] != key:
-                    # The upsert met another key's row on (task, slot): it changed nothing.
-                    raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
+                _refuse_another_keys_row(found, key, task_name, slot)
                 row = block_row(found)
             else:
                 with transaction.atomic(using=alias()):
                     if d.fence_counter:
                         bump_fence(d)
                     found = one(sql.claim_key(d), params)
-                    if not d.update_returning and found is not None and found[7] != key:
-                        # MariaDB: the upsert met another key's row on (task, slot).
-                        raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
+                    if not d.update_returning:
+                        _refuse_another_keys_row(found, key, task_name, slot)
                     row = to_row(found)
                     if row is not None and row.owner == owner:
                         one(sql.claimed_transition(d), [row.id])
@@ -177,6 +174,16 @@ def _claim_key(
         f"{task_name!r} key {key!r}: {SLOT_COLLISION_ROUNDS} claims of this task at the same "
         f"microsecond; try again"
     )
+
+
+def _refuse_another_keys_row(
+    found: Sequence[Any] | None, key: str, task_name: str, slot: datetime
+) -> None:
+    """MariaDB's upsert has no conflict target: one that met another key's row on
+    (task, slot) changed nothing and returned that row. Raised as the (task, slot)
+    conflict it is, so that the caller moves to the next microsecond."""
+    if found is not None and found[7] != key:
+        raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
 
 
 def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
