@@ -1,8 +1,8 @@
 """The missed-slot sweep: a due slot that no instance claimed within its grace is
 recorded ``missed`` (a paused task's: ``skipped``, reason ``paused``).
 
-A slot handed to a task queue (``run_schedules
---enqueue``) has a ``pending`` row; one that no worker started within its grace is ended
+A slot handed to a task queue (``run_schedules --enqueue``, ``backfill --enqueue``) has a
+``pending`` row; one that no worker started within its grace of being handed out is ended
 the same way (a compare-and-set from ``pending``: a worker's claim and the sweep never both
 win). It needs no scheduler alive: ``cleanup_locks`` (from cron) and ``run_schedules``
 both run it, any number of copies at once (every write is an insert that does nothing
