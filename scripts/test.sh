@@ -61,7 +61,7 @@ MARIADB_TESTS=(
 )
 echo "== the guarantee tests and a smoke set on MariaDB (a private server)"
 TASKGUARD_TEST_DB=mariadb $PY -m pytest -m "not soak and not once" "${MARIADB_TESTS[@]}" "$@"
-echo "== version matrix: the smoke set on Django 4.2, 6.0 and 6.1"
+echo "== version matrix: the whole suite on Django 6.1 (PostgreSQL), the smoke set on 6.0"
 bash scripts/matrix.sh
 echo "== soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS; every chaos kind at least once)"
 # No exit-5 escape: a soak that vanished (no test carries the marker) is a failure.

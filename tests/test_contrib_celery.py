@@ -60,6 +60,7 @@ def test_slot_for__interval_is_epoch_aligned():
     assert slot_for(every, slot + timedelta(seconds=7)) == slot + timedelta(seconds=7)
 
 
+@pytest.mark.celery_beat
 def test_slot_for__crontab_uses_the_crontab_time_zone():
     # django-celery-beat is imported where used: the version matrix's smoke set runs this
     # module without it.
@@ -89,6 +90,7 @@ def test_slot_for__crontab_on_dst_days_one_slot_per_fire_time():
     assert slot_for(at_0230, utc(2026, 3, 29, 1, 29)) == utc(2026, 3, 28, 1, 30)
 
 
+@pytest.mark.celery_beat
 def test_slot_for__clocked_is_the_clocked_time():
     from django_celery_beat.clockedschedule import clocked
 
