@@ -374,7 +374,7 @@ class Attempt:
                 self.policy.overlap == "skip" and _skip_for_overlap(self.active)
             )
         except BaseException as exc:
-            self.give_back(_not_started(exc))
+            self.give_back(not_started_reason(exc))
             raise
         if skipped:
             self._free(ended=True)
@@ -387,7 +387,7 @@ class Attempt:
                 self.beat = heartbeats.start(self.active, self.lock, self.key)
                 run_started.send(sender=self.active.task_name, run=self.active)
             except BaseException as exc:
-                self.give_back(_not_started(exc))
+                self.give_back(not_started_reason(exc))
                 raise
         return True
 
@@ -450,7 +450,7 @@ class Attempt:
             self.active.ended.set()
 
 
-def _not_started(exc: BaseException) -> str:
+def not_started_reason(exc: BaseException) -> str:
     """The reason an attempt ended by ``exc`` before its function started is given back."""
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return f"ended before the function started ({what}): nothing ran, given back"
