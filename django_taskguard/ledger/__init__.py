@@ -90,7 +90,13 @@ from .monitoring import (
     task_facts,
     window_summary,
 )
-from .pending import end_pending, end_pending_slot, give_back_pending, insert_pending
+from .pending import (
+    end_pending,
+    end_pending_slot,
+    give_back,
+    give_back_pending,
+    insert_pending,
+)
 from .records import (
     add_duplicates,
     count_slots,
@@ -149,6 +155,7 @@ __all__ = [
     "fetch_all",
     "finish",
     "for_task",
+    "give_back",
     "give_back_pending",
     "identity",
     "in_flight",
