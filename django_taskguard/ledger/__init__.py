@@ -93,6 +93,7 @@ from .monitoring import (
 from .pending import end_pending, end_pending_slot, give_back_pending, insert_pending
 from .records import (
     add_duplicates,
+    count_other_copy,
     count_slots,
     failed_streak,
     insert_abandoned,
@@ -132,6 +133,7 @@ __all__ = [
     "claim_many",
     "clip",
     "connection_lost",
+    "count_other_copy",
     "count_prunable",
     "count_slots",
     "database_now",
