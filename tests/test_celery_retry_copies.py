@@ -84,8 +84,10 @@ def test_retry__two_beats_two_workers_at_most_max_retries_plus_one_per_slot(clus
         "ha-flaky": {"task": FLAKY, "every": 4, "kwargs": kwargs},
         "ha-hopeless": {"task": HOPELESS, "every": 4, "kwargs": kwargs},
     }
-    cluster.worker("w1", concurrency=2)
-    cluster.worker("w2", concurrency=2)
+    # One process each: of the four messages a slot brings (two tasks, two beats), two
+    # wait for a free process and so often meet the first copy's row retrying.
+    cluster.worker("w1")
+    cluster.worker("w2")
     cluster.beat("beat1", PERSISTENT, schedule)
     cluster.beat("beat2", PERSISTENT, schedule)
 
