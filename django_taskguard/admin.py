@@ -188,7 +188,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         ("state", "attempt", "fence"),
         "owner",
         ("created", "started", "finished"),
-        ("lease_until_at", "duplicates"),
+        ("lease_until_at", "duplicates", "retry_by"),
         "error",
         "result",
     )
@@ -205,6 +205,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "finished",
         "lease_until_at",
         "duplicates",
+        "retry_by",
         "error",
         "result",
     )

@@ -87,11 +87,13 @@ def execute(
     on_busy: OnBusy | None = None,
     instance: str | None = None,
     key: str | None = None,
+    message_id: str | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance.
 
     With ``key`` (``@once_per_key``): once for (``task_name``, ``key``); ``slot``
     is then the call's time, recorded as the row's slot when it claims the key.
+    ``message_id``: the message carrying the call (see :func:`begin`).
     """
     started = begin(
         task_name,
@@ -101,6 +103,7 @@ def execute(
         on_busy=on_busy,
         instance=instance,
         key=key,
+        message_id=message_id,
     )
     return run(started, func, args, kwargs)
 
@@ -138,9 +141,15 @@ def begin(
     on_busy: OnBusy | None = None,
     instance: str | None = None,
     key: str | None = None,
+    message_id: str | None = None,
 ) -> Started:
     """Claim (``task_name``, ``slot``): the attempt that will run the function, or a refusal
-    (the duplicate is counted and signalled). Blocking: Redis and the database."""
+    (the duplicate is counted and signalled). Blocking: Redis and the database.
+
+    ``message_id``: the message carrying the call (Celery's task id). After an attempt
+    ended ``retrying`` with a retry that names its message (``Ending.retry_by``), only
+    that message starts the next attempt; another copy is a counted duplicate.
+    """
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
@@ -180,6 +189,7 @@ def begin(
             key=key,
             keep=policy.keep_seconds,
             take_missed=policy.catchup != "none",
+            message_id=message_id,
         )
     except BaseException:
         if acquired is Acquired.WON:

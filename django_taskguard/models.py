@@ -109,6 +109,19 @@ class TaskRun(models.Model):
     duplicates = models.PositiveIntegerField(
         _("duplicates"), default=0, help_text=_("Attempts that found the slot taken.")
     )
+    # NULL: no retry is awaited from a particular message (any caller may start it).
+    retry_by = models.CharField(  # noqa: DJ001
+        _("retry by"),
+        max_length=255,
+        null=True,
+        blank=True,
+        default=None,
+        editable=False,
+        help_text=_(
+            "While retrying: the message (Celery task id) that carries the retry; only it "
+            "starts the next attempt, other copies are duplicates."
+        ),
+    )
 
     objects = TaskRunQuerySet.as_manager()
 

@@ -99,6 +99,7 @@ from .pending import (
 )
 from .records import (
     add_duplicates,
+    count_other_copy,
     count_slots,
     failed_streak,
     insert_abandoned,
@@ -138,6 +139,7 @@ __all__ = [
     "claim_many",
     "clip",
     "connection_lost",
+    "count_other_copy",
     "count_prunable",
     "count_slots",
     "database_now",

@@ -251,8 +251,13 @@ def change(
     lease: str = "",
     sets: tuple[str, ...] = (),
     values: tuple[Any, ...] = (),
+    retry_by: tuple[str | None] | None = None,
 ) -> Row | None:
-    """Move ``row`` along ``path`` if it is still as read; write one transition per step."""
+    """Move ``row`` along ``path`` if it is still as read; write one transition per step.
+
+    ``retry_by``: ``(message id,)`` of the caller: only if the row names no message that
+    asked for its retry, or names this one.
+    """
     state = row.state
     steps: list[tuple[str, str, str]] = []
     for step in path:
@@ -263,19 +268,23 @@ def change(
     params: list[Any] = [state, *values, row.id, row.state]
     if fenced:
         params.append(row.fence)
+    checked = retry_by is not None
+    if retry_by is not None:
+        params.append(retry_by[0])
     assignments = sql.assignments(d, sets)
     if d.one_statement:
-        statement = sql.change_logged(d, assignments, fenced, lease, len(steps))
+        statement = sql.change_logged(d, assignments, fenced, lease, len(steps), checked)
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return to_row(one(statement, [*params, actor, *step_params]))
     if d.compound and in_autocommit():
-        statement = sql.change_block(d, assignments, fenced, lease, len(steps))
+        statement = sql.change_block(d, assignments, fenced, lease, len(steps), checked)
         step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
         return block_row(one(statement, [*params, row.id, *step_params]))
     with transaction.atomic(using=alias()):
         if sets is sql.START_ATTEMPT and d.fence_counter:
             bump_fence(d)
-        updated = _update(d, sql.change(d, assignments, fenced, lease), params, row.id)
+        statement = sql.change(d, assignments, fenced, lease, checked)
+        updated = _update(d, statement, params, row.id)
         if updated is not None:
             with connections[alias()].cursor() as cursor:
                 cursor.executemany(

@@ -45,6 +45,17 @@ def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None =
         raise unreachable(exc) from exc
 
 
+def count_other_copy(run_id: int, message_id: str | None) -> bool:
+    """A call that found run ``run_id`` retrying: True (and counted as a duplicate) when
+    the row waits for the retry another message carries, not ``message_id``'s."""
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.count_other_copy(dialect()), [run_id, message_id])
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
 def insert_abandoned(
     task_name: str,
     slot: datetime,

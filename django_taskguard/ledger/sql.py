@@ -364,15 +364,21 @@ def now(d: Dialect) -> str:
 
 
 @lru_cache
-def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -> str:
-    """Compare-and-set one row: ``SET state = %s, <assignments> WHERE id, state[, fence][, lease]``.
+def change(
+    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, retry_by: bool = False
+) -> str:
+    """Compare-and-set one row: ``SET state = %s, <assignments> WHERE id, state[, fence][, lease]
+    [, retry_by]``.
 
     Parameters: the new state, the assignments' own, the id, the expected
-    state, the fence when ``fenced``.
+    state, the fence when ``fenced``, the caller's message id when ``retry_by`` (the row
+    names no message that asked for its retry, or names this one).
     """
     where = "r.id = %s AND r.state = %s"
     if fenced:
         where += " AND r.fence = %s"
+    if retry_by:
+        where += " AND (r.retry_by IS NULL OR r.retry_by = %s)"
     if lease == "expired":
         where += " AND r.lease_until <= {now}"
     elif lease == "live":
@@ -384,14 +390,19 @@ def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -
 
 @lru_cache
 def change_block(
-    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+    d: Dialect,
+    assignments: tuple[str, ...],
+    fenced: bool,
+    lease: str,
+    steps: int,
+    retry_by: bool = False,
 ) -> str:
     """MariaDB: :func:`change` and its ``steps`` transition rows in one round trip.
 
     Parameters: :func:`change`'s, the id again, then (id, from, to, reason, actor) per
     step. The row comes back without its lease left, as from :func:`change_logged`.
     """
-    update = change(d, assignments, fenced, lease)
+    update = change(d, assignments, fenced, lease, retry_by)
     values = ", ".join(["(%s, %s, %s, {now}, %s, %s)"] * steps)
     return _format(
         _block(
@@ -411,13 +422,18 @@ def changed_row(d: Dialect) -> str:
 
 @lru_cache
 def change_logged(
-    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+    d: Dialect,
+    assignments: tuple[str, ...],
+    fenced: bool,
+    lease: str,
+    steps: int,
+    retry_by: bool = False,
 ) -> str:
     """:func:`change` and its ``steps`` transition rows in one statement (PostgreSQL).
 
     Parameters: :func:`change`'s, the actor, then (from, to, reason, order) per step.
     """
-    update = change(d, assignments, fenced, lease)
+    update = change(d, assignments, fenced, lease, retry_by)
     values = ", ".join(["(%s, %s, %s, %s)"] * steps)
     return (
         f"WITH u AS ({update}), t AS (INSERT INTO {TRANSITION} ({TRANSITION_COLUMNS}) "
@@ -440,10 +456,17 @@ START_ATTEMPT = (  # owner, lease seconds
     "started_at = {now}",
     "lease_until = {lease}",
     "finished_at = NULL",
+    "retry_by = NULL",
 )
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
-# An attempt after which another follows (a Celery retry): the lease says by when.
-PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
+# An attempt after which another follows (a Celery retry): the lease says by when, and
+# retry_by which message carries it (NULL: any caller may start the next attempt).
+PAUSE_ATTEMPT = (
+    "error = %s",
+    "lease_until = {lease}",
+    "duplicates = r.duplicates + %s",
+    "retry_by = %s",
+)
 ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
 # An attempt that never entered its function, given back: the row is pending again, as
 # before the claim (the next claim counts the attempt again and hands out a new fence).
@@ -516,6 +539,17 @@ def busy_timeout(d: Dialect) -> str | None:
 def add_duplicates(d: Dialect) -> str:
     return _format(
         "UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND slot = %s", d
+    )
+
+
+# A copy that found the row retrying for another message (parameters: id, the copy's
+# message id or NULL): counted, in the same statement that checks it; no row: it was not.
+@lru_cache
+def count_other_copy(d: Dialect) -> str:
+    return _format(
+        "UPDATE {run} SET duplicates = duplicates + 1 WHERE id = %s AND state = 'retrying' "
+        "AND retry_by IS NOT NULL AND retry_by <> COALESCE(%s, '')",
+        d,
     )
 
 

@@ -126,11 +126,12 @@ def claim_once(key: str, value: str, ttl_seconds: int) -> bool:
     return _redis_lock().claim_once(key, value, ttl_seconds)
 
 
-def claim_or_read(key: str, value: str, ttl_seconds: float) -> str:
-    """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; return its holder.
+def claim_or_read(key: str, value: str, ttl_seconds: float) -> str | None:
+    """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists: None when it is ours
+    now, else its holder (``value`` too, if a caller took it before with the same value).
 
-    Like :func:`claim_once`, on the ``REDIS_ALIAS`` server (``SET NX GET PX``): the
-    holder is ``value`` when the key is ours now. Celery's ``apply_once`` uses it.
+    Like :func:`claim_once`, on the ``REDIS_ALIAS`` server (``SET NX GET PX``). Celery's
+    ``apply_once`` uses it.
     """
     return _redis_lock().claim_or_read(key, value, ttl_seconds)
 
