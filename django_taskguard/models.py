@@ -254,7 +254,18 @@ class TaskSchedule(models.Model):
         _("pause after failures"), null=True, blank=True
     )
     paused = models.BooleanField(_("paused"), default=False)
-    paused_at = models.DateTimeField(_("paused at"), null=True, blank=True)
+    paused_at = models.DateTimeField(
+        _("paused at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest pause began (kept after a resume: the sweep labels by it)."),
+    )
+    resumed_at = models.DateTimeField(
+        _("resumed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest pause ended (empty while paused or never paused)."),
+    )
     paused_reason = models.TextField(_("paused reason"), blank=True, default="")
     first_seen = models.DateTimeField(_("first seen"), default=timezone.now)
     last_seen = models.DateTimeField(_("last seen"), default=timezone.now)

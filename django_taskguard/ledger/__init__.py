@@ -93,7 +93,6 @@ from .monitoring import (
 from .pending import end_pending, end_pending_slot, give_back_pending, insert_pending
 from .records import (
     add_duplicates,
-    count_slots,
     failed_streak,
     insert_abandoned,
     insert_missed,
@@ -104,6 +103,7 @@ from .records import (
     latest_slot,
     row_exists,
     slots_in,
+    slots_without_row,
     token_holders,
 )
 
@@ -133,7 +133,6 @@ __all__ = [
     "clip",
     "connection_lost",
     "count_prunable",
-    "count_slots",
     "database_now",
     "delete_finished",
     "describe_error",
@@ -181,6 +180,7 @@ __all__ = [
     "settle_connection",
     "slot_param",
     "slots_in",
+    "slots_without_row",
     "stale_runs",
     "start_attempt",
     "store_result",

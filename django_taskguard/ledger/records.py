@@ -76,8 +76,12 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
     if not rows:
         return 0
     d = dialect()
-    if not d.one_statement:
-        inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+    if not d.one_statement:  # a row and its transition at a time, one commit for them all
+        try:
+            with transaction.atomic(using=alias()):
+                inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+        except DatabaseError as exc:
+            raise unreachable(exc) from exc
         return sum(1 for run_id in inserted if run_id is not None)
     params = [
         [task for task, _, _ in rows],
@@ -116,12 +120,18 @@ def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     return {slot for (value,) in found if (slot := aware(value)) is not None}
 
 
-def count_slots(task_name: str, after: datetime, until: datetime) -> int:
+def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetime]:
+    """Those of ``slots`` (at most a few thousand) that ``task_name`` has no row for, in
+    their order: one statement, whatever other rows lie between them."""
+    if not slots:
+        return []
+    params = [task_name, *(slot_param(slot) for slot in slots)]
     try:
-        found = one(sql.count_slots(dialect()), [task_name, slot_param(after), slot_param(until)])
+        found = fetch_all(sql.slots_with_rows(dialect(), len(slots)), params)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
-    return int(found[0]) if found else 0
+    have = {slot for (value,) in found if (slot := aware(value)) is not None}
+    return [slot for slot in slots if slot not in have]
 
 
 def failed_streak(task_name: str, length: int) -> bool:

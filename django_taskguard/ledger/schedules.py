@@ -108,22 +108,47 @@ def paused() -> dict[str, str]:
 
 def set_paused(task_name: str, reason: str | None) -> bool:
     """Pause ``task_name`` (``reason``) or resume it (``None``); False when it is unknown
-    or already so."""
+    or already so. The latest pause's start and end are kept (:func:`pause_window`)."""
     queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
     try:
         if reason is None:
             return bool(
-                queryset.filter(paused=True).update(paused=False, paused_at=None, paused_reason="")
+                queryset.filter(paused=True).update(
+                    paused=False, resumed_at=timezone.now(), paused_reason=""
+                )
             )
         return bool(
             queryset.filter(paused=False).update(
                 paused=True,
                 paused_at=timezone.now(),
+                resumed_at=None,
                 paused_reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
             )
         )
     except DatabaseError as exc:
         raise unreachable(exc) from exc
+
+
+@dataclass(frozen=True)
+class PauseWindow:
+    """A schedule's latest pause: from ``start`` (None: since ever) until ``end`` (None:
+    still paused). Only the latest one is kept; earlier pauses are not."""
+
+    start: datetime | None
+    end: datetime | None
+
+    def covers(self, slot: datetime) -> bool:
+        """Whether the task was paused at ``slot``."""
+        return (self.start is None or slot >= self.start) and (self.end is None or slot < self.end)
+
+
+def pause_window(row: TaskSchedule) -> PauseWindow | None:
+    """``row``'s latest pause (None: never paused, or no pause time kept)."""
+    if row.paused:
+        return PauseWindow(row.paused_at, None)
+    if row.paused_at is not None and row.resumed_at is not None:
+        return PauseWindow(row.paused_at, row.resumed_at)
+    return None
 
 
 def mark_swept(task_name: str, until: datetime) -> None:

@@ -665,11 +665,11 @@ def slots_in(d: Dialect) -> str:
     return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
 
 
-@lru_cache
-def count_slots(d: Dialect) -> str:
-    return _format(
-        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
-    )
+@lru_cache(maxsize=16)
+def slots_with_rows(d: Dialect, count: int) -> str:
+    """Which of ``count`` slots of task ``%s`` have a row (one probe of (task, slot) each)."""
+    slots = ", ".join(["%s"] * count)
+    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d)
 
 
 @lru_cache

@@ -1,0 +1,121 @@
+"""The missed-slot sweep: every due slot without a row is recorded, in bounded batches,
+judged by set (not by count) and labelled by the pause state at its own time."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import datetime, timedelta
+
+import pytest
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from django_taskguard import ledger, missed
+from django_taskguard.ledger.core import dialect
+from django_taskguard.missed import sweep_missed
+from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.schedules import IntervalSchedule
+
+from .monitoring import finished, schedule
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SECOND = timedelta(seconds=1)
+GRACE = 2 * SECOND
+
+
+def every_second(task: str, seconds_ago: int, every: timedelta = SECOND) -> TaskSchedule:
+    """A schedule of ``task`` first seen ``seconds_ago`` (by the database's clock)."""
+    first = ledger.database_now().replace(microsecond=0) - seconds_ago * SECOND
+    return schedule(task, every=every, grace=GRACE, first_seen=first)
+
+
+def states(task: str) -> dict[datetime, str]:
+    return dict(TaskRun.objects.filter(task_name=task).values_list("slot", "state"))
+
+
+def test_sweep_missed__a_long_outage_records_every_slot_in_batches():
+    """~11,000 due one-second slots, the newest already run (the scheduler came back):
+    every other slot is recorded missed, in a bounded number of statements."""
+    row = every_second("tests.sweep.outage", 11_000)
+    now = ledger.database_now()
+    end = now - GRACE
+    expected = IntervalSchedule(SECOND).slots_between(row.first_seen, end, 20_000)
+    assert len(expected) > 10_000
+    finished("tests.sweep.outage", expected[-1])
+    batched = dialect().one_statement  # elsewhere a row and its transition at a time
+    with CaptureQueriesContext(connections["default"]) if batched else nullcontext() as queries:
+        result = sweep_missed(now=now)
+    found = states("tests.sweep.outage")
+    assert len(found) == len(expected)
+    assert sum(1 for state in found.values() if state == RunState.MISSED) == len(expected) - 1
+    assert result.missed_slots == len(expected) - 1
+    assert result.tasks == {"tests.sweep.outage": len(expected) - 1}
+    if queries is not None:
+        batches = -(-len(expected) // missed.SWEEP_BATCH)
+        assert len(queries) <= 4 * batches + 10, "statements bounded per batch, not per slot"
+    TaskSchedule.objects.filter(task_name="tests.sweep.outage").get(swept_until=end)
+
+
+def test_sweep_missed__swept_until_moves_only_over_what_was_judged(monkeypatch):
+    row = every_second("tests.sweep.budget", 3_000)
+    monkeypatch.setattr(missed, "MAX_BATCHES", 2)
+    monkeypatch.setattr(missed, "SWEEP_BATCH", 500)
+    now = ledger.database_now()
+    first = sweep_missed(now=now)
+    assert first.missed_slots == 1_000
+    stored = TaskSchedule.objects.get(task_name="tests.sweep.budget")
+    assert stored.swept_until == row.first_seen + 1_000 * SECOND
+    assert max(states("tests.sweep.budget")) == stored.swept_until
+    second = sweep_missed(now=now)
+    assert second.missed_slots == 1_000, "the next sweep goes on where this one stopped"
+
+
+def test_sweep_missed__rows_off_the_grid_do_not_hide_missing_slots():
+    """every=1s for 12 s, a 12 s gap, then every=3s with three slots never run: the
+    twelve one-second rows outnumber the gap, yet each 3 s slot without a row is missed."""
+    row = every_second("tests.sweep.grid", 60, every=3 * SECOND)
+    start = row.first_seen
+    for n in range(1, 13):  # the old every=1s schedule
+        finished("tests.sweep.grid", start + n * SECOND)
+    now = ledger.database_now()
+    grid = IntervalSchedule(3 * SECOND).slots_between(start + 24 * SECOND, now - GRACE, 100)
+    never = set(grid[1:4])
+    for slot in grid:
+        if slot not in never:
+            finished("tests.sweep.grid", slot)
+    in_gap = IntervalSchedule(3 * SECOND).slots_between(start + 12 * SECOND, start + 24 * SECOND, 9)
+    sweep_missed(now=now)
+    found = states("tests.sweep.grid")
+    missed_slots = {slot for slot, state in found.items() if state == RunState.MISSED}
+    assert missed_slots == never | set(in_gap)
+
+
+def test_sweep_missed__each_slot_labelled_by_the_pause_at_its_time():
+    row = every_second("tests.sweep.pause", 20)
+    paused_at = row.first_seen + 10 * SECOND
+    TaskSchedule.objects.filter(pk=row.pk).update(
+        paused=True, paused_at=paused_at, paused_reason="ops"
+    )
+    now = ledger.database_now()
+    result = sweep_missed(now=now)
+    found = states("tests.sweep.pause")
+    assert found and result.missed_slots and result.paused_slots
+    for slot, state in found.items():
+        assert state == (RunState.SKIPPED if slot >= paused_at else RunState.MISSED), slot
+
+
+def test_sweep_missed__slots_while_paused_stay_skipped_after_resume():
+    row = every_second("tests.sweep.resumed", 20)
+    paused_at = row.first_seen + 5 * SECOND
+    resumed_at = row.first_seen + 10 * SECOND
+    TaskSchedule.objects.filter(pk=row.pk).update(paused_at=paused_at, resumed_at=resumed_at)
+    sweep_missed(now=ledger.database_now())
+    found = states("tests.sweep.resumed")
+    assert len(found) >= 15
+    for slot, state in found.items():
+        paused = paused_at <= slot < resumed_at
+        assert state == (RunState.SKIPPED if paused else RunState.MISSED), slot
+        if paused:
+            assert TaskRun.objects.get(task_name="tests.sweep.resumed", slot=slot).error.startswith(
+                "paused"
+            )
