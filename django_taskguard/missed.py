@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 
 from . import ledger
 from .conf import taskguard_settings
+from .exceptions import BackendUnavailable
 from .ledger import schedules as store
 from .models import TaskSchedule
 from .owner import actor
@@ -57,13 +58,19 @@ def sweep_missed(
     *, task: str | None = None, dry_run: bool = False, now: datetime | None = None
 ) -> SweepResult:
     """Record the due slots of every known schedule that nobody claimed within its grace."""
-    now = now or ledger.database_now()
-    floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
-    result = SweepResult()
-    for row in store.stored():
-        if task is not None and row.task_name != task:
-            continue
-        _sweep_one(row, now, floor, dry_run, result)
+    try:
+        now = now or ledger.database_now()
+        floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
+        result = SweepResult()
+        for row in store.stored():
+            if task is not None and row.task_name != task:
+                continue
+            _sweep_one(row, now, floor, dry_run, result)
+    except BackendUnavailable:
+        # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
+        # connection that failed so that the next sweep reconnects.
+        ledger.settle_connection()
+        raise
     return result
 
 

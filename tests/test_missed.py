@@ -3,6 +3,7 @@ judged by set (not by count) and labelled by the pause state at its own time."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 
@@ -14,8 +15,10 @@ from django_taskguard import ledger, missed
 from django_taskguard.ledger.core import dialect
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.scheduler import Scheduler
 from django_taskguard.schedules import IntervalSchedule
 
+from .conftest import wait_for
 from .monitoring import finished, schedule
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -119,3 +122,40 @@ def test_sweep_missed__slots_while_paused_stay_skipped_after_resume():
             assert TaskRun.objects.get(task_name="tests.sweep.resumed", slot=slot).error.startswith(
                 "paused"
             )
+
+
+# -- a dropped connection ----------------------------------------------------------------
+
+
+def terminate_other_backends() -> int:
+    """End every other connection to this test database (PostgreSQL), as a failover or an
+    idle-session killer would; returns how many."""
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return len(cursor.fetchall())
+
+
+def test_sweeper__survives_a_terminated_connection():
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("pg_terminate_backend: PostgreSQL")
+    every_second("tests.sweep.dropped", 10)
+    scheduler = Scheduler([], max_workers=1, sweep_every=0.3)
+    stop = threading.Event()
+    loop = threading.Thread(target=scheduler.run, args=(stop, 5.0), daemon=True)
+    loop.start()
+    try:
+        rows = TaskRun.objects.filter(task_name="tests.sweep.dropped", state=RunState.MISSED)
+        wait_for(rows.exists, what="the first sweep")
+        assert terminate_other_backends() >= 1, "the sweeper's connection was ended"
+        killed = ledger.database_now()
+        wait_for(
+            lambda: rows.filter(slot__gt=killed).exists(),
+            timeout=30,
+            what="a sweep after the connection was terminated",
+        )
+    finally:
+        stop.set()
+        loop.join(30)
