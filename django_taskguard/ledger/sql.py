@@ -683,20 +683,22 @@ def last_states(d: Dialect) -> str:
 
 
 @lru_cache
-def task_names(d: Dialect) -> str:
-    """The first ``%s`` distinct task names, by a loose index scan of (task_name, slot).
+def task_names(d: Dialect, limited: bool = True) -> str:
+    """The first ``%s`` distinct task names (``limited=False``: all, no parameter), by a
+    loose index scan of (task_name, slot).
 
     A recursive CTE hops from name to next name through the index (PostgreSQL has no
     skip scan). MariaDB runs that CTE slowly (each hop a scan) but does the loose scan
     itself for ``DISTINCT`` ("Using index for group-by").
     """
+    limit = " LIMIT %s" if limited else ""
     if d.vendor == "mysql":
-        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name LIMIT %s"
+        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name{limit}"
     return (
         f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {RUN} "
         f"UNION ALL SELECT (SELECT MIN(task_name) FROM {RUN} WHERE task_name > names.name) "
         f"FROM names WHERE names.name IS NOT NULL) "
-        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+        f"SELECT name FROM names WHERE name IS NOT NULL{limit}"
     )
 
 
