@@ -6,12 +6,14 @@ from __future__ import annotations
 import threading
 from contextlib import nullcontext
 from datetime import datetime, timedelta
+from io import StringIO
 
 import pytest
+from django.core.management import call_command
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
-from django_taskguard import ledger, missed
+from django_taskguard import current_run, ledger, missed, once_per_schedule, registry
 from django_taskguard.ledger.core import dialect
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
@@ -159,3 +161,55 @@ def test_sweeper__survives_a_terminated_connection():
     finally:
         stop.set()
         loop.join(30)
+
+
+# -- backfill runs what the sweep recorded missed -----------------------------------------
+
+
+@pytest.mark.parametrize("catchup", ["latest", "none"])
+def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
+    """An outage the sweep recorded is what backfill is for: each missed slot runs once,
+    a compare-and-set from missed, however many backfills run at once."""
+    name = f"tests.backfill.outage.{catchup}"
+    calls: list[datetime] = []
+
+    @once_per_schedule(every=SECOND, name=name, catchup=catchup, grace=GRACE)
+    def job() -> None:
+        calls.append(current_run().slot)
+
+    try:
+        registry.sync()
+        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
+        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
+        sweep_missed()
+        missed_slots = sorted(states(name))
+        assert len(missed_slots) >= 8 and set(states(name).values()) == {RunState.MISSED}
+        span = ["--from", missed_slots[0].isoformat(), "--to", missed_slots[-1].isoformat()]
+        args = ["backfill", name, *span]
+        out = StringIO()
+        call_command(*args, "--dry-run", stdout=out)
+        assert f"Would run {len(missed_slots)} slots of {name}" in out.getvalue()
+        assert f"{len(missed_slots)} of them were recorded missed" in out.getvalue()
+        errors: list[BaseException] = []
+
+        def backfill() -> None:
+            try:
+                call_command(*args, stdout=StringIO())
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+            finally:
+                connections.close_all()
+
+        threads = [threading.Thread(target=backfill) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors
+        assert sorted(calls) == missed_slots, "each missed slot ran once"
+        assert set(states(name).values()) == {RunState.SUCCEEDED}
+        run = TaskRun.objects.get(task_name=name, slot=missed_slots[0])
+        steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("id")]
+        assert steps == [("pending", "missed"), ("missed", "running"), ("running", "succeeded")]
+    finally:
+        registry.unregister(name)

@@ -104,6 +104,7 @@ from .records import (
     row_exists,
     slots_in,
     slots_without_row,
+    states_at,
     token_holders,
 )
 
@@ -183,6 +184,7 @@ __all__ = [
     "slots_without_row",
     "stale_runs",
     "start_attempt",
+    "states_at",
     "store_result",
     "succeed_many",
     "take_over",

@@ -120,17 +120,29 @@ def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     return {slot for (value,) in found if (slot := aware(value)) is not None}
 
 
-def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetime]:
-    """Those of ``slots`` (at most a few thousand) that ``task_name`` has no row for, in
-    their order: one statement, whatever other rows lie between them."""
-    if not slots:
-        return []
-    params = [task_name, *(slot_param(slot) for slot in slots)]
+STATES_AT_CHUNK = 1_000  # slots per statement
+
+
+def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
+    """The state of ``task_name``'s row at each of ``slots`` that has one: a statement per
+    ``STATES_AT_CHUNK`` slots, whatever other rows lie between them."""
+    found: dict[datetime, str] = {}
+    d = dialect()
     try:
-        found = fetch_all(sql.slots_with_rows(dialect(), len(slots)), params)
+        for start in range(0, len(slots), STATES_AT_CHUNK):
+            part = slots[start : start + STATES_AT_CHUNK]
+            params = [task_name, *(slot_param(slot) for slot in part)]
+            for value, state in fetch_all(sql.states_at(d, len(part)), params):
+                if (slot := aware(value)) is not None:
+                    found[slot] = state
     except DatabaseError as exc:
         raise unreachable(exc) from exc
-    have = {slot for (value,) in found if (slot := aware(value)) is not None}
+    return found
+
+
+def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetime]:
+    """Those of ``slots`` that ``task_name`` has no row for, in their order."""
+    have = states_at(task_name, slots)
     return [slot for slot in slots if slot not in have]
 
 

@@ -666,10 +666,13 @@ def slots_in(d: Dialect) -> str:
 
 
 @lru_cache(maxsize=16)
-def slots_with_rows(d: Dialect, count: int) -> str:
-    """Which of ``count`` slots of task ``%s`` have a row (one probe of (task, slot) each)."""
+def states_at(d: Dialect, count: int) -> str:
+    """The slot and state of each row of task ``%s`` at one of ``count`` slots (one probe
+    of (task, slot) each)."""
     slots = ", ".join(["%s"] * count)
-    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d)
+    return _format(
+        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d
+    )
 
 
 @lru_cache
