@@ -166,7 +166,7 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
 
 def build_schedule(row: TaskSchedule) -> Schedule | None:
     try:
-        return rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
+        return rebuild(row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every)
     except Exception:  # a row written by another version: shown, not judged on time
         return None
 

@@ -83,7 +83,7 @@ def _sweep_one(
         _end_pending(row, end, result)
     if end <= judged:
         return
-    schedule = rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
+    schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
     found = _Found(row)
     for _ in range(MAX_BATCHES):
         slots = schedule.slots_between(judged, end, SWEEP_BATCH)

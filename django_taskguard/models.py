@@ -245,6 +245,16 @@ class TaskSchedule(models.Model):
         default="",
         help_text=_("Empty: Django's TIME_ZONE."),
     )
+    default_zone = models.CharField(
+        _("default time zone"),
+        max_length=64,
+        blank=True,
+        default="",
+        help_text=_(
+            "Django's TIME_ZONE in the copy that last saved it: a cron without its own time "
+            "zone runs in it."
+        ),
+    )
     catchup = models.CharField(
         _("catch-up"), max_length=8, choices=Catchup.choices, default=Catchup.LATEST
     )

@@ -32,6 +32,7 @@ class Record:
     cron_day_or: bool
     every: timedelta | None
     time_zone: str
+    default_zone: str  # Django's TIME_ZONE where it was saved
     catchup: str
     grace: timedelta
     max_catchup: int
@@ -95,6 +96,23 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return len(rows)
+
+
+def zone_of(row: TaskSchedule) -> str:
+    """The zone a stored cron runs in: its own, else the saving copy's TIME_ZONE ("" for an
+    interval, or a row saved before the zone was kept: this process's TIME_ZONE)."""
+    return row.time_zone or (row.default_zone if row.cron else "")
+
+
+def zone_conflicts(zone: str) -> list[tuple[str, str]]:
+    """``(task, zone)`` of the stored crons without a zone of their own that a copy whose
+    TIME_ZONE is not ``zone`` saved: such copies fire them at other instants."""
+    found = TaskSchedule.objects.using(alias()).exclude(cron="").filter(time_zone="")
+    found = found.exclude(default_zone="").exclude(default_zone=zone).order_by("task_name")
+    try:
+        return list(found.values_list("task_name", "default_zone"))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
 
 
 def paused() -> dict[str, str]:
