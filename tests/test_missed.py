@@ -190,13 +190,14 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
         call_command(*args, "--dry-run", stdout=out)
         assert f"Would run {len(missed_slots)} slots of {name}" in out.getvalue()
         assert f"{len(missed_slots)} of them were recorded missed" in out.getvalue()
-        errors: list[BaseException] = []
+        errors: list[str] = []
 
         def backfill() -> None:
+            said = StringIO()
             try:
-                call_command(*args, stdout=StringIO())
+                call_command(*args, stdout=said)
             except BaseException as exc:  # reported below
-                errors.append(exc)
+                errors.append(f"{exc!r}: {said.getvalue()}")
             finally:
                 connections.close_all()
 
