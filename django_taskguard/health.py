@@ -118,8 +118,8 @@ class Verdict:
 
 def check(*, task: str | None = None) -> Verdict:
     """Judge every known task (or one): raises ``BackendUnavailable`` when the ledger
-    cannot be read. A handful of statements whatever the number of runs and tasks:
-    every task's facts are read by one statement of index probes."""
+    cannot be read. A handful of statements whatever the number of runs, and two more
+    per 200 tasks: each 200 tasks' facts are read by one statement of index probes."""
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
     tasks = known_tasks()

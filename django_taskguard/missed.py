@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from django.db import DatabaseError
+
 from . import ledger
 from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
@@ -66,7 +68,7 @@ def sweep_missed(
             if task is not None and row.task_name != task:
                 continue
             _sweep_one(row, now, floor, dry_run, result)
-    except BackendUnavailable:
+    except (BackendUnavailable, DatabaseError):
         # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
         # connection that failed so that the next sweep reconnects.
         ledger.settle_connection()
