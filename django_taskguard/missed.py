@@ -160,29 +160,50 @@ def _paused_reason(row: TaskSchedule, window: store.PauseWindow | None) -> str:
 def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
     """Slots handed to a task queue (``pending``) at or before ``end`` (their grace ago)
     that no worker started end like slots nobody fired (a late worker may still run a
-    missed one: catch-up). By hand-out time, whatever the slot: a backfilled slot is old
-    when it is handed out."""
-    if row.paused:
-        state = RunState.SKIPPED
+    missed one: catch-up). By hand-out time, whatever the slot (a backfilled slot is old
+    when it is handed out): handed out while the task was paused, ``skipped``."""
+    window = store.pause_window(row)
+    if window is not None:
         why = f"paused: {row.paused_reason or 'paused'} (enqueued, not started; the sweep)"
-    else:
-        state = RunState.MISSED
-        grace = row.grace.total_seconds()
-        why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
-    ended: list[datetime] = []
-    while True:  # in batches, until none is left
-        batch = ledger.end_pending(
-            row.task_name, end, state=state, reason=why, actor=actor("sweep"), limit=PENDING_BATCH
-        )
-        ended += batch
-        if len(batch) < PENDING_BATCH:
-            break
+        ended = _end_pending_all(row, end, RunState.SKIPPED, why, window.start, window.end)
+        result.paused_slots += len(ended)
+        _count(result, row.task_name, len(ended))
+    grace = row.grace.total_seconds()
+    why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
+    ended = _end_pending_all(row, end, RunState.MISSED, why, None, None)
     if not ended:
         return
-    result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + len(ended)
-    if row.paused:
-        result.paused_slots += len(ended)
-        return
+    _count(result, row.task_name, len(ended))
     result.missed_slots += len(ended)
     logger.warning("taskguard %s: %d enqueued slots were never started", row.task_name, len(ended))
     run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended))
+
+
+def _end_pending_all(
+    row: TaskSchedule,
+    end: datetime,
+    state: str,
+    why: str,
+    since: datetime | None,
+    before: datetime | None,
+) -> list[datetime]:
+    ended: list[datetime] = []
+    while True:  # in batches, until none is left
+        batch = ledger.end_pending(
+            row.task_name,
+            end,
+            state=state,
+            reason=why,
+            actor=actor("sweep"),
+            limit=PENDING_BATCH,
+            since=since,
+            before=before,
+        )
+        ended += batch
+        if len(batch) < PENDING_BATCH:
+            return ended
+
+
+def _count(result: SweepResult, task_name: str, slots: int) -> None:
+    if slots:
+        result.tasks[task_name] = result.tasks.get(task_name, 0) + slots

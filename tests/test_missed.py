@@ -214,3 +214,21 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
         assert steps == [("pending", "missed"), ("missed", "running"), ("running", "succeeded")]
     finally:
         registry.unregister(name)
+
+
+def test_sweep_missed__an_enqueued_slot_is_labelled_by_the_pause_at_hand_out():
+    """A pending slot no worker started: handed out before the pause, it was missed;
+    handed out while paused, it is skipped (paused)."""
+    row = every_second("tests.sweep.pending", 60)
+    paused_at = row.first_seen + 20 * SECOND
+    TaskSchedule.objects.filter(pk=row.pk).update(
+        paused=True, paused_at=paused_at, paused_reason="ops", swept_until=paused_at + 30 * SECOND
+    )
+    before, during = row.first_seen + 10 * SECOND, row.first_seen + 25 * SECOND
+    for slot in (before, during):
+        ledger.insert_pending("tests.sweep.pending", slot)
+        TaskRun.objects.filter(task_name="tests.sweep.pending", slot=slot).update(created_at=slot)
+    sweep_missed(now=ledger.database_now())
+    found = states("tests.sweep.pending")
+    assert found[before] == RunState.MISSED
+    assert found[during] == RunState.SKIPPED
