@@ -71,7 +71,12 @@ def sweep_missed(
     except (BackendUnavailable, DatabaseError):
         # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
         # connection that failed so that the next sweep reconnects.
-        ledger.settle_connection()
+        try:
+            ledger.settle_connection()
+        except Exception:
+            logger.warning(
+                "taskguard: the sweep could not close a failed connection", exc_info=True
+            )
         raise
     return result
 
