@@ -163,6 +163,39 @@ def check_ledger_server(
     ]
 
 
+@register(Tags.database)
+def check_schedule_zones(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """W020: stored crons without their own zone that a copy with another TIME_ZONE saved
+    (``check --database``, ``migrate``)."""
+    from django.utils.timezone import get_default_timezone_name
+
+    from .exceptions import BackendUnavailable
+    from .ledger import schedules as store
+
+    alias = taskguard_settings.DATABASE_ALIAS
+    if not databases or alias not in databases or alias not in connections.settings:
+        return []
+    zone = get_default_timezone_name()
+    try:
+        conflicts = store.zone_conflicts(zone)
+    except BackendUnavailable:
+        return []  # unreachable or not migrated yet: the command that asked says so itself
+    return [
+        Warning(
+            f"Schedule {task!r} was saved by a copy whose TIME_ZONE is {theirs!r}; this "
+            f"copy's is {zone!r}: the two fire its cron at different instants.",
+            hint="Give every copy of the project the same TIME_ZONE, or give the cron its "
+            "own zone (a time zone for the schedule).",
+            id="taskguard.W020",
+        )
+        for task, theirs in conflicts
+    ]
+
+
 def _check_routing(alias: str) -> list[CheckMessage]:
     """The ledger lives on ``alias``: the routers must let it be migrated there, and
     should send the project's own TaskRun queries there too."""

@@ -22,6 +22,7 @@ from typing import Any
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import module_has_submodule
+from django.utils.timezone import get_default_timezone_name
 
 from .conf import taskguard_settings
 from .guard import Policy
@@ -69,6 +70,7 @@ class Entry:
             grace=policy.grace,
             max_catchup=policy.max_catchup,
             pause_after_failures=policy.pause_after_failures,
+            default_zone=get_default_timezone_name(),
             **describe(self.schedule),
         )
 
@@ -138,8 +140,25 @@ def discover() -> dict[str, Entry]:
 def sync() -> dict[str, Entry]:
     """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
     found = discover()
+    _say_zone_conflicts()
     store.save([entry.record() for entry in found.values()])
     return found
+
+
+def _say_zone_conflicts() -> None:
+    """A cron without its own zone runs in Django's TIME_ZONE: copies that disagree on it
+    fire different instants. Said before this copy's save records its own zone (check
+    ``taskguard.W020`` says it too)."""
+    zone = get_default_timezone_name()
+    for task_name, theirs in store.zone_conflicts(zone):
+        logger.error(
+            "taskguard: schedule %s was saved by a copy whose TIME_ZONE is %r; this copy's is "
+            "%r, so the two fire its cron at different instants. Give every copy the same "
+            "TIME_ZONE, or the cron its own time zone",
+            task_name,
+            theirs,
+            zone,
+        )
 
 
 def _import(path: str) -> ModuleType:

@@ -229,13 +229,40 @@ def test_health_view__a_bearer_token_when_set():
         assert staff_client().get(HEALTH).status_code == 200  # staff still may
 
 
-def test_check_schedules__says_when_tasks_were_left_out(monkeypatch):
-    monkeypatch.setattr(health, "MAX_TASKS", 2)
-    for name in ("tests.a", "tests.b", "tests.c"):
-        finished(name, due_slot())
+def test_check_schedules__judges_every_task_past_the_200th():
+    """201 tasks: the last by name has missed slots and must fail every verdict."""
+    slot = due_slot()
+    names = [f"tests.many.{n:03d}" for n in range(201)]
+    for name in names:
+        schedule(name)
+        finished(name, slot)
+    finished(names[-1], slot - timedelta(hours=1), RunState.MISSED, attempt=0)
     status, out = run_check()
-    assert status == 0, out
-    assert "Only the first 2 tasks were judged; the others were not." in out
-    verdict = json.loads(run_check("--json")[1])
-    assert verdict["left_out"] is True
-    assert [task["task"] for task in verdict["tasks"]] == ["tests.a", "tests.b"]
+    assert status == 1, out
+    assert "tests.many.200" in out and "MISSED" in out
+    status, out = run_check("--task", "tests.many.200")
+    assert status == 1 and "1 slot recorded missed" in out, out
+    verdict = json.loads(run_check("--json")[1].splitlines()[0])
+    assert len(verdict["tasks"]) == 201
+    assert verdict["unhealthy"] == ["tests.many.200"]
+    staff = User.objects.create_user("ops", password="x", is_staff=True)
+    client = Client()
+    client.force_login(staff)
+    assert client.get(HEALTH).status_code == 503
+
+
+def test_check_schedules__no_success_for_n_slots_whatever_the_reason():
+    """A body hung under overlap="skip": one run alive, every later slot skipped."""
+    every = timedelta(minutes=1)
+    slot = due_slot(every)
+    schedule("tests.hung", every=every)
+    make_run("tests.hung", slot=slot - 19 * every, lease=600.0)  # alive, renewing
+    for n in range(19):
+        finished("tests.hung", slot - n * every, RunState.SKIPPED, attempt=0)
+    status, out = run_check()
+    assert status == 1, out
+    assert "no success in its last 3 due slots" in out
+    finished("tests.hung", slot - 20 * every)  # an old success does not help
+    assert run_check()[0] == 1
+    with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_FAILURES": 21}):
+        assert run_check()[0] == 0, "a success within the last 21 due slots"

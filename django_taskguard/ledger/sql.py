@@ -702,10 +702,13 @@ def slots_in(d: Dialect) -> str:
     return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
 
 
-@lru_cache
-def count_slots(d: Dialect) -> str:
+@lru_cache(maxsize=16)
+def states_at(d: Dialect, count: int) -> str:
+    """The slot and state of each row of task ``%s`` at one of ``count`` slots (one probe
+    of (task, slot) each)."""
+    slots = ", ".join(["%s"] * count)
     return _format(
-        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
+        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d
     )
 
 
@@ -720,20 +723,22 @@ def last_states(d: Dialect) -> str:
 
 
 @lru_cache
-def task_names(d: Dialect) -> str:
-    """The first ``%s`` distinct task names, by a loose index scan of (task_name, slot).
+def task_names(d: Dialect, limited: bool = True) -> str:
+    """The first ``%s`` distinct task names (``limited=False``: all, no parameter), by a
+    loose index scan of (task_name, slot).
 
     A recursive CTE hops from name to next name through the index (PostgreSQL has no
     skip scan). MariaDB runs that CTE slowly (each hop a scan) but does the loose scan
     itself for ``DISTINCT`` ("Using index for group-by").
     """
+    limit = " LIMIT %s" if limited else ""
     if d.vendor == "mysql":
-        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name LIMIT %s"
+        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name{limit}"
     return (
         f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {RUN} "
         f"UNION ALL SELECT (SELECT MIN(task_name) FROM {RUN} WHERE task_name > names.name) "
         f"FROM names WHERE names.name IS NOT NULL) "
-        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+        f"SELECT name FROM names WHERE name IS NOT NULL{limit}"
     )
 
 

@@ -72,8 +72,6 @@ def report(verdict: health.Verdict) -> str:
         lines.append(f"{_label(task):9} {task.task:{width}}  {_facts(task)}")
         lines.extend(f"{'':9} {'':{width}}  {p.code}: {p.detail}" for p in task.problems)
     unhealthy = len(verdict.unhealthy)
-    if verdict.left_out:
-        lines.append(f"Only the first {health.MAX_TASKS} tasks were judged; the others were not.")
     if not verdict.tasks:
         lines.append("No schedules registered and no runs recorded yet.")
     elif unhealthy:
