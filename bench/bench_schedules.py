@@ -268,7 +268,7 @@ def report(
         f"max_workers={args.max_workers}, backend={args.backend}, "
         f"{'one by one' if args.no_batch else 'batched'}, {seconds}s measured"
     )
-    print(f"offered      {args.schedules:8.0f} slots/s")
+    print(f"offered      {len(expected) / seconds:8.0f} slots/s")
     print(f"sustained    {len(counts) / seconds:8.0f} slots/s ({len(counts)} slots in {seconds}s)")
     print(f"run twice    {twice:8d}")
     print(f"never run    {never:8d} (of {len(expected)} due in the window)")
