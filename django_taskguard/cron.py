@@ -41,9 +41,10 @@ UTC = dt_timezone.utc
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # No time zone moves its clocks by this much at once (most move by one hour).
 DST_WINDOW = timedelta(hours=3)
-# Fire times a walk keeps behind the newest one (a sweep's window looks back), and the
-# number of walks kept (one per expression, zone and day rule).
-KEEP_TIMES = 512
+# Fire times a walk keeps behind the newest one (the sweep's and health's questions look
+# a few slots back), and the walks kept (one per expression, zone and day rule, the least
+# recently asked dropped): at most about 4096 x 128 datetimes, some 30 MB, held.
+KEEP_TIMES = 64
 KEEP_WALKS = 4096
 
 
