@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
+from unittest import mock
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -230,3 +231,44 @@ def test_cron__fresh_computation_matches_the_oracle_on_random_dst_days():
         start = dst_day(rng, zone).replace(second=0, microsecond=0)
         end = start + timedelta(hours=6)
         assert plain_between(cron, start, end, 10_000) == oracle(cron, start, end), cron
+
+
+@pytest.mark.django_db(transaction=True)
+def test_scheduler_due__a_cron_slot_costs_a_few_croniter_steps_not_a_walk():
+    """Regression (cost): each slot of each cron walked croniter from 3 hours back, three
+    times (about 540 steps per schedule and slot for '* * * * *'). Counted, not timed."""
+    zones = [BERLIN, NEW_YORK, "UTC", "Asia/Kolkata", "Australia/Lord_Howe"]
+    for zone in zones:
+        once_per_schedule(schedule=CronSchedule("* * * * *", zone), name=f"tests.cost.{zone}")(
+            lambda: None
+        )
+    entries = [registry.entries()[f"tests.cost.{zone}"] for zone in zones]
+    scheduler = Scheduler(entries, max_workers=1)
+    steps = {"n": 0}
+    real_next, real_prev = croniter.get_next, croniter.get_prev
+
+    def counted(real):  # type: ignore[no-untyped-def]
+        def step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            steps["n"] += 1
+            return real(self, *args, **kwargs)
+
+        return step
+
+    now = utc(2026, 6, 1, 12, 0, 30)
+    try:
+        scheduler.first_due(now)
+        with (
+            mock.patch.object(croniter, "get_next", counted(real_next)),
+            mock.patch.object(croniter, "get_prev", counted(real_prev)),
+        ):
+            fired = 0
+            for _ in range(10 * 60):
+                now += timedelta(seconds=1)
+                fired += sum(len(slots) for _, slots in scheduler.due(now))
+    finally:
+        scheduler.pool.close()
+        scheduler.writer.close()
+        for zone in zones:
+            registry.unregister(f"tests.cost.{zone}")
+    assert fired == 10 * len(zones)
+    assert steps["n"] <= 3 * fired, steps
