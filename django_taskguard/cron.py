@@ -12,9 +12,9 @@ What a cron means when the clocks change (docs/schedules.md, "Daylight saving ti
   shifted forward by the gap: ``30 2 * * *`` fires at 03:30 that day.
 
 Each schedule's fire times come from one walk that steps forward from the last one
-it gave out (:class:`_Walk`, kept per expression, zone and day rule); a query that
-starts before the kept times is answered by a fresh walk (:func:`fire_times`) and
-:func:`plain_latest`, which give the same answers.
+it gave out (:class:`_Walk`, kept per expression, zone and day rule); a question that
+starts before the kept times starts a new walk there (:func:`plain_latest`, then
+:func:`fire_times`), which gives the same answers.
 """
 
 from __future__ import annotations
@@ -224,8 +224,9 @@ _walks_lock = threading.Lock()
 
 
 def _walk(cron: CronSchedule, start: datetime) -> _Walk:
-    """The kept walk of ``cron`` when it holds ``start`` or can step to it; a walk of
-    this query's own (not kept) when ``start`` is before it."""
+    """The kept walk of ``cron`` when it holds ``start`` or can step to it, else a new one
+    from ``start``, kept in its place (a question behind the kept times, a clock stepped
+    back: the next question steps forward from there, or starts again)."""
     zone = cron.zone()
     key = (cron.expression, str(zone), cron.day_or)
     with _walks_lock:
@@ -234,7 +235,6 @@ def _walk(cron: CronSchedule, start: datetime) -> _Walk:
             _walks.move_to_end(key)
             if kept.after < start:
                 return kept
-            return _Walk(cron, zone, start)
         walk = _walks[key] = _Walk(cron, zone, start)
         while len(_walks) > KEEP_WALKS:
             _walks.popitem(last=False)
