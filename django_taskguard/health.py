@@ -23,10 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo
 
-from croniter import croniter
-from django.utils.timezone import get_default_timezone, get_default_timezone_name
+from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
@@ -34,7 +32,7 @@ from . import ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .models import TaskSchedule
-from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild, wall_to_utc
+from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild
 from .states import RunState
 
 LATE, MISSED, FAILING = "late", "missed", "failing"
@@ -259,15 +257,11 @@ def next_slot(schedule: Schedule, now: datetime) -> datetime | None:
     """The schedule's first slot after ``now``."""
     if isinstance(schedule, IntervalSchedule):
         return schedule.latest_slot(now) + schedule.every
-    latest = schedule.latest_slot(now)
     if isinstance(schedule, CronSchedule):
-        zone = ZoneInfo(schedule.tz_name) if schedule.tz_name else get_default_timezone()
-        wall = now.astimezone(zone).replace(tzinfo=None, microsecond=0)
-        fire = croniter(schedule.expression, wall, day_or=schedule.day_or).get_next(datetime)
-        candidate = wall_to_utc(fire, zone)
-        if candidate > now and schedule.latest_slot(candidate) == candidate:
-            return candidate
-    # Any other schedule (or a DST edge): bracket the next slot, then bisect to the second.
+        found = schedule.slots_between(now, now + timedelta(days=800), 1)
+        return found[0] if found else None
+    latest = schedule.latest_slot(now)
+    # Any other schedule: bracket the next slot, then bisect to the second.
     low, step = now, timedelta(minutes=1)
     while schedule.latest_slot(now + step) <= latest:
         low, step = now + step, step * 2
