@@ -14,6 +14,8 @@ echo "== ruff"
 .venv/bin/ruff format --check django_taskguard tests example_project bench
 echo "== package (build, contents, the wheel in a new startproject site)"
 bash scripts/package-check.sh
+echo "== the README's demo, both ways, from a fresh clone (its own venv, a private Redis)"
+bash scripts/demo-check.sh
 echo "== mypy (strict, django-stubs)"
 $PY -m mypy
 echo "== docs (mkdocs build --strict)"

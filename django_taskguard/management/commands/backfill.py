@@ -15,8 +15,9 @@ from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable
 from ...handoff import hand_off
 from ...models import ScheduleSource
-from ...registry import Entry, sync
-from ..arguments import aware_datetime, unknown_task
+from ...registry import Entry
+from ..arguments import aware_datetime
+from ..discovery import RUNNER, sync_schedules, unknown_schedule
 
 BACKFILL_MAX_SLOTS = 10_000
 ONE_MICROSECOND = timedelta(microseconds=1)
@@ -91,10 +92,10 @@ class Command(BaseCommand):
             raise CommandError(f"{failed} slots of {task} raised (recorded failed)")
 
     def _entry(self, task: str) -> Entry:
-        found = sync()
+        found = sync_schedules(self, RUNNER)
         entry = found.get(task)
         if entry is None:
-            raise unknown_task(task, found)
+            raise unknown_schedule(task, found)
         if entry.source != ScheduleSource.FUNCTION:
             raise CommandError(
                 f"{task} is a Celery task; backfill runs plain functions only (enqueueing "
