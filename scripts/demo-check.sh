@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The README's two demo commands, as a new user types them in a fresh clone: `make demo`
-# (SQLite, no Redis) and `REDIS_URL=redis://.../0 make demo` (the Redis fast path). The
-# clone is of the committed HEAD and gets its own .venv (make installs the package alone,
-# then adds [redis]); the Redis run talks to a private redis-server on a free port, never
-# to a Redis already running here. Called by scripts/test.sh; runs on its own too
-# (`bash scripts/demo-check.sh`). Leaves nothing behind.
+# What a new user types first, in a fresh clone of the committed HEAD with its own .venv:
+# the README's two demo commands, `make demo` (SQLite, no Redis; make installs the package
+# alone) and `REDIS_URL=redis://.../0 make demo` (the Redis fast path; make adds [redis]),
+# then docs/celery.md's quick start as written (its install line, migrate, two workers and
+# two beats on a Redis broker) until a beat slot has run. Redis is a private redis-server
+# on a free port, never a Redis already running here; what the docs put in /tmp goes in a
+# temporary directory, and createsuperuser/runserver (interactive) are left out. Called by
+# scripts/test.sh; runs on its own too (`bash scripts/demo-check.sh`). Leaves nothing behind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/taskguard-demo.XXXXXX")
 redis_pid=
+celery_pids=()
 cleanup() {
+  for pid in "${celery_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${celery_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   if [ -n "$redis_pid" ]; then kill "$redis_pid" 2>/dev/null || true; fi
   rm -rf "$work"
 }
@@ -37,4 +42,34 @@ REDIS_URL="redis://127.0.0.1:$port/0" make --no-print-directory demo >"$work/red
   || { cat "$work/redis-demo.log"; exit 1; }
 grep -q "backend: redis" "$work/redis-demo.log" || { cat "$work/redis-demo.log"; exit 1; }
 tail -n 2 "$work/redis-demo.log"
+
+echo "-- docs/celery.md's quick start: two workers and two beats on a Redis broker"
+.venv/bin/python -m pip install -q -e ".[redis,celery]"
+cd example_project
+export REDIS_URL="redis://127.0.0.1:$port/0" CELERY_BROKER_URL="redis://127.0.0.1:$port/1"
+../.venv/bin/python manage.py migrate -v 0
+for n in 1 2; do
+  ../.venv/bin/celery -A example worker -n "w$n@%h" -c 2 --loglevel INFO >"$work/worker$n.log" 2>&1 &
+  celery_pids+=($!)
+done
+for n in 1 2; do
+  ../.venv/bin/celery -A example beat -s "$work/beat$n" >"$work/beat$n.log" 2>&1 &
+  celery_pids+=($!)
+done
+ran=
+for _ in $(seq 90); do
+  ran=$(../.venv/bin/python manage.py shell -v 0 -c '
+from django_taskguard.models import TaskRun
+print(TaskRun.objects.filter(task_name__startswith="example.tasks.heartbeat", state="succeeded").count())')
+  [ "$ran" -gt 0 ] && break
+  for pid in "${celery_pids[@]}"; do kill -0 "$pid" 2>/dev/null || ran=dead; done
+  [ "$ran" = dead ] && break
+  sleep 1
+done
+if [ "$ran" = dead ] || [ "$ran" -eq 0 ]; then
+  tail -n 20 "$work"/worker*.log "$work"/beat*.log
+  echo "demo-check: the Celery quick start ran no heartbeat slot" >&2
+  exit 1
+fi
+echo "   a heartbeat slot succeeded ($ran so far)"
 echo "demo-check: OK"
