@@ -44,7 +44,7 @@ grep -q "backend: redis" "$work/redis-demo.log" || { cat "$work/redis-demo.log";
 tail -n 2 "$work/redis-demo.log"
 
 echo "-- docs/celery.md's quick start: two workers and two beats on a Redis broker"
-.venv/bin/python -m pip install -q -e ".[redis,celery]"
+.venv/bin/python -m pip install -q -e ".[redis,celery]" >"$work/pip.log" 2>&1 || { cat "$work/pip.log"; exit 1; }
 cd example_project
 export REDIS_URL="redis://127.0.0.1:$port/0" CELERY_BROKER_URL="redis://127.0.0.1:$port/1"
 ../.venv/bin/python manage.py migrate -v 0
