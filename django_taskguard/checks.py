@@ -8,6 +8,7 @@ from typing import Any
 from django.apps import AppConfig
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router
 
 from .conf import DEFAULTS, number_problem, problem, taskguard_problem, taskguard_settings
@@ -130,6 +131,46 @@ def check_ledger_server(
             hint="Put the ledger on MariaDB 10.11 or later, PostgreSQL or SQLite "
             "(TASKGUARD['DATABASE_ALIAS']).",
             id="taskguard.E007",
+        )
+    ]
+
+
+# A deployment check: ``migrate`` runs the database checks before it applies anything,
+# and must not be told to run itself.
+@register(Tags.database, deploy=True)
+def check_migrations_applied(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """W014: taskguard's migrations not applied on ``DATABASE_ALIAS``
+    (``check --deploy --database ALIAS``)."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        alias = taskguard_settings.DATABASE_ALIAS
+    except ImproperlyConfigured:
+        return []  # E006
+    if not databases or alias not in databases:
+        return []
+    try:
+        executor = MigrationExecutor(connections[alias])
+        leaves = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "taskguard"]
+        plan = executor.migration_plan(leaves)
+    except DatabaseError:
+        return []  # unreachable: the command that asked for the check says so itself
+    missing = [
+        migration.name for migration, _backwards in plan if migration.app_label == "taskguard"
+    ]
+    if not missing:
+        return []
+    return [
+        Warning(
+            f"{len(missing)} of taskguard's migrations are not applied on database "
+            f"{alias!r} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+            f"guarded calls, run_schedules and check_schedules will fail there.",
+            hint=f"run: manage.py migrate taskguard --database {alias}",
+            id="taskguard.W014",
         )
     ]
 
