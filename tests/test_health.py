@@ -9,7 +9,7 @@ import subprocess
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 from django.urls import reverse
@@ -188,10 +188,14 @@ def test_next_slot__cron_and_interval():
 # -- the health/ URL -----------------------------------------------------------------
 
 
-def staff_client(is_staff: bool = True) -> Client:
+def staff_client(is_staff: bool = True, *, can_view: bool = True) -> Client:
+    """A signed-in user; staff with the admin's view permission on runs unless told."""
     client = Client()
     name = "ops" if is_staff else "user"
-    client.force_login(User.objects.create_user(name, password="pw", is_staff=is_staff))
+    user = User.objects.create_user(name, password="pw", is_staff=is_staff)
+    if can_view:
+        user.user_permissions.add(Permission.objects.get(codename="view_taskrun"))
+    client.force_login(user)
     return client
 
 
@@ -215,6 +219,10 @@ def test_health_view__staff_only_without_a_token():
     assert response.status_code == 403
     assert "HEALTH_TOKEN" in response.json()["error"]
     assert staff_client(is_staff=False).get(HEALTH).status_code == 403
+    # Staff the admin refuses (no view_taskrun) are refused here too.
+    refused = staff_client(can_view=False).get(HEALTH)
+    assert refused.status_code == 403
+    assert "view_taskrun" in refused.json()["error"]
     assert Client().get(HEALTH, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 403
 
 
