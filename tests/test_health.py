@@ -247,3 +247,24 @@ def test_check_schedules__says_when_tasks_were_left_out(monkeypatch):
     verdict = json.loads(run_check("--json")[1])
     assert verdict["left_out"] is True
     assert [task["task"] for task in verdict["tasks"]] == ["tests.a", "tests.b"]
+
+
+def test_check_schedules__summary_counts_read_right():
+    schedule("tests.words.late")
+    schedule("tests.words.fine")
+    finished("tests.words.fine", due_slot())
+    out = io.StringIO()
+    with pytest.raises(CommandError):
+        call_command("check_schedules", stdout=out)
+    assert "1 of 2 tasks is unhealthy." in out.getvalue(), out.getvalue()
+
+
+def test_check_schedules_json__the_judged_slot_is_named_for_what_it_is():
+    schedule("tests.words.named")
+    out = io.StringIO()
+    with pytest.raises(CommandError):
+        call_command("check_schedules", "--json", stdout=out)
+    [task] = json.loads(out.getvalue())["tasks"]
+    # The latest slot whose grace has passed (a slot due within its grace is not judged yet).
+    assert "latest_due_slot" not in task
+    assert task["latest_slot_past_grace"] == due_slot().isoformat()

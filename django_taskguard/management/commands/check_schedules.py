@@ -79,13 +79,13 @@ def report(verdict: health.Verdict) -> str:
     if not verdict.tasks:
         lines.append("No schedules registered and no runs recorded yet.")
     elif unhealthy:
+        total = len(verdict.tasks)
+        tasks = ngettext("%(total)d task", "%(total)d tasks", total) % {"total": total}
         lines.append(
             ngettext(
-                "%(n)d of %(total)d task is unhealthy.",
-                "%(n)d of %(total)d tasks are unhealthy.",
-                unhealthy,
+                "%(n)d of %(tasks)s is unhealthy.", "%(n)d of %(tasks)s are unhealthy.", unhealthy
             )
-            % {"n": unhealthy, "total": len(verdict.tasks)}
+            % {"n": unhealthy, "tasks": tasks}
         )
     else:
         lines.append(
