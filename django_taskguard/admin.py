@@ -378,15 +378,31 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
 
     def _confirm(
         self, request: HttpRequest, queryset: QuerySet[TaskRun], action: str, title: Any
-    ) -> TemplateResponse:
+    ) -> TemplateResponse | None:
         shown = list(queryset.order_by("pk")[: self.list_per_page])
+        stale = sum(1 for run in shown if _is_stale(run))
+        if action == "cleanup_stale_locks" and not stale and len(shown) < self.list_per_page:
+            # Nothing to confirm: say so, instead of asking to clean up 0 runs.
+            self.message_user(
+                request,
+                ngettext(
+                    "None of the %(n)d selected runs is stale (running, its lease expired): "
+                    "nothing to clean up.",
+                    "None of the %(n)d selected runs is stale (running, its lease expired): "
+                    "nothing to clean up.",
+                    len(shown),
+                )
+                % {"n": len(shown)},
+                messages.WARNING,
+            )
+            return None
         context = {
             **self.admin_site.each_context(request),
             "title": title,
             "opts": self.opts,
             "action": action,
             "runs": shown,
-            "stale": sum(1 for run in shown if _is_stale(run)),
+            "stale": stale,
             "live": sum(1 for run in shown if getattr(run, "lease_alive", False)),
             "more": len(shown) == self.list_per_page,
             "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),

@@ -116,6 +116,15 @@ def test_admin__read_only(operator):
     assert operator.get(reverse("admin:taskguard_taskrun_delete", args=[run.pk])).status_code == 403
 
 
+def test_cleanup_action__nothing_stale_asks_nothing(operator):
+    live = make_run("tests.live", 0, lease=3600)
+    done = make_run("tests.done", 1, state=RunState.SUCCEEDED)
+    page = act(operator, "cleanup_stale_locks", [live, done]).content.decode()
+    assert 'name="confirm"' not in page
+    assert "None of the 2 selected runs is stale" in page
+    assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
+
+
 def test_cleanup_action__confirmation_then_abandons_only_stale(operator):
     stale = make_run("tests.stale", 0)
     live = make_run("tests.live", 0, lease=3600)
@@ -269,10 +278,21 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
     operator_user.user_permissions.add(Permission.objects.get(codename="pause_taskschedule"))
     schedule("tests.nightly")
     assert 'value="pause"' in overview_rows(operator)["tests.nightly"]
-    response = operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"}, follow=True)
+    # Pause asks first (what it does, a reason), like the cleanup action; nothing changes yet.
+    asked = operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"})
+    assert asked.status_code == 200
+    page = asked.content.decode()
+    assert "Pause tests.nightly?" in page and 'name="reason"' in page and 'value="yes"' in page
+    assert not TaskSchedule.objects.get(task_name="tests.nightly").paused
+    response = operator.post(
+        PAUSE,
+        {"task": "tests.nightly", "do": "pause", "confirm": "yes", "reason": "vendor outage"},
+        follow=True,
+    )
     assert "Paused tests.nightly." in response.content.decode()
     stored = TaskSchedule.objects.get(task_name="tests.nightly")
-    assert stored.paused and stored.paused_reason == "paused from the admin by operator"
+    assert stored.paused
+    assert stored.paused_reason == "paused from the admin by operator: vendor outage"
     row = overview_rows(operator)["tests.nightly"]
     assert 'data-status="paused"' in row and 'value="resume"' in row
     operator.post(PAUSE, {"task": "tests.nightly", "do": "resume"})

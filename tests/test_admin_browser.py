@@ -226,11 +226,15 @@ def test_admin_browser__overview_strip_links_and_pause(browser, live_server, tmp
     navigate(driver, link)
     assert "billing.sync" in driver.find_element(By.ID, "content").text
 
-    # Pause from the overview; the admin says so and the row turns paused.
+    # Pause from the overview: it asks first (with a reason), then the admin says so and the
+    # row turns paused.
     driver.get(f"{live_server.url}/admin/taskguard/taskrun/overview/")
     row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='reports.nightly']")
     navigate(driver, row.find_element(By.CSS_SELECTOR, "button[value=pause]"))
+    assert "Pause reports.nightly?" in driver.find_element(By.ID, "content").text
+    driver.find_element(By.ID, "id_reason").send_keys("vendor outage")
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit]"))
     assert "Paused reports.nightly." in driver.find_element(By.CSS_SELECTOR, ".messagelist").text
     row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='reports.nightly']")
     assert row.get_attribute("data-status") == "paused"
-    assert "paused from the admin by admin" in row.text
+    assert "paused from the admin by admin: vendor outage" in row.text
