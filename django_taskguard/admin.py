@@ -27,6 +27,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from . import ledger, timefmt
+from ._compat import OL_BREADCRUMBS
 from .admin_overview import OverviewMixin
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
@@ -398,6 +399,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
             return None
         context = {
             **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
             "title": title,
             "opts": self.opts,
             "action": action,

@@ -25,6 +25,7 @@ from django.utils.translation import gettext as _
 from django.views.decorators.http import require_POST
 
 from . import overview, pauses, timefmt
+from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable
 from .ledger import schedules as schedule_store
 from .models import TaskRun
@@ -76,6 +77,7 @@ class OverviewMixin(AdminBase):
             verdict, rows = None, []
         context = {
             **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
             "title": _("Tasks at a glance"),
             "opts": self.opts,
             "verdict": verdict,
@@ -117,6 +119,7 @@ class OverviewMixin(AdminBase):
         cleanup action asks before it abandons runs)."""
         context = {
             **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
             "title": _("Pause %(task)s?") % {"task": name},
             "opts": self.opts,
             "task": name,

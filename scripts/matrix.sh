@@ -31,6 +31,7 @@ SMOKE=(
   tests/test_locks_redis.py::test_guard__winner_folds_redis_duplicates_into_the_row
   tests/test_checks.py::test_makemigrations__check_reports_no_changes
   tests/test_admin.py::test_changelist__columns_badges_and_lease
+  tests/test_admin.py::test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do
   tests/test_contrib_celery.py::test_scheduler_stamp__headers_carry_slot_and_entry_name
   tests/test_contrib_celery.py::test_eager__slot_from_header_and_identity_with_schedule_name
   tests/test_contrib_celery.py::test_database_scheduler__without_django_celery_beat_names_the_extra

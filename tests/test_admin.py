@@ -357,3 +357,27 @@ def test_change_page__times_with_zone_seconds_and_utc(viewer):
     assert f"tests.times @ {slot:%Y-%m-%d} {local} (13:00:10 UTC) (succeeded)" in html
     listing = viewer.get(CHANGELIST).content.decode()
     assert f'title="{slot:%Y-%m-%d} 13:00:10 UTC">{slot:%Y-%m-%d} {local}<' in listing
+
+
+def breadcrumbs_markup(html: str) -> str:
+    found = re.search(r'<(ol|div) class="breadcrumbs"', html)
+    assert found is not None, "no breadcrumbs"
+    return found.group(1)
+
+
+def test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do(operator):
+    from .monitoring import schedule
+
+    User.objects.filter(username="operator").get().user_permissions.add(
+        Permission.objects.get(codename="pause_taskschedule")
+    )
+    schedule("tests.nightly")
+    stale = make_run("tests.stale", 0)
+    django_own = breadcrumbs_markup(operator.get(change_url(stale)).content.decode())
+    pages = {
+        "overview": operator.get(OVERVIEW),
+        "cleanup confirmation": act(operator, "cleanup_stale_locks", [stale]),
+        "pause confirmation": operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"}),
+    }
+    for page, response in pages.items():
+        assert breadcrumbs_markup(response.content.decode()) == django_own, page
