@@ -381,3 +381,16 @@ def test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do(operator)
     }
     for page, response in pages.items():
         assert breadcrumbs_markup(response.content.decode()) == django_own, page
+
+
+def test_change_page__transition_times_have_seconds_zone_and_utc(operator):
+    from datetime import timedelta
+
+    from django_taskguard import timefmt
+
+    run = make_run("tests.times", 0, transitions=1)
+    moment = run.slot + timedelta(seconds=7)  # a moment no other field of the page shows
+    TaskRunTransition.objects.filter(run_id=run.pk).update(at=moment)
+
+    html = operator.get(change_url(run)).content.decode()
+    assert timefmt.both(moment) in html  # e.g. 2026-11-26 20:03:07 CET (19:03:07 UTC)
