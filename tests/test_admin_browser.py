@@ -65,6 +65,18 @@ def browser() -> Iterator[object]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
+def keep_screenshot(driver, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The page at 1400 px; into docs/ with TASKGUARD_UPDATE_SCREENSHOT=1 (the docs' pictures)."""
+    driver.set_window_size(1400, 900)
+    fits_width(driver)
+    shot = tmp_path / name
+    assert driver.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):
+        shutil.copyfile(shot, ROOT / "docs" / name)
+    driver.set_window_size(1600, 900)
+
+
 def shots_dir(tmp_path: Path) -> Path:
     """Where the layout screenshots go: TASKGUARD_SCREENSHOT_DIR to keep them, else tmp_path."""
     kept = os.environ.get("TASKGUARD_SCREENSHOT_DIR")
@@ -162,7 +174,7 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
 
     driver.get(f"{live_server.url}/admin/taskguard/taskrun/")
     slots = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-slot_display")]
-    assert slots and all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T", t) for t in slots)
+    assert slots and all(re.fullmatch(r"\d{4}-\d\d-\d\d\n\d\d:\d\d:\d\d CES?T", t) for t in slots)
     owners = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-owner_display")]
     assert "worker-3:4242" in owners  # where it ran; the token on hover
     # Every column fits a laptop screen (1280 and 1400 px), and a slot takes at most 2 lines.
@@ -177,6 +189,7 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
 
     assert "1 of the selected runs is stale" in driver.find_element(By.ID, "content").text
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.RUNNING
+    keep_screenshot(driver, tmp_path, "confirm-screenshot.png")
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit][value^='Yes']"))
 
     message = driver.find_element(By.CSS_SELECTOR, "ul.messagelist li.success")
@@ -185,11 +198,7 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
     badges = [badge.text for badge in driver.find_elements(By.CSS_SELECTOR, ".taskguard-state")]
     assert "abandoned" in badges
 
-    shot = tmp_path / "admin-screenshot.png"
-    assert driver.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):  # refresh the README's picture on demand
-        shutil.copyfile(shot, ROOT / "docs" / "admin-screenshot.png")
+    keep_screenshot(driver, tmp_path, "admin-screenshot.png")
 
 
 def seed_overview() -> dict[str, TaskRun]:
@@ -261,11 +270,7 @@ def test_admin_browser__overview_strip_links_and_pause(browser, live_server, tmp
     assert "failing: its last 3 runs failed" in rows[1].text
     # Nothing hides behind a horizontal scrollbar, no column is cut off at 1280 and 1400 px.
     fits_laptops(driver, "#content-main table thead th", shots_dir(tmp_path), "overview")
-    shot = tmp_path / "overview-screenshot.png"
-    assert driver.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):
-        shutil.copyfile(shot, ROOT / "docs" / "overview-screenshot.png")
+    keep_screenshot(driver, tmp_path, "overview-screenshot.png")
 
     # A cell is a link to its run.
     newest = runs["sync-0"]
