@@ -462,14 +462,22 @@ def test_scheduler_due__a_late_wakeup_fires_slots_within_grace_in_order():
     assert due["tests.due.strict"] == [now - n * SECOND for n in range(9, -1, -1)]
 
 
-def test_run_schedules__a_paused_slot_is_logged_as_paused(capsys):
+def test_run_schedules__a_paused_slot_is_logged_as_paused(caplog):
+    import logging
+
     calls: list[str] = []
     every_second("tests.once.paused", calls)
     registry.sync()
     seen_since("tests.once.paused", 60)
     call_command("pause_task", "tests.once.paused", stdout=StringIO())
-    call_command("run_schedules", "--once", "--task", "tests.once.paused", stdout=StringIO())
-    out = capsys.readouterr().out
+    # run_schedules logs to its own handler, not propagated: listen on the logger itself.
+    scheduler_logger = logging.getLogger("taskguard.scheduler")
+    scheduler_logger.addHandler(caplog.handler)
+    try:
+        call_command("run_schedules", "--once", "--task", "tests.once.paused", stdout=StringIO())
+    finally:
+        scheduler_logger.removeHandler(caplog.handler)
+    out = caplog.text
     assert calls == []
     assert "tests.once.paused slot" in out and "not run: the task is paused" in out, out
     assert "another call has it" not in out
