@@ -85,7 +85,7 @@ class TaskHealth:
             "paused_reason": self.paused_reason or None,
             "last_success": _iso(self.last_success.finished_at if self.last_success else None),
             "last_success_slot": _iso(self.last_success.slot if self.last_success else None),
-            "latest_due_slot": _iso(self.latest_due),
+            "latest_slot_past_grace": _iso(self.latest_due),
             "next_slot": _iso(self.next_slot),
         }
 

@@ -38,6 +38,7 @@ from .context import ActiveRun
 from .guard import duplicate, run_claimed
 from .handoff import hand_off
 from .missed import sweep_missed
+from .pauses import paused_reason
 from .registry import Entry
 
 logger = logging.getLogger("taskguard.scheduler")
@@ -260,7 +261,7 @@ class Scheduler:
         except Exception as exc:
             outcome = f"raised {type(exc).__name__}: {exc}"
         else:
-            outcome = "ran" if ran else "not run (recorded)"
+            outcome = "ran" if ran else _not_run(entry, "not run (recorded)")
         self._log(entry, active.slot, outcome, time.monotonic() - started)
 
     def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
@@ -277,7 +278,7 @@ class Scheduler:
             except Exception as exc:
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "ran" if ran else "not run here (another call has it, or it is recorded)"
+                outcome = "ran" if ran else _not_run(entry, NOT_RUN_HERE)
             self._log(entry, slot, outcome, time.monotonic() - started)
 
     def _hand_off(self, entry: Entry, slots: list[datetime]) -> None:
@@ -344,3 +345,15 @@ class Scheduler:
         mine = {name: count for name, count in result.tasks.items() if name in names}
         if mine:
             logger.warning("missed slots recorded: %s", mine)
+
+
+NOT_RUN_HERE = "not run here (another call has it, or it is recorded)"
+
+
+def _not_run(entry: Entry, otherwise: str) -> str:
+    """Why a fired slot did not run in this call: the pause (cached, no query) when there
+    is one, ``otherwise`` not."""
+    reason = paused_reason(entry.task_name)
+    if reason is None:
+        return otherwise
+    return f"not run: the task is paused ({reason}); the slot is recorded skipped"

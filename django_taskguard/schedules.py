@@ -159,6 +159,10 @@ def normalize_slot(slot: Any) -> datetime:
     if not isinstance(slot, datetime):
         raise InvalidSchedule(f"slot must be an aware datetime, not {type(slot).__name__}")
     if timezone.is_naive(slot):
-        raise InvalidSchedule(f"slot must be timezone-aware (got naive {slot.isoformat()})")
+        raise InvalidSchedule(
+            f"slot must be timezone-aware (got naive {slot.isoformat()}): make it aware with "
+            f"django.utils.timezone.make_aware(slot) (in TIME_ZONE) or "
+            f"slot.replace(tzinfo=datetime.timezone.utc)"
+        )
     utc: datetime = slot.astimezone(UTC)
     return utc

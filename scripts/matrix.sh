@@ -4,7 +4,7 @@
 # on PostgreSQL; the others a smoke set. Each entry gets its own venv, .venv-<name>/, built
 # by uv with the user extras [redis,celery,postgres] and [test] (no django-celery-beat: its
 # releases require Django below 6.1, and the package must work without it); "full" entries
-# add what the rest of the suite needs (prometheus, selenium, django-tasks-db). A venv is rebuilt only when pyproject.toml or its entry below changes (a stamp
+# add what the rest of the suite needs (prometheus-client, django-tasks-db). A venv is rebuilt only when pyproject.toml or its entry below changes (a stamp
 # file inside it); uv's cache (~/.cache/uv) makes a rebuild take seconds. Called by
 # scripts/test.sh; runs on its own too: `bash scripts/matrix.sh [NAME...]` (e.g. django61),
 # with PostgreSQL up (scripts/ensure-services.sh).
@@ -20,7 +20,7 @@ MATRIX=(
   "django61 3.13 Django>=6.1,<6.2 full"
   "django60 3.12 Django>=6.0,<6.1 smoke"
 )
-FULL_EXTRAS=(prometheus-client selenium "django-tasks-db>=0.13")
+FULL_EXTRAS=(prometheus-client "django-tasks-db>=0.13")
 
 # A race of real processes (on SQLite and on PostgreSQL; the rest on PostgreSQL only), the
 # migrations check, an admin page rendered, the Celery beat scheduler stamping a slot and a task recording that slot, and
@@ -33,14 +33,16 @@ SMOKE=(
   tests/test_locks_redis.py::test_guard__winner_folds_redis_duplicates_into_the_row
   tests/test_checks.py::test_makemigrations__check_reports_no_changes
   tests/test_admin.py::test_changelist__columns_badges_and_lease
+  tests/test_admin.py::test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do
   tests/test_contrib_celery.py::test_scheduler_stamp__headers_carry_slot_and_entry_name
   tests/test_contrib_celery.py::test_eager__slot_from_header_and_identity_with_schedule_name
   tests/test_contrib_celery.py::test_database_scheduler__without_django_celery_beat_names_the_extra
   tests/test_contrib_tasks.py::test_enqueue_for_slot__the_slot_travels_and_is_claimed_not_recomputed
   tests/test_async.py::test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking
-  tests/test_async.py::test_async__cancelled_during_the_claim_is_recorded_and_never_runs
+  tests/test_async.py::test_async__cancelled_during_the_claim_gives_the_slot_back_and_never_runs
   tests/test_async.py::test_async__wait_for_timeout_raises_timeout_error_and_is_recorded
 )
+
 
 find_python() {  # python$1 that runs: on PATH, else pyenv's; else "$1", for uv to find
   local version=$1 candidate

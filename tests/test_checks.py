@@ -39,8 +39,8 @@ def ids(**overrides: object) -> list[str]:
         ),
         pytest.param(
             {"BACKEND": "redis", "REDIS_ALIAS": "missing"},
-            ["taskguard.E002"],
-            id="E002-missing-alias",
+            ["taskguard.E014"],
+            id="E014-missing-alias",
         ),
         pytest.param({"LEASE_SECONDS": 0}, ["taskguard.E004"], id="E004-zero"),
         pytest.param({"LEASE_SECONDS": -5}, ["taskguard.E004"], id="E004-negative"),

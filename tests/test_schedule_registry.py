@@ -442,3 +442,24 @@ def test_scheduler_due__a_late_wakeup_fires_slots_within_grace_in_order():
     # none: every slot (the guard records the late ones missed).
     assert due["tests.due.latest"] == [now - n * SECOND for n in range(5, -1, -1)]
     assert due["tests.due.strict"] == [now - n * SECOND for n in range(9, -1, -1)]
+
+
+def test_run_schedules__a_paused_slot_is_logged_as_paused(caplog):
+    import logging
+
+    calls: list[str] = []
+    every_second("tests.once.paused", calls)
+    registry.sync()
+    seen_since("tests.once.paused", 60)
+    call_command("pause_task", "tests.once.paused", stdout=StringIO())
+    # run_schedules logs to its own handler, not propagated: listen on the logger itself.
+    scheduler_logger = logging.getLogger("taskguard.scheduler")
+    scheduler_logger.addHandler(caplog.handler)
+    try:
+        call_command("run_schedules", "--once", "--task", "tests.once.paused", stdout=StringIO())
+    finally:
+        scheduler_logger.removeHandler(caplog.handler)
+    out = caplog.text
+    assert calls == []
+    assert "tests.once.paused slot" in out and "not run: the task is paused" in out, out
+    assert "another call has it" not in out

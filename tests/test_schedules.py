@@ -212,3 +212,15 @@ def test_schedule__strings_and_timedeltas_and_own_schedules_are_accepted():
     mine = IntervalSchedule(timedelta(hours=2))
     assert build(None, None, mine) is mine
     assert build(None, None, None) is None
+
+
+def test_normalize_slot__naive_datetime_error_says_how_to_make_it_aware():
+    from django_taskguard.exceptions import InvalidSchedule
+    from django_taskguard.schedules import normalize_slot
+
+    with pytest.raises(InvalidSchedule) as raised:
+        normalize_slot(datetime(2026, 11, 26, 21, 0))
+    message = str(raised.value)
+    assert "got naive 2026-11-26T21:00:00" in message
+    assert "django.utils.timezone.make_aware(slot)" in message
+    assert "slot.replace(tzinfo=datetime.timezone.utc)" in message

@@ -4,6 +4,7 @@ and the ledger's own row (identity, fences)."""
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from django.db.models import Max, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from ..conf import taskguard_settings
-from ..exceptions import BackendUnavailable, TaskGuardError
+from ..exceptions import BackendUnavailable, NotMigrated, TaskGuardError
 from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition
 from ..owner import token_of
 from ..states import check_transition
@@ -131,8 +132,24 @@ def settle_connection() -> None:
     connections[alias()].close()
 
 
+# A table or column of taskguard's that the database does not have (SQLite, PostgreSQL,
+# MariaDB's words): its migrations were not applied there.
+NOT_MIGRATED = re.compile(
+    r"no such (table|column): taskguard_|(relation|column) \"?taskguard_\S* does not exist"
+    r"|Table '[^']*taskguard_\w+' doesn't exist|Unknown column '[^']*taskguard_"
+)
+
+
 def unreachable(exc: Exception) -> BackendUnavailable:
-    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite);
+    ``NotMigrated`` when the database answered that taskguard's tables are not there."""
+    if NOT_MIGRATED.search(str(exc)):
+        where = alias()
+        return NotMigrated(
+            f"taskguard's tables are not in database {where!r}, or are older than this "
+            f"version ({str(exc).splitlines()[0]}); run: manage.py migrate taskguard "
+            f"--database {where}"
+        )
     return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
 
 

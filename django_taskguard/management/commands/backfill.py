@@ -16,8 +16,9 @@ from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable
 from ...handoff import hand_off
 from ...models import RunState, ScheduleSource
-from ...registry import Entry, sync
-from ..arguments import aware_datetime, unknown_task
+from ...registry import Entry
+from ..arguments import aware_datetime
+from ..discovery import RUNNER, sync_schedules, unknown_schedule
 
 BACKFILL_MAX_SLOTS = 10_000
 ONE_MICROSECOND = timedelta(microseconds=1)
@@ -109,10 +110,10 @@ class Command(BaseCommand):
             )
 
     def _entry(self, task: str) -> Entry:
-        found = sync()
+        found = sync_schedules(self, RUNNER)
         entry = found.get(task)
         if entry is None:
-            raise unknown_task(task, found)
+            raise unknown_schedule(task, found)
         if entry.source != ScheduleSource.FUNCTION:
             raise CommandError(
                 f"{task} is a Celery task; backfill runs plain functions only (enqueueing "
