@@ -53,7 +53,8 @@ def record_raised(
     recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
     """
     ending = _classify(classify_raise, exc)
-    error = f"{type(exc).__name__}: {exc}"
+    # Cut before formatting: a huge message is never copied whole.
+    error = f"{type(exc).__name__}: {ledger.clip(str(exc), ledger.ERROR_MAX_LENGTH)}"
     retry_within = None
     if ending is not None:
         state, reason = ending.state, ending.reason

@@ -233,13 +233,17 @@ def clip(text: str, limit: int) -> str:
 
     What a database refuses becomes visible instead: NUL (PostgreSQL rejects it
     in text) as ``\\x00``, lone surrogates (no encoding takes them) as
-    ``\\udcxx``. A message is the user's, any text at all.
+    ``\\udcxx``. A message is the user's, any text at all, of any length: it is cut
+    before it is escaped (every character escapes to one or more, so the first
+    ``limit`` hold the result), never copied whole.
     """
+    cut = len(text) > limit
+    text = text[:limit]
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")
     if not text.isascii():
         text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return text if len(text) <= limit and not cut else text[: limit - 1] + "…"
 
 
 def change(
