@@ -394,16 +394,18 @@ class Attempt:
     def returned(self, result: R) -> R:
         """Record that the function returned ``result`` (fenced: ``LeaseLost`` if taken over)."""
         heartbeats.stop(self.beat)
-        ended = False  # the row is recorded finished: the lock may say so too
         try:
             if self.policy.return_result:
                 _store_result(self.active, result)
             succeed(self.active, self.record_success)
-            ended = True
-            run_succeeded.send(sender=self.active.task_name, run=self.active, result=result)
-            return result
-        finally:
-            self._free(ended)
+        except BaseException:
+            self._free(ended=False)
+            raise
+        # The row is terminal: the lock says so before any receiver runs, so that a call
+        # made meanwhile meets the finished row on every backend (keep=0: the key is free).
+        self._free(ended=True)
+        run_succeeded.send(sender=self.active.task_name, run=self.active, result=result)
+        return result
 
     def raised(self, exc: BaseException) -> None:
         """Record that the function raised ``exc``; never raises (the caller re-raises ``exc``)."""

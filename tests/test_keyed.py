@@ -20,6 +20,7 @@ from django_taskguard.exceptions import DuplicateRun, InvalidKey, InvalidSchedul
 from django_taskguard.locks import get_backend
 from django_taskguard.locks.keys import SlotKey, key_digest
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.signals import run_succeeded
 
 from .conftest import python, wait_for
 from .redis_support import child_redis_env, command, redis_backend
@@ -137,6 +138,33 @@ def test_once_per_key__keep_zero_frees_the_key_when_finished_none_blocks_it():
     assert TaskRun.objects.filter(task_name="tests.keyed.keep0").count() == 1
     assert forever(1) == 1
     assert forever(1) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__keep_zero_key_is_free_once_the_row_is_terminal(lock_backend):
+    # Before: a call made while run_succeeded receivers still ran (the row already
+    # succeeded) was refused on Redis (the lock was freed only after the signal) and ran
+    # on the database backend. The key is free once the row is terminal, on both.
+    runs: list[int] = []
+    again: list[int | None] = []
+
+    @once_per_key(key="{n}", name="tests.keyed.keep0.signal", keep=timedelta(0))
+    def free(n: int) -> int:
+        runs.append(n)
+        return n
+
+    def on_succeeded(sender: str, run: object, result: object, **kwargs: object) -> None:
+        if sender == "tests.keyed.keep0.signal" and len(runs) == 1:
+            assert TaskRun.objects.get(key="1").state == RunState.SUCCEEDED
+            again.append(free(1))
+
+    run_succeeded.connect(on_succeeded, weak=False)
+    try:
+        assert free(1) == 1
+    finally:
+        run_succeeded.disconnect(on_succeeded)
+    assert again == [1], f"{lock_backend}: the call made after the row succeeded ran"
+    assert runs == [1, 1]
 
 
 @pytest.mark.django_db(transaction=True)
