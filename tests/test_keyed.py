@@ -7,7 +7,8 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from io import StringIO
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from django_taskguard.locks import get_backend
 from django_taskguard.locks.keys import SlotKey, key_digest
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.signals import run_succeeded
+from django_taskguard.testing import freeze_now
 
 from .conftest import python, wait_for
 from .redis_support import child_redis_env, command, redis_backend
@@ -165,6 +167,22 @@ def test_once_per_key__keep_zero_key_is_free_once_the_row_is_terminal(lock_backe
         run_succeeded.disconnect(on_succeeded)
     assert again == [1], f"{lock_backend}: the call made after the row succeeded ran"
     assert runs == [1, 1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__a_frozen_clock_runs_any_number_of_keys(lock_backend):
+    # Before: a keyed row's slot is its claim's time; under freeze_now every key of the
+    # task claimed the same instant and the 6th raised TaskGuardError ("5 claims ... at
+    # the same microsecond").
+    @once_per_key(key="{n}", name="tests.keyed.frozen")
+    def body(n: int) -> int:
+        return n
+
+    with freeze_now(datetime(2026, 3, 1, 21, tzinfo=dt_timezone.utc)):
+        assert [body(n) for n in range(25)] == list(range(25))
+        assert body(7) is None
+    runs = TaskRun.objects.filter(task_name="tests.keyed.frozen")
+    assert runs.count() == 25 == len({run.slot for run in runs})
 
 
 @pytest.mark.django_db(transaction=True)

@@ -336,6 +336,13 @@ def read_slot(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
 
 
+# A keyed claim that met another key's row on (task, slot): the latest slot the task has
+# from there on (the (task, slot) index answers it), so the claim takes the next one.
+@lru_cache
+def last_slot_from(d: Dialect) -> str:
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s AND slot >= %s", d)
+
+
 @lru_cache
 def read_key(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND {key} = %s", d)
