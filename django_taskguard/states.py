@@ -24,7 +24,9 @@ class RunState(models.TextChoices):
     SUCCEEDED = "succeeded", _("succeeded")
     # terminal: the function raised and no retry follows
     FAILED = "failed", _("failed")
-    # terminal: not run on purpose (overlap, no slot source, ...); the reason says why
+    # terminal: not run on purpose (overlap, no slot source, ...); the reason says why.
+    # One exception: a row that only records a call refused for being ahead of the clock
+    # (attempt 0, written before its slot) -> running: an on-time call takes it over
     SKIPPED = "skipped", _("skipped")
     # the owner died (lease expired); -> retrying only under on_stale="retry"
     ABANDONED = "abandoned", _("abandoned")
@@ -51,7 +53,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     RunState.ABANDONED: frozenset({RunState.RETRYING}),
     RunState.SUCCEEDED: frozenset(),
     RunState.FAILED: frozenset(),
-    RunState.SKIPPED: frozenset(),
+    RunState.SKIPPED: frozenset({RunState.RUNNING}),  # only a refusal of an early call
     RunState.MISSED: frozenset({RunState.RUNNING}),
 }
 

@@ -30,6 +30,7 @@ from .attempts import (
     store_result,
     succeed_many,
     take_over,
+    take_refused_early,
 )
 from .core import (
     CONNECTION_ERRORS,
@@ -186,6 +187,7 @@ __all__ = [
     "store_result",
     "succeed_many",
     "take_over",
+    "take_refused_early",
     "task_facts",
     "task_names",
     "to_row",

@@ -256,6 +256,20 @@ def start_attempt(row: Row, owner: str, lease_seconds: float, reason: str) -> Ro
     )
 
 
+def take_refused_early(row: Row, owner: str, lease_seconds: float, reason: str) -> Row | None:
+    """A ``skipped`` row that only records a call refused for being ahead of the clock
+    becomes ``owner``'s running attempt; ``None``: the row is no such refusal, or changed."""
+    return change(
+        row,
+        [Step(RunState.RUNNING, reason)],
+        actor=owner,
+        fenced=False,
+        lease="refused_early",
+        sets=sql.TAKE_REFUSED_EARLY,
+        values=(owner, lease_seconds),
+    )
+
+
 def take_over(row: Row, owner: str, lease_seconds: float, why: str) -> Row | None:
     """A dead attempt's row (running past its lease, or abandoned) becomes ``owner``'s.
 

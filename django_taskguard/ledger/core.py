@@ -277,7 +277,7 @@ def change(
         step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
         return block_row(one(statement, [*params, row.id, *step_params]))
     with transaction.atomic(using=alias()):
-        if sets is sql.START_ATTEMPT and d.fence_counter:
+        if d.fence_counter and (sets is sql.START_ATTEMPT or sets is sql.TAKE_REFUSED_EARLY):
             bump_fence(d)
         updated = _update(d, sql.change(d, assignments, fenced, lease), params, row.id)
         if updated is not None:

@@ -384,6 +384,10 @@ def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -
         where += " AND r.lease_until <= {now}"
     elif lease == "live":
         where += " AND r.lease_until > {now}"
+    elif lease == "refused_early":
+        # A row that only records a call refused for being ahead of the clock: nothing
+        # ever held it, and it was written before its slot came (no other writer does).
+        where += " AND r.attempt = 0 AND r.created_at < r.slot"
     sets = ", ".join(("state = %s", *assignments))
     returning = " RETURNING {row}" if d.update_returning else ""
     return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where}{returning}", d)
@@ -447,6 +451,13 @@ START_ATTEMPT = (  # owner, lease seconds
     "started_at = {now}",
     "lease_until = {lease}",
     "finished_at = NULL",
+)
+# An on-time call takes a row that only recorded an early call's refusal: the duplicate
+# its claim counted on finding the row is taken back (it is no duplicate, it runs).
+TAKE_REFUSED_EARLY = (
+    *START_ATTEMPT,
+    "error = ''",
+    "duplicates = CASE WHEN r.duplicates > 0 THEN r.duplicates - 1 ELSE 0 END",
 )
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
 # An attempt after which another follows (a Celery retry): the lease says by when.
