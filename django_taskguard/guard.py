@@ -275,6 +275,25 @@ def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) 
     return _record_refusal(task_name, slot, RunState.MISSED, reason, end_pending=True)
 
 
+def refused_early(task_name: str, slot: datetime, tolerance: timedelta) -> str | None:
+    """A slot ahead of the database's clock by more than ``tolerance``: recorded
+    ``skipped`` (once), and the reason returned; None when that clock says it is in time.
+
+    The row takes the slot from nobody: the first call that is on time takes it over
+    (``claim``), so a wrong clock never costs the slot.
+    """
+    now = ledger.database_now()
+    if slot - now <= tolerance:
+        return None
+    reason = (
+        f"slot {slot.isoformat()} is in the future (the database's clock says "
+        f"{now.isoformat()}); a slot may be at most {tolerance.total_seconds():g}s ahead "
+        f"(SLOT_TOLERANCE_SECONDS): a clock is wrong, the caller's or a beat's"
+    )
+    _record_refusal(task_name, slot, RunState.SKIPPED, reason)
+    return reason
+
+
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
     """A slot older than retention may have had its row pruned: never run it again.
 
