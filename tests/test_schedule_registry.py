@@ -21,6 +21,7 @@ from django_taskguard.exceptions import InvalidSchedule
 from django_taskguard.missed import ENUMERATE_CAP, MISSED_ROWS_CAP, sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.pauses import forget
+from django_taskguard.testing import freeze_now
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SECOND = timedelta(seconds=1)
@@ -337,6 +338,21 @@ def test_backfill__runs_slots_without_row_once_twice_harmless():
     assert "Running 0 slots" in out.getvalue() and len(calls) == 10
     states = TaskRun.objects.filter(task_name="tests.backfill.job").values_list("state", flat=True)
     assert list(states) == [RunState.SUCCEEDED] * 10
+
+
+def test_backfill__runs_a_slot_whose_row_only_refused_an_early_call():
+    # Before: an early call's `skipped` row counted as the slot's row: backfill skipped it.
+    calls: list[str] = []
+    job = every_second("tests.backfill.early", calls)
+    slot = now_second() + timedelta(minutes=10)
+    with pytest.raises(InvalidSchedule, match="in the future"):
+        job.run_for_slot(slot)
+    args = ["--from", (slot - SECOND).isoformat(), "--to", (slot + SECOND).isoformat()]
+    with freeze_now(slot + timedelta(minutes=1)):
+        out = StringIO()
+        call_command("backfill", "tests.backfill.early", *args, stdout=out)
+    assert "Running 3 slots" in out.getvalue() and len(calls) == 3
+    assert TaskRun.objects.get(slot=slot).state == RunState.SUCCEEDED
 
 
 def test_backfill__range_bounded_and_old_slots_refused():

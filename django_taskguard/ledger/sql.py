@@ -370,6 +370,12 @@ def now(d: Dialect) -> str:
 # -- changing a row --------------------------------------------------------------
 
 
+# A (skipped) row that only records a call refused for being ahead of the clock: nothing
+# ever held it, and it was written before its slot came (no other writer does that). The
+# first on-time call takes it over; it does not count as the slot's row.
+REFUSED_EARLY = "attempt = 0 AND created_at < slot"
+
+
 @lru_cache
 def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -> str:
     """Compare-and-set one row: ``SET state = %s, <assignments> WHERE id, state[, fence][, lease]``.
@@ -385,9 +391,7 @@ def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -
     elif lease == "live":
         where += " AND r.lease_until > {now}"
     elif lease == "refused_early":
-        # A row that only records a call refused for being ahead of the clock: nothing
-        # ever held it, and it was written before its slot came (no other writer does).
-        where += " AND r.attempt = 0 AND r.created_at < r.slot"
+        where += " AND " + REFUSED_EARLY
     sets = ", ".join(("state = %s", *assignments))
     returning = " RETURNING {row}" if d.update_returning else ""
     return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where}{returning}", d)
@@ -679,8 +683,12 @@ def latest_slot(d: Dialect) -> str:
 
 @lru_cache
 def slots_in(d: Dialect) -> str:
-    """The slots with a row of task ``%s`` in ``(%s, %s]``."""
-    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
+    """The slots with a row of task ``%s`` in ``(%s, %s]`` (an early call's refusal is none)."""
+    return _format(
+        "SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s "
+        f"AND NOT (state = 'skipped' AND {REFUSED_EARLY})",
+        d,
+    )
 
 
 @lru_cache
