@@ -45,6 +45,12 @@ def run_session(
     env["PYTHONPATH"] = os.pathsep.join([str(directory), str(ROOT)])
     env["TASKGUARD_SCRATCH"] = str(directory)
     env.pop("DJANGO_SETTINGS_MODULE", None)
+    if env.get("TASKGUARD_TEST_DB") == "mariadb":
+        # The session's MariaDB names its test databases the same in every process: the
+        # child's get names of their own (test_<name>), or it would drop the parent's.
+        name = f"taskguard_inner_{os.getpid()}_{directory.name}"[:50].replace("-", "_")
+        env["TASKGUARD_TEST_DB_NAME"] = name
+        env["TASKGUARD_TEST_LEDGER_DB_NAME"] = f"{name}_ledger"
     if redis is not None:
         env["TASKGUARD_TEST_REDIS_URL"] = redis.url
         env["TASKGUARD_TEST_BACKEND"] = "redis"

@@ -15,7 +15,6 @@ the docs describe it and ``TIME_ZONE = "Asia/Shanghai"``.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -23,11 +22,6 @@ import pytest
 
 from .conftest import ROOT
 from .inner_session import run_session
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TASKGUARD_TEST_DB") == "mariadb",
-    reason="the child session's MariaDB test database would be the parent's (test_taskguard)",
-)
 
 PAGES = ["docs/testing.md", "docs/decorators.md", "README.md"]
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
