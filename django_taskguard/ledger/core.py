@@ -334,12 +334,6 @@ def identity_known() -> bool:
     return alias() in _identities
 
 
-def forget_identity() -> None:
-    """Read this ledger's identity again on next use (the test kit's, after a test whose
-    database is flushed: the next test's ledger row, and Redis keys, are new)."""
-    _identities.pop(alias(), None)
-
-
 def new_identity() -> str:
     """Give this ledger a new identity, and return it (the test kit's, once per process).
 

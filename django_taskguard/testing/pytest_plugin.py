@@ -38,8 +38,8 @@ def taskguard(transactional_db: None) -> Iterator[TaskguardKit]:
 def _taskguard_after_transactional_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """A transactional test that does not use the ``taskguard`` fixture
     (``@pytest.mark.django_db(transaction=True)``, ``transactional_db``, ``live_server``)
-    leaves nothing of taskguard's to the next one: Redis keys of its ledger, the ledger's
-    identity, the paused-tasks cache (``reset.forget_after_test``)."""
+    leaves nothing of taskguard's to the next one: its ledger's Redis keys, the
+    paused-tasks cache (``reset.forget_after_test``)."""
     yield
     if "taskguard" in request.fixturenames or not _transactional(request):
         return

@@ -45,15 +45,14 @@ def forget_after_test() -> None:
     """After a transactional test that did not ask for ``reset_locks`` (the pytest plugin
     calls it): what taskguard kept must not answer the next test, whose database is empty.
 
-    When the test used this ledger (its identity was read) on the Redis backend, the
-    ledger's keys there are deleted (a Redis that does not answer is left to its keys'
-    TTLs). The identity is forgotten either way, so the next test's ledger gets one, and
-    Redis keys, of its own. No database query: the test's database is flushed and closed.
+    On the Redis backend, once this process has used the ledger (its identity is known),
+    the ledger's keys there are deleted (a Redis that does not answer is left to its keys'
+    TTLs); the paused-tasks cache and cached settings and clients are forgotten. No
+    database query: the test's database may be flushed and closed to it already.
     """
     if ledger.identity_known() and locks.backend_name() == "redis":
         with contextlib.suppress(BackendUnavailable):
             locks.delete_ledger_keys()
-    ledger.forget_identity()
     taskguard_settings.reload()
     locks.forget_clients()
     pauses.forget()
