@@ -26,7 +26,8 @@ class RunState(models.TextChoices):
     FAILED = "failed", _("failed")
     # terminal: not run on purpose (overlap, no slot source, ...); the reason says why.
     # One exception: a row that only records a call refused for being ahead of the clock
-    # (attempt 0, written before its slot) -> running: an on-time call takes it over
+    # (attempt 0, written before its slot) -> running: an on-time call takes it over, or
+    # -> pending: an on-time copy hands the slot to its task queue
     SKIPPED = "skipped", _("skipped")
     # the owner died (lease expired); -> retrying only under on_stale="retry"
     ABANDONED = "abandoned", _("abandoned")
@@ -53,7 +54,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     RunState.ABANDONED: frozenset({RunState.RETRYING}),
     RunState.SUCCEEDED: frozenset(),
     RunState.FAILED: frozenset(),
-    RunState.SKIPPED: frozenset({RunState.RUNNING}),  # only a refusal of an early call
+    # Only a row recording an early call's refusal (the ledger's compare-and-set checks it).
+    RunState.SKIPPED: frozenset({RunState.RUNNING, RunState.PENDING}),
     RunState.MISSED: frozenset({RunState.RUNNING}),
 }
 

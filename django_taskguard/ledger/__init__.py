@@ -92,7 +92,13 @@ from .monitoring import (
     task_facts,
     window_summary,
 )
-from .pending import end_pending, end_pending_slot, give_back_pending, insert_pending
+from .pending import (
+    end_pending,
+    end_pending_slot,
+    give_back_pending,
+    insert_pending,
+    pend_refused_early,
+)
 from .records import (
     add_duplicates,
     count_slots,
@@ -168,6 +174,7 @@ __all__ = [
     "latest_slot",
     "new_identity",
     "one",
+    "pend_refused_early",
     "prunable",
     "prunable_ids",
     "read",

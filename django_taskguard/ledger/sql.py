@@ -463,6 +463,9 @@ TAKE_REFUSED_EARLY = (
     "error = ''",
     "duplicates = CASE WHEN r.duplicates > 0 THEN r.duplicates - 1 ELSE 0 END",
 )
+# An on-time copy hands to its task queue a slot whose row only recorded an early call's
+# refusal: the row is handed out now (the sweep ends a pending row by when it was).
+PEND_REFUSED_EARLY = ("error = ''", "finished_at = NULL", "created_at = {now}")
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
 # An attempt after which another follows (a Celery retry): the lease says by when.
 PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
