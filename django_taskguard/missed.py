@@ -72,6 +72,8 @@ def _sweep_one(
         _end_pending(row, end, result)
     if end <= start:
         return
+    if not dry_run and not row.paused:
+        _miss_refused_early(row, start, end, result)
     schedule = rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
     missing, total = _missing(row.task_name, schedule, start, end)
     if total:
@@ -120,6 +122,24 @@ def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
     result.missed_slots += len(ended)
     logger.warning("taskguard %s: %d enqueued slots were never started", row.task_name, len(ended))
     run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended))
+
+
+def _miss_refused_early(
+    row: TaskSchedule, start: datetime, end: datetime, result: SweepResult
+) -> None:
+    """Due slots whose row only recorded an early call's refusal, that no on-time call
+    took within their grace, are missed like slots with no row."""
+    why = (
+        f"missed: only a call ahead of the clock came (refused), and no instance claimed it "
+        f"on time within its grace ({row.grace.total_seconds():g}s)"
+    )
+    count = ledger.miss_refused_early(
+        row.task_name, start, end, reason=why, actor=actor("sweep"), limit=MISSED_ROWS_CAP
+    )
+    if count:
+        result.missed_slots += count
+        result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + count
+        logger.warning("taskguard %s: %d due slots were only called early", row.task_name, count)
 
 
 def _missing(

@@ -228,6 +228,22 @@ def test_sweep_missed__records_each_unclaimed_slot_once():
     assert again.missed_slots == 0 and not again.tasks, "it starts where the last one ended"
 
 
+def test_sweep_missed__a_slot_only_refused_as_early_is_recorded_missed():
+    # Before: an early call's `skipped` row stood for the slot: when no on-time call came,
+    # nothing ran it and the sweep (so health) said nothing.
+    job = every_second("tests.sweep.early", [], grace=2 * SECOND)
+    registry.sync()
+    slot = now_second() + timedelta(minutes=5)
+    seen_since("tests.sweep.early", -(5 * 60 - 3))  # first seen 3 s before the slot
+    with pytest.raises(InvalidSchedule, match="in the future"):
+        job.run_for_slot(slot)
+    result = sweep_missed(now=slot + 5 * SECOND, task="tests.sweep.early")
+    run = TaskRun.objects.get(task_name="tests.sweep.early", slot=slot)
+    assert run.state == RunState.MISSED and result.missed_slots >= 1
+    steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("at", "id")]
+    assert steps == [("pending", "skipped"), ("skipped", "missed")]
+
+
 def test_sweep_missed__bounded_rows_per_task():
     every_second("tests.sweep.many", [], grace=2 * SECOND)
     registry.sync()

@@ -43,6 +43,7 @@ ALLOWED = {
     # the ledger's compare-and-set checks that (tests/test_decorators.py).
     (S.SKIPPED, S.RUNNING),
     (S.SKIPPED, S.PENDING),
+    (S.SKIPPED, S.MISSED),
 }
 ALL_PAIRS = list(itertools.product(RunState.values, RunState.values))
 ILLEGAL = [pair for pair in ALL_PAIRS if pair not in ALLOWED]

@@ -466,6 +466,9 @@ TAKE_REFUSED_EARLY = (
 # An on-time copy hands to its task queue a slot whose row only recorded an early call's
 # refusal: the row is handed out now (the sweep ends a pending row by when it was).
 PEND_REFUSED_EARLY = ("error = ''", "finished_at = NULL", "created_at = {now}")
+# The sweep: a due slot whose row only recorded an early call's refusal, and that no
+# on-time call took within its grace.
+MISS_REFUSED_EARLY = ("error = %s", "finished_at = {now}")
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
 # An attempt after which another follows (a Celery retry): the lease says by when.
 PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
@@ -697,7 +700,19 @@ def slots_in(d: Dialect) -> str:
 @lru_cache
 def count_slots(d: Dialect) -> str:
     return _format(
-        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
+        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s "
+        f"AND NOT (state = 'skipped' AND {REFUSED_EARLY})",
+        d,
+    )
+
+
+# task, after, until, limit: the rows that only recorded an early call's refusal.
+@lru_cache
+def refused_early_in(d: Dialect) -> str:
+    return _format(
+        "SELECT id, fence, owner, lease_until FROM {run} WHERE task_name = %s AND slot > %s "
+        f"AND slot <= %s AND state = 'skipped' AND {REFUSED_EARLY} ORDER BY slot LIMIT %s",
+        d,
     )
 
 
