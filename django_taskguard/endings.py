@@ -45,10 +45,15 @@ RecordSuccess = Callable[[ActiveRun, str], bool]
 
 
 def record_raised(
-    active: ActiveRun, exc: BaseException, classify_raise: ClassifyRaise | None
+    active: ActiveRun,
+    exc: BaseException,
+    classify_raise: ClassifyRaise | None,
+    recorded: Callable[[bool], None] | None = None,
 ) -> bool:
     """Record a raising attempt's end and send its signal; True when the slot is over.
 
+    ``recorded(over)`` is called once the end is recorded, before the signal (the lock is
+    freed there, so that a call a receiver makes meets the recorded row on every backend).
     Never raises: the caller re-raises the function's own exception, whatever
     recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
     """
@@ -68,6 +73,8 @@ def record_raised(
         state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
     try:
         finish(active, state, reason, error=error, retry_within=retry_within)
+        if recorded is not None:
+            recorded(state in (RunState.FAILED, RunState.SKIPPED))
         if state == RunState.SKIPPED:
             run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
         elif state == RunState.ABANDONED:

@@ -429,13 +429,20 @@ class Attempt:
     def raised(self, exc: BaseException) -> None:
         """Record that the function raised ``exc``; never raises (the caller re-raises ``exc``)."""
         heartbeats.stop(self.beat)
-        ended = False
+        ended, freed = False, False
+
+        def free(over: bool) -> None:  # the end is recorded: before any receiver runs
+            nonlocal freed
+            freed = True
+            self._free(over)
+
         try:
-            ended = record_raised(self.active, exc, self.classify_raise)
+            ended = record_raised(self.active, exc, self.classify_raise, free)
             if ended and self.policy.pause_after_failures:
                 _pause_after_failures(self.active.task_name, self.policy.pause_after_failures)
         finally:
-            self._free(ended)
+            if not freed:
+                self._free(ended)
 
     def _free(self, ended: bool) -> None:
         try:

@@ -21,7 +21,7 @@ from django_taskguard.exceptions import DuplicateRun, InvalidKey, InvalidSchedul
 from django_taskguard.locks import get_backend
 from django_taskguard.locks.keys import SlotKey, key_digest
 from django_taskguard.models import RunState, TaskRun
-from django_taskguard.signals import run_succeeded
+from django_taskguard.signals import run_failed, run_succeeded
 from django_taskguard.testing import freeze_now
 
 from .conftest import python, wait_for
@@ -166,6 +166,34 @@ def test_once_per_key__keep_zero_key_is_free_once_the_row_is_terminal(lock_backe
     finally:
         run_succeeded.disconnect(on_succeeded)
     assert again == [1], f"{lock_backend}: the call made after the row succeeded ran"
+    assert runs == [1, 1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__keep_zero_failed_key_is_free_once_the_row_is_terminal(lock_backend):
+    # The same for a failure: a call made while run_failed receivers still run.
+    runs: list[int] = []
+    again: list[object] = []
+
+    @once_per_key(key="{n}", name="tests.keyed.keep0.failed", keep=timedelta(0))
+    def flaky(n: int) -> int:
+        runs.append(n)
+        if len(runs) == 1:
+            raise ValueError("first call fails")
+        return n
+
+    def on_failed(sender: str, run: object, exception: object, **kwargs: object) -> None:
+        if sender == "tests.keyed.keep0.failed" and len(runs) == 1:
+            assert TaskRun.objects.get(key="1").state == RunState.FAILED
+            again.append(flaky(1))
+
+    run_failed.connect(on_failed, weak=False)
+    try:
+        with pytest.raises(ValueError, match="first call fails"):
+            flaky(1)
+    finally:
+        run_failed.disconnect(on_failed)
+    assert again == [1], f"{lock_backend}: the call made after the row failed ran"
     assert runs == [1, 1]
 
 
