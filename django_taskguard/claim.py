@@ -26,6 +26,10 @@ from .states import PRUNABLE_STATES, RunState
 logger = logging.getLogger("taskguard.guard")
 
 CLAIM_ROUNDS = 3
+EARLY_TAKEN = (
+    "claimed on time: the skipped row only recorded a call refused for being ahead of the "
+    "clock (SLOT_TOLERANCE_SECONDS)"
+)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,9 @@ def claim_many(
 def _plainly_taken(row: Row) -> bool:
     if row.state == RunState.RUNNING:
         return not row.expired
-    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.ABANDONED)
+    if row.state == RunState.SKIPPED:
+        return row.attempt > 0  # attempt 0 may be an early call's refusal: the one-task path
+    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
 
 
 def _claim_row(
@@ -192,6 +198,12 @@ def _decide(
         return ledger.take_over(row, owner, lease, f"{dead}; on_stale=retry")
     if state == RunState.ABANDONED and not abandon:
         return ledger.take_over(row, owner, lease, "on_stale=retry")
+    if state == RunState.SKIPPED and row.attempt == 0:
+        # Perhaps only an early call's refusal: then this call, on time, takes the slot
+        # (compare-and-set: the ledger checks it is one). Otherwise the slot is skipped.
+        taken = ledger.take_refused_early(row, owner, lease, EARLY_TAKEN)
+        if taken is not None:
+            return taken
     return Taken(state, row.lease_left if state == RunState.RUNNING else None)
 
 

@@ -35,7 +35,8 @@ from .batch import SuccessWriter
 from .claim import Taken, claim_many
 from .conf import taskguard_settings
 from .context import ActiveRun
-from .guard import duplicate, run_claimed
+from .exceptions import BackendUnavailable
+from .guard import duplicate, refused_early, run_claimed
 from .handoff import hand_off
 from .missed import sweep_missed
 from .pauses import paused_reason
@@ -199,6 +200,7 @@ class Scheduler:
         Schedules due at the same slot are claimed together, in one statement
         (PostgreSQL), then their bodies run on the pool: see :meth:`_claim_batch`.
         """
+        due = self._in_time(due)
         if self.enqueue:
             for entry, slots in due:
                 self.pool.submit(functools.partial(self._hand_off, entry, slots))
@@ -221,6 +223,42 @@ class Scheduler:
             start = random.randrange(len(chunks))
             for chunk in chunks[start:] + chunks[:start]:
                 self.pool.submit(functools.partial(self._claim_batch, slot, chunk))
+
+    def _in_time(
+        self, due: Iterable[tuple[Entry, list[datetime]]]
+    ) -> list[tuple[Entry, list[datetime]]]:
+        """The due slots this copy may fire: one more than ``SLOT_TOLERANCE_SECONDS`` ahead
+        of the database's clock (this copy's clock is fast) is refused and recorded, as any
+        early call's slot is, and an on-time copy still runs it."""
+        due = list(due)
+        if not due:
+            return due
+        tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
+        try:
+            now = ledger.database_now()
+        except BackendUnavailable:
+            ledger.settle_connection()  # the claims say what is wrong
+            return due
+        kept = []
+        for entry, slots in due:
+            for slot in slots:
+                if slot - now > tolerance:
+                    self.pool.submit(functools.partial(self._refuse_early, entry, slot, tolerance))
+            slots = [slot for slot in slots if slot - now <= tolerance]
+            if slots:
+                kept.append((entry, slots))
+        return kept
+
+    def _refuse_early(self, entry: Entry, slot: datetime, tolerance: timedelta) -> None:
+        try:
+            reason = refused_early(entry.task_name, slot, tolerance)
+        except Exception as exc:
+            reason = f"raised {type(exc).__name__}: {exc}"
+        if reason is None:  # judged again: the database's clock caught up meanwhile
+            (self._hand_off if self.enqueue else self._run)(entry, [slot])
+            return
+        outcome = f"not run here: this copy's clock is ahead of the database's clock; {reason}"
+        self._log(entry, slot, outcome, 0.0)
 
     def _claim_batch(self, slot: datetime, entries: list[Entry]) -> None:
         """One statement claims ``slot`` for every entry; the won ones run on the pool,

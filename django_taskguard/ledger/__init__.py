@@ -30,6 +30,7 @@ from .attempts import (
     store_result,
     succeed_many,
     take_over,
+    take_refused_early,
 )
 from .core import (
     CONNECTION_ERRORS,
@@ -52,6 +53,7 @@ from .core import (
     fence_at_least,
     fetch_all,
     identity,
+    identity_known,
     new_identity,
     one,
     runs,
@@ -96,6 +98,7 @@ from .pending import (
     give_back,
     give_back_pending,
     insert_pending,
+    pend_refused_early,
 )
 from .records import (
     add_duplicates,
@@ -108,6 +111,7 @@ from .records import (
     insert_unheld_many,
     keyed_token_holders,
     latest_slot,
+    miss_refused_early,
     row_exists,
     slots_in,
     slots_without_row,
@@ -160,6 +164,7 @@ __all__ = [
     "give_back",
     "give_back_pending",
     "identity",
+    "identity_known",
     "in_flight",
     "insert_abandoned",
     "insert_missed",
@@ -172,8 +177,10 @@ __all__ = [
     "last_transition",
     "latest_in_state",
     "latest_slot",
+    "miss_refused_early",
     "new_identity",
     "one",
+    "pend_refused_early",
     "prunable",
     "prunable_ids",
     "read",
@@ -197,6 +204,7 @@ __all__ = [
     "store_result",
     "succeed_many",
     "take_over",
+    "take_refused_early",
     "task_facts",
     "task_names",
     "to_row",
