@@ -737,10 +737,12 @@ def slots_in(d: Dialect) -> str:
 @lru_cache(maxsize=16)
 def states_at(d: Dialect, count: int) -> str:
     """The slot and state of each row of task ``%s`` at one of ``count`` slots (one probe
-    of (task, slot) each)."""
+    of (task, slot) each); a row that only recorded an early call's refusal is none."""
     slots = ", ".join(["%s"] * count)
     return _format(
-        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d
+        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ") "
+        f"AND NOT (state = 'skipped' AND {REFUSED_EARLY})",
+        d,
     )
 
 
