@@ -336,6 +336,19 @@ def read_slot(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
 
 
+# Tasks (text[]), a slot: each task's row of that slot (PostgreSQL; the batch claim's
+# read-back after a lost reply).
+@lru_cache
+def read_slot_many(d: Dialect) -> str | None:
+    if not d.one_statement:
+        return None
+    return _format(
+        "SELECT task_name, {row}, {left} FROM {run} WHERE task_name = ANY(%s::text[]) "
+        "AND slot = %s",
+        d,
+    )
+
+
 @lru_cache
 def read_key(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND {key} = %s", d)
@@ -579,6 +592,13 @@ def reopen_key(d: Dialect) -> str:
         f"COALESCE(finished_at, created_at) <= {finished_before} AND state IN ({states})"
     )
     return _format(_delete_runs_where(d, where), d)
+
+
+# id, fence, the running state: an attempt claimed but never started (its body was not
+# called) is given back, only while it still holds the row with that fence.
+@lru_cache
+def give_back_claim(d: Dialect) -> str:
+    return _format(_delete_runs_where(d, "id = %s AND fence = %s AND state = %s"), d)
 
 
 def _delete_runs_where(d: Dialect, where: str) -> str:

@@ -1,0 +1,321 @@
+"""``run_schedules``' own edges, on the batch path and the one-by-one path alike: more
+due slots than workers, a duplicate or a body that raises in a worker, a batch claim
+whose reply is lost, signals, a ``--once`` that waits for a hung body, a clock stepped
+back. The chaos test (three copies under SIGKILL, SIGSTOP and a terminated connection)
+is at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from django_taskguard import once_per_schedule
+from django_taskguard.models import RunState, TaskRun
+from django_taskguard.registry import Entry, entries, unregister
+from django_taskguard.scheduler import Scheduler
+
+from .conftest import python, wait_for
+from .tcp_proxy import TcpProxy
+from .test_run_schedules import executions, schedule_env
+
+PATHS = [pytest.param([], id="batch"), pytest.param(["--no-batch"], id="one-by-one")]
+
+postgres_only = pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="the batch claim is one statement on PostgreSQL only (elsewhere: one by one)",
+)
+
+
+def once(env: dict[str, str], out: Path, *args: str, timeout: float = 240) -> int:
+    """``run_schedules --once``: fire the latest slot of each schedule, wait, exit."""
+    with out.open("ab") as sink:
+        done = subprocess.run(
+            [python(), "-m", "tests.scheduler_child", "--once", *args],
+            env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+        )  # fmt: skip
+    return done.returncode
+
+
+def fire_twice(env: dict[str, str], out: Path, *args: str) -> datetime:
+    """Register the schedules (a first ``--once``: no slot before registration fires),
+    then fire their next slot with a second; return that slot."""
+    assert once(env, out, *args) == 0, out.read_text()
+    time.sleep(1.5)  # the next one-second slot is after the registration (margin 0.5 s)
+    assert once(env, out, *args) == 0, out.read_text()
+    return max(TaskRun.objects.values_list("slot", flat=True))
+
+
+# -- 1. more due slots than workers can start within a lease ----------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_run_schedules__more_due_than_workers__every_body_starts_within_its_lease(
+    child_env, scratch, path
+):
+    """30 schedules due at one slot, 2 workers, 1 s bodies, a 10 s lease: 15 s of work.
+    Each runs once and is recorded succeeded (the batch claim used to claim all 30 at
+    once: the last ten started with their lease lapsed and failed with LeaseLost)."""
+    log = scratch / "executions.log"
+    env = schedule_env(
+        child_env, log, "tests.busy", TASKGUARD_TEST_SCHEDULES="30",
+        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_LEASE="10",
+    )  # fmt: skip
+    slot = fire_twice(env, scratch / "out", "--max-workers", "2", *path)
+
+    runs = TaskRun.objects.filter(task_name__startswith="tests.busy.", slot=slot)
+    assert Counter(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED: 30}, [
+        (run.task_name, run.state, run.error) for run in runs if run.state != "succeeded"
+    ]
+    ran = Counter(task for task, at in executions(log) if at == slot)
+    assert ran == {f"tests.busy.{n}": 1 for n in range(30)}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("path", PATHS)
+def test_run_schedules__catchup_none__no_body_starts_past_its_grace(child_env, scratch, path):
+    """The same 30 under ``catchup="none"``, grace 2 s: the slots that no worker could
+    start within their grace are recorded missed; none starts later."""
+    log = scratch / "executions.log"
+    env = schedule_env(
+        child_env, log, "tests.grace", TASKGUARD_TEST_SCHEDULES="30",
+        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_LEASE="10",
+        TASKGUARD_TEST_CATCHUP="none", TASKGUARD_TEST_GRACE="2",
+    )  # fmt: skip
+    slot = fire_twice(env, scratch / "out", "--max-workers", "2", *path)
+
+    starts = {task: at for task, s, at in _starts(log) if s == slot}
+    # The guard judges lateness just before the body starts: 2 s of margin for that step.
+    assert not {t: at for t, at in starts.items() if at - slot.timestamp() > 2 + 2}, starts
+    rows = dict(
+        TaskRun.objects.filter(task_name__startswith="tests.grace.", slot=slot).values_list(
+            "task_name", "state"
+        )
+    )
+    assert len(rows) == 30
+    assert {t for t, s in rows.items() if s == RunState.SUCCEEDED} == set(starts)
+    assert {t for t, s in rows.items() if s != RunState.SUCCEEDED} == {
+        t for t, s in rows.items() if s == RunState.MISSED
+    }
+
+
+def _starts(log: Path) -> list[tuple[str, datetime, float]]:
+    lines = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    return [(task, datetime.fromisoformat(slot), float(at)) for task, slot, _pid, at in lines]
+
+
+# -- 2. a worker survives any job ---------------------------------------------------------
+
+
+@pytest.fixture
+def scheduled(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Make ``@once_per_schedule`` entries for this test; unregister them after."""
+    made: list[str] = []
+
+    def make(name: str, body, **options) -> Entry:  # type: ignore[no-untyped-def]
+        once_per_schedule(every=timedelta(hours=1), name=name, **options)(body)
+        made.append(name)
+        return entries()[name]
+
+    yield make
+    for name in made:
+        unregister(name)
+
+
+def _settle(scheduler: Scheduler) -> None:
+    assert scheduler.dispatcher.settle(60), "the batch claims never settled"
+    assert scheduler.pool.drain(60), "the jobs never finished"
+
+
+def _every_worker_alive(scheduler: Scheduler, workers: int) -> None:
+    """``workers`` jobs that wait for each other all run: no worker died."""
+    barrier = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        scheduler.pool.submit(lambda: barrier.wait(30) and None)
+    barrier.wait(30)  # BrokenBarrierError when a worker is gone
+
+
+def _close(scheduler: Scheduler) -> None:
+    scheduler.dispatcher.close()
+    scheduler.pool.close()
+    scheduler.writer.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "one-by-one"])
+def test_scheduler__a_duplicate_that_raises__strands_no_won_slot_kills_no_worker(scheduled, batch):
+    """``on_duplicate="raise"``: one of four schedules finds its slot taken (DuplicateRun);
+    the three this copy won run, and every worker is still there."""
+    ran: list[str] = []
+    made = [
+        scheduled(f"tests.dupraise.{n}", lambda n=n: ran.append(f"tests.dupraise.{n}"),
+                  on_duplicate="raise")
+        for n in range(4)
+    ]  # fmt: skip
+    slot = made[0].schedule.latest_slot(datetime.now().astimezone())
+    assert made[0].fire(slot)  # taken: the scheduler's call of it is a duplicate
+    ran.clear()
+    scheduler = Scheduler(made, max_workers=2, batch=batch)
+    try:
+        scheduler.fire([(entry, [slot]) for entry in made])
+        _settle(scheduler)
+        assert sorted(ran) == [f"tests.dupraise.{n}" for n in (1, 2, 3)]
+        _every_worker_alive(scheduler, 2)
+    finally:
+        _close(scheduler)
+    rows = dict(TaskRun.objects.filter(slot=slot).values_list("task_name", "state"))
+    assert set(rows.values()) == {RunState.SUCCEEDED}
+    assert TaskRun.objects.get(task_name="tests.dupraise.0").duplicates == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "one-by-one"])
+def test_scheduler__a_body_calling_sys_exit__is_recorded_kills_no_worker(scheduled, batch):
+    """The guard records a body's SystemExit as the process going away (abandoned, with
+    the error); the worker that ran it goes on."""
+
+    def leave() -> None:
+        sys.exit(3)
+
+    made = [scheduled(f"tests.exit.{n}", leave) for n in range(2)]
+    slot = made[0].schedule.latest_slot(datetime.now().astimezone())
+    scheduler = Scheduler(made, max_workers=2, batch=batch)
+    try:
+        scheduler.fire([(entry, [slot]) for entry in made])
+        _settle(scheduler)
+        _every_worker_alive(scheduler, 2)
+    finally:
+        _close(scheduler)
+    runs = TaskRun.objects.filter(slot=slot)
+    assert [(run.state, "SystemExit" in run.error) for run in runs] == [
+        (RunState.ABANDONED, True)
+    ] * 2
+
+
+# -- 3. a batch claim whose reply is lost ---------------------------------------------------
+
+
+@postgres_only
+@pytest.mark.parametrize(
+    ("path", "marker"),
+    [
+        pytest.param([], b"float8[]", id="batch"),  # only the batch claim has it
+        pytest.param(["--no-batch"], b"OR (r.state = 'abandoned' AND", id="one-by-one"),
+    ],
+)
+def test_run_schedules__claim_reply_lost__read_back_and_run(child_env, scratch, path, marker):
+    """The claim commits on the server and its reply never comes back (a TCP proxy in
+    front of PostgreSQL throws it away and cuts the connection): the copy reads back,
+    finds its rows, and runs them, each once."""
+    log = scratch / "executions.log"
+    env = schedule_env(child_env, log, "tests.lost", TASKGUARD_TEST_SCHEDULES="4")
+    assert once(env, scratch / "out", *path) == 0  # registers the schedules
+    time.sleep(1.5)  # the next one-second slot is after the registration
+    with TcpProxy(int(connection.settings_dict["PORT"] or 5432)) as proxy:
+        proxy.lose_reply(marker)
+        code = once({**env, "TASKGUARD_PG_PORT": str(proxy.port)}, scratch / "out", *path)
+        assert proxy.lost == [marker], "the fault never happened"
+    assert code == 0, (scratch / "out").read_text()
+    assert "reading back" in (scratch / "out").read_text()
+    slot = max(TaskRun.objects.values_list("slot", flat=True))
+    runs = TaskRun.objects.filter(task_name__startswith="tests.lost.", slot=slot)
+    assert Counter(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED: 4}
+    assert Counter(task for task, at in executions(log) if at == slot) == {
+        f"tests.lost.{n}": 1 for n in range(4)
+    }
+
+
+# -- 7. signals --------------------------------------------------------------------------
+
+
+def test_run_schedules__a_burst_of_signals_always_ends_the_process(child_env, scratch):
+    """Eight copies each get a burst of SIGTERM and SIGINT: every one exits (the handler
+    used to take the stop event's lock, and a nested signal deadlocked the copy)."""
+    env = schedule_env(child_env, scratch / "log", "tests.burst")
+    outs = [scratch / f"{n}.out" for n in range(8)]
+    command = [python(), "-m", "tests.scheduler_child", "--sweep-every", "1"]
+    copies = [
+        subprocess.Popen(command, env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT)
+        for out in outs
+    ]
+    try:
+        for out in outs:
+            wait_for(lambda out=out: "fired tests.burst" in out.read_text(), 60, "a fire")
+        for copy in copies:
+            for n in range(200):
+                os.kill(copy.pid, signal.SIGINT if n % 2 else signal.SIGTERM)
+        hung = []
+        for copy in copies:
+            try:
+                copy.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                hung.append(copy.pid)
+        assert not hung, f"{len(hung)} of {len(copies)} copies did not exit"
+    finally:
+        for copy in copies:
+            if copy.poll() is None:
+                copy.kill()
+                copy.wait(10)
+
+
+def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
+    """The first SIGTERM waits for the running call (up to --stop-timeout); a second
+    exits now, non-zero."""
+    log = scratch / "executions.log"
+    env = schedule_env(child_env, log, "tests.twice", TASKGUARD_TEST_BODY_SECONDS="60")
+    out = scratch / "a.out"
+    copy = subprocess.Popen(
+        [python(), "-m", "tests.scheduler_child", "--stop-timeout", "120"],
+        env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: executions(log), 60, "the body started")
+        copy.send_signal(signal.SIGTERM)
+        wait_for(lambda: "SIGTERM, no new fires" in out.read_text(), 30, "the stop logged")
+        assert copy.poll() is None  # waiting for the 60 s body
+        copy.send_signal(signal.SIGTERM)
+        assert copy.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if copy.poll() is None:
+            copy.kill()
+            copy.wait(10)
+
+
+# -- 12. --once with a hung body; a clock stepped back ------------------------------------
+
+
+def test_run_schedules_once__a_hung_body_is_waited_for_once_timeout_only(child_env, scratch):
+    log = scratch / "executions.log"
+    env = schedule_env(child_env, log, "tests.hung", TASKGUARD_TEST_BODY_SECONDS="600")
+    out = scratch / "out"
+    assert once(env, out) == 0  # registers the schedule
+    time.sleep(1.5)
+    assert once(env, out, "--once-timeout", "3", timeout=120) == 1
+    assert executions(log), "the body never started"
+    assert "calls still running after 3s" in out.read_text()
+
+
+@pytest.mark.django_db
+def test_scheduler__clock_stepped_back__logged(scheduled, caplog):
+    made = [scheduled("tests.clockback", lambda: None)]
+    scheduler = Scheduler(made, max_workers=1)
+    try:
+        now = datetime.now().astimezone()
+        scheduler.first_due(now)
+        scheduler.due(now)
+        with caplog.at_level(logging.WARNING, logger="taskguard.scheduler"):
+            assert scheduler.due(now - timedelta(minutes=5)) == []
+        assert "clock went back 300.0s" in caplog.text
+    finally:
+        _close(scheduler)
