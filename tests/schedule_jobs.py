@@ -1,8 +1,8 @@
 """Schedules for the run_schedules tests: a child imports this module through
 ``TASKGUARD["SCHEDULE_MODULES"]`` (``TASKGUARD_TEST_SCHEDULE_MODULES``); the environment
 says how many one-second schedules, their names, catch-up policy, grace, lease,
-``on_duplicate`` and how long their bodies take (``TASKGUARD_TEST_BODY_MIX``: a comma-separated
-list of seconds, schedule N taking the (N mod len)-th).
+``on_duplicate``, whether a body checks its lease first, and how long their bodies take
+(``TASKGUARD_TEST_BODY_MIX``: comma-separated seconds, schedule N taking the (N mod len)-th).
 
 Every execution appends ``TASK SLOT PID TIME`` to ``TASKGUARD_TEST_SCHEDULE_LOG`` with
 O_APPEND: executions counted outside the ledger.
@@ -29,6 +29,7 @@ BODY_SECONDS = float(os.environ.get("TASKGUARD_TEST_BODY_SECONDS", "0"))
 BODY_MIX = [float(s) for s in os.environ.get("TASKGUARD_TEST_BODY_MIX", "").split(",") if s]
 LEASE = float(os.environ["TASKGUARD_TEST_LEASE"]) if "TASKGUARD_TEST_LEASE" in os.environ else None
 ON_DUPLICATE: Any = os.environ.get("TASKGUARD_TEST_ON_DUPLICATE", "skip")
+CHECK_LEASE = bool(os.environ.get("TASKGUARD_TEST_CHECK_LEASE"))  # check() first: LeaseLost
 
 
 def _make(number: int) -> Callable[[], None | None]:
@@ -44,6 +45,8 @@ def _make(number: int) -> Callable[[], None | None]:
     )
     def job() -> None:
         run = current_run()
+        if CHECK_LEASE:
+            run.check()
         if LOG:
             record(LOG, f"{run.task_name} {run.slot.isoformat()} {os.getpid()} {time.time():.6f}")
         if seconds:
