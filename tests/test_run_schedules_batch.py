@@ -114,6 +114,46 @@ def test_run_schedules__catchup_none__no_body_starts_past_its_grace(child_env, s
     }
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scratch, path):
+    """SIGTERM while 30 due schedules wait for 2 workers: the two running finish, no
+    other starts (the claims the batch made are given back): no row is left running,
+    and every row is a body that ran."""
+    log = scratch / "executions.log"
+    env = schedule_env(
+        child_env, log, "tests.queued", TASKGUARD_TEST_SCHEDULES="30",
+        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_EVERY="3600",
+    )  # fmt: skip
+    assert once(env, scratch / "out") == 0  # registers the schedules
+    # The next slot of an hourly schedule is far off: fire it now with a clock moved on.
+    top = (datetime.now().astimezone() + timedelta(hours=1)).replace(minute=0, second=0)
+    ahead = (top - datetime.now().astimezone()).total_seconds() + 1
+    copy = start(
+        [python(), "-m", "tests.scheduler_child", "--max-workers", "2", "--stop-timeout", "20",
+         *path],
+        {**env, "TASKGUARD_TEST_CLOCK_OFFSET": str(ahead)},
+        scratch / "a.out",
+    )  # fmt: skip
+    try:
+        wait_for(lambda: executions(log), 60, "the first bodies")
+        copy.send_signal(signal.SIGTERM)
+        signalled = time.time()
+        assert copy.wait(timeout=60) == 0, (scratch / "a.out").read_text()
+    finally:
+        if copy.poll() is None:
+            copy.kill()
+            copy.wait(10)
+    ran = Counter(task for task, _slot in executions(log))
+    runs = TaskRun.objects.filter(task_name__startswith="tests.queued.")
+    assert not runs.filter(state=RunState.RUNNING).exists()
+    assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    assert Counter(runs.values_list("task_name", flat=True)) == ran
+    # A worker that took its job as the signal came may start it just after; the next
+    # one would start a 1 s body later.
+    after = [task for task, _slot, at in _starts(log) if at > signalled + 1.5]
+    assert not after, f"{len(after)} bodies started after SIGTERM"
+
+
 def _starts(log: Path) -> list[tuple[str, datetime, float]]:
     lines = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
     return [(task, datetime.fromisoformat(slot), float(at)) for task, slot, _pid, at in lines]
