@@ -373,23 +373,50 @@ class Attempt:
             skipped = _skip_paused(self.active) or (
                 self.policy.overlap == "skip" and _skip_for_overlap(self.active)
             )
-        except BaseException:
-            self._free(ended=False)
+        except BaseException as exc:
+            self.give_back(_not_started(exc))
             raise
         if skipped:
             self._free(ended=True)
             return False
         with activate(self.active):
             try:
-                # A heartbeat that cannot start or a receiver that raises fails this
-                # attempt (recorded), instead of leaving the row running until its
-                # lease lapses.
+                # A heartbeat that cannot start or a receiver that raises ends this
+                # attempt before the function: the slot is given back (recorded),
+                # instead of left running until its lease lapses.
                 self.beat = heartbeats.start(self.active, self.lock, self.key)
                 run_started.send(sender=self.active.task_name, run=self.active)
             except BaseException as exc:
-                self.raised(exc)
+                self.give_back(_not_started(exc))
                 raise
         return True
+
+    def give_back(self, reason: str) -> bool:
+        """End this attempt before its function started: the slot or key is given back
+        (:func:`ledger.give_back`: the row ``pending`` again, ``reason`` in its log) and
+        the lock freed, so that the next caller takes it. Never raises; False when the
+        attempt was fenced out or the database failed (then the row stays ``running``
+        until its lease lapses and cleanup records it ``abandoned``)."""
+        heartbeats.stop(self.beat)
+        active = self.active
+        given = False
+        try:
+            given = ledger.give_back(active.id, active.fence, active.owner, reason) is not None
+            if not given:
+                logger.warning("taskguard run %s was taken over; not given back", active.id)
+        except Exception:
+            logger.exception("taskguard could not give back run %s (%s)", active.id, reason)
+        finally:
+            self._free(ended=False)
+        if given:
+            logger.warning(
+                "taskguard %s slot %s: attempt %d given back (%s)",
+                active.task_name,
+                active.slot.isoformat(),
+                active.attempt,
+                reason,
+            )
+        return given
 
     def returned(self, result: R) -> R:
         """Record that the function returned ``result`` (fenced: ``LeaseLost`` if taken over)."""
@@ -421,6 +448,12 @@ class Attempt:
             _free(self.active, self.lock, self.key, ended, self.policy)
         finally:
             self.active.ended.set()
+
+
+def _not_started(exc: BaseException) -> str:
+    """The reason an attempt ended by ``exc`` before its function started is given back."""
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return f"ended before the function started ({what}): nothing ran, given back"
 
 
 def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: Policy) -> None:

@@ -13,10 +13,12 @@ from .exceptions import IllegalTransition
 
 
 class RunState(models.TextChoices):
-    # handed to a task queue, not started (run_schedules --enqueue); -> running | skipped
+    # not started: handed to a task queue (run_schedules --enqueue), or given back by an
+    # attempt that ended before its function started; -> running | skipped
     # | abandoned | missed (the sweep: no worker started it within its grace)
     PENDING = "pending", _("pending")
     # an attempt holds the lease; -> succeeded | failed | retrying | skipped | abandoned
+    # | pending (given back: the attempt ended before its function started)
     RUNNING = "running", _("running")
     # an attempt ended, another is due (Celery retry, takeover); -> running | failed | abandoned
     RETRYING = "retrying", _("retrying")
@@ -45,6 +47,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
             RunState.RETRYING,
             RunState.SKIPPED,
             RunState.ABANDONED,
+            RunState.PENDING,
         }
     ),
     RunState.RETRYING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.ABANDONED}),

@@ -650,8 +650,11 @@ def test_duplicate_call__is_one_database_statement(lock_backend):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_run_started__a_raising_receiver_fails_the_attempt_and_records_it(lock_backend):
-    """Regression: the row stayed 'running' until its lease lapsed."""
+def test_run_started__a_raising_receiver_gives_the_slot_back(lock_backend):
+    """The function never started: the slot is given back (recorded why), not burnt.
+
+    Regressions: the row stayed 'running' until its lease lapsed; then it was recorded
+    'failed', and the slot never ran although nothing had."""
     calls: list[int] = []
 
     def refuse(sender: str, **kwargs: Any) -> None:
@@ -670,7 +673,13 @@ def test_run_started__a_raising_receiver_fails_the_attempt_and_records_it(lock_b
         run_started.disconnect(refuse)
     assert calls == []
     run = TaskRun.objects.get()
-    assert (run.state, run.error) == (RunState.FAILED, "RuntimeError: receiver says no")
+    assert (run.state, run.attempt, run.owner) == (RunState.PENDING, 0, "")
+    last = run.transitions.order_by("id").last()
+    assert last is not None and (last.from_state, last.to_state) == ("running", "pending")
+    assert "RuntimeError: receiver says no" in last.reason and "given back" in last.reason
+    assert body.run_for_slot(SLOT) is None and calls == [1]  # the next call takes the slot
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 0)
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "mirror"])
@@ -698,3 +707,33 @@ def test_database_alias__current_run_row_is_read_through_it():
         "ON CONFLICT" in q["sql"] or "ON DUPLICATE KEY" in q["sql"] for q in whole.captured_queries
     )
     assert TaskRun.objects.get().state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_give_back__the_next_claim_takes_the_slot_with_a_larger_fence(lock_backend):
+    """``Attempt.give_back``: the row is pending again and the lock free; the next claim is
+    attempt 1 again with a new, larger fence, and the given-back attempt is fenced out."""
+    from django_taskguard import ledger
+    from django_taskguard.guard import Attempt, Policy, begin
+
+    first = begin("tests.guard.give_back", SLOT, Policy())
+    assert isinstance(first, Attempt) and first.open()
+    assert first.give_back("cancelled before the function started") is True
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.owner, run.lease_until) == (RunState.PENDING, 0, "", None)
+    assert [(t.from_state, t.to_state, t.reason) for t in run.transitions.order_by("id")][-1] == (
+        "running",
+        "pending",
+        "cancelled before the function started",
+    )
+    assert first.give_back("again") is False  # fenced: it no longer owns the row
+
+    second = begin("tests.guard.give_back", SLOT, Policy())
+    assert isinstance(second, Attempt)
+    assert second.active.attempt == 1 and second.active.fence > first.active.fence
+    old = first.active
+    refused = ledger.finish(old.id, old.attempt, old.fence, old.owner, RunState.SUCCEEDED, "late")
+    assert refused is None
+    assert second.run(lambda: "ran", (), {}) == "ran"
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.fence) == (RunState.SUCCEEDED, 1, second.active.fence)

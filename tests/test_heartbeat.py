@@ -423,8 +423,9 @@ def test_heartbeat__late_renewal_after_the_finish_is_refused(redis_server):
 
 
 def test_heartbeat__start_failure_is_recorded_and_leaves_no_state(monkeypatch):
-    """The heartbeat cannot start its thread: the attempt is recorded failed, the error
-    reaches the caller, and nothing is left behind (the next call runs normally)."""
+    """The heartbeat cannot start its thread: the function never started, so the slot is
+    given back (recorded why), the error reaches the caller, and nothing is left behind
+    (the next call of that slot runs it)."""
     fresh = heartbeat.Heartbeats()
     monkeypatch.setattr("django_taskguard.guard.heartbeats", fresh)
     ran: list[int] = []
@@ -443,9 +444,11 @@ def test_heartbeat__start_failure_is_recorded_and_leaves_no_state(monkeypatch):
             body.run_for_slot(SLOT)
     assert ran == [] and active_run() is None and fresh.live() == 0
     run = TaskRun.objects.get()
-    assert run.state == RunState.FAILED and "can't start new thread" in run.error
-    assert body.run_for_slot(SLOT + timedelta(minutes=1)) == "ran"
+    assert run.state == RunState.PENDING
+    assert "can't start new thread" in run.transitions.order_by("id").last().reason  # type: ignore[union-attr]
+    assert body.run_for_slot(SLOT) == "ran"
     assert ran == [1] and fresh.live() == 0
+    assert TaskRun.objects.get().state == RunState.SUCCEEDED
 
 
 def test_renewal_timeout__bounded_and_well_under_the_interval():

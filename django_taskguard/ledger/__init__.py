@@ -21,7 +21,6 @@ from .attempts import (
     claim_many,
     earlier_slot_running,
     finish,
-    give_back_claim,
     read,
     read_by_id,
     read_many,
@@ -92,7 +91,13 @@ from .monitoring import (
     task_facts,
     window_summary,
 )
-from .pending import end_pending, end_pending_slot, give_back_pending, insert_pending
+from .pending import (
+    end_pending,
+    end_pending_slot,
+    give_back,
+    give_back_pending,
+    insert_pending,
+)
 from .records import (
     add_duplicates,
     count_slots,
@@ -151,7 +156,7 @@ __all__ = [
     "fetch_all",
     "finish",
     "for_task",
-    "give_back_claim",
+    "give_back",
     "give_back_pending",
     "identity",
     "in_flight",

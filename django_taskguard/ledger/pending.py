@@ -3,7 +3,9 @@
 A ``pending`` row says that one copy enqueued the slot: the other copies find the row
 and enqueue nothing, and the worker's claim turns it ``running``. A hand-off that failed
 gives its row back; one that no worker starts within its grace is ended by the
-missed-slot sweep (``missed``, or ``skipped`` while the task is paused).
+missed-slot sweep (``missed``, or ``skipped`` while the task is paused). An attempt
+that ended before its function started gives its row back to ``pending`` too
+(:func:`give_back`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,29 @@ def give_back_pending(run_id: int) -> bool:
     slot has no row again; False when something started it meanwhile."""
     try:
         return one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value]) is not None
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def give_back(run_id: int, fence: int, owner: str, reason: str) -> Row | None:
+    """Give back a ``running`` attempt that never entered its function: nothing ran.
+
+    The one operation for every claim that ends before the body starts (a coroutine
+    cancelled while it claimed, a hook that raised before the function, a batch claim
+    whose run could not be handed to a thread). The row becomes ``pending`` again, as
+    before the claim: the next claim of its slot or key takes it (``claimed``, the
+    attempt counted again, a new fence from the counter: fences only grow, and this
+    attempt's is never valid again). ``reason`` says why, in the transition log
+    (``running -> pending``); a slot nobody claims again is ended by the missed-slot
+    sweep like any pending slot. Fenced like a finish: None when the attempt no longer
+    owns the row (taken over, abandoned), and then nothing is changed.
+
+    The caller frees its own lock afterwards (a Redis key, if it holds one), so that
+    the next caller takes the slot. Raises ``BackendUnavailable``.
+    """
+    row = Row(run_id, RunState.RUNNING, 0, fence, owner, None)
+    try:
+        return change(row, [Step(RunState.PENDING, reason)], actor=owner, sets=sql.GIVE_BACK)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
 

@@ -458,6 +458,9 @@ END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates +
 # An attempt after which another follows (a Celery retry): the lease says by when.
 PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
 ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
+# An attempt that never entered its function, given back: the row is pending again, as
+# before the claim (the next claim counts the attempt again and hands out a new fence).
+GIVE_BACK = ("attempt = r.attempt - 1", "owner = ''", "started_at = NULL", "lease_until = NULL")
 
 
 @lru_cache
