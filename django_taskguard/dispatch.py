@@ -6,7 +6,7 @@ once: one thread, the dispatcher, takes from the backlog no more schedules than 
 pool has free workers (at most ``BATCH_CHUNK``), claims them, and puts the won attempts
 ahead of the pool's queue. What the others left is claimed by them meanwhile: a copy
 never holds claims it cannot start while another copy sits idle. A won attempt is
-re-checked when it starts (see :meth:`Scheduler._run_claimed`); one that cannot start
+re-checked when it starts (see :meth:`Dispatcher.start_claimed`); one that cannot start
 is given back.
 """
 
@@ -144,7 +144,7 @@ class Dispatcher:
         for entry in entries:  # the won first: their leases are running
             outcome = decided.get(entry.task_name)
             if isinstance(outcome, ActiveRun):
-                self.pool.submit(functools.partial(self._run_claimed, entry, outcome), first=True)
+                self.pool.submit(functools.partial(self.start_claimed, entry, outcome), first=True)
         for entry in late + [e for e in entries if decided.get(e.task_name) is None]:
             self.pool.submit(functools.partial(self._run_one, entry, slot))
         for entry in entries:
@@ -162,7 +162,7 @@ class Dispatcher:
             decided = None
         return {} if decided is None else decided
 
-    def _run_claimed(self, entry: Entry, active: ActiveRun) -> None:
+    def start_claimed(self, entry: Entry, active: ActiveRun) -> None:
         """Start an attempt the batch claim won, unless it can no longer start as the
         one-task path would start it: then give it back (and, unless stopping, fire the
         slot the one-task way, which claims it anew or records it late)."""
@@ -214,12 +214,13 @@ class Dispatcher:
 
 def _give_back(entry: Entry, active: ActiveRun, why: str) -> bool:
     """Give back a claim whose body never started; True when it was."""
+    reason = f"claimed in a batch, never started ({why}): nothing ran, given back"
     try:
-        given = ledger.give_back_claim(active.id, active.fence)
+        given = ledger.give_back(active.id, active.fence, active.owner, reason) is not None
     except BackendUnavailable:
         logger.exception(
-            "could not give back %s slot %s (claimed, never started: %s); its lease "
-            "lapses and cleanup_locks records it abandoned",
+            "could not give back %s slot %s (claimed, never started: %s); it stays running "
+            "until its lease lapses and cleanup_locks records it abandoned",
             entry.task_name,
             active.slot.isoformat(),
             why,

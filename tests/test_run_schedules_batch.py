@@ -7,6 +7,7 @@ is at the end.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -23,6 +24,8 @@ import pytest
 from django.db import connection
 
 from django_taskguard import once_per_schedule
+from django_taskguard.claim import claim_many
+from django_taskguard.context import ActiveRun
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.owner import Owner
 from django_taskguard.registry import Entry, entries, unregister
@@ -245,6 +248,39 @@ def test_scheduler__a_body_calling_sys_exit__is_recorded_kills_no_worker(schedul
     assert [(run.state, "SystemExit" in run.error) for run in runs] == [
         (RunState.ABANDONED, True)
     ] * 2
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("why", ["stopping", "lease"])
+def test_dispatch__a_claim_that_cannot_start_is_given_back(scheduled, why):
+    """A batch claim re-checked as its body would start: when the copy is stopping it is
+    given back (the row pending again, nothing ran); when too little of its lease is
+    left it is given back and fired the one-task way (claimed anew, run once)."""
+    ran: list[str] = []
+    entry = scheduled("tests.giveback", lambda: ran.append("ran"))
+    slot = entry.schedule.latest_slot(datetime.now().astimezone())
+    active = claim_many(slot, [(entry.task_name, 30.0)])[entry.task_name]  # type: ignore[index]
+    assert isinstance(active, ActiveRun)
+    scheduler = Scheduler([entry], max_workers=1)
+    try:
+        if why == "stopping":
+            scheduler.stopping.set()
+        else:
+            active.deadline = time.monotonic() + 5  # 5 s of its 30 s lease left
+        scheduler.dispatcher.pool.submit(
+            functools.partial(scheduler.dispatcher.start_claimed, entry, active)
+        )
+        _settle(scheduler)
+    finally:
+        _close(scheduler)
+    run = TaskRun.objects.get(task_name="tests.giveback")
+    given = run.transitions.get(from_state=RunState.RUNNING, to_state=RunState.PENDING)
+    assert "never started" in given.reason
+    if why == "stopping":
+        assert (ran, run.state) == ([], RunState.PENDING)
+    else:
+        assert (ran, run.state) == (["ran"], RunState.SUCCEEDED)
 
 
 # -- 3. a batch claim whose reply is lost ---------------------------------------------------

@@ -245,24 +245,6 @@ def reopen_key(run_id: int, keep_seconds: float) -> bool:
     return True
 
 
-def give_back_claim(run_id: int, fence: int) -> bool:
-    """Delete a ``running`` attempt whose body never started (and its transitions): the
-    slot has no row again, for another call to claim. False when the attempt no longer
-    holds the row (taken over, abandoned, ended)."""
-    d = dialect()
-    try:
-        with transaction.atomic(using=alias()):
-            deleted = one(sql.give_back_claim(d), [run_id, fence, RunState.RUNNING.value])
-            if deleted is None:
-                return False
-            one(sql.delete_transitions(d, 1), [run_id])
-            if d.immediate_foreign_keys:
-                one(sql.delete_runs(d, 1), [run_id])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
-    return True
-
-
 def read_by_id(run_id: int) -> Row | None:
     return to_row(one(sql.read_id(dialect()), [run_id]))
 

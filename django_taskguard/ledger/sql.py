@@ -597,13 +597,6 @@ def reopen_key(d: Dialect) -> str:
     return _format(_delete_runs_where(d, where), d)
 
 
-# id, fence, the running state: an attempt claimed but never started (its body was not
-# called) is given back, only while it still holds the row with that fence.
-@lru_cache
-def give_back_claim(d: Dialect) -> str:
-    return _format(_delete_runs_where(d, "id = %s AND fence = %s AND state = %s"), d)
-
-
 def _delete_runs_where(d: Dialect, where: str) -> str:
     """Delete the runs ``where`` holds for, returning their ids.
 
