@@ -2,9 +2,10 @@
 
 One statement claims a slot for many schedules (PostgreSQL), and each claim's lease
 runs from that statement. So a claim is made only when a worker can start its body at
-once: one thread, the dispatcher, takes from the backlog no more schedules than the
-pool has free workers (at most ``BATCH_CHUNK``), claims them, and puts the won attempts
-ahead of the pool's queue. What the others left is claimed by them meanwhile: a copy
+once, or very soon: one thread, the dispatcher, takes from the backlog no more schedules
+than the pool has workers free now plus those it has been freeing within ``HORIZON``
+(at most ``BATCH_CHUNK``), claims them, and puts the won attempts ahead of the pool's
+queue. What the others left is claimed by them meanwhile: a copy
 never holds claims it cannot start while another copy sits idle. A won attempt is
 re-checked when it starts (see :meth:`Dispatcher.start_claimed`); one that cannot start
 is given back.
@@ -38,6 +39,9 @@ logger = logging.getLogger("taskguard.scheduler")
 
 # Schedules claimed by one statement, at most.
 BATCH_CHUNK = 100
+# A claim may wait this long for a worker, judged by the rate the pool ends jobs at
+# (seconds; well under half of any lease: see Dispatcher.start_claimed).
+HORIZON = 0.5
 # The dispatcher looks at its backlog (a stop, free workers) at least this often.
 POLL_SECONDS = 1.0
 
@@ -122,14 +126,18 @@ class Dispatcher:
                 if self._closed:
                     return None
             free = self.pool.wait_free(POLL_SECONDS)
+            if not free:
+                continue
+            # The workers free now, and those the pool has been freeing within the next
+            # HORIZON seconds: short bodies are claimed in large batches, long ones in
+            # as many as start at once.
+            room = min(free + int(self.pool.rate() * HORIZON), BATCH_CHUNK)
             with self._lock:
-                if not free or not self._backlog:
+                if not self._backlog:
                     continue
                 slot = self._backlog[0][0]
                 entries: list[Entry] = []
-                while self._backlog and self._backlog[0][0] == slot:
-                    if len(entries) == min(free, BATCH_CHUNK):
-                        break
+                while self._backlog and self._backlog[0][0] == slot and len(entries) < room:
                     entries.append(self._backlog.popleft()[1])
                 self._claiming = True
                 return slot, entries

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from django.db import connections
@@ -18,6 +19,8 @@ from django.db import connections
 logger = logging.getLogger("taskguard.scheduler")
 
 Job = Callable[[], None]
+# How far back the rate of ended jobs is counted (seconds).
+RATE_WINDOW = 2.0
 
 
 class Pool:
@@ -31,6 +34,7 @@ class Pool:
         self._idle = threading.Condition(self._lock)  # a job ended
         self._busy = 0  # submitted and not finished
         self._running = 0
+        self._ended: collections.deque[float] = collections.deque()  # when jobs ended (RATE_WINDOW)
         self._threads = [
             threading.Thread(target=self._work, name=f"taskguard-fire-{n}", daemon=True)
             for n in range(workers)
@@ -61,6 +65,16 @@ class Pool:
     def _free(self) -> int:
         return len(self._threads) - self._running - len(self._jobs)
 
+    def rate(self) -> float:
+        """Jobs ended per second, over the last ``RATE_WINDOW`` seconds."""
+        with self._lock:
+            self._forget(time.monotonic())
+            return len(self._ended) / RATE_WINDOW
+
+    def _forget(self, now: float) -> None:
+        while self._ended and self._ended[0] < now - RATE_WINDOW:
+            self._ended.popleft()
+
     def drain(self, timeout: float | None) -> bool:
         """Wait until every submitted job has finished; False if ``timeout`` passed first."""
         with self._lock:
@@ -90,6 +104,9 @@ class Pool:
                     with self._lock:
                         self._running -= 1
                         self._busy -= 1
+                        now = time.monotonic()
+                        self._ended.append(now)
+                        self._forget(now)
                         self._idle.notify_all()
         finally:
             connections.close_all()
