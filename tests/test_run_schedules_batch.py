@@ -130,7 +130,7 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     assert once(env, scratch / "out") == 0  # registers the schedules
     # The next slot of an hourly schedule is far off: fire it now with a clock moved on.
     top = (datetime.now().astimezone() + timedelta(hours=1)).replace(minute=0, second=0)
-    ahead = (top - datetime.now().astimezone()).total_seconds() + 1
+    ahead = _until(top) + 1
     copy = start(
         [python(), "-m", "tests.scheduler_child", "--max-workers", "2", "--stop-timeout", "20",
          *path],
@@ -155,6 +155,56 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     # one would start a 1 s body later.
     after = [task for task, _slot, at in _starts(log) if at > signalled + 1.5]
     assert not after, f"{len(after)} bodies started after SIGTERM"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
+    child_env, scratch, path
+):
+    """Two copies, 30 schedules due at one slot, 2 workers each, 1 s bodies: the copy that
+    started first is SIGKILLed. It held no more claims than it could start, so the other
+    copy runs every slot but those (the batch claim used to hold all 30: 28 never ran
+    while the other copy sat idle)."""
+    log = scratch / "executions.log"
+    env = schedule_env(
+        child_env, log, "tests.killone", TASKGUARD_TEST_SCHEDULES="30",
+        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_EVERY="3600",
+    )  # fmt: skip
+    assert once(env, scratch / "out") == 0  # registers the schedules
+    top = (datetime.now().astimezone() + timedelta(hours=1)).replace(minute=0, second=0)
+    shifted = {**env, "TASKGUARD_TEST_CLOCK_OFFSET": str(_until(top) + 1)}
+    command = [python(), "-m", "tests.scheduler_child", "--max-workers", "2", *path]
+    copies = {}
+    for name in ("a", "b"):
+        copy = start(command, shifted, scratch / f"{name}.out")
+        copies[copy.pid] = copy
+    try:
+        first = int(wait_for(lambda: _first_pid(log), 60, "a body"))
+        copies[first].kill()
+        copies[first].wait(10)
+        # The other copy works through the rest, 2 at a time (about 15 s).
+        done = TaskRun.objects.filter(task_name__startswith="tests.killone.", state="succeeded")
+        wait_for(lambda: done.count() >= 30 - 4, 120, "the other copy's runs", every=0.5)
+        time.sleep(3)  # margin: nothing more is coming
+    finally:
+        for copy in copies.values():
+            if copy.poll() is None:
+                copy.kill()
+                copy.wait(10)
+    ran = Counter(task for task, _slot in executions(log))
+    assert max(ran.values()) == 1
+    lost = 30 - len(ran)
+    in_flight = 2 + 2  # the killed copy's workers, and as many claims queued at most
+    assert lost <= in_flight, f"{lost} slots never ran"
+
+
+def _until(moment: datetime) -> float:
+    return (moment - datetime.now().astimezone()).total_seconds()
+
+
+def _first_pid(log: Path) -> int | None:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return int(lines[0].split()[2]) if lines else None
 
 
 def _starts(log: Path) -> list[tuple[str, datetime, float]]:
