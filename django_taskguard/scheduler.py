@@ -75,7 +75,7 @@ class Scheduler:
     first_seen: dict[str, datetime] = field(default_factory=dict)
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
     _fired: int = 0
-    _clock: datetime | None = None  # the newest "now" seen by due()
+    _clock: datetime | None = None  # the "now" of the last due()
 
     def __post_init__(self) -> None:
         self.pool = Pool(self.max_workers)
@@ -129,7 +129,7 @@ class Scheduler:
 
     def _watch_clock(self, now: datetime) -> None:
         """Log a clock stepped back: nothing fires until it is past the slots it fired."""
-        if self._clock is not None and now < self._clock - CLOCK_STEP:
+        if self._clock is not None and now < self._clock - CLOCK_STEP:  # once per step
             logger.warning(
                 "run_schedules: this host's clock went back %.1fs (from %s to %s); slots "
                 "after the ones already fired run when the clock reaches them again",
@@ -137,7 +137,7 @@ class Scheduler:
                 self._clock.isoformat(),
                 now.isoformat(),
             )
-        self._clock = now if self._clock is None else max(self._clock, now)
+        self._clock = now
 
     def next_wakeup(self) -> datetime | None:
         slots = [cursor.next_slot for cursor in self._cursors.values() if cursor.next_slot]

@@ -455,6 +455,8 @@ def test_scheduler__clock_stepped_back__logged(scheduled, caplog):
         scheduler.due(now)
         with caplog.at_level(logging.WARNING, logger="taskguard.scheduler"):
             assert scheduler.due(now - timedelta(minutes=5)) == []
+            assert scheduler.due(now - timedelta(minutes=4)) == []  # catching up: no new line
+        assert caplog.text.count("clock went back") == 1
         assert "clock went back 300.0s" in caplog.text
     finally:
         _close(scheduler)
