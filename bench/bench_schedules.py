@@ -2,10 +2,12 @@
 
     python bench/bench_schedules.py [--schedules 300] [--seconds 30] [--copies 3]
                                     [--max-workers 8] [--backend redis|database]
+                                    [--cron "* * * * *"]
 
 Starts a private redis-server, uses PostgreSQL database ``taskguard_bench_schedules``
 (created if missing; ``TASKGUARD_PG_HOST/PORT/USER``), writes a settings module and a
-module of K ``@once_per_schedule(every=1s)`` functions into a temporary directory, and
+module of K ``@once_per_schedule(every=1s)`` functions (``--cron``: ``cron=`` that
+expression, in UTC; give ``--seconds`` room for a few of its slots) into a temporary directory, and
 runs ``--copies`` ``manage.py run_schedules`` processes for ``--seconds``. Every body
 appends ``TASK SLOT START`` to one file with O_APPEND (executions counted outside the
 ledger). Then it reports, over the slots due after a warm-up of 5 s and before the stop:
@@ -91,7 +93,7 @@ from django_taskguard import current_run, once_per_schedule
 LOG = os.environ["BENCH_LOG"]
 
 def make(n):
-    @once_per_schedule(every=timedelta(seconds=1), name=f"bench.{{n}}")
+    @once_per_schedule({schedule}, name=f"bench.{{n}}")
     def job():
         started = time.time()
         fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -162,6 +164,7 @@ def main() -> None:
     parser.add_argument("--max-workers", type=int, default=8)
     parser.add_argument("--backend", default="redis", choices=("redis", "database"))
     parser.add_argument("--no-batch", action="store_true", help="run_schedules --no-batch")
+    parser.add_argument("--cron", help='cron schedules (e.g. "* * * * *") instead of every=1s')
     args = parser.parse_args()
 
     directory = tempfile.mkdtemp(prefix="taskguard-bench-schedules-")
@@ -185,7 +188,10 @@ def run(args: argparse.Namespace, directory: Path, redis_pid: int, redis_port: i
             backend=args.backend,
         )
     )
-    (directory / "bench_jobs.py").write_text(JOBS.format(schedules=args.schedules))
+    schedule = f"cron={args.cron!r}" if args.cron else "every=timedelta(seconds=1)"
+    (directory / "bench_jobs.py").write_text(
+        JOBS.format(schedules=args.schedules, schedule=schedule)
+    )
     log = directory / "executions.log"
     env = {
         **os.environ,
@@ -249,7 +255,8 @@ def report(
     window = [run for run in runs if start <= run[1] <= end]
     counts = Counter((task, slot) for task, slot, _ in window)
     first, last = int(start) + 1, int(end)
-    expected = {(task, slot) for task in range(args.schedules) for slot in range(first, last + 1)}
+    due = fire_times(args.cron, first, last) if args.cron else list(range(first, last + 1))
+    expected = {(task, slot) for task in range(args.schedules) for slot in due}
     seconds = last - first + 1
     lateness = sorted(started - slot for _, slot, started in window)
     twice = sum(1 for count in counts.values() if count > 1)
@@ -257,11 +264,11 @@ def report(
     never = len(absent)
     missed = count_missed(env)
     print(
-        f"schedules K={args.schedules} (one-second), copies={args.copies}, "
+        f"schedules K={args.schedules} ({args.cron or 'one-second'}), copies={args.copies}, "
         f"max_workers={args.max_workers}, backend={args.backend}, "
         f"{'one by one' if args.no_batch else 'batched'}, {seconds}s measured"
     )
-    print(f"offered      {args.schedules:8.0f} slots/s")
+    print(f"offered      {len(expected) / seconds:8.0f} slots/s")
     print(f"sustained    {len(counts) / seconds:8.0f} slots/s ({len(counts)} slots in {seconds}s)")
     print(f"run twice    {twice:8d}")
     print(f"never run    {never:8d} (of {len(expected)} due in the window)")
@@ -286,6 +293,19 @@ def report(
     print(f"CPU          copies {copies_cpu:.1f}s  postgres {pg_cpu:.1f}s  redis {redis_cpu:.1f}s"
           f"  ({1000 * (copies_cpu + pg_cpu + redis_cpu) / total:.2f} ms CPU per slot, "
           f"{args.copies} guarded calls per slot)")  # fmt: skip
+
+
+def fire_times(expression: str, first: int, last: int) -> list[int]:
+    """The UTC fire times of a cron expression in ``[first, last]`` (Unix seconds)."""
+    from datetime import datetime, timezone
+
+    from croniter import croniter
+
+    walker = croniter(expression, datetime.fromtimestamp(first - 1, timezone.utc))
+    times = []
+    while (fire := int(walker.get_next(float))) <= last:
+        times.append(fire)
+    return times
 
 
 def row_states(pairs: list[tuple[int, int]]) -> dict[str, int]:

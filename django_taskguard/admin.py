@@ -21,12 +21,13 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.functional import cached_property
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from . import ledger, timefmt
+from ._compat import OL_BREADCRUMBS
 from .admin_overview import OverviewMixin
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
@@ -131,7 +132,7 @@ def _advance(bucket: datetime, kind: str) -> datetime:
 
 class TransitionInline(TransitionInlineBase):
     model = TaskRunTransition
-    fields = ("at", "from_state", "to_state", "reason", "owner")
+    fields = ("at_display", "from_state", "to_state", "reason", "owner")
     readonly_fields = fields
     extra = 0
     can_delete = False
@@ -139,6 +140,12 @@ class TransitionInline(TransitionInlineBase):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[TaskRunTransition]:
         return super().get_queryset(request).using(ledger.alias())
+
+    @admin.display(description=_("at"))
+    def at_display(self, transition: TaskRunTransition) -> str:
+        """With seconds and zone, UTC beside, as every other time of the admin: ten
+        transitions of one retried slot within a minute are told apart."""
+        return timefmt.both(transition.at)
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # The history is part of the run: whoever may view the run sees it.
@@ -157,18 +164,18 @@ class TransitionInline(TransitionInlineBase):
 
 @admin.register(TaskRun)
 class TaskRunAdmin(OverviewMixin, RunAdminBase):
+    # Narrow enough for a 1280 px screen beside the admin's two sidebars: under a run's state
+    # go its lease (running) and its attempt (a retry), under its task its key (keyed), and a
+    # slot takes two lines (date, then time).
     list_display = (
         "state_badge",
-        "task_name",
-        "key",
+        "task_display",
         "slot_display",
-        "attempt",
         "owner_display",
         "duration_display",
-        "lease_display",
         "duplicates",
     )
-    list_display_links = ("task_name",)
+    list_display_links = ("task_display",)
     list_filter = ("state", TaskNameFilter)
     date_hierarchy = "slot"
     search_fields = ("task_name", "key", "owner")
@@ -188,7 +195,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         ("state", "attempt", "fence"),
         "owner",
         ("created", "started", "finished"),
-        ("lease_until_at", "duplicates"),
+        ("lease_until_at", "duplicates", "retry_by"),
         "error",
         "result",
     )
@@ -205,6 +212,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "finished",
         "lease_until_at",
         "duplicates",
+        "retry_by",
         "error",
         "result",
     )
@@ -232,15 +240,39 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     def state_badge(self, run: TaskRun) -> SafeString:
         return format_html(
             '<span class="taskguard-state" style="background:{};color:#fff;padding:2px 8px;'
-            'border-radius:9px;font-size:11px;font-weight:600;white-space:nowrap">{}</span>',
+            'border-radius:9px;font-size:11px;font-weight:600;white-space:nowrap">{}</span>{}{}',
             STATE_COLOURS.get(run.state, "#6c757d"),
             run.get_state_display(),
+            self.lease_display(run),
+            self.attempt_display(run),
         )
+
+    def attempt_display(self, run: TaskRun) -> SafeString | str:
+        """Under the state of a run past its first attempt: which attempt it is."""
+        if run.attempt <= 1:
+            return ""
+        return format_html(
+            '<br><span class="quiet">{}</span>', _("attempt %(n)d") % {"n": run.attempt}
+        )
+
+    @admin.display(description=_("task"), ordering="task_name")
+    def task_display(self, run: TaskRun) -> SafeString:
+        """The task's name, and under it the key of a keyed run; a long name breaks after a
+        dot (or anywhere) rather than push the table past the screen."""
+        *packages, last = run.task_name.split(".")
+        name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
+        key = format_html('<br><span class="quiet">{}</span>', run.key) if run.key else ""
+        return format_html('<span style="overflow-wrap:anywhere">{}{}{}</span>', name, last, key)
 
     @admin.display(description=_("slot"), ordering="slot")
     def slot_display(self, run: TaskRun) -> SafeString:
+        """The date, then the time with its zone: two lines however narrow; UTC on hover."""
+        day, _space, time = timefmt.local(run.slot).partition(" ")
         return format_html(
-            '<span title="{}">{}</span>', timefmt.utc(run.slot), timefmt.local(run.slot)
+            '<span title="{}" style="white-space:nowrap">{}<br>{}</span>',
+            timefmt.utc(run.slot),
+            day,
+            time,
         )
 
     @admin.display(description=_("owner"), ordering="owner")
@@ -249,7 +281,9 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         parsed = Owner.parse(run.owner)
         if parsed is None:
             return run.owner or "—"
-        return format_html('<span title="{}">{}</span>', run.owner, parsed.process)
+        return format_html(
+            '<span title="{}" style="white-space:nowrap">{}</span>', run.owner, parsed.process
+        )
 
     @admin.display(description=_("slot"))
     def slot_at(self, run: TaskRun) -> str:
@@ -278,13 +312,17 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
             return "—"
         return _human(end - run.started_at)
 
-    @admin.display(description=_("lease"))
     def lease_display(self, run: TaskRun) -> SafeString | str:
+        """Under a running run's state: its lease, alive or expired (by the database clock)."""
         if run.state != RunState.RUNNING or run.lease_until is None:
-            return "—"
+            return ""
         if getattr(run, "lease_alive", False):
-            return format_html('<span style="color:#198754">{}</span>', _("alive"))
-        return format_html('<strong style="color:#dc3545">{}</strong>', _("expired"))
+            shown = format_html('<span style="color:#198754">{}</span>', _("alive"))
+        else:
+            shown = format_html('<strong style="color:#dc3545">{}</strong>', _("expired"))
+        return format_html(
+            '<br><span class="quiet" style="white-space:nowrap">{} {}</span>', _("lease"), shown
+        )
 
     def change_view(
         self,
@@ -378,15 +416,32 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
 
     def _confirm(
         self, request: HttpRequest, queryset: QuerySet[TaskRun], action: str, title: Any
-    ) -> TemplateResponse:
+    ) -> TemplateResponse | None:
         shown = list(queryset.order_by("pk")[: self.list_per_page])
+        stale = sum(1 for run in shown if _is_stale(run))
+        if action == "cleanup_stale_locks" and not stale and len(shown) < self.list_per_page:
+            # Nothing to confirm: say so, instead of asking to clean up 0 runs.
+            self.message_user(
+                request,
+                ngettext(
+                    "None of the %(n)d selected runs is stale (running, its lease expired): "
+                    "nothing to clean up.",
+                    "None of the %(n)d selected runs is stale (running, its lease expired): "
+                    "nothing to clean up.",
+                    len(shown),
+                )
+                % {"n": len(shown)},
+                messages.WARNING,
+            )
+            return None
         context = {
             **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
             "title": title,
             "opts": self.opts,
             "action": action,
             "runs": shown,
-            "stale": sum(1 for run in shown if _is_stale(run)),
+            "stale": stale,
             "live": sum(1 for run in shown if getattr(run, "lease_alive", False)),
             "more": len(shown) == self.list_per_page,
             "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),

@@ -25,6 +25,7 @@ from django.utils.translation import gettext as _
 from django.views.decorators.http import require_POST
 
 from . import overview, pauses, timefmt
+from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable
 from .ledger import schedules as schedule_store
 from .models import TaskRun
@@ -76,6 +77,7 @@ class OverviewMixin(AdminBase):
             verdict, rows = None, []
         context = {
             **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
             "title": _("Tasks at a glance"),
             "opts": self.opts,
             "verdict": verdict,
@@ -91,8 +93,12 @@ class OverviewMixin(AdminBase):
         name = request.POST.get("task", "")
         action = request.POST.get("do", "")
         user = request.user.get_username()
+        if action == "pause" and request.POST.get("confirm") != "yes":
+            return self._confirm_pause(request, name)
         if action == "pause":
-            changed = pauses.pause(name, f"paused from the admin by {user}")
+            given = " ".join(request.POST.get("reason", "").split())[:200]
+            reason = f"paused from the admin by {user}" + (f": {given}" if given else "")
+            changed = pauses.pause(name, reason)
             done = _("Paused %(task)s.")
             same = _("%(task)s is not a known schedule, or is paused already.")
         elif action == "resume":
@@ -107,6 +113,18 @@ class OverviewMixin(AdminBase):
         else:
             self.message_user(request, same % {"task": name}, messages.WARNING)
         return HttpResponseRedirect(reverse("admin:taskguard_taskrun_overview"))
+
+    def _confirm_pause(self, request: HttpRequest, name: str) -> HttpResponse:
+        """What pausing does, a reason to give, and the button that does it (as the
+        cleanup action asks before it abandons runs)."""
+        context = {
+            **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
+            "title": _("Pause %(task)s?") % {"task": name},
+            "opts": self.opts,
+            "task": name,
+        }
+        return TemplateResponse(request, "admin/taskguard/taskrun/confirm_pause.html", context)
 
     def _log(self, request: HttpRequest, name: str, message: str) -> None:
         """Django's admin log, on the schedule's row (its History page)."""

@@ -69,18 +69,33 @@ class SuccessWriter:
         return False
 
     def _write(self, batch: list[tuple[ActiveRun, str, Future[bool]]]) -> None:
+        """Record ``batch``; a write that raised hands its error to the waiting workers
+        (each reads its own row back) and drops this thread's connection, so that the
+        next batch reconnects instead of failing on a dead one."""
         items = [(a.id, a.fence, a.owner, reason) for a, reason, _ in batch]
         try:
             recorded = ledger.succeed_many(items)
         except Exception as exc:
             for _, _, done in batch:
                 done.set_exception(exc)
+            _settle()
             return
         for active, reason, done in batch:
-            if recorded is None:  # no one-statement write here (SQLite): one by one
-                done.set_result(_one(active, reason))
-            else:
+            if recorded is not None:
                 done.set_result(active.id in recorded)
+                continue
+            try:  # no one-statement write here (SQLite, MariaDB): one by one
+                done.set_result(_one(active, reason))
+            except Exception as exc:
+                done.set_exception(exc)
+                _settle()
+
+
+def _settle() -> None:
+    try:
+        ledger.settle_connection()
+    except Exception:
+        logger.warning("taskguard could not close the success writer's connection", exc_info=True)
 
 
 def _one(active: ActiveRun, reason: str) -> bool:

@@ -8,22 +8,36 @@ from typing import Any
 from django.apps import AppConfig
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router
 
-from .conf import (
-    BACKENDS,
-    BOUNDS,
-    DEFAULTS,
-    ON_REDIS_ERROR_CHOICES,
-    modules_problem,
-    number_problem,
-    taskguard_settings,
-    token_problem,
-)
-from .locks import is_redis_cache
+from .conf import DEFAULTS, number_problem, problem, taskguard_problem, taskguard_settings
+from .locks import cache_problem, is_redis_cache
 
-# Bounded numbers with a check id of their own; the others share E009.
-NUMBER_CHECK_IDS = {"LEASE_SECONDS": "taskguard.E004", "FINISHED_MARKER_SECONDS": "taskguard.E012"}
+# Each key's check id; the bounded numbers without one of their own share E009.
+CHECK_IDS = {
+    "BACKEND": "taskguard.E001",
+    "LEASE_SECONDS": "taskguard.E004",
+    "ON_REDIS_ERROR": "taskguard.E005",
+    "DATABASE_ALIAS": "taskguard.E006",
+    "FINISHED_MARKER_SECONDS": "taskguard.E012",
+    "REDIS_ALIAS": "taskguard.E022",
+    "SCHEDULE_MODULES": "taskguard.E020",
+    "HEALTH_TOKEN": "taskguard.E021",
+    "METRICS_TOKEN": "taskguard.E021",
+    "KEY_PREFIX": "taskguard.E022",
+    "INSTANCE_NAME": "taskguard.E022",
+    "STARTUP_CLEANUP": "taskguard.E023",
+    "BEAT_CLAIM": "taskguard.E023",
+}
+TOKEN_HINT = (
+    "None (the default) lets staff users in only; a token lets a client in that sends "
+    "'Authorization: Bearer <token>'."
+)
+HINTS = {
+    "HEALTH_TOKEN": TOKEN_HINT,
+    "METRICS_TOKEN": TOKEN_HINT,
+}
 
 
 @register(Tags.compatibility)
@@ -32,30 +46,27 @@ def check_settings(
     databases: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> list[CheckMessage]:
-    errors: list[CheckMessage] = []
+    """Every key through its validator (the one its property calls where it is read)."""
     raw = getattr(settings, "TASKGUARD", {})
-    if not isinstance(raw, dict):
-        return [Error("TASKGUARD must be a dict.", id="taskguard.E008")]
+    trouble = taskguard_problem(raw)
+    if trouble is not None:
+        return [Error(f"{trouble}.", id="taskguard.E008")]
+    errors: list[CheckMessage] = []
+    for name in DEFAULTS:
+        found = problem(name, raw.get(name, DEFAULTS[name]))
+        if found is not None:
+            hint = HINTS.get(name, f"The default is {DEFAULTS[name]!r}.")
+            errors.append(Error(f"{found}.", hint=hint, id=CHECK_IDS.get(name, "taskguard.E009")))
     backend = raw.get("BACKEND", DEFAULTS["BACKEND"])
-    alias = str(raw.get("REDIS_ALIAS", DEFAULTS["REDIS_ALIAS"]))
-    if backend not in BACKENDS:
-        errors.append(
-            Error(
-                f"TASKGUARD['BACKEND'] is {backend!r}.",
-                hint="Use 'auto', 'redis' or 'database'.",
-                id="taskguard.E001",
-            )
+    alias = raw.get("REDIS_ALIAS", DEFAULTS["REDIS_ALIAS"])
+    valid = problem("BACKEND", backend) is None and problem("REDIS_ALIAS", alias) is None
+    cache = cache_problem(backend, alias) if valid else None
+    if cache is not None:
+        hint = (
+            "Point REDIS_ALIAS at a cache whose BACKEND is 'django_redis.cache.RedisCache', "
+            "or use BACKEND 'database'."
         )
-    if backend == "redis" and not is_redis_cache(alias):
-        errors.append(
-            Error(
-                f"TASKGUARD['BACKEND'] is 'redis' but CACHES[{alias!r}] "
-                "is not a django-redis cache.",
-                hint="Point REDIS_ALIAS at a cache whose BACKEND is "
-                "'django_redis.cache.RedisCache', or use BACKEND 'database'.",
-                id="taskguard.E002",
-            )
-        )
+        errors.append(Error(f"{cache[1]}.", hint=hint, id=cache[0]))
     if not settings.USE_TZ:
         errors.append(
             Error(
@@ -64,40 +75,8 @@ def check_settings(
                 id="taskguard.E003",
             )
         )
-    for name in BOUNDS:
-        problem = number_problem(name, raw.get(name, DEFAULTS[name]))
-        if problem is not None:
-            errors.append(
-                Error(
-                    f"{problem}.",
-                    hint=f"The default is {DEFAULTS[name]!r}.",
-                    id=NUMBER_CHECK_IDS.get(name, "taskguard.E009"),
-                )
-            )
-    for name in ("HEALTH_TOKEN", "METRICS_TOKEN"):
-        problem = token_problem(name, raw.get(name))
-        if problem is not None:
-            errors.append(
-                Error(
-                    f"{problem}.",
-                    hint="None (the default) lets staff users in only; a token lets a "
-                    "client in that sends 'Authorization: Bearer <token>'.",
-                    id="taskguard.E021",
-                )
-            )
-    on_error = raw.get("ON_REDIS_ERROR", DEFAULTS["ON_REDIS_ERROR"])
-    if on_error not in ON_REDIS_ERROR_CHOICES:
-        errors.append(
-            Error(
-                f"TASKGUARD['ON_REDIS_ERROR'] is {on_error!r}.",
-                hint="Use 'database' or 'fail'.",
-                id="taskguard.E005",
-            )
-        )
-    problem = modules_problem(raw.get("SCHEDULE_MODULES", DEFAULTS["SCHEDULE_MODULES"]))
-    if problem is not None:
-        errors.append(Error(f"{problem}.", id="taskguard.E020"))
-    errors += _check_database()
+    if problem("DATABASE_ALIAS", raw.get("DATABASE_ALIAS", DEFAULTS["DATABASE_ALIAS"])) is None:
+        errors += _check_database()
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:
         errors.append(
@@ -112,13 +91,6 @@ def check_settings(
 
 def _check_database() -> list[CheckMessage]:
     alias = taskguard_settings.DATABASE_ALIAS
-    if alias not in connections.settings:
-        return [
-            Error(
-                f"TASKGUARD['DATABASE_ALIAS'] is {alias!r}, which is not in DATABASES.",
-                id="taskguard.E006",
-            )
-        ]
     vendor = connections[alias].vendor
     if vendor not in ("postgresql", "sqlite", "mysql"):
         return [
@@ -159,6 +131,82 @@ def check_ledger_server(
             hint="Put the ledger on MariaDB 10.11 or later, PostgreSQL or SQLite "
             "(TASKGUARD['DATABASE_ALIAS']).",
             id="taskguard.E007",
+        )
+    ]
+
+
+@register(Tags.database)
+def check_schedule_zones(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """W020: stored crons without their own zone that a copy with another TIME_ZONE saved
+    (``check --database``, ``migrate``)."""
+    from django.utils.timezone import get_default_timezone_name
+
+    from .exceptions import BackendUnavailable
+    from .ledger import schedules as store
+
+    try:
+        alias = taskguard_settings.DATABASE_ALIAS
+    except ImproperlyConfigured:
+        return []  # E006
+    if not databases or alias not in databases or alias not in connections.settings:
+        return []
+    zone = get_default_timezone_name()
+    try:
+        conflicts = store.zone_conflicts(zone)
+    except BackendUnavailable:
+        return []  # unreachable or not migrated yet: the command that asked says so itself
+    return [
+        Warning(
+            f"Schedule {task!r} was saved by a copy whose TIME_ZONE is {theirs!r}; this "
+            f"copy's is {zone!r}: the two fire its cron at different instants.",
+            hint="Give every copy of the project the same TIME_ZONE, or give the cron its "
+            "own zone (a time zone for the schedule).",
+            id="taskguard.W020",
+        )
+        for task, theirs in conflicts
+    ]
+
+
+# A deployment check: ``migrate`` runs the database checks before it applies anything,
+# and must not be told to run itself.
+@register(Tags.database, deploy=True)
+def check_migrations_applied(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """W014: taskguard's migrations not applied on ``DATABASE_ALIAS``
+    (``check --deploy --database ALIAS``)."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        alias = taskguard_settings.DATABASE_ALIAS
+    except ImproperlyConfigured:
+        return []  # E006
+    if not databases or alias not in databases:
+        return []
+    try:
+        executor = MigrationExecutor(connections[alias])
+        leaves = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "taskguard"]
+        plan = executor.migration_plan(leaves)
+    except DatabaseError:
+        return []  # unreachable: the command that asked for the check says so itself
+    missing = [
+        migration.name for migration, _backwards in plan if migration.app_label == "taskguard"
+    ]
+    if not missing:
+        return []
+    return [
+        Warning(
+            f"{len(missing)} of taskguard's migrations are not applied on database "
+            f"{alias!r} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+            f"guarded calls, run_schedules and check_schedules will fail there.",
+            hint=f"run: manage.py migrate taskguard --database {alias}",
+            id="taskguard.W014",
         )
     ]
 

@@ -47,6 +47,7 @@ def claim_slot(
     key: str | None = None,
     keep: float | None = None,
     take_missed: bool = True,
+    message_id: str | None = None,
 ) -> ActiveRun | Taken:
     """Make this call the slot's live attempt, or say who has it.
 
@@ -60,6 +61,8 @@ def claim_slot(
     ``count_live=False``: finding a live attempt does not count a duplicate.
     ``take_missed``: a row the sweep recorded ``missed`` is run late (``catchup`` other
     than ``"none"``); the transition log keeps the alarm.
+    ``message_id``: the message carrying this call (Celery's task id). A row retrying for
+    a retry that another message carries is not this call's: a counted duplicate.
     """
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):
@@ -70,7 +73,7 @@ def claim_slot(
         if row.owner == owner:
             return _active(row, task_name, slot, lease, sent, key)
         try:
-            decided = _decide(row, owner, lease, abandon, slot, task_name, take_missed)
+            decided = _decide(row, owner, lease, abandon, slot, task_name, take_missed, message_id)
             if isinstance(decided, Taken) and _reopened(row, key, keep):
                 continue  # the key's keep ran out: its row is gone, claim it anew
         except DatabaseError as exc:
@@ -181,14 +184,20 @@ def _decide(
     slot: datetime,
     task_name: str,
     take_missed: bool = True,
+    message_id: str | None = None,
 ) -> Row | Taken | None:
     """Decide a row someone else created. ``None``: it changed under us, go round."""
     state = row.state
     if state == RunState.MISSED and take_missed:
         return ledger.start_attempt(row, owner, lease, "claimed late, after it was recorded missed")
-    if state in (RunState.PENDING, RunState.RETRYING):
-        reason = "claimed" if state == RunState.PENDING else f"attempt {row.attempt + 1}"
-        return ledger.start_attempt(row, owner, lease, reason)
+    if state == RunState.PENDING:
+        return ledger.start_attempt(row, owner, lease, "claimed")
+    if state == RunState.RETRYING:
+        reason = f"attempt {row.attempt + 1}"
+        started = ledger.start_attempt(row, owner, lease, reason, message_id)
+        if started is None and ledger.count_other_copy(row.id, message_id):
+            return Taken(RunState.RETRYING)  # another message carries the retry
+        return started
     if state == RunState.RUNNING and row.expired:
         dead = f"lease of {row.owner} expired at {_iso(row.lease_until)}"
         if abandon:

@@ -1,11 +1,15 @@
 """The ``TASKGUARD`` settings dict, read on every access.
 
 Reading on access (instead of caching at import) keeps ``override_settings``
-working in tests and in long-lived processes alike.
+working in tests and in long-lived processes alike. Every key has one validator
+(:data:`VALIDATORS`): the system check and the property that reads the key both call
+it, so a value ``check`` refuses is refused where it is read too (gunicorn, Celery
+workers and ``shell`` run no checks), in the check's words, never replaced by a default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -101,6 +105,67 @@ def modules_problem(value: Any) -> str | None:
     )
 
 
+def taskguard_problem(value: Any) -> str | None:
+    """Why ``settings.TASKGUARD`` itself cannot be read, or None."""
+    if isinstance(value, dict):
+        return None
+    return f"TASKGUARD is a {type(value).__name__}; it must be a dict"
+
+
+def choice_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` is not one of the choices of ``BACKEND`` or ``ON_REDIS_ERROR``."""
+    choices = BACKENDS if name == "BACKEND" else ON_REDIS_ERROR_CHOICES
+    if isinstance(value, str) and value in choices:
+        return None
+    listed = ", ".join(repr(choice) for choice in choices[:-1])
+    return f"TASKGUARD[{name!r}] is {value!r}; use {listed} or {choices[-1]!r}"
+
+
+def flag_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the on/off setting ``name`` (only True and False can)."""
+    if isinstance(value, bool):
+        return None
+    return f"TASKGUARD[{name!r}] is {value!r}; it must be True or False"
+
+
+def text_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``REDIS_ALIAS``, ``KEY_PREFIX`` or ``INSTANCE_NAME`` (1 to
+    100 characters; ``INSTANCE_NAME`` may be None: the host name)."""
+    if value is None and name == "INSTANCE_NAME":
+        return None
+    if isinstance(value, str) and 0 < len(value) <= 100:
+        return None
+    return f"TASKGUARD[{name!r}] is {value!r}; it must be a string of 1 to 100 characters"
+
+
+def alias_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``DATABASE_ALIAS`` (a key of DATABASES). ``REDIS_ALIAS``
+    must name a cache only where a backend uses it: ``locks.cache_problem``."""
+    if isinstance(value, str) and value in django_settings.DATABASES:
+        return None
+    return f"TASKGUARD[{name!r}] is {value!r}, which is not in DATABASES"
+
+
+def _number_or_token(name: str, value: Any) -> str | None:
+    return token_problem(name, value) if name.endswith("_TOKEN") else number_problem(name, value)
+
+
+# Every key's validator: (name, value) -> why the value cannot be it, or None.
+VALIDATORS: dict[str, Callable[[str, Any], str | None]] = {
+    **dict.fromkeys(("BACKEND", "ON_REDIS_ERROR"), choice_problem),
+    "DATABASE_ALIAS": alias_problem,
+    **dict.fromkeys(("REDIS_ALIAS", "KEY_PREFIX", "INSTANCE_NAME"), text_problem),
+    **dict.fromkeys(("STARTUP_CLEANUP", "BEAT_CLAIM"), flag_problem),
+    **dict.fromkeys((*BOUNDS, "HEALTH_TOKEN", "METRICS_TOKEN"), _number_or_token),
+    "SCHEDULE_MODULES": lambda name, value: modules_problem(value),
+}
+
+
+def problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``TASKGUARD[name]``, or None: the check's words."""
+    return VALIDATORS[name](name, value)
+
+
 class Settings:
     """Typed view over ``settings.TASKGUARD`` with defaults.
 
@@ -113,16 +178,31 @@ class Settings:
         self._cache: dict[str, Any] = {}
 
     def raw(self) -> dict[str, Any]:
-        """The user's dict itself (read-only; not copied)."""
-        value = getattr(django_settings, "TASKGUARD", None)
-        return value if isinstance(value, dict) else {}
+        """The user's dict itself (read-only; not copied); ``ImproperlyConfigured`` when
+        ``TASKGUARD`` is not a dict."""
+        value = getattr(django_settings, "TASKGUARD", {})
+        trouble = taskguard_problem(value)
+        if trouble is not None:
+            raise ImproperlyConfigured(trouble)
+        return value
 
     def _get(self, name: str) -> Any:
+        """``TASKGUARD[name]`` (or its default), validated once per settings change."""
         try:
             return self._cache[name]
         except KeyError:
-            value = self._cache[name] = self.raw().get(name, DEFAULTS[name])
+            value = self.raw().get(name, DEFAULTS[name])
+            trouble = problem(name, value)
+            if trouble is not None:
+                raise ImproperlyConfigured(trouble) from None
+            self._cache[name] = value
             return value
+
+    def validate(self, *names: str) -> None:
+        """Read ``names`` now (``ImproperlyConfigured`` if one is invalid), for a value
+        that is otherwise read late (``ON_REDIS_ERROR``: only once Redis fails)."""
+        for name in names:
+            self._get(name)
 
     def for_claim(self) -> tuple[float, timedelta]:
         """``(LEASE_SECONDS, retention horizon)``: read by every guarded call."""
@@ -137,14 +217,7 @@ class Settings:
         self._cache.clear()
 
     def _number(self, name: str) -> float:
-        try:
-            value: float = self._cache[name]
-        except KeyError:
-            value = self.raw().get(name, DEFAULTS[name])
-            problem = number_problem(name, value)
-            if problem is not None:
-                raise ImproperlyConfigured(problem) from None
-            self._cache[name] = value
+        value: float = self._get(name)
         return value
 
     @property
@@ -194,12 +267,7 @@ class Settings:
     @property
     def INSTANCE_NAME(self) -> str | None:
         """What owners name this process's instance (None: the host name)."""
-        value = self._get("INSTANCE_NAME")
-        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 100):
-            raise ImproperlyConfigured(
-                f"TASKGUARD['INSTANCE_NAME'] is {value!r}; it must be a string of 1 to 100 "
-                f"characters, or None (the host name)"
-            )
+        value: str | None = self._get("INSTANCE_NAME")
         return value
 
     @property
@@ -209,11 +277,7 @@ class Settings:
     @property
     def SCHEDULE_MODULES(self) -> list[str]:
         """Modules imported to find ``@once_per_schedule`` functions (with the apps' tasks/jobs)."""
-        value = self._get("SCHEDULE_MODULES")
-        problem = modules_problem(value)
-        if problem is not None:
-            raise ImproperlyConfigured(problem)
-        return list(value)
+        return list(self._get("SCHEDULE_MODULES"))
 
     @property
     def FINISHED_MARKER_SECONDS(self) -> float:
@@ -240,9 +304,6 @@ class Settings:
 
     def _token(self, name: str) -> str | None:
         value = self._get(name)
-        problem = token_problem(name, value)
-        if problem is not None:
-            raise ImproperlyConfigured(problem)
         return None if value is None else str(value)
 
 

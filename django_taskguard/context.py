@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -108,7 +108,11 @@ def activate(run: ActiveRun) -> Iterator[ActiveRun]:
     try:
         yield run
     finally:
-        _current.reset(token)
+        # ValueError: left from another context. A coroutine the garbage collector closes
+        # runs its ``finally`` there; the value was set in the coroutine's own context,
+        # which is gone, and this one never saw it: nothing to undo.
+        with suppress(ValueError):
+            _current.reset(token)
 
 
 def active_run() -> ActiveRun | None:

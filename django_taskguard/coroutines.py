@@ -14,11 +14,17 @@ its own short transaction, and the heartbeat renews leases from its own threads.
 The coroutine itself is awaited on the loop, with ``current_run()`` set in its
 task's context. A step in flight when the task is cancelled is waited for (a
 thread cannot be stopped, and a claim nobody sees through would hold its slot
-until its lease lapsed); then the attempt is recorded like any interrupted one
-and the ``CancelledError`` is raised. When nobody can wait any more (the loop is
-closing and cancels the step too, or the coroutine is closed and never resumed), an
-attempt claimed meanwhile is ended where it is found: by the claiming thread itself
-if it has not handed the attempt over yet, else in a thread of its own.
+until its lease lapsed); then the ``CancelledError`` is raised. An attempt cancelled
+before its function started gives its slot or key back (``Attempt.give_back``: nothing
+ran); one cancelled in its function is recorded like any interrupted one.
+
+When nobody can wait any more (the loop is closing and cancels the step too, or the
+coroutine is closed and never resumed), every step that ends an attempt still runs:
+an attempt claimed meanwhile is given back by the claiming thread itself if it has not
+handed the attempt over yet, else in a thread of its own; a finish (``returned``,
+``raised``, a give-back) the loop cancelled before a worker thread took it runs in a
+thread of its own (each such step runs once, whichever thread takes it first). No
+attempt is left ``running`` with a live heartbeat.
 
 The steps run on one bounded pool of threads for the whole process (not the loop's
 default executor): its threads outlive event loops, so a connection kept by
@@ -34,14 +40,14 @@ import os
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from asgiref.sync import AsyncToSync, sync_to_async
 from django.db import close_old_connections
 
 from . import ledger
 from .context import activate
-from .guard import REFUSED, Attempt, Refused, Started
+from .guard import REFUSED, Attempt, Refused, Started, not_started_reason
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -73,18 +79,18 @@ async def execute(
             raise cancelled
         return started.result  # type: ignore[no-any-return]
     if cancelled is not None:  # cancelled while claiming: the function never started
-        await _settled(functools.partial(started.raised, cancelled))
+        await _ending(functools.partial(started.give_back, not_started_reason(cancelled)))
         raise cancelled
     with activate(started.active):
         try:
             result = await func(*args, **kwargs)
         except GeneratorExit as exc:  # closed, never to be resumed: no awaiting now
-            _end_elsewhere(started, exc)
+            _elsewhere(functools.partial(started.raised, exc))
             raise
         except BaseException as exc:  # CancelledError too: recorded, then raised
-            await _settled(functools.partial(started.raised, exc))
+            await _ending(functools.partial(started.raised, exc))
             raise
-    returned, cancelled = await _settled(functools.partial(started.returned, result))
+    returned, cancelled = await _ending(functools.partial(started.returned, result))
     if cancelled is not None:  # recorded succeeded; the caller still asked to cancel
         raise cancelled
     return returned
@@ -94,13 +100,32 @@ async def _refuse_in_callers_transaction() -> None:
     """Refuse a claim inside the transaction of the sync code that called us.
 
     Django's connections are per thread: the worker threads never see the caller's
-    ``atomic`` block. A caller that reached this coroutine through ``async_to_sync``
-    has a sync thread waiting for it, where its transaction lives: the check runs
-    there (no I/O). Under a plain event loop there is no such thread and no check.
+    ``atomic`` block. Sync code that ran ``asyncio.run()`` is this loop's own thread:
+    the check runs here, on that thread's sync connection (no I/O). A caller that
+    reached this coroutine through ``async_to_sync`` has a sync thread waiting for it,
+    where its transaction lives: the check runs there too.
     """
+    _outside_the_loop(ledger.ensure_autocommit)  # asyncio.run() from sync code
     executors = getattr(AsyncToSync, "executors", None)  # asgiref's: set by async_to_sync
     if executors is None or hasattr(executors, "current"):
         await sync_to_async(ledger.ensure_autocommit, thread_sensitive=True)()
+
+
+def _outside_the_loop(check: Callable[[], None]) -> None:
+    """Run ``check`` (no I/O, no await) as the sync code of this thread.
+
+    Django's connections are asgiref ``Local(thread_critical=True)``: code on a running
+    loop sees connections of its own, not those of the sync code that started the loop
+    (``asyncio.run()``), where that code's transaction lives. asyncio's running-loop marker
+    (``_set_running_loop``, the hook event loops themselves use) is lifted for the call:
+    nothing else runs on the loop meanwhile, and it is put back before returning.
+    """
+    loop = asyncio.get_running_loop()
+    asyncio._set_running_loop(None)
+    try:
+        check()
+    finally:
+        asyncio._set_running_loop(loop)
 
 
 class _Handoff:
@@ -124,7 +149,7 @@ class _Handoff:
             if not self._gave_up:
                 self._delivered = started
                 return started
-        started.raised(asyncio.CancelledError())  # nobody awaits it any more
+        started.give_back(_GAVE_UP)  # nobody awaits it, and its function never started
         return REFUSED
 
     def give_up(self) -> None:
@@ -133,15 +158,41 @@ class _Handoff:
             self._gave_up = True
             delivered, self._delivered = self._delivered, None
         if delivered is not None:  # handed over, but the result never reached us
-            _end_elsewhere(delivered, asyncio.CancelledError())
+            _elsewhere(functools.partial(delivered.give_back, _GAVE_UP))
 
 
-def _end_elsewhere(started: Attempt, exc: BaseException) -> None:
-    """Record ``started`` interrupted by ``exc`` from a thread of its own (the loop can no
-    longer wait for it; a non-daemon thread, so that the process waits for the record)."""
-    threading.Thread(
-        target=_step, args=(functools.partial(started.raised, exc),), name="taskguard-end"
-    ).start()
+_GAVE_UP = not_started_reason(asyncio.CancelledError())
+
+
+class _Once(Generic[T]):
+    """A step that runs at most once, in whichever thread takes it first (None: taken)."""
+
+    def __init__(self, step: Callable[[], T]) -> None:
+        self._step = step
+        self._taken = threading.Lock()
+
+    def __call__(self) -> T | None:
+        if not self._taken.acquire(blocking=False):
+            return None
+        return self._step()
+
+
+async def _ending(step: Callable[[], T]) -> tuple[T | None, asyncio.CancelledError | None]:
+    """:func:`_settled` for a step that ends an attempt, which must run whatever happens to
+    the loop: when the loop cancels the step itself (it is closing, maybe before a worker
+    thread took the step) or the coroutine is closed, it runs in a thread of its own."""
+    once = _Once(step)
+    try:
+        return await _settled(once)
+    except (asyncio.CancelledError, GeneratorExit):  # the step's own cancellation, or closed
+        _elsewhere(once)
+        raise
+
+
+def _elsewhere(step: Callable[[], object]) -> None:
+    """Run ``step`` in a thread of its own: the loop can no longer wait for it (a non-daemon
+    thread, so that the process waits for the record)."""
+    threading.Thread(target=_step, args=(step,), name="taskguard-end").start()
 
 
 # The worker threads of every guarded coroutine call in this process (made per process:

@@ -49,6 +49,9 @@ class CallContext:
     # Where the call runs, for people (a Celery worker's ``w1@host``).
     instance: str | None = None
     on_busy: guard.OnBusy | None = None
+    # The message carrying the call (Celery's task id): after a retry that names its
+    # message (``Ending.retry_by``), only that message starts the next attempt.
+    message_id: str | None = None
     # A misfire grace for this call (a beat entry's ``taskguard_grace`` header): a call
     # later than it after its slot is recorded ``missed``, whatever the decorator says.
     grace: timedelta | None = None
@@ -266,6 +269,7 @@ def _begin_call(
         classify_raise=hooks.classify_raise,
         instance=hooks.instance,
         on_busy=hooks.on_busy,
+        message_id=hooks.message_id,
     )
 
 

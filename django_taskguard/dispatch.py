@@ -32,6 +32,7 @@ from .conf import taskguard_settings
 from .context import ActiveRun
 from .exceptions import BackendUnavailable
 from .guard import duplicate, run_claimed
+from .pauses import paused_reason
 from .pool import Pool
 from .registry import Entry
 
@@ -47,6 +48,18 @@ POLL_SECONDS = 1.0
 
 RunOne = Callable[[Entry, datetime], None]  # the one-task path, on the pool
 Log = Callable[[Entry, datetime, str, float], None]  # what a fire did, how long it took
+
+
+NOT_RUN_HERE = "not run here (another call has it, or it is recorded)"
+
+
+def not_run(entry: Entry, otherwise: str) -> str:
+    """Why a fired slot did not run in this call: the pause (cached, no query) when there
+    is one, ``otherwise`` not."""
+    reason = paused_reason(entry.task_name)
+    if reason is None:
+        return otherwise
+    return f"not run: the task is paused ({reason}); the slot is recorded skipped"
 
 
 def batchable(entry: Entry, slot: datetime, now: datetime) -> bool:
@@ -192,7 +205,7 @@ class Dispatcher:
         except BaseException as exc:  # SystemExit from a body too: recorded failed
             outcome = f"raised {type(exc).__name__}: {exc}"
         else:
-            outcome = "ran" if ran else "not run (recorded)"
+            outcome = "ran" if ran else not_run(entry, "not run (recorded)")
         self._log(entry, active.slot, outcome, time.monotonic() - started)
 
     def _cannot_start(self, entry: Entry, active: ActiveRun) -> str | None:

@@ -28,12 +28,14 @@ class Ending:
     """How a raising attempt ends when its framework says so (see ``ClassifyRaise``).
 
     ``state`` is ``retrying`` (another attempt follows, due within ``retry_within``
-    seconds when known) or ``skipped`` (the framework dropped the call on purpose).
+    seconds when known, carried by the message ``retry_by`` when known: then only that
+    message starts it) or ``skipped`` (the framework dropped the call on purpose).
     """
 
     state: str
     reason: str
     retry_within: float | None = None
+    retry_by: str | None = None
 
 
 # classify_raise(exc) -> an Ending when the caller's framework gives ``exc`` a meaning
@@ -54,19 +56,19 @@ def record_raised(
     """
     ending = _classify(classify_raise, exc)
     error = f"{type(exc).__name__}: {exc}"
-    retry_within = None
+    retry_within = retry_by = None
     if ending is not None:
         state, reason = ending.state, ending.reason
         if state == RunState.RETRYING:
             grace = taskguard_settings.RETRY_GRACE_SECONDS
-            retry_within = (ending.retry_within or 0.0) + grace
+            retry_within, retry_by = (ending.retry_within or 0.0) + grace, ending.retry_by
     elif isinstance(exc, Exception):
         state, reason = RunState.FAILED, error
     else:
         # KeyboardInterrupt, SystemExit: the process is going away mid-run.
         state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
     try:
-        finish(active, state, reason, error=error, retry_within=retry_within)
+        finish(active, state, reason, error=error, retry_within=retry_within, retry_by=retry_by)
         if state == RunState.SKIPPED:
             run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
         elif state == RunState.ABANDONED:
@@ -108,18 +110,19 @@ def finish(
     *,
     error: str = "",
     retry_within: float | None = None,
+    retry_by: str | None = None,
 ) -> None:
     """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
     if not active.lease_valid():
         reason += " (after its lease had expired; no other attempt had taken over)"
     try:
-        updated = _write(active, to_state, reason, error, retry_within)
+        updated = _write(active, to_state, reason, error, retry_within, retry_by)
     except DatabaseError as exc:
         if not ledger.connection_lost(exc):
             raise BackendUnavailable(
                 f"the outcome of run {active.id} could not be recorded ({exc})"
             ) from exc
-        updated = _settle_finish(active, to_state, reason, error, retry_within)
+        updated = _settle_finish(active, to_state, reason, error, retry_within, retry_by)
     if updated is None:
         active.mark_lost(f"fenced out: finishing as {to_state} was refused")
         raise LeaseLost(
@@ -151,7 +154,12 @@ def succeed(active: ActiveRun, record_success: RecordSuccess | None) -> None:
 
 
 def _settle_finish(
-    active: ActiveRun, to_state: str, reason: str, error: str, retry_within: float | None
+    active: ActiveRun,
+    to_state: str,
+    reason: str,
+    error: str,
+    retry_within: float | None,
+    retry_by: str | None = None,
 ) -> ledger.Row | None:
     """The finish's outcome is unknown after a connection error: read back, retry once."""
     try:
@@ -163,7 +171,7 @@ def _settle_finish(
             return current
         if current.state != RunState.RUNNING:
             return None
-        return _write(active, to_state, reason, error, retry_within)
+        return _write(active, to_state, reason, error, retry_within, retry_by)
     except DatabaseError as exc:
         raise BackendUnavailable(
             f"the outcome of run {active.id} could not be recorded: database unreachable ({exc}); "
@@ -172,7 +180,12 @@ def _settle_finish(
 
 
 def _write(
-    active: ActiveRun, to_state: str, reason: str, error: str, retry_within: float | None
+    active: ActiveRun,
+    to_state: str,
+    reason: str,
+    error: str,
+    retry_within: float | None,
+    retry_by: str | None = None,
 ) -> ledger.Row | None:
     """The fenced finish of ``active`` (``None``: it no longer owns the row)."""
     return ledger.finish(
@@ -184,4 +197,5 @@ def _write(
         reason,
         error=error,
         retry_within=retry_within,
+        retry_by=retry_by,
     )

@@ -28,6 +28,11 @@ class BackendUnavailable(TaskGuardError):
     """
 
 
+class NotMigrated(BackendUnavailable):
+    """The ledger's database answers, but taskguard's tables are missing or older than this
+    version: ``manage.py migrate`` was not run there. The guarded function did not run."""
+
+
 class LeaseLost(TaskGuardError):
     """This attempt no longer holds the lease for its slot.
 

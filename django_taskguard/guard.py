@@ -87,11 +87,13 @@ def execute(
     on_busy: OnBusy | None = None,
     instance: str | None = None,
     key: str | None = None,
+    message_id: str | None = None,
 ) -> R | None:
     """Run ``func`` once for (``task_name``, ``slot``) across every instance.
 
     With ``key`` (``@once_per_key``): once for (``task_name``, ``key``); ``slot``
     is then the call's time, recorded as the row's slot when it claims the key.
+    ``message_id``: the message carrying the call (see :func:`begin`).
     """
     started = begin(
         task_name,
@@ -101,6 +103,7 @@ def execute(
         on_busy=on_busy,
         instance=instance,
         key=key,
+        message_id=message_id,
     )
     return run(started, func, args, kwargs)
 
@@ -138,9 +141,15 @@ def begin(
     on_busy: OnBusy | None = None,
     instance: str | None = None,
     key: str | None = None,
+    message_id: str | None = None,
 ) -> Started:
     """Claim (``task_name``, ``slot``): the attempt that will run the function, or a refusal
-    (the duplicate is counted and signalled). Blocking: Redis and the database."""
+    (the duplicate is counted and signalled). Blocking: Redis and the database.
+
+    ``message_id``: the message carrying the call (Celery's task id). After an attempt
+    ended ``retrying`` with a retry that names its message (``Ending.retry_by``), only
+    that message starts the next attempt; another copy is a counted duplicate.
+    """
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
@@ -180,6 +189,7 @@ def begin(
             key=key,
             keep=policy.keep_seconds,
             take_missed=policy.catchup != "none",
+            message_id=message_id,
         )
     except BaseException:
         if acquired is Acquired.WON:
@@ -374,7 +384,7 @@ class Attempt:
                 self.policy.overlap == "skip" and _skip_for_overlap(self.active)
             )
         except BaseException as exc:
-            self.give_back(_not_started(exc))
+            self.give_back(not_started_reason(exc))
             raise
         if skipped:
             self._free(ended=True)
@@ -387,7 +397,7 @@ class Attempt:
                 self.beat = heartbeats.start(self.active, self.lock, self.key)
                 run_started.send(sender=self.active.task_name, run=self.active)
             except BaseException as exc:
-                self.give_back(_not_started(exc))
+                self.give_back(not_started_reason(exc))
                 raise
         return True
 
@@ -450,7 +460,7 @@ class Attempt:
             self.active.ended.set()
 
 
-def _not_started(exc: BaseException) -> str:
+def not_started_reason(exc: BaseException) -> str:
     """The reason an attempt ended by ``exc`` before its function started is given back."""
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return f"ended before the function started ({what}): nothing ran, given back"

@@ -8,10 +8,12 @@ A task is unhealthy when it is
   is presumed dead: running too long);
 - **missed**: slots of it were recorded ``missed`` within ``MONITOR_WINDOW_HOURS``;
 - **failing**: its last ``HEALTH_FAILURES`` finished runs all failed (or were
-  abandoned by a dead owner).
+  abandoned by a dead owner), or none of its last ``HEALTH_FAILURES`` due slots
+  succeeded, whatever the reason (skipped behind a hung run, missed, failed), while
+  the latest due slot is not running.
 
-A paused task is healthy, and says it is paused. Every read is an index probe
-per task (at most ``MAX_TASKS`` tasks), a fixed number of statements in all, so
+A paused task is healthy, and says it is paused. Every task is judged: every read
+is an index probe per task, in statements of ``ledger.FACTS_CHUNK`` tasks each, so
 the verdict costs the same on a million runs as on ten.
 """
 
@@ -21,10 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo
 
-from croniter import croniter
-from django.utils.timezone import get_default_timezone, get_default_timezone_name
+from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
@@ -32,11 +32,9 @@ from . import ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .models import TaskSchedule
-from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild, wall_to_utc
+from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild
 from .states import RunState
 
-# Tasks judged per verdict: the registered schedules, then names seen in the ledger.
-MAX_TASKS = 200
 LATE, MISSED, FAILING = "late", "missed", "failing"
 OK, PAUSED, UNHEALTHY = "ok", "paused", "unhealthy"
 
@@ -59,6 +57,7 @@ class TaskHealth:
     paused_reason: str = ""
     grace: timedelta = timedelta(0)
     first_seen: datetime | None = None
+    resumed_at: datetime | None = None  # the end of its latest pause
     last_success: ledger.LastRun | None = None
     latest_due: datetime | None = None
     next_slot: datetime | None = None
@@ -86,7 +85,7 @@ class TaskHealth:
             "paused_reason": self.paused_reason or None,
             "last_success": _iso(self.last_success.finished_at if self.last_success else None),
             "last_success_slot": _iso(self.last_success.slot if self.last_success else None),
-            "latest_due_slot": _iso(self.latest_due),
+            "latest_slot_past_grace": _iso(self.latest_due),
             "next_slot": _iso(self.next_slot),
         }
 
@@ -96,7 +95,6 @@ class Verdict:
     checked_at: datetime
     tasks: list[TaskHealth]
     window: timedelta
-    left_out: bool = False  # more than MAX_TASKS tasks: the others were not judged
 
     @property
     def healthy(self) -> bool:
@@ -112,18 +110,17 @@ class Verdict:
             "checked_at": _iso(self.checked_at),
             "window_hours": self.window / timedelta(hours=1),
             "unhealthy": [task.task for task in self.unhealthy],
-            "left_out": self.left_out,
             "tasks": [task.as_dict() for task in self.tasks],
         }
 
 
 def check(*, task: str | None = None) -> Verdict:
     """Judge every known task (or one): raises ``BackendUnavailable`` when the ledger
-    cannot be read. A handful of statements whatever the number of runs and tasks:
-    every task's facts are read by one statement of index probes."""
+    cannot be read. A handful of statements whatever the number of runs, and two more
+    per 200 tasks: each 200 tasks' facts are read by one statement of index probes."""
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
-    tasks, left_out = known_tasks()
+    tasks = known_tasks()
     if task is not None:
         tasks = [t for t in tasks if t.task == task]
     names = [t.task for t in tasks]
@@ -139,24 +136,15 @@ def check(*, task: str | None = None) -> Verdict:
     for health in tasks:
         if health.task in facts:
             judge(health, facts[health.task], now, window, failures)
-    return Verdict(now, tasks, window, left_out)
+    return Verdict(now, tasks, window)
 
 
-def known_tasks() -> tuple[list[TaskHealth], bool]:
-    """The registered schedules, then the other task names the ledger has runs of (at most
-    ``MAX_TASKS``), and whether some were left out."""
-    stored = schedule_store.stored()
-    tasks = [from_schedule(row) for row in stored[:MAX_TASKS]]
+def known_tasks() -> list[TaskHealth]:
+    """Every registered schedule, then every other task name the ledger has runs of."""
+    tasks = [from_schedule(row) for row in schedule_store.stored()]
     seen = {t.task for t in tasks}
-    left_out = len(stored) > MAX_TASKS
-    for name in ledger.task_names(MAX_TASKS + 1):
-        if name in seen:
-            continue
-        if len(tasks) < MAX_TASKS:
-            tasks.append(TaskHealth(name))
-        else:
-            left_out = True
-    return tasks, left_out
+    tasks += [TaskHealth(name) for name in ledger.task_names(None) if name not in seen]
+    return tasks
 
 
 def from_schedule(row: TaskSchedule) -> TaskHealth:
@@ -166,16 +154,17 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
         schedule=schedule,
         words=describe(row),
         paused=row.paused,
-        paused_at=row.paused_at,
+        paused_at=row.paused_at if row.paused else None,
         paused_reason=row.paused_reason,
         grace=row.grace,
         first_seen=row.first_seen,
+        resumed_at=None if row.paused else row.resumed_at,
     )
 
 
 def build_schedule(row: TaskSchedule) -> Schedule | None:
     try:
-        return rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
+        return rebuild(row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every)
     except Exception:  # a row written by another version: shown, not judged on time
         return None
 
@@ -232,21 +221,47 @@ def judge(
             failures,
         ) % {"n": failures, "slot": _iso(facts.latest_ended_slot)}
         health.problems.append(Problem(FAILING, detail))
+    elif _no_success(health, facts, failures):
+        detail = ngettext(
+            "no success in its last due slot (%(slot)s is %(state)s; last success: %(last)s)",
+            "no success in its last %(n)d due slots (latest %(slot)s is %(state)s; "
+            "last success: %(last)s)",
+            failures,
+        ) % {
+            "n": failures,
+            "slot": _iso(due),
+            "state": facts.due_state,
+            "last": _iso(health.last_success.slot) if health.last_success else _("never"),
+        }
+        health.problems.append(Problem(FAILING, detail))
+
+
+def _no_success(health: TaskHealth, facts: ledger.TaskFacts, count: int) -> bool:
+    """None of the task's last ``count`` due slots succeeded, every one of them was due
+    while the task was registered and not paused, and the latest has a row that is not in
+    flight (no row is late; a running one is not judged yet)."""
+    due, schedule = health.latest_due, health.schedule
+    if due is None or schedule is None or facts.due_state in IN_FLIGHT or facts.due_state is None:
+        return False
+    oldest = expected_slots(schedule, due, count)[-1]
+    since = max((t for t in (health.first_seen, health.resumed_at) if t is not None), default=None)
+    if since is not None and oldest < since:
+        return False
+    return health.last_success is None or health.last_success.slot < oldest
+
+
+IN_FLIGHT = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 
 
 def next_slot(schedule: Schedule, now: datetime) -> datetime | None:
     """The schedule's first slot after ``now``."""
     if isinstance(schedule, IntervalSchedule):
         return schedule.latest_slot(now) + schedule.every
-    latest = schedule.latest_slot(now)
     if isinstance(schedule, CronSchedule):
-        zone = ZoneInfo(schedule.tz_name) if schedule.tz_name else get_default_timezone()
-        wall = now.astimezone(zone).replace(tzinfo=None, microsecond=0)
-        fire = croniter(schedule.expression, wall, day_or=schedule.day_or).get_next(datetime)
-        candidate = wall_to_utc(fire, zone)
-        if candidate > now and schedule.latest_slot(candidate) == candidate:
-            return candidate
-    # Any other schedule (or a DST edge): bracket the next slot, then bisect to the second.
+        found = schedule.slots_between(now, now + timedelta(days=800), 1)
+        return found[0] if found else None
+    latest = schedule.latest_slot(now)
+    # Any other schedule: bracket the next slot, then bisect to the second.
     low, step = now, timedelta(minutes=1)
     while schedule.latest_slot(now + step) <= latest:
         low, step = now + step, step * 2

@@ -293,6 +293,7 @@ class _Keyed:
             classify_raise=hooks.classify_raise,
             instance=hooks.instance,
             on_busy=hooks.on_busy,
+            message_id=hooks.message_id,
             key=run_key,
         )
 

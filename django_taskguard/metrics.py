@@ -12,7 +12,7 @@ recorded ``abandoned``.
 
 A scrape costs one range scan of the window's rows (the slot index), one index
 probe per task for its last success, and the health verdict's probes per task
-(at most ``health.MAX_TASKS`` tasks).
+(every task).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The missed-slot sweep: a due slot that no instance claimed within its grace is
-recorded ``missed`` (a paused task's: ``skipped``, reason ``paused``).
+recorded ``missed`` (a slot due while the task was paused: ``skipped``, reason ``paused``).
 
 A slot handed to a task queue (``run_schedules --enqueue``, ``backfill --enqueue``) has a
 ``pending`` row; one that no worker started within its grace of being handed out is ended
@@ -10,12 +10,14 @@ when the slot has a row). It reads the schedules from ``TaskSchedule`` and check
 per schedule, the slots after the last sweep's mark (``swept_until``; the first time,
 after the schedule was first seen) up to ``now - grace``.
 
-Bounded: per schedule and sweep at most ``MISSED_ROWS_CAP`` rows are written. When
-more slots than that are missing (a one-second schedule down for a week), the oldest
-``MISSED_ROWS_CAP - 1`` are recorded one by one and one summary row, on the newest
-missing slot, says how many others it stands for and from when to when. A window of
-more than ``ENUMERATE_CAP`` slots is not listed at all: one summary row on its newest
-slot says how many slots have no row.
+Every slot of the schedule in that window is judged by itself (is there a row at this
+slot?), never by counting rows: rows off the schedule's grid (an interval changed between
+deploys, an explicit ``run_for_slot``) hide nothing. It goes in batches of
+``SWEEP_BATCH`` slots (one read and one write each, memory bounded by the batch), at most
+``MAX_BATCHES`` per schedule and sweep; ``swept_until`` moves after each batch over the
+slots that batch judged, so a long outage is recorded over a few sweeps, never skipped.
+Each slot is labelled by the pause state at its own time (the latest pause's start and
+end are kept on the schedule; earlier pauses are not).
 """
 
 from __future__ import annotations
@@ -24,146 +26,189 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from django.db import DatabaseError
+
 from . import ledger
 from .conf import taskguard_settings
+from .exceptions import BackendUnavailable
 from .ledger import schedules as store
 from .models import TaskSchedule
 from .owner import actor
-from .schedules import Schedule, rebuild
+from .schedules import rebuild
 from .signals import run_missed
 from .states import RunState
 
 logger = logging.getLogger("taskguard.missed")
 
-MISSED_ROWS_CAP = 100
-ENUMERATE_CAP = 10_000
+# Slots judged per read and write; batches per schedule and sweep (the rest: the next sweep).
+SWEEP_BATCH = 1_000
+MAX_BATCHES = 50
+# Pending slots ended per statement.
+PENDING_BATCH = 10_000
 # Slots this close to the retention horizon are left alone (the guard refuses them).
 HORIZON_MARGIN = timedelta(hours=1)
 
 
 @dataclass
 class SweepResult:
-    missed_slots: int = 0  # rows written as missed (a summary row counts once)
+    missed_slots: int = 0  # rows written as missed
     paused_slots: int = 0  # rows written as skipped (paused)
-    summarized: int = 0  # further missing slots only counted in a summary row
-    tasks: dict[str, int] = field(default_factory=dict)  # task -> missing slots
+    tasks: dict[str, int] = field(default_factory=dict)  # task -> slots recorded this sweep
 
 
 def sweep_missed(
     *, task: str | None = None, dry_run: bool = False, now: datetime | None = None
 ) -> SweepResult:
     """Record the due slots of every known schedule that nobody claimed within its grace."""
-    now = now or ledger.database_now()
-    floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
-    result = SweepResult()
-    for row in store.stored():
-        if task is not None and row.task_name != task:
-            continue
-        _sweep_one(row, now, floor, dry_run, result)
+    try:
+        now = now or ledger.database_now()
+        floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
+        result = SweepResult()
+        for row in store.stored():
+            if task is not None and row.task_name != task:
+                continue
+            _sweep_one(row, now, floor, dry_run, result)
+    except (BackendUnavailable, DatabaseError):
+        # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
+        # connection that failed so that the next sweep reconnects.
+        try:
+            ledger.settle_connection()
+        except Exception:
+            logger.warning(
+                "taskguard: the sweep could not close a failed connection", exc_info=True
+            )
+        raise
     return result
 
 
 def _sweep_one(
     row: TaskSchedule, now: datetime, floor: datetime, dry_run: bool, result: SweepResult
 ) -> None:
-    start = max(row.swept_until or row.first_seen, floor)
+    judged = max(row.swept_until or row.first_seen, floor)
     end = now - row.grace
     if not dry_run:
         _end_pending(row, end, result)
-    if end <= start:
+    if end <= judged:
         return
-    schedule = rebuild(row.cron, row.cron_day_or, row.time_zone, row.every)
-    missing, total = _missing(row.task_name, schedule, start, end)
-    if total:
-        result.tasks[row.task_name] = total
-        rows = _rows(row, missing, total, start, end)
-        state = RunState.SKIPPED if row.paused else RunState.MISSED
-        written = len(rows) if dry_run else _write(state, rows)
-        if row.paused:
-            result.paused_slots += written
-        else:
-            result.missed_slots += written
-        result.summarized += max(total - len(rows), 0)
-        if written and not row.paused and not dry_run:
-            logger.warning("taskguard %s: %d due slots were missed", row.task_name, total)
-            run_missed.send(sender=row.task_name, slot=missing[-1], reason=rows[-1][2], count=total)
-    if not dry_run:
-        store.mark_swept(row.task_name, end)
+    schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
+    found = _Found(row)
+    for _ in range(MAX_BATCHES):
+        slots = schedule.slots_between(judged, end, SWEEP_BATCH)
+        until = slots[-1] if len(slots) == SWEEP_BATCH else end
+        found.record(ledger.slots_without_row(row.task_name, slots), dry_run)
+        if not dry_run:
+            store.mark_swept(row.task_name, until)
+        judged = until
+        if until >= end:
+            break
+    else:
+        logger.warning(
+            "taskguard %s: the sweep judged its slots up to %s; the next sweep goes on to %s",
+            row.task_name,
+            judged.isoformat(),
+            end.isoformat(),
+        )
+    found.report(result, dry_run)
+
+
+class _Found:
+    """One schedule's slots without a row, written as they are found, and what was written."""
+
+    def __init__(self, row: TaskSchedule) -> None:
+        self.row = row
+        self.window = store.pause_window(row)
+        grace = row.grace.total_seconds()
+        self.missed_reason = f"missed: no instance claimed it within its grace ({grace:g}s)"
+        self.paused_reason = _paused_reason(row, self.window)
+        self.missed = self.paused = 0
+        self.last_missed: datetime | None = None
+
+    def record(self, slots: list[datetime], dry_run: bool) -> None:
+        window = self.window
+        paused = [slot for slot in slots if window is not None and window.covers(slot)]
+        missed = [slot for slot in slots if window is None or not window.covers(slot)]
+        self.paused += self._write(RunState.SKIPPED, paused, self.paused_reason, dry_run)
+        self.missed += self._write(RunState.MISSED, missed, self.missed_reason, dry_run)
+        if missed:
+            self.last_missed = missed[-1]
+
+    def _write(self, state: str, slots: list[datetime], reason: str, dry_run: bool) -> int:
+        if dry_run or not slots:
+            return len(slots)
+        rows = [(self.row.task_name, slot, reason) for slot in slots]
+        return ledger.insert_unheld_many(state, rows, actor=actor("sweep"))
+
+    def report(self, result: SweepResult, dry_run: bool) -> None:
+        name = self.row.task_name
+        if self.missed or self.paused:
+            result.tasks[name] = result.tasks.get(name, 0) + self.missed + self.paused
+        result.missed_slots += self.missed
+        result.paused_slots += self.paused
+        if self.missed and not dry_run and self.last_missed is not None:
+            logger.warning("taskguard %s: %d due slots were missed", name, self.missed)
+            run_missed.send(
+                sender=name, slot=self.last_missed, reason=self.missed_reason, count=self.missed
+            )
+
+
+def _paused_reason(row: TaskSchedule, window: store.PauseWindow | None) -> str:
+    if row.paused:
+        return f"paused: {row.paused_reason or 'paused'} (recorded by the missed-slot sweep)"
+    if window is None or window.start is None or window.end is None:
+        return "paused (recorded by the missed-slot sweep)"
+    return (
+        f"paused: due while the task was paused from {window.start.isoformat()} to "
+        f"{window.end.isoformat()} (recorded by the missed-slot sweep)"
+    )
 
 
 def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
     """Slots handed to a task queue (``pending``) at or before ``end`` (their grace ago)
     that no worker started end like slots nobody fired (a late worker may still run a
-    missed one: catch-up). By hand-out time, whatever the slot: a backfilled slot is old
-    when it is handed out."""
-    if row.paused:
-        state = RunState.SKIPPED
+    missed one: catch-up). By hand-out time, whatever the slot (a backfilled slot is old
+    when it is handed out): handed out while the task was paused, ``skipped``."""
+    window = store.pause_window(row)
+    if window is not None:
         why = f"paused: {row.paused_reason or 'paused'} (enqueued, not started; the sweep)"
-    else:
-        state = RunState.MISSED
-        grace = row.grace.total_seconds()
-        why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
-    ended: list[datetime] = []
-    while True:  # in batches, until none is left
-        batch = ledger.end_pending(
-            row.task_name, end, state=state, reason=why, actor=actor("sweep"), limit=ENUMERATE_CAP
-        )
-        ended += batch
-        if len(batch) < ENUMERATE_CAP:
-            break
+        ended = _end_pending_all(row, end, RunState.SKIPPED, why, window.start, window.end)
+        result.paused_slots += len(ended)
+        _count(result, row.task_name, len(ended))
+    grace = row.grace.total_seconds()
+    why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
+    ended = _end_pending_all(row, end, RunState.MISSED, why, None, None)
     if not ended:
         return
-    result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + len(ended)
-    if row.paused:
-        result.paused_slots += len(ended)
-        return
+    _count(result, row.task_name, len(ended))
     result.missed_slots += len(ended)
     logger.warning("taskguard %s: %d enqueued slots were never started", row.task_name, len(ended))
     run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended))
 
 
-def _missing(
-    task_name: str, schedule: Schedule, start: datetime, end: datetime
-) -> tuple[list[datetime], int]:
-    """The slots in ``(start, end]`` with no row (listed when the window is small enough),
-    and how many there are."""
-    expected = schedule.count_between(start, end, ENUMERATE_CAP + 1)
-    if expected == 0:
-        return [], 0
-    have = ledger.count_slots(task_name, start, end)
-    if have >= expected:
-        return [], 0
-    if expected > ENUMERATE_CAP:
-        newest = schedule.latest_slot(end)
-        exact = schedule.count_between(start, end, 10**9) if expected <= 10**7 else expected
-        gone = max(exact - have, 1)
-        return ([] if ledger.row_exists(task_name, newest) else [newest]), gone
-    existing = ledger.slots_in(task_name, start, end)
-    slots = [slot for slot in schedule.slots_between(start, end, expected) if slot not in existing]
-    return slots, len(slots)
+def _end_pending_all(
+    row: TaskSchedule,
+    end: datetime,
+    state: str,
+    why: str,
+    since: datetime | None,
+    before: datetime | None,
+) -> list[datetime]:
+    ended: list[datetime] = []
+    while True:  # in batches, until none is left
+        batch = ledger.end_pending(
+            row.task_name,
+            end,
+            state=state,
+            reason=why,
+            actor=actor("sweep"),
+            limit=PENDING_BATCH,
+            since=since,
+            before=before,
+        )
+        ended += batch
+        if len(batch) < PENDING_BATCH:
+            return ended
 
 
-def _rows(
-    row: TaskSchedule, missing: list[datetime], total: int, start: datetime, end: datetime
-) -> list[tuple[str, datetime, str]]:
-    grace = row.grace.total_seconds()
-    if row.paused:
-        why = f"paused: {row.paused_reason or 'paused'} (recorded by the missed-slot sweep)"
-    else:
-        why = f"missed: no instance claimed it within its grace ({grace:g}s)"
-    if total <= MISSED_ROWS_CAP and len(missing) == total:
-        return [(row.task_name, slot, why) for slot in missing]
-    if not missing:
-        return []
-    listed = missing[: MISSED_ROWS_CAP - 1] if len(missing) == total else []
-    last = missing[-1]
-    others = total - len(listed) - 1
-    summary = (
-        f"{why}; this row also stands for {others} other slots between {start.isoformat()} and "
-        f"{end.isoformat()} that have no row (at most {MISSED_ROWS_CAP} rows per task and sweep)"
-    )
-    return [(row.task_name, slot, why) for slot in listed] + [(row.task_name, last, summary)]
-
-
-def _write(state: str, rows: list[tuple[str, datetime, str]]) -> int:
-    return ledger.insert_unheld_many(state, rows, actor=actor("sweep"))
+def _count(result: SweepResult, task_name: str, slots: int) -> None:
+    if slots:
+        result.tasks[task_name] = result.tasks.get(task_name, 0) + slots

@@ -109,6 +109,19 @@ class TaskRun(models.Model):
     duplicates = models.PositiveIntegerField(
         _("duplicates"), default=0, help_text=_("Attempts that found the slot taken.")
     )
+    # NULL: no retry is awaited from a particular message (any caller may start it).
+    retry_by = models.CharField(  # noqa: DJ001
+        _("retry by"),
+        max_length=255,
+        null=True,
+        blank=True,
+        default=None,
+        editable=False,
+        help_text=_(
+            "While retrying: the message (Celery task id) that carries the retry; only it "
+            "starts the next attempt, other copies are duplicates."
+        ),
+    )
 
     objects = TaskRunQuerySet.as_manager()
 
@@ -245,6 +258,16 @@ class TaskSchedule(models.Model):
         default="",
         help_text=_("Empty: Django's TIME_ZONE."),
     )
+    default_zone = models.CharField(
+        _("default time zone"),
+        max_length=64,
+        blank=True,
+        default="",
+        help_text=_(
+            "Django's TIME_ZONE in the copy that last saved it: a cron without its own time "
+            "zone runs in it."
+        ),
+    )
     catchup = models.CharField(
         _("catch-up"), max_length=8, choices=Catchup.choices, default=Catchup.LATEST
     )
@@ -254,7 +277,18 @@ class TaskSchedule(models.Model):
         _("pause after failures"), null=True, blank=True
     )
     paused = models.BooleanField(_("paused"), default=False)
-    paused_at = models.DateTimeField(_("paused at"), null=True, blank=True)
+    paused_at = models.DateTimeField(
+        _("paused at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest pause began (kept after a resume: the sweep labels by it)."),
+    )
+    resumed_at = models.DateTimeField(
+        _("resumed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest pause ended (empty while paused or never paused)."),
+    )
     paused_reason = models.TextField(_("paused reason"), blank=True, default="")
     first_seen = models.DateTimeField(_("first seen"), default=timezone.now)
     last_seen = models.DateTimeField(_("last seen"), default=timezone.now)

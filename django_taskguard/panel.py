@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 from django.utils.translation import gettext as _
 
-from . import ledger, timefmt
+from . import ledger, registry, timefmt
 from .conf import taskguard_settings
 from .exceptions import BackendUnavailable
 from .locks import get_backend
@@ -20,6 +20,7 @@ from .states import RunState
 @dataclass
 class Why:
     summary: str
+    title: str = ""
     facts: list[tuple[str, str]] = field(default_factory=list)
     stale: bool = False
 
@@ -28,8 +29,10 @@ def why_not_running(run: TaskRun) -> Why:
     """Explain a run's state from its row, its last transition and its lock key."""
     now = ledger.database_now()
     last = ledger.last_transition(run.pk)
-    reason = last.reason if last is not None else ""
-    why = Why(_summary(run, now, reason))
+    # A reason often starts with the state it led to ("missed: no instance claimed it"):
+    # said once, after the state.
+    reason = _without_state(last.reason, last.to_state) if last is not None else ""
+    why = Why(_summary(run, now, reason), _title(run, now))
     why.facts.append((_("holder"), run.owner or "—"))
     if run.state == RunState.RUNNING and run.lease_until is not None:
         why.stale = run.lease_until <= now
@@ -49,6 +52,18 @@ def why_not_running(run: TaskRun) -> Why:
     return why
 
 
+def _without_state(reason: str, state: str) -> str:
+    return reason.removeprefix(f"{state}: ")
+
+
+def _title(run: TaskRun, now: datetime) -> str:
+    if run.state == RunState.RUNNING and run.lease_until is not None and run.lease_until > now:
+        return _("Running now")
+    if run.state == RunState.SUCCEEDED:
+        return _("Finished")
+    return _("Why is this not running?")
+
+
 def _summary(run: TaskRun, now: datetime, reason: str) -> str:
     if run.state == RunState.RUNNING:
         if run.lease_until is not None and run.lease_until > now:
@@ -64,16 +79,42 @@ def _summary(run: TaskRun, now: datetime, reason: str) -> str:
             "n": run.attempt
         }
     if run.state == RunState.ABANDONED:
-        return _("Abandoned: its owner died. With on_stale=“abandon” the slot is not run again.")
+        return _abandoned(run)
+    if run.state == RunState.MISSED:
+        return _(
+            "Missed: %(reason)s. Nothing ran for this slot; manage.py backfill runs it, if it "
+            "should still run."
+        ) % {"reason": reason or _("no instance fired it in time")}
     if run.state == RunState.SKIPPED:
         return _("Skipped on purpose: %(reason)s") % {"reason": reason or "—"}
     if run.state == RunState.FAILED:
         return _("Failed: %(error)s") % {"error": (run.error or reason or "—")[:300]}
-    return _("Finished: this slot ran and will not run again.")
+    if run.state == RunState.SUCCEEDED:
+        return _("Finished: this slot ran and will not run again.")
+    raise ValueError(f"no summary for state {run.state!r}")
+
+
+def _abandoned(run: TaskRun) -> str:
+    """What becomes of an abandoned run: the task's own ``on_stale``, where it is known."""
+    entry = registry.entries().get(run.task_name)
+    if entry is None:
+        return _(
+            "Abandoned: its owner died. The task is not imported in this process, so its "
+            "on_stale is not known here: under “abandon” (the default) the slot is not run "
+            "again, under “retry” the next call for it takes it over."
+        )
+    if entry.policy.on_stale == "retry":
+        return _(
+            'Abandoned: its owner died. This task has on_stale="retry": the next call '
+            "for this slot takes it over as attempt %(n)d."
+        ) % {"n": run.attempt + 1}
+    return _(
+        'Abandoned: its owner died. This task has on_stale="abandon": the slot is not run again.'
+    )
 
 
 def _redis_holder(run: TaskRun) -> str:
-    key = get_backend().key(run.task_name, run.slot)
+    key = get_backend().key_for(run.task_name, run.slot, run.key)
     try:
         holder = get_backend().holder(key)
     except (BackendUnavailable, OSError) as exc:

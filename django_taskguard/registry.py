@@ -6,6 +6,13 @@ schedules (``TASKGUARD["SCHEDULE_MODULES"]`` and every installed app's ``tasks``
 ``jobs`` modules, as Celery autodiscovers); :func:`sync` then saves what it found in
 ``TaskSchedule`` (``run_schedules``, ``cleanup_locks``, ``pause_task`` call it), where
 the missed-slot sweep and the admin read it.
+
+An app's ``tasks``/``jobs`` module that cannot be imported (a third-party app whose
+Celery tasks need an extra nobody installed) does not stop discovery when its error is
+one the caller tolerates: it is skipped and named in :func:`unimported`. Nothing is
+lost by that: :func:`sync` only adds and updates rows, so a schedule the module
+declared keeps its row, its pause, and its missed-slot sweep. A module named in
+``SCHEDULE_MODULES`` is never skipped: the user asked for it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import module_has_submodule
+from django.utils.timezone import get_default_timezone_name
 
 from .conf import taskguard_settings
 from .guard import Policy
@@ -69,6 +77,7 @@ class Entry:
             grace=policy.grace,
             max_catchup=policy.max_catchup,
             pause_after_failures=policy.pause_after_failures,
+            default_zone=get_default_timezone_name(),
             **describe(self.schedule),
         )
 
@@ -123,23 +132,79 @@ def entries() -> dict[str, Entry]:
         return dict(_entries)
 
 
-def discover() -> dict[str, Entry]:
-    """Import the modules that declare schedules; return every registered schedule."""
+@dataclass(frozen=True)
+class Unimported:
+    """An app's ``tasks``/``jobs`` module that :func:`discover` could not import."""
+
+    module: str
+    error: BaseException
+
+    def __str__(self) -> str:
+        error = f"{type(self.error).__name__}: {self.error}"
+        if isinstance(self.error, ImportError):
+            said = f"{self.module} could not be imported ({error})"
+        else:
+            said = f"{self.module} raised {error} when imported"
+        return f"{said}; the schedules it declares are unknown to this process"
+
+
+_unimported: list[Unimported] = []
+
+
+def discover(tolerate: tuple[type[Exception], ...] = (ImportError,)) -> dict[str, Entry]:
+    """Import the modules that declare schedules; return every registered schedule.
+
+    An app module whose import raises one of ``tolerate`` (default: a missing
+    dependency) is skipped, see :func:`unimported`; any other error is
+    ``ImproperlyConfigured`` naming the module.
+    """
     modules = [_import(path) for path in taskguard_settings.SCHEDULE_MODULES]
+    skipped: list[Unimported] = []
     for config in apps.get_app_configs():
         for name in AUTODISCOVER:
             if module_has_submodule(config.module, name):
-                modules.append(import_module(f"{config.name}.{name}"))
+                path = f"{config.name}.{name}"
+                try:
+                    modules.append(import_module(path))
+                except Exception as exc:
+                    if not isinstance(exc, tolerate):
+                        raise ImproperlyConfigured(str(Unimported(path, exc))) from exc
+                    skipped.append(Unimported(path, exc))
+    with _lock:
+        _unimported[:] = skipped
     _find_celery_tasks(modules)
     _find_queued(modules)
     return entries()
 
 
-def sync() -> dict[str, Entry]:
+def unimported() -> list[Unimported]:
+    """The app modules the latest :func:`discover` skipped, with their errors."""
+    with _lock:
+        return list(_unimported)
+
+
+def sync(tolerate: tuple[type[Exception], ...] = (ImportError,)) -> dict[str, Entry]:
     """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
-    found = discover()
+    found = discover(tolerate)
+    _say_zone_conflicts()
     store.save([entry.record() for entry in found.values()])
     return found
+
+
+def _say_zone_conflicts() -> None:
+    """A cron without its own zone runs in Django's TIME_ZONE: copies that disagree on it
+    fire different instants. Said before this copy's save records its own zone (check
+    ``taskguard.W020`` says it too)."""
+    zone = get_default_timezone_name()
+    for task_name, theirs in store.zone_conflicts(zone):
+        logger.error(
+            "taskguard: schedule %s was saved by a copy whose TIME_ZONE is %r; this copy's is "
+            "%r, so the two fire its cron at different instants. Give every copy the same "
+            "TIME_ZONE, or the cron its own time zone",
+            task_name,
+            theirs,
+            zone,
+        )
 
 
 def _import(path: str) -> ModuleType:

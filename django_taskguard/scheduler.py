@@ -32,7 +32,7 @@ from django.utils import timezone
 from . import ledger
 from .batch import SuccessWriter
 from .conf import taskguard_settings
-from .dispatch import Dispatcher, batchable
+from .dispatch import NOT_RUN_HERE, Dispatcher, batchable, not_run
 from .handoff import hand_off
 from .missed import sweep_missed
 from .pool import Pool
@@ -208,7 +208,7 @@ class Scheduler:
             except BaseException as exc:  # SystemExit from a body too: recorded failed
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "ran" if ran else "not run here (another call has it, or it is recorded)"
+                outcome = "ran" if ran else not_run(entry, NOT_RUN_HERE)
             self._log(entry, slot, outcome, time.monotonic() - started)
 
     def _hand_off(self, entry: Entry, slots: list[datetime]) -> None:

@@ -2,8 +2,10 @@
 
 Each is protected by its own setting: with ``TASKGUARD["HEALTH_TOKEN"]`` (or
 ``METRICS_TOKEN``) set, a client that sends ``Authorization: Bearer <token>``
-is let in (uptime checkers, Kubernetes probes, Prometheus); active staff users
-signed in to the site always are. Unset, the endpoint is for staff only.
+is let in (uptime checkers, Kubernetes probes, Prometheus); so are active staff users
+signed in to the site whom the admin lets see runs (permission ``taskguard.view_taskrun``;
+superusers have it): the answers name tasks, their problems and who paused them. Unset,
+the endpoint is for those staff users only.
 """
 
 from __future__ import annotations
@@ -22,19 +24,28 @@ MISSING_PROMETHEUS = (
 )
 
 
+VIEW_PERMISSION = "taskguard.view_taskrun"
+
+
 def allowed(request: HttpRequest, token: str | None) -> bool:
-    """A bearer token equal to ``token`` (if set), or an active staff user."""
+    """A bearer token equal to ``token`` (if set), or an active staff user who may view runs
+    in the admin."""
     if token is not None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer" and constant_time_compare(given.strip(), token):
             return True
     user = getattr(request, "user", None)
-    return bool(user is not None and user.is_active and user.is_staff)
+    return bool(
+        user is not None and user.is_active and user.is_staff and user.has_perm(VIEW_PERMISSION)
+    )
 
 
 def refused(token: str | None, setting: str) -> HttpResponse:
     if token is None:
-        message = f"staff only (set TASKGUARD['{setting}'] to let a client in with a token)"
+        message = (
+            f"staff users with the {VIEW_PERMISSION} permission only (set "
+            f"TASKGUARD['{setting}'] to let a client in with a token)"
+        )
         return JsonResponse({"error": message}, status=403)
     response = JsonResponse(
         {"error": "a valid 'Authorization: Bearer' token is needed"}, status=401

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test run: lint, the package, types, the docs, the suite on SQLite and on
+# The whole test run: lint, the package, the README's demos and the Celery quick start from a
+# fresh clone, types, the docs, the suite on SQLite and on
 # PostgreSQL, the guarantee tests on MariaDB, the smoke set on the other supported Django
 # versions, and a brief soak. What CI runs (.ci/run) and what the README tells developers to run.
 set -euo pipefail
@@ -14,6 +15,8 @@ echo "== ruff"
 .venv/bin/ruff format --check django_taskguard tests example_project bench
 echo "== package (build, contents, the wheel in a new startproject site)"
 bash scripts/package-check.sh
+echo "== the README's demo, both ways, from a fresh clone (its own venv, a private Redis)"
+bash scripts/demo-check.sh
 echo "== mypy (strict, django-stubs)"
 $PY -m mypy
 echo "== docs (mkdocs build --strict)"
@@ -64,7 +67,7 @@ MARIADB_TESTS=(
 )
 echo "== the guarantee tests and a smoke set on MariaDB (a private server)"
 TASKGUARD_TEST_DB=mariadb $PY -m pytest -m "not soak and not once" "${MARIADB_TESTS[@]}" "$@"
-echo "== version matrix: the smoke set on Django 4.2, 6.0 and 6.1"
+echo "== version matrix: the whole suite on Django 6.1 (PostgreSQL), the smoke set on 6.0"
 bash scripts/matrix.sh
 echo "== soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS; every chaos kind at least once)"
 # No exit-5 escape: a soak that vanished (no test carries the marker) is a failure.

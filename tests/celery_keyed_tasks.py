@@ -9,6 +9,7 @@ import os
 import time
 
 from celery import shared_task
+from celery.exceptions import Reject
 
 from django_taskguard import current_run, once_per_key
 from django_taskguard.contrib.celery import OnceTask
@@ -22,3 +23,23 @@ def charge(self: OnceTask, order_id: int, log: str, seconds: float = 0.2) -> int
     record(log, f"run {run.key} {os.getpid()} {run.fence}")
     time.sleep(seconds)
     return order_id
+
+
+@shared_task(bind=True, base=OnceTask)
+def requeued(self: OnceTask, log: str, gate: str) -> str:
+    """Unguarded: its first delivery rejects itself with requeue=True; the requeued message
+    runs and waits for the file ``gate``. Lines: ``reject PID`` / ``run PID``."""
+    if not os.path.exists(log):
+        record(log, f"reject {os.getpid()}")
+        raise Reject("first delivery: requeued", requeue=True)
+    record(log, f"run {os.getpid()}")
+    while not os.path.exists(gate):
+        time.sleep(0.05)
+    return "ran"
+
+
+@shared_task(bind=True, base=OnceTask)
+def plain(self: OnceTask, log: str) -> str:
+    """Unguarded; ``run PID`` per execution."""
+    record(log, f"run {os.getpid()}")
+    return "ran"

@@ -121,3 +121,34 @@ def inner(log: str) -> str:
 def outer(self, log: str) -> str:
     note(log, "outer")
     return inner(log) or "inner skipped"
+
+
+# The documented HA setup with retries (docs/celery.md): max_retries=2, so at most 3
+# attempts per slot, whatever copies the other beats send.
+@shared_task(
+    bind=True, autoretry_for=(OSError,), retry_backoff=1, retry_jitter=False, max_retries=2
+)
+@once_per_schedule()
+def ha_flaky(self, log: str) -> str:
+    note(log, "run")
+    if current_run().attempt <= 2:
+        raise OSError(f"ha_flaky failure on attempt {current_run().attempt}")
+    return "finally"
+
+
+@shared_task(
+    bind=True, autoretry_for=(OSError,), retry_backoff=1, retry_jitter=False, max_retries=2
+)
+@once_per_schedule()
+def ha_hopeless(self, log: str) -> str:
+    note(log, "run")
+    raise OSError(f"ha_hopeless failure on attempt {current_run().attempt}")
+
+
+# Always raises; each retry 3 s later: a second copy of the slot's message sent 0.5 s after
+# the first meets the row while it is retrying.
+@shared_task(bind=True, autoretry_for=(OSError,), retry_kwargs={"countdown": 3}, max_retries=2)
+@once_per_schedule()
+def always_fails(self, log: str) -> str:
+    note(log, "run")
+    raise OSError(f"always_fails on attempt {current_run().attempt}")

@@ -69,10 +69,17 @@ class TlsRedisServer(RedisServer):
     def _certificates(self) -> list[str]:
         d = self.directory
         d.mkdir(parents=True, exist_ok=True)
-        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        # Python 3.13 verifies strictly (VERIFY_X509_STRICT): a CA with its key usage, and a
+        # server certificate naming the key that signed it.
+        (d / "san.ext").write_text(
+            "subjectAltName=IP:127.0.0.1\nauthorityKeyIdentifier=keyid,issuer\n"
+            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+            "extendedKeyUsage=serverAuth\n"
+        )
         for argv in (
             ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.crt", "-days", "1", "-subj", "/CN=taskguard test CA"],
+             "ca.crt", "-days", "1", "-subj", "/CN=taskguard test CA", "-addext",
+             "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
             ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
              "server.csr", "-subj", "/CN=127.0.0.1"],
             ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",

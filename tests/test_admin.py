@@ -116,6 +116,15 @@ def test_admin__read_only(operator):
     assert operator.get(reverse("admin:taskguard_taskrun_delete", args=[run.pk])).status_code == 403
 
 
+def test_cleanup_action__nothing_stale_asks_nothing(operator):
+    live = make_run("tests.live", 0, lease=3600)
+    done = make_run("tests.done", 1, state=RunState.SUCCEEDED)
+    page = act(operator, "cleanup_stale_locks", [live, done]).content.decode()
+    assert 'name="confirm"' not in page
+    assert "None of the 2 selected runs is stale" in page
+    assert TaskRun.objects.get(pk=live.pk).state == RunState.RUNNING
+
+
 def test_cleanup_action__confirmation_then_abandons_only_stale(operator):
     stale = make_run("tests.stale", 0)
     live = make_run("tests.live", 0, lease=3600)
@@ -269,10 +278,21 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
     operator_user.user_permissions.add(Permission.objects.get(codename="pause_taskschedule"))
     schedule("tests.nightly")
     assert 'value="pause"' in overview_rows(operator)["tests.nightly"]
-    response = operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"}, follow=True)
+    # Pause asks first (what it does, a reason), like the cleanup action; nothing changes yet.
+    asked = operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"})
+    assert asked.status_code == 200
+    page = asked.content.decode()
+    assert "Pause tests.nightly?" in page and 'name="reason"' in page and 'value="yes"' in page
+    assert not TaskSchedule.objects.get(task_name="tests.nightly").paused
+    response = operator.post(
+        PAUSE,
+        {"task": "tests.nightly", "do": "pause", "confirm": "yes", "reason": "vendor outage"},
+        follow=True,
+    )
     assert "Paused tests.nightly." in response.content.decode()
     stored = TaskSchedule.objects.get(task_name="tests.nightly")
-    assert stored.paused and stored.paused_reason == "paused from the admin by operator"
+    assert stored.paused
+    assert stored.paused_reason == "paused from the admin by operator: vendor outage"
     row = overview_rows(operator)["tests.nightly"]
     assert 'data-status="paused"' in row and 'value="resume"' in row
     operator.post(PAUSE, {"task": "tests.nightly", "do": "resume"})
@@ -336,4 +356,43 @@ def test_change_page__times_with_zone_seconds_and_utc(viewer):
     assert f"{slot:%Y-%m-%d} {local} (13:00:10 UTC)" in html  # the slot field and the title
     assert f"tests.times @ {slot:%Y-%m-%d} {local} (13:00:10 UTC) (succeeded)" in html
     listing = viewer.get(CHANGELIST).content.decode()
-    assert f'title="{slot:%Y-%m-%d} 13:00:10 UTC">{slot:%Y-%m-%d} {local}<' in listing
+    # The date, then the time with its zone (two lines in a narrow column); UTC on hover.
+    assert f'title="{slot:%Y-%m-%d} 13:00:10 UTC"' in listing
+    assert f"{slot:%Y-%m-%d}<br>{local}<" in listing
+
+
+def breadcrumbs_markup(html: str) -> str:
+    found = re.search(r'<(ol|div) class="breadcrumbs"', html)
+    assert found is not None, "no breadcrumbs"
+    return found.group(1)
+
+
+def test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do(operator):
+    from .monitoring import schedule
+
+    User.objects.filter(username="operator").get().user_permissions.add(
+        Permission.objects.get(codename="pause_taskschedule")
+    )
+    schedule("tests.nightly")
+    stale = make_run("tests.stale", 0)
+    django_own = breadcrumbs_markup(operator.get(change_url(stale)).content.decode())
+    pages = {
+        "overview": operator.get(OVERVIEW),
+        "cleanup confirmation": act(operator, "cleanup_stale_locks", [stale]),
+        "pause confirmation": operator.post(PAUSE, {"task": "tests.nightly", "do": "pause"}),
+    }
+    for page, response in pages.items():
+        assert breadcrumbs_markup(response.content.decode()) == django_own, page
+
+
+def test_change_page__transition_times_have_seconds_zone_and_utc(operator):
+    from datetime import timedelta
+
+    from django_taskguard import timefmt
+
+    run = make_run("tests.times", 0, transitions=1)
+    moment = run.slot + timedelta(seconds=7)  # a moment no other field of the page shows
+    TaskRunTransition.objects.filter(run_id=run.pk).update(at=moment)
+
+    html = operator.get(change_url(run)).content.decode()
+    assert timefmt.both(moment) in html  # e.g. 2026-11-26 20:03:07 CET (19:03:07 UTC)

@@ -65,6 +65,26 @@ def browser() -> Iterator[object]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
+def keep_screenshot(driver, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The page at 1400 px; into docs/ with TASKGUARD_UPDATE_SCREENSHOT=1 (the docs' pictures)."""
+    driver.set_window_size(1400, 900)
+    fits_width(driver)
+    shot = tmp_path / name
+    assert driver.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):
+        shutil.copyfile(shot, ROOT / "docs" / name)
+    driver.set_window_size(1600, 900)
+
+
+def shots_dir(tmp_path: Path) -> Path:
+    """Where the layout screenshots go: TASKGUARD_SCREENSHOT_DIR to keep them, else tmp_path."""
+    kept = os.environ.get("TASKGUARD_SCREENSHOT_DIR")
+    path = Path(kept) if kept else tmp_path
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def fits_width(driver) -> None:  # type: ignore[no-untyped-def]
     """Wait (after a resize, for the layout) until the page needs no horizontal scrollbar."""
     from selenium.webdriver.support.ui import WebDriverWait
@@ -75,6 +95,45 @@ def fits_width(driver) -> None:  # type: ignore[no-untyped-def]
         ),
         "the page is wider than the window: a horizontal scrollbar at 1400 px",
     )
+
+
+# Every column of the page's tables is on screen: not past the window, not clipped by a
+# scrolling or hidden-overflow box around it (the changelist's results scroll sideways).
+CLIPPED_HEADERS = """
+const viewport = document.documentElement.clientWidth;
+const clipped = (cell) => {
+  const right = cell.getBoundingClientRect().right;
+  if (right > viewport + 1) return true;
+  for (let box = cell.parentElement; box; box = box.parentElement) {
+    if (getComputedStyle(box).overflowX !== "visible"
+        && right > box.getBoundingClientRect().right + 1) return true;
+  }
+  return false;
+};
+return Array.from(document.querySelectorAll(arguments[0]))
+  .filter(clipped).map((cell) => cell.textContent.trim() || cell.className);
+"""
+# How many lines each cell's text takes.
+LINES = """
+return Array.from(document.querySelectorAll(arguments[0])).map((cell) => {
+  const style = getComputedStyle(cell);
+  const line = parseFloat(style.lineHeight) || parseFloat(style.fontSize) * 1.2;
+  const padding = parseFloat(style.paddingTop) + parseFloat(style.paddingBottom);
+  return Math.round((cell.clientHeight - padding) / line);
+});
+"""
+LAPTOP_WIDTHS = (1280, 1400)
+
+
+def fits_laptops(driver, headers: str, shots: Path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """At 1280 and 1400 px: no horizontal scrollbar and no column header cut off."""
+    for width in LAPTOP_WIDTHS:
+        driver.set_window_size(width, 900)
+        fits_width(driver)
+        driver.save_screenshot(str(shots / f"{name}-{width}.png"))
+        cut = driver.execute_script(CLIPPED_HEADERS, headers)
+        assert cut == [], f"{name} at {width} px: columns cut off: {cut}"
+    driver.set_window_size(1600, 900)
 
 
 def navigate(driver, element) -> None:  # type: ignore[no-untyped-def]
@@ -115,12 +174,14 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
 
     driver.get(f"{live_server.url}/admin/taskguard/taskrun/")
     slots = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-slot_display")]
-    assert slots and all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T", t) for t in slots)
+    assert slots and all(re.fullmatch(r"\d{4}-\d\d-\d\d\n\d\d:\d\d:\d\d CES?T", t) for t in slots)
     owners = [cell.text for cell in driver.find_elements(By.CSS_SELECTOR, "td.field-owner_display")]
     assert "worker-3:4242" in owners  # where it ran; the token on hover
-    # Every column fits a laptop screen: no horizontal scrollbar at 1400 px.
+    # Every column fits a laptop screen (1280 and 1400 px), and a slot takes at most 2 lines.
+    fits_laptops(driver, "#result_list thead th", shots_dir(tmp_path), "changelist")
     driver.set_window_size(1400, 900)
-    fits_width(driver)
+    lines = driver.execute_script(LINES, "td.field-slot_display")
+    assert lines and max(lines) <= 2, f"slots wrap over {max(lines)} lines at 1400 px"
     driver.set_window_size(1600, 900)
     driver.find_element(By.CSS_SELECTOR, f"input.action-select[value='{stale.pk}']").click()
     Select(driver.find_element(By.NAME, "action")).select_by_value("cleanup_stale_locks")
@@ -128,6 +189,7 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
 
     assert "1 of the selected runs is stale" in driver.find_element(By.ID, "content").text
     assert TaskRun.objects.get(pk=stale.pk).state == RunState.RUNNING
+    keep_screenshot(driver, tmp_path, "confirm-screenshot.png")
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit][value^='Yes']"))
 
     message = driver.find_element(By.CSS_SELECTOR, "ul.messagelist li.success")
@@ -136,11 +198,7 @@ def test_admin_browser__cleanup_action_through_the_confirmation_page(
     badges = [badge.text for badge in driver.find_elements(By.CSS_SELECTOR, ".taskguard-state")]
     assert "abandoned" in badges
 
-    shot = tmp_path / "admin-screenshot.png"
-    assert driver.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):  # refresh the README's picture on demand
-        shutil.copyfile(shot, ROOT / "docs" / "admin-screenshot.png")
+    keep_screenshot(driver, tmp_path, "admin-screenshot.png")
 
 
 def seed_overview() -> dict[str, TaskRun]:
@@ -210,15 +268,9 @@ def test_admin_browser__overview_strip_links_and_pause(browser, live_server, tmp
     assert len(cells) == 30
     assert len(sync.find_elements(By.CSS_SELECTOR, ".taskguard-cell.gap")) == 2
     assert "failing: its last 3 runs failed" in rows[1].text
-    # Nothing hides behind a horizontal scrollbar at 1400 px.
-    driver.set_window_size(1400, 900)
-    fits_width(driver)
-    driver.set_window_size(1600, 900)
-    shot = tmp_path / "overview-screenshot.png"
-    assert driver.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("TASKGUARD_UPDATE_SCREENSHOT"):
-        shutil.copyfile(shot, ROOT / "docs" / "overview-screenshot.png")
+    # Nothing hides behind a horizontal scrollbar, no column is cut off at 1280 and 1400 px.
+    fits_laptops(driver, "#content-main table thead th", shots_dir(tmp_path), "overview")
+    keep_screenshot(driver, tmp_path, "overview-screenshot.png")
 
     # A cell is a link to its run.
     newest = runs["sync-0"]
@@ -226,11 +278,15 @@ def test_admin_browser__overview_strip_links_and_pause(browser, live_server, tmp
     navigate(driver, link)
     assert "billing.sync" in driver.find_element(By.ID, "content").text
 
-    # Pause from the overview; the admin says so and the row turns paused.
+    # Pause from the overview: it asks first (with a reason), then the admin says so and the
+    # row turns paused.
     driver.get(f"{live_server.url}/admin/taskguard/taskrun/overview/")
     row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='reports.nightly']")
     navigate(driver, row.find_element(By.CSS_SELECTOR, "button[value=pause]"))
+    assert "Pause reports.nightly?" in driver.find_element(By.ID, "content").text
+    driver.find_element(By.ID, "id_reason").send_keys("vendor outage")
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit]"))
     assert "Paused reports.nightly." in driver.find_element(By.CSS_SELECTOR, ".messagelist").text
     row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='reports.nightly']")
     assert row.get_attribute("data-status") == "paused"
-    assert "paused from the admin by admin" in row.text
+    assert "paused from the admin by admin: vendor outage" in row.text

@@ -279,13 +279,14 @@ def test_async__wait_for_timeout_raises_timeout_error_and_is_recorded():
 
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(main())
-    assert_cancelled_and_freed("tests.async.timeout")
+    in_claim = TaskRun.objects.get(task_name="tests.async.timeout").state == RunState.PENDING
+    assert_cancelled_and_freed("tests.async.timeout", given_back=in_claim)
 
 
 @pytest.mark.once
-def test_async__cancelled_during_the_claim_is_recorded_and_never_runs(lock_backend):
+def test_async__cancelled_during_the_claim_gives_the_slot_back_and_never_runs(lock_backend):
     """Cancelled while its claim is in a worker thread: the claim is seen through, then
-    recorded as interrupted; the function never starts."""
+    the slot given back (nothing ran: the next call takes it); the function never starts."""
     in_claim, cancelled = threading.Event(), threading.Event()
     ran = []
 
@@ -309,14 +310,15 @@ def test_async__cancelled_during_the_claim_is_recorded_and_never_runs(lock_backe
     with receiving(run_started, hold_the_claim), pytest.raises(asyncio.CancelledError):
         asyncio.run(main())
     assert ran == []
-    assert_cancelled_and_freed("tests.async.cancel_claim")
+    assert_cancelled_and_freed("tests.async.cancel_claim", given_back=True)
 
 
 @pytest.mark.once
 def test_async__the_loop_closing_while_it_claims_leaves_no_live_attempt_behind(lock_backend):
     """asyncio.run ends with the call still claiming (a fire-and-forget task): the loop
     cancels the claim's step too, and nobody awaits it. The claiming thread ends the
-    attempt itself, instead of leaving it running with a live heartbeat."""
+    attempt itself (its slot given back: the function never started), instead of leaving
+    it running with a live heartbeat."""
     in_claim, loop_gone = threading.Event(), threading.Event()
     ran = []
 
@@ -344,7 +346,7 @@ def test_async__the_loop_closing_while_it_claims_leaves_no_live_attempt_behind(l
 
         wait_for(ended, WAIT, "the attempt nobody awaited to be ended")
     assert ran == []
-    assert_cancelled_and_freed("tests.async.orphaned")
+    assert_cancelled_and_freed("tests.async.orphaned", given_back=True)
 
 
 @pytest.mark.once
@@ -400,10 +402,17 @@ def test_async__a_task_spawned_inside_learns_the_attempt_ended():
     assert len(seen) == 1 and "has ended" in seen[0], seen
 
 
-def assert_cancelled_and_freed(task_name: str) -> None:
+def assert_cancelled_and_freed(task_name: str, *, given_back: bool = False) -> None:
+    """Cancelled in its function: recorded interrupted; before it (``given_back``): the
+    slot is pending again, the reason logged. Either way no heartbeat, and the lock free."""
     run = TaskRun.objects.get(task_name=task_name)
-    assert run.state == RunState.ABANDONED
-    assert run.transitions.order_by("id").last().reason == "interrupted (CancelledError)"  # type: ignore[union-attr]
+    reason = run.transitions.order_by("id").last().reason  # type: ignore[union-attr]
+    if given_back:
+        assert (run.state, run.attempt, run.owner) == (RunState.PENDING, 0, "")
+        assert "CancelledError" in reason and "given back" in reason, reason
+    else:
+        assert run.state == RunState.ABANDONED
+        assert reason == "interrupted (CancelledError)"
     assert heartbeat.heartbeats.live() == 0
     lock = get_backend()
     key = lock.key_for(task_name, SLOT, None)

@@ -6,8 +6,11 @@ import json
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,3 +174,125 @@ def test_apply_once__a_lost_message_blocks_its_key_no_longer_than_ttl(
             assert len(queued_ids(redis_server)) == 1
     finally:
         lock.stop()
+
+
+# --- issue 19: what apply_once must not do silently -------------------------------------
+
+
+@pytest.fixture
+def lock_redis(tmp_path) -> Iterator[RedisServer]:
+    lock = RedisServer(tmp_path / "lock")
+    lock.start()
+    try:
+        yield lock
+    finally:
+        lock.stop()
+
+
+@contextmanager
+def publishing(broker: RedisServer, lock: RedisServer) -> Iterator[tuple[Any, str]]:
+    """This process sends through ``broker`` with ``lock`` as the lock Redis: (a broker
+    connection, the ledger's key prefix there)."""
+    from tests.celery_app import app
+
+    app.conf.broker_url = broker.url
+    with redis_backend(lock) as backend, app.connection_for_write() as connection:
+        yield connection, backend.key_prefix()
+
+
+def test_apply_once__a_caller_chosen_task_id_does_not_defeat_the_de_duplication(
+    transactional_db, scratch, redis_server, lock_redis
+):
+    # Before (item 3): the record held the chosen id, so a second call with the same id
+    # read itself back as the holder, believed it had won, and published again.
+    from tests.celery_keyed_tasks import charge
+
+    log = str(scratch / "x.log")
+    with publishing(redis_server, lock_redis) as (connection, _):
+        sent = [
+            charge.apply_once((0, log), task_id=task_id, connection=connection).id
+            for task_id in ("chosen", "chosen", "other")
+        ]
+    assert sent == ["chosen"] * 3
+    assert queued_ids(redis_server) == ["chosen"], "published more than once"
+
+
+@pytest.mark.parametrize("kind", ["countdown", "eta"])
+def test_apply_once__a_delay_beyond_ttl_is_refused_at_the_call(
+    transactional_db, scratch, redis_server, lock_redis, kind
+):
+    # Before (item 2): published with expires=ttl, so the worker discarded it unseen.
+    from django.utils import timezone
+
+    from django_taskguard.exceptions import TaskGuardError
+    from tests.celery_keyed_tasks import charge
+
+    beyond = timedelta(hours=1, seconds=1)  # the default ttl is one hour
+    delay = {"countdown": beyond.total_seconds()} if kind == "countdown" else {
+        "eta": timezone.now() + beyond}  # fmt: skip
+    log = str(scratch / "x.log")
+    with publishing(redis_server, lock_redis) as (connection, prefix):
+        with pytest.raises(TaskGuardError, match="beyond ttl"):
+            charge.apply_once((0, log), connection=connection, **delay)
+        assert queued_ids(redis_server) == []
+        assert command(lock_redis, "exists", enqueue_key(prefix, CHARGE, "order:0")) == 0
+        # Within ttl it is sent.
+        charge.apply_once((0, log), countdown=3599, connection=connection)
+        assert len(queued_ids(redis_server)) == 1
+
+
+def test_apply_once__a_message_that_expired_in_the_queue_is_recorded_and_frees_its_key(
+    child_env, scratch, redis_server, lock_redis
+):
+    # Before (item 2): the worker discarded it (expires=ttl): no row, no signal, no log.
+    from tests.celery_keyed_tasks import plain
+
+    log = str(scratch / "x.log")
+    name = "tests.celery_keyed_tasks.plain"
+    cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
+    try:
+        with publishing(redis_server, lock_redis) as (connection, prefix):
+            ttl = timedelta(seconds=3)
+            first = plain.apply_once((log,), key="p:1", ttl=ttl, connection=connection).id
+            record = enqueue_key(prefix, name, "p:1")
+            # The worker is down longer than ttl: the record lapses, the message expires.
+            wait_for(lambda: command(lock_redis, "exists", record) == 0, 30, "ttl to pass")
+            cluster.worker("w1")
+            wait_for(
+                lambda: TaskRun.objects.filter(task_name=name, state=RunState.SKIPPED).exists(),
+                90,
+                "the expired message to be recorded",
+            )
+            run = TaskRun.objects.get(task_name=name)
+            assert first in run.error and "expired" in run.error and "p:1" in run.error
+            assert not Path(log).exists(), "the expired message ran"
+            again = plain.apply_once((log,), key="p:1", ttl=ttl, connection=connection).id
+            assert again != first  # the key is free: published anew
+    finally:
+        cluster.kill_all()
+
+
+def test_apply_once__reject_requeue_keeps_the_key_taken_while_the_message_is_requeued(
+    child_env, scratch, redis_server, lock_redis
+):
+    # Before (item 4): task_postrun freed the record on Reject(requeue=True), so while the
+    # requeued message ran a second apply_once published, and an unguarded body ran twice.
+    from tests.celery_keyed_tasks import requeued
+
+    log, gate = scratch / "r.log", scratch / "gate"
+    cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
+    try:
+        cluster.worker("w1")
+        with publishing(redis_server, lock_redis) as (connection, prefix):
+            args = (str(log), str(gate))
+            first = requeued.apply_once(args, key="r:1", connection=connection).id
+            wait_for(lambda: "run" in log.read_text() if log.exists() else False, 90,
+                     "the requeued message to run")  # fmt: skip
+            again = requeued.apply_once(args, key="r:1", connection=connection).id
+            assert again == first, "a second message was published while the first ran"
+            gate.touch()
+            record = enqueue_key(prefix, "tests.celery_keyed_tasks.requeued", "r:1")
+            wait_for(lambda: command(lock_redis, "exists", record) == 0, 30, "the key freed")
+        assert [line.split()[0] for line in log.read_text().splitlines()] == ["reject", "run"]
+    finally:
+        cluster.kill_all()

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
@@ -285,7 +284,10 @@ def assert_each_slot_ran_once(cluster: Cluster, log: Path, every: timedelta) -> 
     return {name: sum(1 for task, _ in sends if task == name) for name, _ in sends}
 
 
-def interval_task(name: str, seconds: int, log: Path) -> PeriodicTask:
+def interval_task(name: str, seconds: int, log: Path) -> object:
+    """A django-celery-beat interval row for TaskguardDatabaseScheduler's beats."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
     every, _ = IntervalSchedule.objects.get_or_create(
         every=seconds, period=IntervalSchedule.SECONDS
     )
@@ -323,6 +325,7 @@ def assert_lock_redis_settled(cluster: Cluster) -> None:
         raise AssertionError(f"keys left in the lock Redis: {leftover}") from None
 
 
+@pytest.mark.celery_beat
 @pytest.mark.parametrize(
     ("backend", "window"), [("database", 20), ("redis", 8)], ids=["database", "redis"]
 )
@@ -368,6 +371,7 @@ def test_e2e__two_workers_four_beats_every_slot_once(cluster, scratch, backend, 
         assert_lock_redis_settled(cluster)
 
 
+@pytest.mark.celery_beat
 def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
     """Rolling restarts of two beats of each kind: no beat re-sends a slot it sent before
     its restart, and no slot goes unsent.

@@ -39,8 +39,8 @@ def ids(**overrides: object) -> list[str]:
         ),
         pytest.param(
             {"BACKEND": "redis", "REDIS_ALIAS": "missing"},
-            ["taskguard.E002"],
-            id="E002-missing-alias",
+            ["taskguard.E014"],
+            id="E014-missing-alias",
         ),
         pytest.param({"LEASE_SECONDS": 0}, ["taskguard.E004"], id="E004-zero"),
         pytest.param({"LEASE_SECONDS": -5}, ["taskguard.E004"], id="E004-negative"),
@@ -186,3 +186,37 @@ def test_redis_version_problem__before_7_0_is_refused(version, refused):
     assert (problem is not None) is refused
     if refused:
         assert f"is Redis {version}; taskguard's lock needs 7.0 or newer" in problem
+
+
+@pytest.mark.django_db(transaction=True)
+def test_check_schedule_zones__copies_with_another_time_zone_are_noticed(caplog):
+    """A cron without its own zone runs in Django's TIME_ZONE: a copy whose TIME_ZONE
+    differs from the one that saved the schedule fires other slots. The zone is recorded
+    with the schedule, and a copy with another one is told (W020, and sync logs it)."""
+    from django.core.checks import CheckMessage, run_checks
+
+    from django_taskguard import registry
+    from django_taskguard.models import TaskSchedule
+
+    @once_per_schedule(cron="30 9 * * *", name="tests.zones.report")
+    def report() -> None: ...
+
+    def zone_warnings() -> list[CheckMessage]:
+        found = run_checks(databases=["default"])
+        return [m for m in found if m.id == "taskguard.W020" and "tests.zones.report" in m.msg]
+
+    try:
+        with override_settings(TIME_ZONE="Asia/Kolkata"):
+            registry.sync()
+        assert TaskSchedule.objects.get(task_name="tests.zones.report").default_zone == (
+            "Asia/Kolkata"
+        )
+        with override_settings(TIME_ZONE="Asia/Kolkata"):
+            assert not zone_warnings()
+        with override_settings(TIME_ZONE="UTC"):
+            found = zone_warnings()
+            assert len(found) == 1 and "Asia/Kolkata" in found[0].msg
+            registry.sync()
+        assert "saved by a copy whose TIME_ZONE is 'Asia/Kolkata'" in caplog.text
+    finally:
+        registry.unregister("tests.zones.report")

@@ -60,6 +60,7 @@ def test_slot_for__interval_is_epoch_aligned():
     assert slot_for(every, slot + timedelta(seconds=7)) == slot + timedelta(seconds=7)
 
 
+@pytest.mark.celery_beat
 def test_slot_for__crontab_uses_the_crontab_time_zone():
     # django-celery-beat is imported where used: the version matrix's smoke set runs this
     # module without it.
@@ -89,6 +90,7 @@ def test_slot_for__crontab_on_dst_days_one_slot_per_fire_time():
     assert slot_for(at_0230, utc(2026, 3, 29, 1, 29)) == utc(2026, 3, 28, 1, 30)
 
 
+@pytest.mark.celery_beat
 def test_slot_for__clocked_is_the_clocked_time():
     from django_celery_beat.clockedschedule import clocked
 
@@ -379,3 +381,49 @@ def test_aligned__relative_interval_is_aligned_in_the_apps_time_zone(zone, every
 def test_aligned__relative_interval_with_no_aligned_equivalent_is_refused():
     with pytest.raises(ImproperlyConfigured, match="a relative=True interval of 0:07:00 has no"):
         aligned(schedule(timedelta(minutes=7), relative=True, app=app))
+
+
+# --- DST: a beat is due at, and stamps, the slots run_schedules fires ------------------
+
+
+@pytest.mark.parametrize(
+    ("zone", "change"),
+    [
+        ("Europe/Berlin", utc(2026, 3, 29, 1)),
+        ("Europe/Berlin", utc(2026, 10, 25, 1)),
+        ("America/New_York", utc(2026, 3, 8, 7)),
+        ("America/New_York", utc(2026, 11, 1, 6)),
+    ],
+)
+@pytest.mark.parametrize(("minute", "hour"), [("*/5", "*"), ("30", "2"), ("30", "1")])
+@pytest.mark.parametrize("kind", ["crontab", "django-celery-beat"])
+def test_beat__crontab_is_due_at_the_slots_run_schedules_fires_across_dst(
+    zone, change, minute, hour, kind
+):
+    """Regression: celery's own crontab is not due in the second pass of a repeated hour,
+    so a beat published nothing for an hour that run_schedules fires every 5 minutes of."""
+    from celery import Celery
+    from django_celery_beat.tzcrontab import TzAwareCrontab
+
+    from django_taskguard.contrib.celery.beat_db import aligned_db
+    from django_taskguard.schedules import CronSchedule
+
+    clock = [change - timedelta(hours=3)]
+    if kind == "crontab":
+        local = Celery("tests.dst", set_as_current=False)
+        local.conf.timezone = zone
+        plain = crontab(minute=minute, hour=hour, app=local, nowfun=lambda: clock[0])
+    else:
+        plain = TzAwareCrontab(minute=minute, hour=hour, tz=ZoneInfo(zone), app=app)
+        plain.nowfun = lambda: clock[0].astimezone(ZoneInfo(zone))
+    beat = aligned_db(plain)
+    last, stamped = clock[0], []
+    while clock[0] < change + timedelta(hours=3):
+        clock[0] += timedelta(seconds=60)
+        if beat.is_due(last).is_due:
+            stamped.append(slot_for(beat, clock[0]))
+            last = clock[0]
+    cron = CronSchedule(f"{minute} {hour} * * *", tz_name=zone, day_or=False)
+    fired = cron.slots_between(change - timedelta(hours=3), clock[0], 1000)
+    assert stamped == fired
+    assert len(fired) == (72 if minute == "*/5" else len(set(fired)))

@@ -737,3 +737,31 @@ def test_give_back__the_next_claim_takes_the_slot_with_a_larger_fence(lock_backe
     assert second.run(lambda: "ran", (), {}) == "ran"
     run = TaskRun.objects.get()
     assert (run.state, run.attempt, run.fence) == (RunState.SUCCEEDED, 1, second.active.fence)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_give_back__the_pause_check_raising_gives_the_slot_back(monkeypatch):
+    """The paused-task check raises after the claim, before the function: the slot is
+    given back (its error in the reason) and the error reaches the caller.
+
+    Regression: the lock was freed but the row stayed 'running' until its lease lapsed,
+    and cleanup then recorded it 'abandoned' (under on_stale="abandon": for good)."""
+    ran: list[int] = []
+
+    @once_per_schedule(name="tests.guard.pause_check")
+    def body() -> None:
+        ran.append(1)
+
+    def broken(task_name: str) -> None:
+        raise RuntimeError("pause cache unreadable")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("django_taskguard.guard.paused_reason", broken)
+        with pytest.raises(RuntimeError, match="pause cache unreadable"):
+            body.run_for_slot(SLOT)
+    assert ran == []
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.lease_until) == (RunState.PENDING, 0, None)
+    assert "pause cache unreadable" in run.transitions.order_by("id").last().reason  # type: ignore[union-attr]
+    body.run_for_slot(SLOT)
+    assert ran == [1] and TaskRun.objects.get().state == RunState.SUCCEEDED

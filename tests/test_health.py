@@ -9,7 +9,7 @@ import subprocess
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 from django.urls import reverse
@@ -188,10 +188,14 @@ def test_next_slot__cron_and_interval():
 # -- the health/ URL -----------------------------------------------------------------
 
 
-def staff_client(is_staff: bool = True) -> Client:
+def staff_client(is_staff: bool = True, *, can_view: bool = True) -> Client:
+    """A signed-in user; staff with the admin's view permission on runs unless told."""
     client = Client()
     name = "ops" if is_staff else "user"
-    client.force_login(User.objects.create_user(name, password="pw", is_staff=is_staff))
+    user = User.objects.create_user(name, password="pw", is_staff=is_staff)
+    if can_view:
+        user.user_permissions.add(Permission.objects.get(codename="view_taskrun"))
+    client.force_login(user)
     return client
 
 
@@ -215,6 +219,10 @@ def test_health_view__staff_only_without_a_token():
     assert response.status_code == 403
     assert "HEALTH_TOKEN" in response.json()["error"]
     assert staff_client(is_staff=False).get(HEALTH).status_code == 403
+    # Staff the admin refuses (no view_taskrun) are refused here too.
+    refused = staff_client(can_view=False).get(HEALTH)
+    assert refused.status_code == 403
+    assert "view_taskrun" in refused.json()["error"]
     assert Client().get(HEALTH, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 403
 
 
@@ -229,13 +237,58 @@ def test_health_view__a_bearer_token_when_set():
         assert staff_client().get(HEALTH).status_code == 200  # staff still may
 
 
-def test_check_schedules__says_when_tasks_were_left_out(monkeypatch):
-    monkeypatch.setattr(health, "MAX_TASKS", 2)
-    for name in ("tests.a", "tests.b", "tests.c"):
-        finished(name, due_slot())
+def test_check_schedules__judges_every_task_past_the_200th():
+    """201 tasks: the last by name has missed slots and must fail every verdict."""
+    slot = due_slot()
+    names = [f"tests.many.{n:03d}" for n in range(201)]
+    for name in names:
+        schedule(name)
+        finished(name, slot)
+    finished(names[-1], slot - timedelta(hours=1), RunState.MISSED, attempt=0)
     status, out = run_check()
-    assert status == 0, out
-    assert "Only the first 2 tasks were judged; the others were not." in out
-    verdict = json.loads(run_check("--json")[1])
-    assert verdict["left_out"] is True
-    assert [task["task"] for task in verdict["tasks"]] == ["tests.a", "tests.b"]
+    assert status == 1, out
+    assert "tests.many.200" in out and "MISSED" in out
+    status, out = run_check("--task", "tests.many.200")
+    assert status == 1 and "1 slot recorded missed" in out, out
+    verdict = json.loads(run_check("--json")[1].splitlines()[0])
+    assert len(verdict["tasks"]) == 201
+    assert verdict["unhealthy"] == ["tests.many.200"]
+    assert staff_client().get(HEALTH).status_code == 503
+
+
+def test_check_schedules__no_success_for_n_slots_whatever_the_reason():
+    """A body hung under overlap="skip": one run alive, every later slot skipped."""
+    every = timedelta(minutes=1)
+    slot = due_slot(every)
+    schedule("tests.hung", every=every)
+    make_run("tests.hung", slot=slot - 19 * every, lease=600.0)  # alive, renewing
+    for n in range(19):
+        finished("tests.hung", slot - n * every, RunState.SKIPPED, attempt=0)
+    status, out = run_check()
+    assert status == 1, out
+    assert "no success in its last 3 due slots" in out
+    finished("tests.hung", slot - 20 * every)  # an old success does not help
+    assert run_check()[0] == 1
+    with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_FAILURES": 21}):
+        assert run_check()[0] == 0, "a success within the last 21 due slots"
+
+
+def test_check_schedules__summary_counts_read_right():
+    schedule("tests.words.late")
+    schedule("tests.words.fine")
+    finished("tests.words.fine", due_slot())
+    out = io.StringIO()
+    with pytest.raises(CommandError):
+        call_command("check_schedules", stdout=out)
+    assert "1 of 2 tasks is unhealthy." in out.getvalue(), out.getvalue()
+
+
+def test_check_schedules_json__the_judged_slot_is_named_for_what_it_is():
+    schedule("tests.words.named")
+    out = io.StringIO()
+    with pytest.raises(CommandError):
+        call_command("check_schedules", "--json", stdout=out)
+    [task] = json.loads(out.getvalue())["tasks"]
+    # The latest slot whose grace has passed (a slot due within its grace is not judged yet).
+    assert "latest_due_slot" not in task
+    assert task["latest_slot_past_grace"] == due_slot().isoformat()

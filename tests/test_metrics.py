@@ -6,7 +6,7 @@ import sys
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.test import Client, override_settings
 from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,7 +36,9 @@ def scrape(client: Client, **headers: str) -> dict[tuple[str, tuple[tuple[str, s
 @pytest.fixture
 def staff() -> Client:
     client = Client()
-    client.force_login(User.objects.create_user("ops", password="pw", is_staff=True))
+    user = User.objects.create_user("ops", password="pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_taskrun"))
+    client.force_login(user)
     return client
 
 
@@ -86,6 +88,10 @@ def test_metrics_view__staff_only_without_a_token():
     user = Client()
     user.force_login(User.objects.create_user("someone", password="pw"))
     assert user.get(METRICS).status_code == 403
+    # Staff the admin refuses (no view_taskrun) are refused here too.
+    refused = Client()
+    refused.force_login(User.objects.create_user("clerk", password="pw", is_staff=True))
+    assert refused.get(METRICS).status_code == 403
 
 
 def test_metrics_view__a_bearer_token_when_set(staff):

@@ -15,6 +15,7 @@ from django_taskguard.endings import Ending
 from django_taskguard.guard import Policy
 from django_taskguard.models import DatabaseNow, RunState, TaskRun
 
+from .conftest import counted_duplicates
 from .slots import BASE_SLOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -108,6 +109,40 @@ def test_retrying_run__the_retry_that_comes_in_time_runs():
     assert guard.execute("tests.recording.retry2", BASE_SLOT, Policy(), body, (), {}) == "second"
     run = TaskRun.objects.get()
     assert (run.state, run.attempt) == (RunState.SUCCEEDED, 2)
+
+
+def test_retrying_run__only_the_message_that_asked_for_the_retry_starts_the_next_attempt(
+    lock_backend,
+):
+    # Before (issue 19, item 5): any caller that found the row retrying started the next
+    # attempt, so another beat's copy of the slot's message ran as an extra attempt.
+    name, ran = "tests.recording.retry_by", []
+
+    def fails() -> None:
+        ran.append("m1")
+        raise Boom("transient")
+
+    def classify(exc: BaseException) -> Ending:
+        return Ending(RunState.RETRYING, "retry requested", retry_within=30, retry_by="m1")
+
+    with pytest.raises(Boom):
+        guard.execute(name, BASE_SLOT, Policy(), fails, (), {}, classify_raise=classify,
+                      message_id="m1")  # fmt: skip
+    other = [guard.execute(name, BASE_SLOT, Policy(), ran.append, ("other",), {}, message_id=m)
+             for m in ("m2", None)]  # fmt: skip
+    assert other == [None, None] and ran == ["m1"], "another copy ran"
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.duplicates, run.retry_by) == (
+        RunState.RETRYING, 1, 2, "m1",
+    )  # fmt: skip
+    assert guard.execute(name, BASE_SLOT, Policy(), lambda: "ok", (), {}, message_id="m1") == "ok"
+    run.refresh_from_db()
+    assert (run.state, run.attempt, run.duplicates, run.retry_by) == (
+        RunState.SUCCEEDED, 2, 2, None,
+    )  # fmt: skip
+    late = guard.execute(name, BASE_SLOT, Policy(), ran.append, ("late",), {}, message_id="m3")
+    assert late is None and ran == ["m1"]
+    assert counted_duplicates(name) == 3  # the late one may be counted in Redis
 
 
 def call_command_json(name: str) -> dict[str, int]:

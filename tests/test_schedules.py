@@ -94,21 +94,26 @@ def test_cron__spring_forward_cron_that_only_fires_in_the_gap_has_a_slot():
     assert cron.latest_slot(utc(2026, 3, 8, 6, 59)) == utc(2026, 3, 7, 7, 59)
 
 
-def test_cron__repeated_hour_gives_the_latest_fire_not_a_nearby_one():
-    """At 01:05 EST (second pass) the latest '*/10' fire is 01:50 EDT (05:50 UTC)."""
+def test_cron__repeated_hour_gives_the_latest_fire_of_the_second_pass():
+    """At 01:05 EST (second pass) the latest '*/10' fire is 01:00 EST (06:00 UTC): an
+    every-hour cron fires on both passes (it was 01:50 EDT, the first pass's last)."""
     cron = CronSchedule("*/10 * * * *", tz_name=NEW_YORK)
-    assert cron.latest_slot(utc(2026, 11, 1, 6, 5)) == utc(2026, 11, 1, 5, 50)
+    assert cron.latest_slot(utc(2026, 11, 1, 6, 5)) == utc(2026, 11, 1, 6, 0)
+    assert cron.latest_slot(utc(2026, 11, 1, 5, 59)) == utc(2026, 11, 1, 5, 50)
 
 
 def brute_latest(expression: str, zone: ZoneInfo, now: datetime) -> datetime:
-    """Every fire time from a day before to hours after, mapped like the real thing."""
+    """Every fire time from a day before to hours after, mapped like the real thing (a
+    skipped wall time shifted forward; both passes of a repeated one for an every-hour cron)."""
     wall = now.astimezone(zone).replace(tzinfo=None)
     fires = croniter(expression, wall - timedelta(hours=26))
+    both = expression.split()[1] == "*"  # every hour: a repeated wall time fires twice
     best = None
     while (fire := fires.get_next(datetime)) <= wall + timedelta(hours=4):
-        mapped = wall_to_utc(fire, zone)
-        if mapped <= now and (best is None or mapped > best):
-            best = mapped
+        second = fire.replace(tzinfo=zone, fold=1).astimezone(UTC)
+        for mapped in (wall_to_utc(fire, zone), second if both else None):
+            if mapped is not None and mapped <= now and (best is None or mapped > best):
+                best = mapped
     assert best is not None
     return best
 
@@ -207,3 +212,15 @@ def test_schedule__strings_and_timedeltas_and_own_schedules_are_accepted():
     mine = IntervalSchedule(timedelta(hours=2))
     assert build(None, None, mine) is mine
     assert build(None, None, None) is None
+
+
+def test_normalize_slot__naive_datetime_error_says_how_to_make_it_aware():
+    from django_taskguard.exceptions import InvalidSchedule
+    from django_taskguard.schedules import normalize_slot
+
+    with pytest.raises(InvalidSchedule) as raised:
+        normalize_slot(datetime(2026, 11, 26, 21, 0))
+    message = str(raised.value)
+    assert "got naive 2026-11-26T21:00:00" in message
+    assert "django.utils.timezone.make_aware(slot)" in message
+    assert "slot.replace(tzinfo=datetime.timezone.utc)" in message

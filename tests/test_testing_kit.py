@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -230,6 +231,42 @@ def test_freeze_now__frozen_in_the_future_runs_that_slot_on_the_real_database_cl
         assert quarterly("future") == "ran future"
     run = assert_ran_once(quarterly, datetime(2031, 1, 1, 10, 0, tzinfo=UTC))
     assert abs(run.finished_at - ledger.database_now()) < timedelta(hours=1)
+
+
+def test_freeze_now__an_async_test_runs_frozen_and_its_failure_fails():
+    """On an ``async def`` test, ``@freeze_now`` keeps it a coroutine function, so Django's
+    runner awaits it (with the clock frozen while it runs), and a failing test fails.
+
+    Regression: the decorated test was a plain function returning an unawaited coroutine:
+    it never ran, and passed (or, under ``filterwarnings = error``, was an error about the
+    returned value, not the test's own failure)."""
+    import unittest
+
+    from asgiref.sync import iscoroutinefunction
+    from django.test import SimpleTestCase
+
+    frozen = datetime(2020, 6, 1, 10, 7, tzinfo=UTC)
+    seen: list[datetime] = []
+
+    class AsyncCase(SimpleTestCase):
+        @freeze_now(frozen)
+        async def test_passes(self) -> None:
+            await asyncio.sleep(0)
+            seen.append(dj_timezone.now())
+
+        @freeze_now(frozen)
+        async def test_fails(self) -> None:
+            await asyncio.sleep(0)
+            raise AssertionError("the async test body ran and failed")
+
+    result = unittest.TestResult()
+    unittest.TestSuite([AsyncCase("test_passes"), AsyncCase("test_fails")]).run(result)
+    assert result.errors == [] and result.testsRun == 2
+    assert [case.id().rsplit(".", 1)[-1] for case, _ in result.failures] == ["test_fails"]
+    assert "the async test body ran and failed" in result.failures[0][1]
+    assert seen == [frozen]  # it ran, frozen while awaited
+    assert dj_timezone.now().year > 2020
+    assert iscoroutinefunction(AsyncCase.test_passes)
 
 
 def test_freeze_now__bad_input_is_refused():

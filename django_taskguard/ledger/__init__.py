@@ -100,7 +100,7 @@ from .pending import (
 )
 from .records import (
     add_duplicates,
-    count_slots,
+    count_other_copy,
     failed_streak,
     insert_abandoned,
     insert_missed,
@@ -111,6 +111,8 @@ from .records import (
     latest_slot,
     row_exists,
     slots_in,
+    slots_without_row,
+    states_at,
     token_holders,
 )
 
@@ -139,8 +141,8 @@ __all__ = [
     "claim_many",
     "clip",
     "connection_lost",
+    "count_other_copy",
     "count_prunable",
-    "count_slots",
     "database_now",
     "delete_finished",
     "describe_error",
@@ -190,8 +192,10 @@ __all__ = [
     "settle_connection",
     "slot_param",
     "slots_in",
+    "slots_without_row",
     "stale_runs",
     "start_attempt",
+    "states_at",
     "store_result",
     "succeed_many",
     "take_over",

@@ -249,8 +249,15 @@ def read_by_id(run_id: int) -> Row | None:
     return to_row(one(sql.read_id(dialect()), [run_id]))
 
 
-def start_attempt(row: Row, owner: str, lease_seconds: float, reason: str) -> Row | None:
-    """A pending or retrying row becomes ``owner``'s running attempt (``None``: it changed)."""
+def start_attempt(
+    row: Row, owner: str, lease_seconds: float, reason: str, message_id: str | None = None
+) -> Row | None:
+    """A pending or retrying row becomes ``owner``'s running attempt (``None``: it changed,
+    or, retrying, it waits for the retry another message carries: see :func:`count_other_copy`).
+
+    ``message_id``: the message carrying this call (Celery's task id); a retrying row that
+    names the message that asked for its retry (``retry_by``) is started by that one only.
+    """
     return change(
         row,
         [Step(RunState.RUNNING, reason)],
@@ -258,6 +265,7 @@ def start_attempt(row: Row, owner: str, lease_seconds: float, reason: str) -> Ro
         fenced=False,
         sets=sql.START_ATTEMPT,
         values=(owner, lease_seconds),
+        retry_by=(message_id,) if row.state == RunState.RETRYING else None,
     )
 
 
@@ -312,20 +320,23 @@ def finish(
     error: str = "",
     duplicates: int = 0,
     retry_within: float | None = None,
+    retry_by: str | None = None,
 ) -> Row | None:
     """Record how an attempt ended, fenced: ``None`` when it no longer owns the row.
 
     ``retry_within``: another attempt follows (a retry) within that many
     seconds; the row's lease says by when, so that ``cleanup_locks`` records it
-    ``abandoned`` if the retry never comes.
+    ``abandoned`` if the retry never comes. ``retry_by``: the message that carries
+    that retry (only it may start the next attempt; None: any caller).
     """
     row = Row(run_id, RunState.RUNNING, attempt, fence, owner, None)
     stored = clip(error, ERROR_MAX_LENGTH)
+    sets: tuple[str, ...]
     values: tuple[Any, ...]
     if retry_within is None:
         sets, values = sql.END_ATTEMPT, (stored, duplicates)
     else:
-        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates)
+        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates, retry_by)
     return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
 

@@ -4,6 +4,7 @@ and the ledger's own row (identity, fences)."""
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from django.db.models import Max, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from ..conf import taskguard_settings
-from ..exceptions import BackendUnavailable, TaskGuardError
+from ..exceptions import BackendUnavailable, NotMigrated, TaskGuardError
 from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition
 from ..owner import token_of
 from ..states import check_transition
@@ -131,8 +132,24 @@ def settle_connection() -> None:
     connections[alias()].close()
 
 
+# A table or column of taskguard's that the database does not have (SQLite, PostgreSQL,
+# MariaDB's words): its migrations were not applied there.
+NOT_MIGRATED = re.compile(
+    r"no such (table|column): taskguard_|(relation|column) \"?taskguard_\S* does not exist"
+    r"|Table '[^']*taskguard_\w+' doesn't exist|Unknown column '[^']*taskguard_"
+)
+
+
 def unreachable(exc: Exception) -> BackendUnavailable:
-    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite)."""
+    """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite);
+    ``NotMigrated`` when the database answered that taskguard's tables are not there."""
+    if NOT_MIGRATED.search(str(exc)):
+        where = alias()
+        return NotMigrated(
+            f"taskguard's tables are not in database {where!r}, or are older than this "
+            f"version ({str(exc).splitlines()[0]}); run: manage.py migrate taskguard "
+            f"--database {where}"
+        )
     return BackendUnavailable(f"the taskguard database {describe_error(exc)}")
 
 
@@ -251,8 +268,13 @@ def change(
     lease: str = "",
     sets: tuple[str, ...] = (),
     values: tuple[Any, ...] = (),
+    retry_by: tuple[str | None] | None = None,
 ) -> Row | None:
-    """Move ``row`` along ``path`` if it is still as read; write one transition per step."""
+    """Move ``row`` along ``path`` if it is still as read; write one transition per step.
+
+    ``retry_by``: ``(message id,)`` of the caller: only if the row names no message that
+    asked for its retry, or names this one.
+    """
     state = row.state
     steps: list[tuple[str, str, str]] = []
     for step in path:
@@ -263,19 +285,23 @@ def change(
     params: list[Any] = [state, *values, row.id, row.state]
     if fenced:
         params.append(row.fence)
+    checked = retry_by is not None
+    if retry_by is not None:
+        params.append(retry_by[0])
     assignments = sql.assignments(d, sets)
     if d.one_statement:
-        statement = sql.change_logged(d, assignments, fenced, lease, len(steps))
+        statement = sql.change_logged(d, assignments, fenced, lease, len(steps), checked)
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return to_row(one(statement, [*params, actor, *step_params]))
     if d.compound and in_autocommit():
-        statement = sql.change_block(d, assignments, fenced, lease, len(steps))
+        statement = sql.change_block(d, assignments, fenced, lease, len(steps), checked)
         step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
         return block_row(one(statement, [*params, row.id, *step_params]))
     with transaction.atomic(using=alias()):
         if sets is sql.START_ATTEMPT and d.fence_counter:
             bump_fence(d)
-        updated = _update(d, sql.change(d, assignments, fenced, lease), params, row.id)
+        statement = sql.change(d, assignments, fenced, lease, checked)
+        updated = _update(d, statement, params, row.id)
         if updated is not None:
             with connections[alias()].cursor() as cursor:
                 cursor.executemany(

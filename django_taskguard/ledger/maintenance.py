@@ -171,6 +171,9 @@ def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
             return len(deleted), transitions_deleted
 
 
-def task_names(limit: int) -> list[str]:
-    """Distinct task names by a loose index scan on (task_name, slot), not a DISTINCT scan."""
+def task_names(limit: int | None) -> list[str]:
+    """Distinct task names (the first ``limit``; None: all) by a loose index scan on
+    (task_name, slot), not a DISTINCT scan."""
+    if limit is None:
+        return [name for (name,) in fetch_all(sql.task_names(dialect(), limited=False), [])]
     return [name for (name,) in fetch_all(sql.task_names(dialect()), [limit])]

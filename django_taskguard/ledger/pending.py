@@ -83,16 +83,24 @@ def end_pending(
     reason: str,
     actor: str,
     limit: int,
+    since: datetime | None = None,
+    before: datetime | None = None,
 ) -> list[datetime]:
     """The ``pending`` rows of ``task_name`` handed out at or before ``handed_out_by``
-    (at most ``limit``, oldest slot first) become ``state`` (``missed``, or ``skipped``);
-    returns the slots changed.
+    (and at or after ``since``, before ``before``: a pause's window), at most ``limit``,
+    oldest slot first, become ``state`` (``missed``, or ``skipped``); returns the slots
+    changed.
 
     Judged by when the slot was handed out, not by the slot: ``backfill --enqueue`` hands
     out slots long past, and a row no worker starts must end whatever its slot.
     """
+    candidates = runs().filter(created_at__lte=handed_out_by)
+    if since is not None:
+        candidates = candidates.filter(created_at__gte=since)
+    if before is not None:
+        candidates = candidates.filter(created_at__lt=before)
     return _end(
-        runs().filter(created_at__lte=handed_out_by).order_by("slot"),
+        candidates.order_by("slot"),
         task_name,
         state=state,
         reason=reason,

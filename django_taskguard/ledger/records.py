@@ -45,6 +45,17 @@ def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None =
         raise unreachable(exc) from exc
 
 
+def count_other_copy(run_id: int, message_id: str | None) -> bool:
+    """A call that found run ``run_id`` retrying: True (and counted as a duplicate) when
+    the row waits for the retry another message carries, not ``message_id``'s."""
+    try:
+        with connections[alias()].cursor() as cursor:
+            cursor.execute(sql.count_other_copy(dialect()), [run_id, message_id])
+            return bool(cursor.rowcount)
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
 def insert_abandoned(
     task_name: str,
     slot: datetime,
@@ -76,8 +87,12 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
     if not rows:
         return 0
     d = dialect()
-    if not d.one_statement:
-        inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+    if not d.one_statement:  # a row and its transition at a time, one commit for them all
+        try:
+            with transaction.atomic(using=alias()):
+                inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+        except DatabaseError as exc:
+            raise unreachable(exc) from exc
         return sum(1 for run_id in inserted if run_id is not None)
     params = [
         [task for task, _, _ in rows],
@@ -116,12 +131,30 @@ def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     return {slot for (value,) in found if (slot := aware(value)) is not None}
 
 
-def count_slots(task_name: str, after: datetime, until: datetime) -> int:
+STATES_AT_CHUNK = 1_000  # slots per statement
+
+
+def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
+    """The state of ``task_name``'s row at each of ``slots`` that has one: a statement per
+    ``STATES_AT_CHUNK`` slots, whatever other rows lie between them."""
+    found: dict[datetime, str] = {}
+    d = dialect()
     try:
-        found = one(sql.count_slots(dialect()), [task_name, slot_param(after), slot_param(until)])
+        for start in range(0, len(slots), STATES_AT_CHUNK):
+            part = slots[start : start + STATES_AT_CHUNK]
+            params = [task_name, *(slot_param(slot) for slot in part)]
+            for value, state in fetch_all(sql.states_at(d, len(part)), params):
+                if (slot := aware(value)) is not None:
+                    found[slot] = state
     except DatabaseError as exc:
         raise unreachable(exc) from exc
-    return int(found[0]) if found else 0
+    return found
+
+
+def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetime]:
+    """Those of ``slots`` that ``task_name`` has no row for, in their order."""
+    have = states_at(task_name, slots)
+    return [slot for slot in slots if slot not in have]
 
 
 def failed_streak(task_name: str, length: int) -> bool:

@@ -32,6 +32,7 @@ class Record:
     cron_day_or: bool
     every: timedelta | None
     time_zone: str
+    default_zone: str  # Django's TIME_ZONE where it was saved
     catchup: str
     grace: timedelta
     max_catchup: int
@@ -97,6 +98,23 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
     return len(rows)
 
 
+def zone_of(row: TaskSchedule) -> str:
+    """The zone a stored cron runs in: its own, else the saving copy's TIME_ZONE ("" for an
+    interval, or a row saved before the zone was kept: this process's TIME_ZONE)."""
+    return row.time_zone or (row.default_zone if row.cron else "")
+
+
+def zone_conflicts(zone: str) -> list[tuple[str, str]]:
+    """``(task, zone)`` of the stored crons without a zone of their own that a copy whose
+    TIME_ZONE is not ``zone`` saved: such copies fire them at other instants."""
+    found = TaskSchedule.objects.using(alias()).exclude(cron="").filter(time_zone="")
+    found = found.exclude(default_zone="").exclude(default_zone=zone).order_by("task_name")
+    try:
+        return list(found.values_list("task_name", "default_zone"))
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
 def paused() -> dict[str, str]:
     """The paused tasks and why."""
     try:
@@ -108,22 +126,47 @@ def paused() -> dict[str, str]:
 
 def set_paused(task_name: str, reason: str | None) -> bool:
     """Pause ``task_name`` (``reason``) or resume it (``None``); False when it is unknown
-    or already so."""
+    or already so. The latest pause's start and end are kept (:func:`pause_window`)."""
     queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
     try:
         if reason is None:
             return bool(
-                queryset.filter(paused=True).update(paused=False, paused_at=None, paused_reason="")
+                queryset.filter(paused=True).update(
+                    paused=False, resumed_at=timezone.now(), paused_reason=""
+                )
             )
         return bool(
             queryset.filter(paused=False).update(
                 paused=True,
                 paused_at=timezone.now(),
+                resumed_at=None,
                 paused_reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
             )
         )
     except DatabaseError as exc:
         raise unreachable(exc) from exc
+
+
+@dataclass(frozen=True)
+class PauseWindow:
+    """A schedule's latest pause: from ``start`` (None: since ever) until ``end`` (None:
+    still paused). Only the latest one is kept; earlier pauses are not."""
+
+    start: datetime | None
+    end: datetime | None
+
+    def covers(self, slot: datetime) -> bool:
+        """Whether the task was paused at ``slot``."""
+        return (self.start is None or slot >= self.start) and (self.end is None or slot < self.end)
+
+
+def pause_window(row: TaskSchedule) -> PauseWindow | None:
+    """``row``'s latest pause (None: never paused, or no pause time kept)."""
+    if row.paused:
+        return PauseWindow(row.paused_at, None)
+    if row.paused_at is not None and row.resumed_at is not None:
+        return PauseWindow(row.paused_at, row.resumed_at)
+    return None
 
 
 def mark_swept(task_name: str, until: datetime) -> None:

@@ -377,15 +377,21 @@ def now(d: Dialect) -> str:
 
 
 @lru_cache
-def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -> str:
-    """Compare-and-set one row: ``SET state = %s, <assignments> WHERE id, state[, fence][, lease]``.
+def change(
+    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, retry_by: bool = False
+) -> str:
+    """Compare-and-set one row: ``SET state = %s, <assignments> WHERE id, state[, fence][, lease]
+    [, retry_by]``.
 
     Parameters: the new state, the assignments' own, the id, the expected
-    state, the fence when ``fenced``.
+    state, the fence when ``fenced``, the caller's message id when ``retry_by`` (the row
+    names no message that asked for its retry, or names this one).
     """
     where = "r.id = %s AND r.state = %s"
     if fenced:
         where += " AND r.fence = %s"
+    if retry_by:
+        where += " AND (r.retry_by IS NULL OR r.retry_by = %s)"
     if lease == "expired":
         where += " AND r.lease_until <= {now}"
     elif lease == "live":
@@ -397,14 +403,19 @@ def change(d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str) -
 
 @lru_cache
 def change_block(
-    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+    d: Dialect,
+    assignments: tuple[str, ...],
+    fenced: bool,
+    lease: str,
+    steps: int,
+    retry_by: bool = False,
 ) -> str:
     """MariaDB: :func:`change` and its ``steps`` transition rows in one round trip.
 
     Parameters: :func:`change`'s, the id again, then (id, from, to, reason, actor) per
     step. The row comes back without its lease left, as from :func:`change_logged`.
     """
-    update = change(d, assignments, fenced, lease)
+    update = change(d, assignments, fenced, lease, retry_by)
     values = ", ".join(["(%s, %s, %s, {now}, %s, %s)"] * steps)
     return _format(
         _block(
@@ -424,13 +435,18 @@ def changed_row(d: Dialect) -> str:
 
 @lru_cache
 def change_logged(
-    d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, steps: int
+    d: Dialect,
+    assignments: tuple[str, ...],
+    fenced: bool,
+    lease: str,
+    steps: int,
+    retry_by: bool = False,
 ) -> str:
     """:func:`change` and its ``steps`` transition rows in one statement (PostgreSQL).
 
     Parameters: :func:`change`'s, the actor, then (from, to, reason, order) per step.
     """
-    update = change(d, assignments, fenced, lease)
+    update = change(d, assignments, fenced, lease, retry_by)
     values = ", ".join(["(%s, %s, %s, %s)"] * steps)
     return (
         f"WITH u AS ({update}), t AS (INSERT INTO {TRANSITION} ({TRANSITION_COLUMNS}) "
@@ -453,10 +469,17 @@ START_ATTEMPT = (  # owner, lease seconds
     "started_at = {now}",
     "lease_until = {lease}",
     "finished_at = NULL",
+    "retry_by = NULL",
 )
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
-# An attempt after which another follows (a Celery retry): the lease says by when.
-PAUSE_ATTEMPT = ("error = %s", "lease_until = {lease}", "duplicates = r.duplicates + %s")
+# An attempt after which another follows (a Celery retry): the lease says by when, and
+# retry_by which message carries it (NULL: any caller may start the next attempt).
+PAUSE_ATTEMPT = (
+    "error = %s",
+    "lease_until = {lease}",
+    "duplicates = r.duplicates + %s",
+    "retry_by = %s",
+)
 ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
 # An attempt that never entered its function, given back: the row is pending again, as
 # before the claim (the next claim counts the attempt again and hands out a new fence).
@@ -529,6 +552,17 @@ def busy_timeout(d: Dialect) -> str | None:
 def add_duplicates(d: Dialect) -> str:
     return _format(
         "UPDATE {run} SET duplicates = duplicates + %s WHERE task_name = %s AND slot = %s", d
+    )
+
+
+# A copy that found the row retrying for another message (parameters: id, the copy's
+# message id or NULL): counted, in the same statement that checks it; no row: it was not.
+@lru_cache
+def count_other_copy(d: Dialect) -> str:
+    return _format(
+        "UPDATE {run} SET duplicates = duplicates + 1 WHERE id = %s AND state = 'retrying' "
+        "AND retry_by IS NOT NULL AND retry_by <> COALESCE(%s, '')",
+        d,
     )
 
 
@@ -681,10 +715,13 @@ def slots_in(d: Dialect) -> str:
     return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
 
 
-@lru_cache
-def count_slots(d: Dialect) -> str:
+@lru_cache(maxsize=16)
+def states_at(d: Dialect, count: int) -> str:
+    """The slot and state of each row of task ``%s`` at one of ``count`` slots (one probe
+    of (task, slot) each)."""
+    slots = ", ".join(["%s"] * count)
     return _format(
-        "SELECT COUNT(*) FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d
+        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d
     )
 
 
@@ -699,20 +736,22 @@ def last_states(d: Dialect) -> str:
 
 
 @lru_cache
-def task_names(d: Dialect) -> str:
-    """The first ``%s`` distinct task names, by a loose index scan of (task_name, slot).
+def task_names(d: Dialect, limited: bool = True) -> str:
+    """The first ``%s`` distinct task names (``limited=False``: all, no parameter), by a
+    loose index scan of (task_name, slot).
 
     A recursive CTE hops from name to next name through the index (PostgreSQL has no
     skip scan). MariaDB runs that CTE slowly (each hop a scan) but does the loose scan
     itself for ``DISTINCT`` ("Using index for group-by").
     """
+    limit = " LIMIT %s" if limited else ""
     if d.vendor == "mysql":
-        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name LIMIT %s"
+        return f"SELECT DISTINCT task_name FROM {RUN} ORDER BY task_name{limit}"
     return (
         f"WITH RECURSIVE names(name) AS (SELECT MIN(task_name) FROM {RUN} "
         f"UNION ALL SELECT (SELECT MIN(task_name) FROM {RUN} WHERE task_name > names.name) "
         f"FROM names WHERE names.name IS NOT NULL) "
-        f"SELECT name FROM names WHERE name IS NOT NULL LIMIT %s"
+        f"SELECT name FROM names WHERE name IS NOT NULL{limit}"
     )
 
 

@@ -40,11 +40,30 @@ def is_redis_cache(alias: str) -> bool:
     return backend.startswith("django_redis.")
 
 
+def cache_problem(backend: str, alias: str) -> tuple[str, str] | None:
+    """Why ``BACKEND`` ``backend`` cannot use ``CACHES[alias]``, as (check id, the check's
+    words), or None. The database backend uses no cache."""
+    if backend == "database":
+        return None
+    if alias not in getattr(settings, "CACHES", {}):
+        return "taskguard.E014", f"TASKGUARD['REDIS_ALIAS'] is {alias!r}, which is not in CACHES"
+    if backend == "redis" and not is_redis_cache(alias):
+        words = f"TASKGUARD['BACKEND'] is 'redis' but CACHES[{alias!r}] is not a django-redis cache"
+        return "taskguard.E002", words
+    return None
+
+
 def backend_name() -> str:
     """The backend in force: ``auto`` resolved to ``redis`` or ``database``."""
     name = taskguard_settings.BACKEND
+    if name == "database":
+        return name
+    alias = taskguard_settings.REDIS_ALIAS
+    problem = cache_problem(name, alias)
+    if problem is not None:
+        raise ImproperlyConfigured(problem[1])
     if name == "auto":
-        return "redis" if is_redis_cache(taskguard_settings.REDIS_ALIAS) else "database"
+        return "redis" if is_redis_cache(alias) else "database"
     return name
 
 
@@ -100,6 +119,9 @@ setting_changed.connect(_settings_changed, dispatch_uid="taskguard-locks-reload"
 
 
 def _build_backend() -> LockBackend:
+    # What the lock reads late (ON_REDIS_ERROR: only once Redis fails) is read now, so
+    # that a bad value stops the first guarded call, not the first outage.
+    taskguard_settings.validate("ON_REDIS_ERROR", "KEY_PREFIX", "DATABASE_ALIAS")
     name = backend_name()
     if name == "database":
         return DatabaseLock()
@@ -126,11 +148,12 @@ def claim_once(key: str, value: str, ttl_seconds: int) -> bool:
     return _redis_lock().claim_once(key, value, ttl_seconds)
 
 
-def claim_or_read(key: str, value: str, ttl_seconds: float) -> str:
-    """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; return its holder.
+def claim_or_read(key: str, value: str, ttl_seconds: float) -> str | None:
+    """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists: None when it is ours
+    now, else its holder (``value`` too, if a caller took it before with the same value).
 
-    Like :func:`claim_once`, on the ``REDIS_ALIAS`` server (``SET NX GET PX``): the
-    holder is ``value`` when the key is ours now. Celery's ``apply_once`` uses it.
+    Like :func:`claim_once`, on the ``REDIS_ALIAS`` server (``SET NX GET PX``). Celery's
+    ``apply_once`` uses it.
     """
     return _redis_lock().claim_or_read(key, value, ttl_seconds)
 

@@ -243,13 +243,15 @@ class RedisLock(LockBackend):
             self.errors += 1
             raise self._loud(f"claim {key}", exc) from exc
 
-    def claim_or_read(self, key: str, value: str, ttl_seconds: float) -> str:
-        """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists; return its holder
-        (``value`` when it is ours now). One round trip; ``BackendUnavailable`` on error."""
+    def claim_or_read(self, key: str, value: str, ttl_seconds: float) -> str | None:
+        """Take ``key`` for ``value`` for ``ttl_seconds`` unless it exists: None when it is
+        ours now, else its holder (which may be ``value`` too: taken before, by a caller
+        that gave the same value). One round trip; ``BackendUnavailable`` on error."""
         if isinstance(ttl_seconds, bool) or not ttl_seconds > 0:
             raise ValueError(f"ttl_seconds must be positive, not {ttl_seconds!r}")
         try:
-            return str(self._eval(CLAIM_OR_READ, (key,), (value, max(1, int(ttl_seconds * 1000)))))
+            held = self._eval(CLAIM_OR_READ, (key,), (value, max(1, int(ttl_seconds * 1000))))
+            return None if held is None else str(held)
         except RedisError as exc:
             self.errors += 1
             raise self._loud(f"claim {key}", exc) from exc

@@ -99,12 +99,10 @@ FORGET_CLAIM = Script.of(
 CLAIM_ONCE = Script.of(
     "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 1 end return 0"
 )
-# Set KEYS[1] to ARGV[1] for ARGV[2] ms unless it exists; return what it holds now
-# (ARGV[1]: ours). One round trip answers "taken, and by whom".
-CLAIM_OR_READ = Script.of(
-    "local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2]) "
-    "if not held then return ARGV[1] end return held"
-)
+# Set KEYS[1] to ARGV[1] for ARGV[2] ms unless it exists; nil: set (ours now), else what
+# it holds (which may equal ARGV[1]: a caller that chose the value of the holder). One
+# round trip answers "taken, and by whom".
+CLAIM_OR_READ = Script.of("return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2])")
 # Delete KEYS[1] only while it holds ARGV[1] (never a plain DEL). 1 = deleted.
 COMPARE_DELETE = Script.of(
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"

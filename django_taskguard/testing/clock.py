@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import ContextDecorator
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Any
+from typing import Any, TypeVar, cast
 from unittest import mock
 
+from asgiref.sync import iscoroutinefunction
 from django.utils import timezone
 
 from ..exceptions import TaskGuardError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # A frozen "now" must leave room for slot arithmetic (a day's cron slots, a retention
 # horizon) on both sides of it.
@@ -44,6 +49,19 @@ class FrozenClock(ContextDecorator):
     def __init__(self, when: datetime) -> None:
         self.now: datetime = _checked(when)  # aware, UTC
         self._patches: list[Any] = []
+
+    def __call__(self, func: F) -> F:
+        """Decorate ``func``; a coroutine function stays one, frozen while it is awaited
+        (ContextDecorator's plain wrapper would return its coroutine unawaited, unfrozen)."""
+        if not iscoroutinefunction(func):
+            return super().__call__(func)
+
+        @functools.wraps(func)
+        async def frozen(*args: Any, **kwargs: Any) -> Any:
+            with self._recreate_cm():
+                return await func(*args, **kwargs)
+
+        return cast(F, frozen)
 
     def __enter__(self) -> FrozenClock:
         patch = mock.patch.object(timezone, "now", self._now)

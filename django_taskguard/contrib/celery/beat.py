@@ -27,7 +27,15 @@ from ...conf import taskguard_settings
 from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.base import slot_label, task_digest
 from ...owner import host, new_token
-from .headers import SCHEDULE_HEADER, SLOT_HEADER, UTC, slot_for, task_identity, zone_name
+from .headers import (
+    SCHEDULE_HEADER,
+    SLOT_HEADER,
+    UTC,
+    cron_of,
+    slot_for,
+    task_identity,
+    zone_name,
+)
 
 BEAT_CLAIM_TTL = 3600  # seconds a beat's claim on (entry, slot) is kept in Redis
 
@@ -56,8 +64,40 @@ class EpochInterval(interval_schedule):
         return schedstate(is_due=last < slot, next=until_next)
 
 
+class SlotDue:
+    """A crontab due once per taskguard slot of it, mixed in before celery's class.
+
+    Celery's crontab is due by its own arithmetic on wall time, which does not fire in
+    the second pass of a repeated hour; this one is due when a slot (its latest fire
+    time at or before now, with taskguard's DST rule, docs/schedules.md) began after the
+    entry last ran: every beat and ``run_schedules`` fire, and stamp, the same slots.
+    """
+
+    def is_due(self, last_run_at: datetime) -> schedstate:
+        schedule: Any = self
+        now = schedule.maybe_make_aware(schedule.now()).astimezone(UTC)
+        cron = cron_of(schedule)
+        slot = cron.latest_slot(now)
+        ahead = cron.slots_between(now, now + timedelta(days=800), 1)
+        until_next = (ahead[0] - now).total_seconds() if ahead else 3600.0
+        last = schedule.maybe_make_aware(last_run_at).astimezone(UTC)
+        return schedstate(is_due=last < slot, next=until_next)
+
+
+class SlotCrontab(SlotDue, crontab):
+    """A celery ``crontab`` due once per taskguard slot (:class:`SlotDue`)."""
+
+
+def slot_due(schedule: Any, kind: type) -> Any:
+    """``schedule`` (a crontab) as ``kind`` (a :class:`SlotDue` subclass of its class)."""
+    copy: Any = object.__new__(kind)
+    copy.__dict__.update(schedule.__dict__)
+    return copy
+
+
 def aligned(schedule: Any) -> Any:
-    """``schedule`` with plain celery intervals of a second or more made epoch-aligned.
+    """``schedule`` with plain celery intervals of a second or more made epoch-aligned,
+    and a plain crontab due once per taskguard slot (:class:`SlotDue`).
 
     ``relative=True`` asks celery to align the interval to its resolution on the
     app's clock (a daily entry at local midnight, an hourly one at the top of the
@@ -65,6 +105,8 @@ def aligned(schedule: Any) -> Any:
     crontab in the app's time zone; an interval with no such equivalent is
     refused, never silently moved.
     """
+    if type(schedule) is crontab:
+        return slot_due(schedule, SlotCrontab)
     if type(schedule) is not interval_schedule:
         return schedule
     plain: Any = schedule
@@ -84,11 +126,11 @@ def relative_crontab(plain: Any) -> Any:
         # the epoch's multiples are the local ones too.
         return EpochInterval(plain.run_every, True, nowfun=plain.nowfun, app=plain.app)
     if whole and seconds == 86_400:
-        return crontab(minute=0, hour=0, app=plain.app)
+        return SlotCrontab(minute=0, hour=0, app=plain.app)
     if whole and seconds % 3600 == 0 and 24 % (seconds // 3600) == 0:
-        return crontab(minute=0, hour=f"*/{seconds // 3600}", app=plain.app)
+        return SlotCrontab(minute=0, hour=f"*/{seconds // 3600}", app=plain.app)
     if whole and seconds % 60 == 0 and 60 % (seconds // 60) == 0:
-        return crontab(minute=f"*/{seconds // 60}", app=plain.app)
+        return SlotCrontab(minute=f"*/{seconds // 60}", app=plain.app)
     raise ImproperlyConfigured(
         f"a relative=True interval of {plain.run_every} has no aligned equivalent every beat "
         f"agrees on: use a divisor of a minute, an hour or a day, exactly a day, a crontab, "

@@ -9,8 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
+from django_celery_beat.tzcrontab import TzAwareCrontab
 
-from .beat import StampingMixin, aligned, warn_timezone
+from .beat import SlotDue, StampingMixin, aligned, slot_due, warn_timezone
+
+
+class SlotTzCrontab(SlotDue, TzAwareCrontab):  # type: ignore[misc]
+    """django-celery-beat's crontab with its own zone, due once per taskguard slot."""
+
+
+def aligned_db(schedule: Any) -> Any:
+    """:func:`.beat.aligned`, and a django-celery-beat crontab due once per taskguard slot."""
+    if type(schedule) is TzAwareCrontab:
+        return slot_due(schedule, SlotTzCrontab)
+    return aligned(schedule)
 
 
 class TaskguardModelEntry(ModelEntry):  # type: ignore[misc]
@@ -20,7 +32,7 @@ class TaskguardModelEntry(ModelEntry):  # type: ignore[misc]
 
     def __init__(self, model: Any, app: Any = None) -> None:
         super().__init__(model, app=app)
-        self.schedule = aligned(self.schedule)
+        self.schedule = aligned_db(self.schedule)
 
 
 class TaskguardDatabaseScheduler(StampingMixin, DatabaseScheduler):  # type: ignore[misc]

@@ -14,7 +14,13 @@ holding the message's task id:
 - A message lost in the broker (purged, a broker that dropped it) blocks its key for
   ``ttl`` at most: the record lapses. The message is published with ``expires=ttl``
   unless told otherwise, so a copy that turns up after its record lapsed is revoked
-  by the worker instead of running next to a newer one.
+  by the worker instead of running next to a newer one. That is never silent: the
+  worker records the expired message as a ``skipped`` run (reason ``expired``) and frees
+  its record; a ``countdown``/``eta`` beyond ``ttl`` (a message that could only expire)
+  is refused at the call.
+- A caller-chosen ``task_id`` is the record's value like any other: a second call with
+  the same id finds it held and publishes nothing.
+- ``Reject(requeue=True)`` keeps the record (the message is back in the queue).
 
 This saves duplicate messages; it is not the guarantee. A task body under
 ``@once_per_key`` (same key) still runs at most once whatever the queue holds.
@@ -24,17 +30,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Reject
 from celery.result import AsyncResult
-from celery.signals import task_postrun, task_prerun
+from celery.signals import task_postrun, task_prerun, task_revoked
+from celery.utils.time import maybe_make_aware
+from django.utils import timezone
 from kombu.utils.uuid import uuid
 
-from ...exceptions import InvalidSchedule
+from ... import ledger
+from ...exceptions import InvalidSchedule, TaskGuardError
 from ...keyed import check_key, keep_seconds
 from ...locks import claim_or_read, enqueue_key, extend_claim, redis_key_prefix, release_claim
+from ...owner import actor
+from ...signals import run_skipped
 from .headers import ENQUEUE_HEADER, message_headers
 
 logger = logging.getLogger("taskguard.celery")
@@ -67,10 +79,11 @@ def apply_once(
     run_key = check_key(key if key is not None else _body_key(task, args, kwargs), task.name)
     ttl_seconds = _seconds(ttl, "ttl")
     keep_for = keep_seconds(keep)
+    _refuse_delay_beyond(task, options, ttl_seconds)
     record = enqueue_key(redis_key_prefix(), task.name, run_key)
     task_id = str(options.pop("task_id", None) or uuid())
     holder = claim_or_read(record, task_id, ttl_seconds)
-    if holder != task_id:
+    if holder is not None:
         logger.info(
             "taskguard %s key %r is queued as %s: not published", task.name, run_key, holder
         )
@@ -86,6 +99,25 @@ def apply_once(
         except Exception as exc:
             logger.warning("taskguard could not give back %s (%s); it lapses", record, exc)
         raise
+
+
+def _refuse_delay_beyond(task: Task[Any, Any], options: dict[str, Any], ttl: float) -> None:
+    """A ``countdown``/``eta`` later than ``ttl``: the message would expire (and its record
+    lapse) before a worker may run it. Refused, so that it is not lost silently."""
+    countdown, eta = options.get("countdown"), options.get("eta")
+    delay = None
+    if countdown is not None:
+        delay = float(countdown)
+    elif isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if isinstance(eta, datetime):
+        delay = (maybe_make_aware(eta, task.app.timezone) - timezone.now()).total_seconds()
+    if delay is not None and delay >= ttl:
+        raise TaskGuardError(
+            f"apply_once({task.name}): countdown/eta of {delay:.0f}s is beyond ttl "
+            f"({ttl:g}s): the message would expire before it may run; give apply_once a "
+            f"ttl= longer than the delay"
+        )
 
 
 def _seconds(value: timedelta, name: str) -> float:
@@ -118,10 +150,12 @@ class OnceTask(Task):  # type: ignore[type-arg]
         return apply_once(self, args, kwargs, **options)
 
 
-def _record_of(task: Task[Any, Any] | None) -> tuple[str, dict[str, Any]] | None:
+def _record_of(
+    task: Task[Any, Any] | None, request: Any = None
+) -> tuple[str, dict[str, Any]] | None:
     if task is None:
         return None
-    found = message_headers(task.request).get(ENQUEUE_HEADER)
+    found = message_headers(request if request is not None else task.request).get(ENQUEUE_HEADER)
     if not isinstance(found, dict) or not isinstance(found.get("key"), str):
         return None
     return enqueue_key(redis_key_prefix(), task.name, found["key"]), found
@@ -138,7 +172,11 @@ def started(task_id: str = "", task: Task[Any, Any] | None = None, **kwargs: Any
 
 
 def ended(
-    task_id: str = "", task: Task[Any, Any] | None = None, state: str = "", **kwargs: Any
+    task_id: str = "",
+    task: Task[Any, Any] | None = None,
+    state: str = "",
+    retval: Any = None,
+    **kwargs: Any,
 ) -> None:
     """A message of ``apply_once`` ended: free its key (or keep it ``keep`` more)."""
     if state == "RETRY":
@@ -148,6 +186,10 @@ def ended(
         if found is None:
             return
         record, header = found
+        if isinstance(retval, Reject) and getattr(retval, "requeue", False):
+            # The message is back in the queue: its key stays taken, for ttl from now.
+            extend_claim(record, task_id, float(header.get("ttl") or 0) or 1.0)
+            return
         keep = header.get("keep")
         if keep:
             extend_claim(record, task_id, float(keep))
@@ -157,7 +199,40 @@ def ended(
         logger.exception("taskguard could not free the enqueue record of %s", task_id)
 
 
+def revoked(
+    request: Any = None, expired: bool = False, sender: Task[Any, Any] | None = None, **_: Any
+) -> None:
+    """A message of ``apply_once`` the worker discards (revoked, or ``expired``): free its
+    key; an expired one is also recorded as a ``skipped`` run with the reason."""
+    try:
+        found = _record_of(sender, request)
+        if found is None or sender is None:
+            return
+        record, header = found
+        task_id = str(getattr(request, "id", "") or "")
+        release_claim(record, task_id)
+        if expired:
+            _record_expired(sender.name, task_id, header)
+    except Exception:
+        logger.exception("taskguard could not record the discarded message %s", request)
+
+
+def _record_expired(task_name: str, task_id: str, header: dict[str, Any]) -> None:
+    """A skipped row keyed by now (not by the key: that would block it), with the reason."""
+    reason = (
+        f"expired: apply_once message {task_id} for key {header['key']!r} expired before a "
+        f"worker ran it (ttl {float(header.get('ttl') or 0):g}s: the workers were down or "
+        f"busy that long); its key is free"
+    )
+    logger.warning("taskguard %s: %s", task_name, reason, extra={"task": task_name})
+    ledger.ensure_autocommit()
+    slot = timezone.now()
+    if ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("worker")) is not None:
+        run_skipped.send(sender=task_name, slot=slot, reason=reason)
+
+
 def register() -> None:
     """Connect the worker's receivers (idempotent: dispatch_uid)."""
     task_prerun.connect(started, dispatch_uid="taskguard.enqueue.started", weak=False)
     task_postrun.connect(ended, dispatch_uid="taskguard.enqueue.ended", weak=False)
+    task_revoked.connect(revoked, dispatch_uid="taskguard.enqueue.revoked", weak=False)

@@ -98,9 +98,7 @@ def slot_for(schedule: Any, now: datetime) -> datetime | None:
     if isinstance(clocked_time, datetime):
         return clocked_time.astimezone(UTC) if timezone.is_aware(clocked_time) else None
     if isinstance(schedule, crontab):
-        expression = schedules.celery_cron_expression(schedule)
-        cron = schedules.CronSchedule(expression, tz_name=zone_name(schedule.tz), day_or=False)
-        return cron.latest_slot(now)
+        return cron_of(schedule).latest_slot(now)
     if isinstance(schedule, interval_schedule):
         every: timedelta = getattr(schedule, "run_every")  # noqa: B009 (untyped in stubs)
         if every < timedelta(seconds=1):
@@ -109,6 +107,12 @@ def slot_for(schedule: Any, now: datetime) -> datetime | None:
     if isinstance(schedule, schedules.Schedule):
         return schedule.latest_slot(now)
     return None
+
+
+def cron_of(schedule: crontab) -> schedules.CronSchedule:
+    """A celery crontab as taskguard's cron: its fields, its zone, both day fields must match."""
+    expression = schedules.celery_cron_expression(schedule)
+    return schedules.CronSchedule(expression, tz_name=zone_name(schedule.tz), day_or=False)
 
 
 def zone_name(tz: Any) -> str:

@@ -66,8 +66,14 @@ def celery_call_context() -> CallContext | None:
         classify_raise=partial(classify_raise, task, request),
         instance=getattr(request, "hostname", None) or None,
         on_busy=partial(defer, task, request) if _may_be_stranded(request, headers) else None,
+        message_id=_message_id(request),
         grace=grace_of(headers),
     )
+
+
+def _message_id(request: Any) -> str | None:
+    """The task id: a retry, a requeue and a put-back keep it; another beat's copy has its own."""
+    return str(request.id) if getattr(request, "id", None) else None
 
 
 def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> Ending | None:
@@ -80,11 +86,12 @@ def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> En
     unlimited). ``Ignore`` (which ``self.replace()`` raises too) and
     ``Reject(requeue=False)`` drop the call: ``skipped``, with the reason.
     """
+    by = _message_id(request)  # the retry (or the requeued message) keeps the task id
     if isinstance(exc, Retry):
-        return Ending(RunState.RETRYING, f"retry requested: {exc}", _seconds_until(exc.when))
+        return Ending(RunState.RETRYING, f"retry requested: {exc}", _seconds_until(exc.when), by)
     if isinstance(exc, Reject):
         if getattr(exc, "requeue", False):
-            return Ending(RunState.RETRYING, f"rejected and requeued: {exc}")
+            return Ending(RunState.RETRYING, f"rejected and requeued: {exc}", retry_by=by)
         return Ending(RunState.SKIPPED, f"rejected by the task (celery Reject): {exc}")
     if isinstance(exc, Ignore):
         return Ending(RunState.SKIPPED, "ignored by the task (celery Ignore, or self.replace())")
@@ -100,7 +107,8 @@ def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> En
     max_retries = retry_kwargs.get("max_retries", task.max_retries)
     if max_retries is None or request.retries + 1 <= max_retries:
         reason = f"{type(exc).__name__}: {exc}; a retry will follow (autoretry_for)"
-        return Ending(RunState.RETRYING, reason, _autoretry_delay(task, request, retry_kwargs))
+        delay = _autoretry_delay(task, request, retry_kwargs)
+        return Ending(RunState.RETRYING, reason, delay, by)
     return None
 
 

@@ -1,8 +1,9 @@
 """``manage.py backfill TASK --from ISO --to ISO [--enqueue]``: run (or enqueue) each slot of
-a range that has no row."""
+a range that has no row, or whose row the sweep recorded ``missed`` (it never ran)."""
 
 from __future__ import annotations
 
+import dataclasses
 from argparse import ArgumentParser
 from datetime import datetime, timedelta
 from typing import Any
@@ -10,13 +11,14 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from ... import ledger
+from ... import guard, ledger
 from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable
 from ...handoff import hand_off
-from ...models import ScheduleSource
-from ...registry import Entry, sync
-from ..arguments import aware_datetime, unknown_task
+from ...models import RunState, ScheduleSource
+from ...registry import Entry
+from ..arguments import aware_datetime
+from ..discovery import RUNNER, sync_schedules, unknown_schedule
 
 BACKFILL_MAX_SLOTS = 10_000
 ONE_MICROSECOND = timedelta(microseconds=1)
@@ -25,8 +27,9 @@ ONE_MICROSECOND = timedelta(microseconds=1)
 class Command(BaseCommand):
     help = (
         "Run, through the guard and in order, every slot of TASK's schedule from --from to "
-        "--to (both included) that has no row in the ledger. Running it twice is harmless: "
-        f"a slot with a row is never run again. At most {BACKFILL_MAX_SLOTS:,} slots; slots "
+        "--to (both included) that has no row in the ledger or that the sweep recorded "
+        "missed (it never ran). Running it twice is harmless: a slot that ran is never run "
+        f"again. At most {BACKFILL_MAX_SLOTS:,} slots; slots "
         "older than PRUNE_AFTER_DAYS are refused (their rows may have been pruned)."
     )
 
@@ -63,18 +66,10 @@ class Command(BaseCommand):
                     f"--enqueue: {task} is not wrapped by a django.tasks @task() (put @task() "
                     f"above @once_per_schedule), so there is no backend to enqueue to"
                 )
-            slots, refused, taken = self._plan(entry, start, end)
+            slots, refused, taken, missed = self._plan(entry, start, end, enqueue)
         except BackendUnavailable as exc:
             raise CommandError(f"backfill failed: {exc}") from exc
-        if refused:
-            self.stdout.write(
-                f"{refused} slots are older than PRUNE_AFTER_DAYS "
-                f"({taskguard_settings.PRUNE_AFTER_DAYS} days): the guard refuses them (their "
-                f"rows may have been pruned), so they are not run."
-            )
-        doing = "enqueue" if enqueue else "run"
-        verb = f"Would {doing}" if dry_run else ("Enqueueing" if enqueue else "Running")
-        self.stdout.write(f"{verb} {len(slots)} slots of {task} ({taken} already have a row).")
+        self._say_plan(task, len(slots), refused, taken, missed, dry_run=dry_run, enqueue=enqueue)
         if dry_run:
             for slot in slots:
                 self.stdout.write(f"  {slot.isoformat()}")
@@ -90,11 +85,35 @@ class Command(BaseCommand):
         if failed:
             raise CommandError(f"{failed} slots of {task} raised (recorded failed)")
 
+    def _say_plan(
+        self, task: str, slots: int, refused: int, taken: int, missed: int, *, dry_run: bool,
+        enqueue: bool,
+    ) -> None:  # fmt: skip
+        if refused:
+            self.stdout.write(
+                f"{refused} slots are older than PRUNE_AFTER_DAYS "
+                f"({taskguard_settings.PRUNE_AFTER_DAYS} days): the guard refuses them (their "
+                f"rows may have been pruned), so they are not run."
+            )
+        doing = "enqueue" if enqueue else "run"
+        verb = f"Would {doing}" if dry_run else ("Enqueueing" if enqueue else "Running")
+        self.stdout.write(f"{verb} {slots} slots of {task} ({taken} already have a row).")
+        if missed and enqueue:
+            self.stdout.write(
+                f"{missed} slots recorded missed by the sweep are not enqueued (a missed row is "
+                f"taken over where it runs): backfill them without --enqueue."
+            )
+        elif missed:
+            self.stdout.write(
+                f"{missed} of them were recorded missed by the sweep (they never ran): each "
+                f"is taken over once (missed -> running)."
+            )
+
     def _entry(self, task: str) -> Entry:
-        found = sync()
+        found = sync_schedules(self, RUNNER)
         entry = found.get(task)
         if entry is None:
-            raise unknown_task(task, found)
+            raise unknown_schedule(task, found)
         if entry.source != ScheduleSource.FUNCTION:
             raise CommandError(
                 f"{task} is a Celery task; backfill runs plain functions only (enqueueing "
@@ -103,9 +122,10 @@ class Command(BaseCommand):
         return entry
 
     def _plan(
-        self, entry: Entry, start: datetime, end: datetime
-    ) -> tuple[list[datetime], int, int]:
-        """The slots to run, how many are refused as too old, how many have a row."""
+        self, entry: Entry, start: datetime, end: datetime, enqueue: bool
+    ) -> tuple[list[datetime], int, int, int]:
+        """The slots to run, how many are refused as too old, how many have a row that
+        ran (or runs), how many were recorded missed (to run; with ``enqueue``: left)."""
         now = timezone.now()
         end = min(end, now)
         after = start - ONE_MICROSECOND
@@ -118,13 +138,21 @@ class Command(BaseCommand):
         every = entry.schedule.slots_between(after, end, count)
         floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS)
         recent = [slot for slot in every if slot >= floor]
-        existing = ledger.slots_in(entry.task_name, after, end)
-        todo = [slot for slot in recent if slot not in existing]
-        return todo, len(every) - len(recent), len(recent) - len(todo)
+        rows = ledger.states_at(entry.task_name, recent)
+        missed = sum(1 for state in rows.values() if state == RunState.MISSED)
+        todo = [slot for slot in recent if rows.get(slot, RunState.MISSED) == RunState.MISSED]
+        if enqueue:
+            todo = [slot for slot in todo if slot not in rows]
+        return todo, len(every) - len(recent), len(rows) - missed, missed
 
     def _run(self, entry: Entry, slot: datetime) -> bool:
+        # An operator's explicit call: a slot the sweep recorded missed runs whatever the
+        # catch-up policy (the guard takes it over from missed, once across every caller).
+        policy = entry.policy
+        if policy.catchup == "none":
+            policy = dataclasses.replace(policy, catchup="latest")
         try:
-            result = entry.run_for_slot(slot)
+            result = guard.execute(entry.task_name, slot, policy, entry.func, (), {})
         except Exception as exc:
             self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
             return False

@@ -10,11 +10,13 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils.translation import ngettext
 
 from ... import health
-from ...exceptions import BackendUnavailable
+from ...exceptions import BackendUnavailable, NotMigrated
 
-# Exit statuses: 1 a task is unhealthy, 2 the ledger could not be read.
+# Exit statuses: 1 a task is unhealthy, 2 the ledger could not be read, 3 its tables are
+# not there (manage.py migrate was not run: not "database down").
 UNHEALTHY_EXIT = 1
 UNREACHABLE_EXIT = 2
+NOT_MIGRATED_EXIT = 3
 
 
 class Command(BaseCommand):
@@ -23,7 +25,8 @@ class Command(BaseCommand):
         "latest due slot has no run past its grace, or a run's owner is presumed dead), "
         "missed slots within MONITOR_WINDOW_HOURS, or its last HEALTH_FAILURES runs failed. "
         f"Exit {UNHEALTHY_EXIT} naming each unhealthy task and why; paused tasks are healthy "
-        f"and said to be paused. Exit {UNREACHABLE_EXIT} when the database cannot be read."
+        f"and said to be paused. Exit {UNREACHABLE_EXIT} when the database cannot be read, "
+        f"{NOT_MIGRATED_EXIT} when taskguard's migrations were not applied there."
     )
 
     # A probe run every minute answers fast and always: no system checks (they may ask Redis).
@@ -42,9 +45,8 @@ class Command(BaseCommand):
         try:
             verdict = health.check(task=task)
         except BackendUnavailable as exc:
-            raise CommandError(
-                f"check_schedules failed: {exc}", returncode=UNREACHABLE_EXIT
-            ) from exc
+            code = NOT_MIGRATED_EXIT if isinstance(exc, NotMigrated) else UNREACHABLE_EXIT
+            raise CommandError(f"check_schedules failed: {exc}", returncode=code) from exc
         if task is not None and not verdict.tasks:
             raise CommandError(f"no schedule and no run of a task named {task!r}")
         if as_json:
@@ -72,18 +74,16 @@ def report(verdict: health.Verdict) -> str:
         lines.append(f"{_label(task):9} {task.task:{width}}  {_facts(task)}")
         lines.extend(f"{'':9} {'':{width}}  {p.code}: {p.detail}" for p in task.problems)
     unhealthy = len(verdict.unhealthy)
-    if verdict.left_out:
-        lines.append(f"Only the first {health.MAX_TASKS} tasks were judged; the others were not.")
     if not verdict.tasks:
         lines.append("No schedules registered and no runs recorded yet.")
     elif unhealthy:
+        total = len(verdict.tasks)
+        tasks = ngettext("%(total)d task", "%(total)d tasks", total) % {"total": total}
         lines.append(
             ngettext(
-                "%(n)d of %(total)d task is unhealthy.",
-                "%(n)d of %(total)d tasks are unhealthy.",
-                unhealthy,
+                "%(n)d of %(tasks)s is unhealthy.", "%(n)d of %(tasks)s are unhealthy.", unhealthy
             )
-            % {"n": unhealthy, "total": len(verdict.tasks)}
+            % {"n": unhealthy, "tasks": tasks}
         )
     else:
         lines.append(

@@ -15,8 +15,8 @@ from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
 from ...locks import get_backend
 from ...missed import sweep_missed
-from ...registry import sync
 from ..arguments import whole_number
+from ..discovery import OPERATOR, sync_schedules
 
 
 def task_name(value: str) -> str:
@@ -73,8 +73,8 @@ class Command(BaseCommand):
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
             if task is not None and not touched(result):
                 refuse_unknown(task)
-            if not dry_run:
-                sync()  # the schedules the code declares (a dry run changes nothing)
+            if not dry_run:  # save the schedules the code declares (a dry run changes nothing)
+                sync_schedules(self, OPERATOR)
             result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
         except BackendUnavailable as exc:
             raise CommandError(f"cleanup_locks failed: {exc}") from exc

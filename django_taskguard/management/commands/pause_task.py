@@ -10,8 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
 from ...pauses import PAUSE_CACHE_SECONDS, pause
-from ...registry import sync
-from ..arguments import unknown_task
+from ..discovery import OPERATOR, sync_schedules, unknown_schedule
 
 
 class Command(BaseCommand):
@@ -27,10 +26,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, name: str, reason: str, **options: Any) -> None:
         try:
-            sync()
+            sync_schedules(self, OPERATOR)
             row = store.get(name)
             if row is None:
-                raise unknown_task(name, store.names())
+                raise unknown_schedule(name, store.names())
             if not pause(name, reason or "paused with manage.py pause_task"):
                 self.stdout.write(f"{name} was already paused ({row.paused_reason}).")
                 return

@@ -10,8 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
 from ...pauses import resume
-from ...registry import sync
-from ..arguments import unknown_task
+from ..discovery import OPERATOR, sync_schedules, unknown_schedule
 
 
 class Command(BaseCommand):
@@ -25,9 +24,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         try:
-            sync()
+            sync_schedules(self, OPERATOR)
             if store.get(name) is None:
-                raise unknown_task(name, store.names())
+                raise unknown_schedule(name, store.names())
             if not resume(name):
                 self.stdout.write(f"{name} was not paused.")
                 return

@@ -18,9 +18,10 @@ from ... import ledger, registry
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
 from ...models import ScheduleSource
-from ...registry import Entry, sync
+from ...registry import Entry
 from ...scheduler import Scheduler, logger
 from ..arguments import whole_number
+from ..discovery import RUNNER, sync_schedules, unimported_note
 
 
 class Command(BaseCommand):
@@ -92,7 +93,7 @@ class Command(BaseCommand):
             logger.propagate = False  # one line per fire, not one per configured handler
         try:
             ledger.ensure_reachable()
-            found = sync()
+            found = sync_schedules(self, RUNNER)
             first_seen = {row.task_name: row.first_seen for row in store.stored()}
         except BackendUnavailable as exc:
             raise CommandError(f"run_schedules cannot start: {exc}") from exc
@@ -101,7 +102,9 @@ class Command(BaseCommand):
         if wanted:
             unknown = sorted(set(wanted) - {entry.task_name for entry in entries})
             if unknown:
-                raise CommandError(f"no plain-function schedule named {', '.join(unknown)}")
+                raise CommandError(
+                    f"no plain-function schedule named {', '.join(unknown)}{unimported_note()}"
+                )
             entries = [entry for entry in entries if entry.task_name in wanted]
         if options["enqueue"]:
             _check_enqueue(entries)

@@ -47,12 +47,20 @@ class Command(BaseCommand):
 
     def _run(self, log: Path, instances: int, ticks: int) -> None:
         period = DEMO_EVERY.total_seconds()
-        # Start on a fresh slot boundary, late enough for every process to be up.
-        start_at = (int((time.time() + 4) / period) + 1) * period
+        go = log.with_name("start-at")
+        processes = [self._spawn(f"instance-{n + 1}", log, ticks, go) for n in range(instances)]
+        # Every instance says when it is up (Django loaded, ready to fire); only then is the
+        # first tick chosen, on a fresh slot boundary: a slow start on a busy machine must not
+        # make a late instance fire a later slot twice and leave one unfired.
+        for process in processes:
+            assert process.stdout is not None
+            if process.stdout.readline().strip() != "ready":
+                _out, err = process.communicate(timeout=60)
+                raise CommandError(f"an instance failed to start:\n{err}")
+        start_at = (int((time.time() + 1) / period) + 1) * period
         first_slot = datetime.fromtimestamp(start_at).astimezone()
-        processes = [
-            self._spawn(f"instance-{n + 1}", log, ticks, start_at) for n in range(instances)
-        ]
+        go.with_suffix(".tmp").write_text(repr(start_at))
+        go.with_suffix(".tmp").replace(go)  # all at once: no instance reads half a number
         for process in processes:
             _out, err = process.communicate(timeout=120 + ticks * period)
             if process.returncode != 0:
@@ -60,11 +68,12 @@ class Command(BaseCommand):
         if backend_name() == "redis":
             # A call that lost after the winner had finished was counted in Redis only
             # (one round trip, no database query); cleanup_locks folds such counts into
-            # the rows, as it does from cron in production.
-            call_command("cleanup_locks", stdout=io.StringIO())
+            # the rows, as it does from cron in production. Its discovery skips (and says on
+            # stderr) example.tasks when Celery is not installed, as `make demo` installs it.
+            call_command("cleanup_locks", stdout=io.StringIO(), stderr=io.StringIO())
         self._report(log, first_slot, instances, ticks)
 
-    def _spawn(self, name: str, log: Path, ticks: int, start_at: float) -> subprocess.Popen[str]:
+    def _spawn(self, name: str, log: Path, ticks: int, go: Path) -> subprocess.Popen[str]:
         manage = Path(sys.argv[0]).resolve()
         return subprocess.Popen(
             [
@@ -77,8 +86,8 @@ class Command(BaseCommand):
                 str(log),
                 "--ticks",
                 str(ticks),
-                "--start-at",
-                repr(start_at),
+                "--go",
+                str(go),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

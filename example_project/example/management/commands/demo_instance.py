@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -18,12 +19,18 @@ class Command(BaseCommand):
         parser.add_argument("--name", required=True)
         parser.add_argument("--log", required=True)
         parser.add_argument("--ticks", type=int, default=5)
-        parser.add_argument("--start-at", type=float, required=True, help="Unix time of tick 0.")
+        parser.add_argument(
+            "--go", required=True, help="A file the demo writes tick 0's Unix time into."
+        )
 
-    def handle(
-        self, *args: Any, name: str, log: str, ticks: int, start_at: float, **options: Any
-    ) -> None:
+    def handle(self, *args: Any, name: str, log: str, ticks: int, go: str, **options: Any) -> None:
         period = DEMO_EVERY.total_seconds()
+        self.stdout.write("ready")  # up: the demo picks tick 0 once every instance is
+        self.stdout.flush()
+        start = Path(go)
+        while not start.exists():
+            time.sleep(0.02)
+        start_at = float(start.read_text())
         won = 0
         for tick in range(ticks):
             # Like a scheduler inside each replica: every instance wakes up a little

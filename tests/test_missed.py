@@ -1,0 +1,234 @@
+"""The missed-slot sweep: every due slot without a row is recorded, in bounded batches,
+judged by set (not by count) and labelled by the pause state at its own time."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+from datetime import datetime, timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from django_taskguard import current_run, ledger, missed, once_per_schedule, registry
+from django_taskguard.ledger.core import dialect
+from django_taskguard.missed import sweep_missed
+from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.scheduler import Scheduler
+from django_taskguard.schedules import IntervalSchedule
+
+from .conftest import wait_for
+from .monitoring import finished, schedule
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SECOND = timedelta(seconds=1)
+GRACE = 2 * SECOND
+
+
+def every_second(task: str, seconds_ago: int, every: timedelta = SECOND) -> TaskSchedule:
+    """A schedule of ``task`` first seen ``seconds_ago`` (by the database's clock)."""
+    first = ledger.database_now().replace(microsecond=0) - seconds_ago * SECOND
+    return schedule(task, every=every, grace=GRACE, first_seen=first)
+
+
+def states(task: str) -> dict[datetime, str]:
+    return dict(TaskRun.objects.filter(task_name=task).values_list("slot", "state"))
+
+
+def test_sweep_missed__a_long_outage_records_every_slot_in_batches():
+    """~11,000 due one-second slots, the newest already run (the scheduler came back):
+    every other slot is recorded missed, in a bounded number of statements."""
+    row = every_second("tests.sweep.outage", 11_000)
+    now = ledger.database_now()
+    end = now - GRACE
+    expected = IntervalSchedule(SECOND).slots_between(row.first_seen, end, 20_000)
+    assert len(expected) > 10_000
+    finished("tests.sweep.outage", expected[-1])
+    batched = dialect().one_statement  # elsewhere a row and its transition at a time
+    with CaptureQueriesContext(connections["default"]) if batched else nullcontext() as queries:
+        result = sweep_missed(now=now)
+    found = states("tests.sweep.outage")
+    assert len(found) == len(expected)
+    assert sum(1 for state in found.values() if state == RunState.MISSED) == len(expected) - 1
+    assert result.missed_slots == len(expected) - 1
+    assert result.tasks == {"tests.sweep.outage": len(expected) - 1}
+    if queries is not None:
+        batches = -(-len(expected) // missed.SWEEP_BATCH)
+        assert len(queries) <= 4 * batches + 10, "statements bounded per batch, not per slot"
+    TaskSchedule.objects.filter(task_name="tests.sweep.outage").get(swept_until=end)
+
+
+def test_sweep_missed__swept_until_moves_only_over_what_was_judged(monkeypatch):
+    row = every_second("tests.sweep.budget", 3_000)
+    monkeypatch.setattr(missed, "MAX_BATCHES", 2)
+    monkeypatch.setattr(missed, "SWEEP_BATCH", 500)
+    now = ledger.database_now()
+    first = sweep_missed(now=now)
+    assert first.missed_slots == 1_000
+    stored = TaskSchedule.objects.get(task_name="tests.sweep.budget")
+    assert stored.swept_until == row.first_seen + 1_000 * SECOND
+    assert max(states("tests.sweep.budget")) == stored.swept_until
+    second = sweep_missed(now=now)
+    assert second.missed_slots == 1_000, "the next sweep goes on where this one stopped"
+
+
+def test_sweep_missed__rows_off_the_grid_do_not_hide_missing_slots():
+    """every=1s for 12 s, a 12 s gap, then every=3s with three slots never run: the
+    twelve one-second rows outnumber the gap, yet each 3 s slot without a row is missed."""
+    row = every_second("tests.sweep.grid", 60, every=3 * SECOND)
+    start = row.first_seen
+    for n in range(1, 13):  # the old every=1s schedule
+        finished("tests.sweep.grid", start + n * SECOND)
+    now = ledger.database_now()
+    grid = IntervalSchedule(3 * SECOND).slots_between(start + 24 * SECOND, now - GRACE, 100)
+    never = set(grid[1:4])
+    for slot in grid:
+        if slot not in never:
+            finished("tests.sweep.grid", slot)
+    in_gap = IntervalSchedule(3 * SECOND).slots_between(start + 12 * SECOND, start + 24 * SECOND, 9)
+    sweep_missed(now=now)
+    found = states("tests.sweep.grid")
+    missed_slots = {slot for slot, state in found.items() if state == RunState.MISSED}
+    assert missed_slots == never | set(in_gap)
+
+
+def test_sweep_missed__each_slot_labelled_by_the_pause_at_its_time():
+    row = every_second("tests.sweep.pause", 20)
+    paused_at = row.first_seen + 10 * SECOND
+    TaskSchedule.objects.filter(pk=row.pk).update(
+        paused=True, paused_at=paused_at, paused_reason="ops"
+    )
+    now = ledger.database_now()
+    result = sweep_missed(now=now)
+    found = states("tests.sweep.pause")
+    assert found and result.missed_slots and result.paused_slots
+    for slot, state in found.items():
+        assert state == (RunState.SKIPPED if slot >= paused_at else RunState.MISSED), slot
+
+
+def test_sweep_missed__slots_while_paused_stay_skipped_after_resume():
+    row = every_second("tests.sweep.resumed", 20)
+    paused_at = row.first_seen + 5 * SECOND
+    resumed_at = row.first_seen + 10 * SECOND
+    TaskSchedule.objects.filter(pk=row.pk).update(paused_at=paused_at, resumed_at=resumed_at)
+    sweep_missed(now=ledger.database_now())
+    found = states("tests.sweep.resumed")
+    assert len(found) >= 15
+    for slot, state in found.items():
+        paused = paused_at <= slot < resumed_at
+        assert state == (RunState.SKIPPED if paused else RunState.MISSED), slot
+        if paused:
+            assert TaskRun.objects.get(task_name="tests.sweep.resumed", slot=slot).error.startswith(
+                "paused"
+            )
+
+
+# -- a dropped connection ----------------------------------------------------------------
+
+
+def terminate_other_backends() -> int:
+    """End every other connection to this test database (PostgreSQL), as a failover or an
+    idle-session killer would; returns how many."""
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return len(cursor.fetchall())
+
+
+def test_sweeper__survives_a_terminated_connection():
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("pg_terminate_backend: PostgreSQL")
+    every_second("tests.sweep.dropped", 10)
+    scheduler = Scheduler([], max_workers=1, sweep_every=0.3)
+    stop = threading.Event()
+    loop = threading.Thread(target=scheduler.run, args=(stop, 5.0), daemon=True)
+    loop.start()
+    try:
+        rows = TaskRun.objects.filter(task_name="tests.sweep.dropped", state=RunState.MISSED)
+        wait_for(rows.exists, what="the first sweep")
+        assert terminate_other_backends() >= 1, "the sweeper's connection was ended"
+        killed = ledger.database_now()
+        wait_for(
+            lambda: rows.filter(slot__gt=killed).exists(),
+            timeout=30,
+            what="a sweep after the connection was terminated",
+        )
+    finally:
+        stop.set()
+        loop.join(30)
+
+
+# -- backfill runs what the sweep recorded missed -----------------------------------------
+
+
+@pytest.mark.parametrize("catchup", ["latest", "none"])
+def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
+    """An outage the sweep recorded is what backfill is for: each missed slot runs once,
+    a compare-and-set from missed, however many backfills run at once."""
+    name = f"tests.backfill.outage.{catchup}"
+    calls: list[datetime] = []
+
+    @once_per_schedule(every=SECOND, name=name, catchup=catchup, grace=GRACE)
+    def job() -> None:
+        calls.append(current_run().slot)
+
+    try:
+        registry.sync()
+        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
+        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
+        sweep_missed()
+        missed_slots = sorted(states(name))
+        assert len(missed_slots) >= 8 and set(states(name).values()) == {RunState.MISSED}
+        span = ["--from", missed_slots[0].isoformat(), "--to", missed_slots[-1].isoformat()]
+        args = ["backfill", name, *span]
+        out = StringIO()
+        call_command(*args, "--dry-run", stdout=out)
+        assert f"Would run {len(missed_slots)} slots of {name}" in out.getvalue()
+        assert f"{len(missed_slots)} of them were recorded missed" in out.getvalue()
+        errors: list[str] = []
+
+        def backfill() -> None:
+            said = StringIO()
+            try:
+                call_command(*args, stdout=said)
+            except BaseException as exc:  # reported below
+                errors.append(f"{exc!r}: {said.getvalue()}")
+            finally:
+                connections.close_all()
+
+        threads = [threading.Thread(target=backfill) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors
+        assert sorted(calls) == missed_slots, "each missed slot ran once"
+        assert set(states(name).values()) == {RunState.SUCCEEDED}
+        run = TaskRun.objects.get(task_name=name, slot=missed_slots[0])
+        steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("id")]
+        assert steps == [("pending", "missed"), ("missed", "running"), ("running", "succeeded")]
+    finally:
+        registry.unregister(name)
+
+
+def test_sweep_missed__an_enqueued_slot_is_labelled_by_the_pause_at_hand_out():
+    """A pending slot no worker started: handed out before the pause, it was missed;
+    handed out while paused, it is skipped (paused)."""
+    row = every_second("tests.sweep.pending", 60)
+    paused_at = row.first_seen + 20 * SECOND
+    TaskSchedule.objects.filter(pk=row.pk).update(
+        paused=True, paused_at=paused_at, paused_reason="ops", swept_until=paused_at + 30 * SECOND
+    )
+    before, during = row.first_seen + 10 * SECOND, row.first_seen + 25 * SECOND
+    for slot in (before, during):
+        ledger.insert_pending("tests.sweep.pending", slot)
+        TaskRun.objects.filter(task_name="tests.sweep.pending", slot=slot).update(created_at=slot)
+    sweep_missed(now=ledger.database_now())
+    found = states("tests.sweep.pending")
+    assert found[before] == RunState.MISSED
+    assert found[during] == RunState.SKIPPED

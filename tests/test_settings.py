@@ -1,0 +1,88 @@
+"""Every setting is validated where it is read, in the system check's words.
+
+Not every process runs system checks (gunicorn, Celery workers, ``manage.py shell``): a
+value ``check`` refuses is refused where it is read too (``ImproperlyConfigured``), never
+replaced by a default. One table: an invalid value of every key.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+
+from django_taskguard import once_per_schedule
+from django_taskguard.checks import check_settings
+from django_taskguard.conf import DEFAULTS, taskguard_settings
+from django_taskguard.models import TaskRun
+
+from .slots import BASE_SLOT
+
+LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+
+# (an invalid TASKGUARD, the check's id): every key of DEFAULTS has a line.
+INVALID = [
+    ({"BACKEND": "memcached"}, "taskguard.E001"),
+    ({"BACKEND": "redis"}, "taskguard.E002"),  # CACHES["default"] is locmem here
+    ({"REDIS_ALIAS": "nowhere"}, "taskguard.E014"),
+    ({"KEY_PREFIX": ""}, "taskguard.E022"),
+    ({"LEASE_SECONDS": 0}, "taskguard.E004"),
+    ({"ON_REDIS_ERROR": "ignore"}, "taskguard.E005"),
+    ({"DATABASE_ALIAS": "nope"}, "taskguard.E006"),
+    ({"SLOT_TOLERANCE_SECONDS": -1}, "taskguard.E009"),
+    ({"REDIS_SOCKET_TIMEOUT": 0}, "taskguard.E009"),
+    ({"STARTUP_CLEANUP": "yes"}, "taskguard.E023"),
+    ({"PRUNE_AFTER_DAYS": 1.5}, "taskguard.E009"),
+    ({"BEAT_CLAIM": 1}, "taskguard.E023"),
+    ({"RETRY_GRACE_SECONDS": 1}, "taskguard.E009"),
+    ({"FINISHED_MARKER_SECONDS": -1}, "taskguard.E012"),
+    ({"INSTANCE_NAME": ""}, "taskguard.E022"),
+    ({"SCHEDULE_MODULES": "reports.jobs"}, "taskguard.E020"),
+    ({"HEALTH_FAILURES": 0}, "taskguard.E009"),
+    ({"MONITOR_WINDOW_HOURS": 721}, "taskguard.E009"),
+    ({"HEALTH_TOKEN": "short"}, "taskguard.E021"),
+    ({"METRICS_TOKEN": 1234}, "taskguard.E021"),
+]
+# What a guarded call reads (a worker's first task): refused before anything is recorded.
+READ_BY_A_GUARDED_CALL = {"BACKEND", "REDIS_ALIAS", "ON_REDIS_ERROR", "DATABASE_ALIAS"}
+
+
+def test_invalid__every_setting_has_a_line():
+    assert {name for taskguard, _ in INVALID for name in taskguard} == set(DEFAULTS)
+
+
+def check_words(taskguard: object) -> tuple[str, str]:
+    with override_settings(TASKGUARD=taskguard, CACHES={"default": LOCMEM}):
+        [message] = check_settings()
+    return message.id or "", message.msg.removesuffix(".")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("taskguard", "check_id"), INVALID, ids=lambda v: str(v))
+def test_settings__refused_where_read_with_the_checks_words(taskguard, check_id):
+    [name] = taskguard
+    found_id, words = check_words(taskguard)
+    assert found_id == check_id
+    with override_settings(TASKGUARD=taskguard, CACHES={"default": LOCMEM}):
+        if name in READ_BY_A_GUARDED_CALL or check_id == "taskguard.E002":
+            calls: list[int] = []
+            job = once_per_schedule(name="tests.settings.job")(lambda: calls.append(1))
+            with pytest.raises(ImproperlyConfigured) as raised:
+                job.run_for_slot(BASE_SLOT)
+            assert calls == []
+        else:
+            with pytest.raises(ImproperlyConfigured) as raised:
+                getattr(taskguard_settings, name)
+    assert str(raised.value) == words
+    assert not TaskRun.objects.exists()
+
+
+def test_settings__taskguard_not_a_dict_refused_where_read():
+    found_id, words = check_words([("BACKEND", "redis")])
+    assert found_id == "taskguard.E008"
+    with (
+        override_settings(TASKGUARD=[("BACKEND", "redis")]),
+        pytest.raises(ImproperlyConfigured) as raised,
+    ):
+        assert taskguard_settings.BACKEND is None
+    assert str(raised.value) == words
