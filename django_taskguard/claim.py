@@ -109,12 +109,11 @@ def claim_many(
     wanted = sorted(wanted)
     owners = [new_owner(new_token()) for _ in wanted]
     sent = time.monotonic()
+    names = [name for name, _ in wanted]
     try:
-        rows = ledger.claim_many(
-            [name for name, _ in wanted], slot, owners, [lease for _, lease in wanted]
-        )
+        rows = ledger.claim_many(names, slot, owners, [lease for _, lease in wanted])
     except DatabaseError as exc:
-        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+        rows = _read_back_many(names, slot, exc)
     if rows is None:
         return None
     decided: dict[str, ActiveRun | Taken | None] = {}
@@ -127,6 +126,20 @@ def claim_many(
         else:
             decided[name] = None
     return decided
+
+
+def _read_back_many(names: list[str], slot: datetime, exc: DatabaseError) -> dict[str, Row]:
+    """The batch claim's reply was lost: it may or may not have committed. Read the rows
+    back (a row with one of our owners is ours) instead of leaving won rows unrun."""
+    if not ledger.connection_lost(exc):
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    logger.warning("taskguard batch claim of slot %s interrupted (%s); reading back", slot, exc)
+    try:
+        ledger.settle_connection()
+        rows = ledger.read_many(names, slot)
+    except DatabaseError as again:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({again})") from again
+    return rows or {}
 
 
 def _plainly_taken(row: Row) -> bool:

@@ -202,6 +202,21 @@ def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
     return to_row(one(sql.read_slot(dialect()), [task_name, slot_param(slot)]))
 
 
+def read_many(task_names: Sequence[str], slot: datetime) -> dict[str, Row] | None:
+    """Each task's row of ``slot`` (tasks without one are left out), in one statement;
+    None where the database cannot batch (see :func:`claim_many`)."""
+    statement = sql.read_slot_many(dialect())
+    if statement is None:
+        return None
+    found = fetch_all(statement, [list(task_names), slot_param(slot)])
+    rows = {}
+    for values in found:
+        row = to_row(values[1:])
+        assert row is not None
+        rows[str(values[0])] = row
+    return rows
+
+
 def store_result(run_id: int, fence: int, result: str) -> bool:
     """Store a live keyed attempt's JSON result (fenced); False when it no longer owns the row."""
     try:

@@ -343,6 +343,19 @@ def last_slot_from(d: Dialect) -> str:
     return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s AND slot >= %s", d)
 
 
+# Tasks (text[]), a slot: each task's row of that slot (PostgreSQL; the batch claim's
+# read-back after a lost reply).
+@lru_cache
+def read_slot_many(d: Dialect) -> str | None:
+    if not d.one_statement:
+        return None
+    return _format(
+        "SELECT task_name, {row}, {left} FROM {run} WHERE task_name = ANY(%s::text[]) "
+        "AND slot = %s",
+        d,
+    )
+
+
 @lru_cache
 def read_key(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND {key} = %s", d)
