@@ -123,16 +123,13 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     log = scratch / "executions.log"
     env = schedule_env(
         child_env, log, "tests.queued", TASKGUARD_TEST_SCHEDULES="30",
-        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_EVERY="3600",
+        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_EVERY=str(TEN_MINUTES),
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
-    # The next slot of an hourly schedule is far off: fire it now with a clock moved on.
-    top = (datetime.now().astimezone() + timedelta(hours=1)).replace(minute=0, second=0)
-    ahead = _until(top) + 1
     copy = start(
         [python(), "-m", "tests.scheduler_child", "--max-workers", "2", "--stop-timeout", "20",
          *path],
-        {**env, "TASKGUARD_TEST_CLOCK_OFFSET": str(ahead)},
+        _moved_on(env),
         scratch / "a.out",
     )  # fmt: skip
     try:
@@ -166,11 +163,10 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
     log = scratch / "executions.log"
     env = schedule_env(
         child_env, log, "tests.killone", TASKGUARD_TEST_SCHEDULES="30",
-        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_EVERY="3600",
+        TASKGUARD_TEST_BODY_SECONDS="1", TASKGUARD_TEST_EVERY=str(TEN_MINUTES),
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
-    top = (datetime.now().astimezone() + timedelta(hours=1)).replace(minute=0, second=0)
-    shifted = {**env, "TASKGUARD_TEST_CLOCK_OFFSET": str(_until(top) + 1)}
+    shifted = _moved_on(env)
     command = [python(), "-m", "tests.scheduler_child", "--max-workers", "2", *path]
     copies = {}
     for name in ("a", "b"):
@@ -196,8 +192,20 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
     assert lost <= in_flight, f"{lost} slots never ran"
 
 
-def _until(moment: datetime) -> float:
-    return (moment - datetime.now().astimezone()).total_seconds()
+TEN_MINUTES = 600
+
+
+def _moved_on(env: dict[str, str]) -> dict[str, str]:
+    """A child whose clock is moved on to just past the next slot of a ten-minute
+    schedule, so that it fires that slot now; its slot tolerance lets it (a copy whose
+    clock is ahead of the database's refuses slots more than the tolerance early)."""
+    now = time.time()
+    ahead = TEN_MINUTES - now % TEN_MINUTES + 1
+    return {
+        **env,
+        "TASKGUARD_TEST_CLOCK_OFFSET": str(ahead),
+        "TASKGUARD_TEST_SLOT_TOLERANCE": str(TEN_MINUTES + 60),
+    }
 
 
 def _first_pid(log: Path) -> int | None:
