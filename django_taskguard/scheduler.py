@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from . import ledger
@@ -40,6 +40,7 @@ from .handoff import hand_off
 from .missed import sweep_missed
 from .pauses import paused_reason
 from .registry import Entry
+from .states import RunState
 
 logger = logging.getLogger("taskguard.scheduler")
 
@@ -261,7 +262,7 @@ class Scheduler:
         except Exception as exc:
             outcome = f"raised {type(exc).__name__}: {exc}"
         else:
-            outcome = "ran" if ran else _not_run(entry, "not run (recorded)")
+            outcome = "ran" if ran else _not_run(entry, active.slot, "not run (recorded)")
         self._log(entry, active.slot, outcome, time.monotonic() - started)
 
     def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
@@ -278,7 +279,7 @@ class Scheduler:
             except Exception as exc:
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "ran" if ran else _not_run(entry, NOT_RUN_HERE)
+                outcome = "ran" if ran else _not_run(entry, slot, NOT_RUN_HERE)
             self._log(entry, slot, outcome, time.monotonic() - started)
 
     def _hand_off(self, entry: Entry, slots: list[datetime]) -> None:
@@ -350,10 +351,17 @@ class Scheduler:
 NOT_RUN_HERE = "not run here (another call has it, or it is recorded)"
 
 
-def _not_run(entry: Entry, otherwise: str) -> str:
-    """Why a fired slot did not run in this call: the pause (cached, no query) when there
-    is one, ``otherwise`` not."""
+def _not_run(entry: Entry, slot: datetime, otherwise: str) -> str:
+    """Why a fired slot did not run in this call: the pause when that is why (the task is
+    paused, by the cached answer, and the slot's row is ``skipped``), ``otherwise`` not: a
+    call that lost to a copy which ran the slot before the pause was not stopped by it."""
     reason = paused_reason(entry.task_name)
     if reason is None:
+        return otherwise
+    try:
+        row = ledger.read(entry.task_name, slot)
+    except DatabaseError:  # only the log line's words depend on it
+        return otherwise
+    if row is None or row.state != RunState.SKIPPED:
         return otherwise
     return f"not run: the task is paused ({reason}); the slot is recorded skipped"
