@@ -89,6 +89,15 @@ def check_settings(
     return errors
 
 
+def _valid(name: str) -> Any:
+    """A setting's value, or None when it is invalid: ``check_settings`` reports that by its
+    own id (E006, E008, ...), and no check may raise out of ``manage.py check``."""
+    try:
+        return getattr(taskguard_settings, name)
+    except ImproperlyConfigured:
+        return None
+
+
 def _check_database() -> list[CheckMessage]:
     alias = taskguard_settings.DATABASE_ALIAS
     vendor = connections[alias].vendor
@@ -113,8 +122,13 @@ def check_ledger_server(
     tells which (``check --database``, ``migrate``)."""
     from .ledger.sql import vendor_problem
 
-    alias = taskguard_settings.DATABASE_ALIAS
-    if not databases or alias not in databases or alias not in connections.settings:
+    alias = _valid("DATABASE_ALIAS")
+    if (
+        alias is None
+        or not databases
+        or alias not in databases
+        or alias not in connections.settings
+    ):
         return []
     connection = connections[alias]
     if connection.vendor != "mysql":
@@ -148,11 +162,10 @@ def check_schedule_zones(
     from .exceptions import BackendUnavailable
     from .ledger import schedules as store
 
-    try:
-        alias = taskguard_settings.DATABASE_ALIAS
-    except ImproperlyConfigured:
-        return []  # E006
-    if not databases or alias not in databases or alias not in connections.settings:
+    alias = _valid("DATABASE_ALIAS")
+    if alias is None or not databases or alias not in databases:
+        return []
+    if alias not in connections.settings:
         return []
     zone = get_default_timezone_name()
     try:
@@ -183,11 +196,8 @@ def check_migrations_applied(
     (``check --deploy --database ALIAS``)."""
     from django.db.migrations.executor import MigrationExecutor
 
-    try:
-        alias = taskguard_settings.DATABASE_ALIAS
-    except ImproperlyConfigured:
-        return []  # E006
-    if not databases or alias not in databases:
+    alias = _valid("DATABASE_ALIAS")
+    if alias is None or not databases or alias not in databases:
         return []
     try:
         executor = MigrationExecutor(connections[alias])
@@ -265,7 +275,9 @@ def check_lock_redis(
     """Report a lock Redis that cannot be built (E010), may evict keys or cannot be asked (W01x)."""
     from .locks import backend_name
 
-    alias = taskguard_settings.REDIS_ALIAS
+    alias = _valid("REDIS_ALIAS")
+    if alias is None:
+        return []
     try:
         if backend_name() != "redis" or not is_redis_cache(alias):
             return []

@@ -177,9 +177,8 @@ def _claim_row(
 
 
 def _database_down(task_name: str, exc: Exception) -> BackendUnavailable:
-    return BackendUnavailable(
-        f"{task_name!r} did not run: the taskguard database {ledger.describe_error(exc)}"
-    )
+    said = ledger.unreachable(exc)  # NotMigrated stays NotMigrated
+    return type(said)(f"{task_name!r} did not run: {said}")
 
 
 def _decide(

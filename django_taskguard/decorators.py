@@ -192,6 +192,22 @@ def call_context() -> CallContext | None:
     return None
 
 
+# Every decorated function's ``on_stale`` by task name, noted at decoration time whatever its
+# slot source (a schedule, a beat's stamp, a key): the admin's panel says what becomes of an
+# abandoned run of it. Memory only; a Celery task's own name is the function's dotted path
+# unless ``name=`` was given, as it is here.
+_on_stale: dict[str, str] = {}
+
+
+def note_on_stale(task_name: str, on_stale: str) -> None:
+    _on_stale[task_name] = on_stale
+
+
+def on_stale_of(task_name: str) -> str | None:
+    """The ``on_stale`` of the decorated function named ``task_name`` in this process."""
+    return _on_stale.get(task_name)
+
+
 def dotted_name(func: Callable[..., Any]) -> str:
     return f"{func.__module__}.{func.__qualname__}"
 
@@ -410,6 +426,7 @@ def once_per_schedule(
         spec = _Spec(target, name, built, policy)
         if name is None:
             validate_task_name(dotted_name(target))
+        note_on_stale(name or dotted_name(target), policy.on_stale)
 
         if iscoroutinefunction(target):
             wrapper, run_for_slot = _async_forms(spec)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from . import ledger
@@ -35,6 +35,7 @@ from .guard import duplicate, run_claimed
 from .pauses import paused_reason
 from .pool import Pool
 from .registry import Entry
+from .states import RunState
 
 logger = logging.getLogger("taskguard.scheduler")
 
@@ -53,11 +54,18 @@ Log = Callable[[Entry, datetime, str, float], None]  # what a fire did, how long
 NOT_RUN_HERE = "not run here (another call has it, or it is recorded)"
 
 
-def not_run(entry: Entry, otherwise: str) -> str:
-    """Why a fired slot did not run in this call: the pause (cached, no query) when there
-    is one, ``otherwise`` not."""
+def not_run(entry: Entry, slot: datetime, otherwise: str) -> str:
+    """Why a fired slot did not run in this call: the pause when that is why (the task is
+    paused, by the cached answer, and the slot's row is ``skipped``), ``otherwise`` not: a
+    call that lost to a copy which ran the slot before the pause was not stopped by it."""
     reason = paused_reason(entry.task_name)
     if reason is None:
+        return otherwise
+    try:
+        row = ledger.read(entry.task_name, slot)
+    except DatabaseError:  # only the log line's words depend on it
+        return otherwise
+    if row is None or row.state != RunState.SKIPPED:
         return otherwise
     return f"not run: the task is paused ({reason}); the slot is recorded skipped"
 
@@ -205,7 +213,7 @@ class Dispatcher:
         except BaseException as exc:  # SystemExit from a body too: recorded failed
             outcome = f"raised {type(exc).__name__}: {exc}"
         else:
-            outcome = "ran" if ran else not_run(entry, "not run (recorded)")
+            outcome = "ran" if ran else not_run(entry, active.slot, "not run (recorded)")
         self._log(entry, active.slot, outcome, time.monotonic() - started)
 
     def _cannot_start(self, entry: Entry, active: ActiveRun) -> str | None:

@@ -26,6 +26,7 @@ from .decorators import (
     call_context,
     choose,
     dotted_name,
+    note_on_stale,
     refuse_task_object,
     validate_task_name,
 )
@@ -259,6 +260,7 @@ def once_per_key(
         if name is None:
             validate_task_name(where)
         make_key = _KeyMaker(given, target, where)
+        note_on_stale(where, policy.on_stale)
 
         keyed = _Keyed(name, where, policy, make_key)
         if iscoroutinefunction(target):

@@ -9,6 +9,7 @@ from django.utils.translation import gettext as _
 
 from . import ledger, registry, timefmt
 from .conf import taskguard_settings
+from .decorators import on_stale_of
 from .exceptions import BackendUnavailable
 from .locks import get_backend
 from .locks.database import DatabaseLock
@@ -96,14 +97,17 @@ def _summary(run: TaskRun, now: datetime, reason: str) -> str:
 
 def _abandoned(run: TaskRun) -> str:
     """What becomes of an abandoned run: the task's own ``on_stale``, where it is known."""
-    entry = registry.entries().get(run.task_name)
-    if entry is None:
+    on_stale = on_stale_of(run.task_name)
+    entry = registry.entries().get(run.task_name)  # a Celery task's name, found by discovery
+    if on_stale is None and entry is not None:
+        on_stale = entry.policy.on_stale
+    if on_stale is None:
         return _(
-            "Abandoned: its owner died. The task is not imported in this process, so its "
-            "on_stale is not known here: under “abandon” (the default) the slot is not run "
-            "again, under “retry” the next call for it takes it over."
+            "Abandoned: its owner died. Its on_stale is not known to this process (no "
+            "guarded function of this name was imported here): under “abandon” (the default) "
+            "the slot is not run again, under “retry” the next call for it takes it over."
         )
-    if entry.policy.on_stale == "retry":
+    if on_stale == "retry":
         return _(
             'Abandoned: its owner died. This task has on_stale="retry": the next call '
             "for this slot takes it over as attempt %(n)d."

@@ -151,12 +151,16 @@ class Unimported:
 _unimported: list[Unimported] = []
 
 
-def discover(tolerate: tuple[type[Exception], ...] = (ImportError,)) -> dict[str, Entry]:
+def discover(
+    tolerate: tuple[type[Exception], ...] = (ImportError,), stop_if_declared: bool = False
+) -> dict[str, Entry]:
     """Import the modules that declare schedules; return every registered schedule.
 
     An app module whose import raises one of ``tolerate`` (default: a missing
-    dependency) is skipped, see :func:`unimported`; any other error is
-    ``ImproperlyConfigured`` naming the module.
+    dependency) is skipped, see :func:`unimported`, and the schedules it registered
+    before the failing line are forgotten; any other error is ``ImproperlyConfigured``
+    naming the module. So is a tolerated one when ``stop_if_declared`` and the module is
+    known to declare schedules (:func:`_stop_if_declared`).
     """
     modules = [_import(path) for path in taskguard_settings.SCHEDULE_MODULES]
     skipped: list[Unimported] = []
@@ -167,8 +171,11 @@ def discover(tolerate: tuple[type[Exception], ...] = (ImportError,)) -> dict[str
                 try:
                     modules.append(import_module(path))
                 except Exception as exc:
+                    left = _forget_module(path)
                     if not isinstance(exc, tolerate):
                         raise ImproperlyConfigured(str(Unimported(path, exc))) from exc
+                    if stop_if_declared:
+                        _stop_if_declared(path, exc, left)
                     skipped.append(Unimported(path, exc))
     with _lock:
         _unimported[:] = skipped
@@ -177,15 +184,43 @@ def discover(tolerate: tuple[type[Exception], ...] = (ImportError,)) -> dict[str
     return entries()
 
 
+def _forget_module(path: str) -> list[str]:
+    """Unregister what a module that failed half-way registered; return their names."""
+    with _lock:
+        left = [name for name, entry in _entries.items() if _under(entry.function, path)]
+    for name in left:
+        unregister(name)
+    return left
+
+
+def _under(function: str, module: str) -> bool:
+    return function.startswith(f"{module}.")
+
+
+def _stop_if_declared(path: str, error: Exception, left: list[str]) -> None:
+    """A module known to declare schedules (it registered one before failing, or a saved
+    schedule's function is in it) is the project's own: a broken deploy, not a missing
+    extra. Going on would fire part of it and record the rest ``missed``."""
+    declared = left + [name for name in store.functions_under(path) if name not in left]
+    if declared:
+        raise ImproperlyConfigured(
+            f"{path} could not be imported ({type(error).__name__}: {error}); it declares "
+            f"the schedules {', '.join(sorted(declared))}, so this command does not start "
+            "without it. Fix the import (or remove the schedules' rows in the admin)"
+        ) from error
+
+
 def unimported() -> list[Unimported]:
     """The app modules the latest :func:`discover` skipped, with their errors."""
     with _lock:
         return list(_unimported)
 
 
-def sync(tolerate: tuple[type[Exception], ...] = (ImportError,)) -> dict[str, Entry]:
+def sync(
+    tolerate: tuple[type[Exception], ...] = (ImportError,), stop_if_declared: bool = False
+) -> dict[str, Entry]:
     """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
-    found = discover(tolerate)
+    found = discover(tolerate, stop_if_declared)
     _say_zone_conflicts()
     store.save([entry.record() for entry in found.values()])
     return found

@@ -247,7 +247,7 @@ class Scheduler:
             except BaseException as exc:  # SystemExit from a body too: recorded failed
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "ran" if ran else not_run(entry, NOT_RUN_HERE)
+                outcome = "ran" if ran else not_run(entry, slot, NOT_RUN_HERE)
             self._log(entry, slot, outcome, time.monotonic() - started)
 
     def _hand_off(self, entry: Entry, slots: list[datetime]) -> None:

@@ -176,7 +176,7 @@ if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
         "LOCATION": os.environ["TASKGUARD_TEST_REDIS_URL"],
     }
 
-TASKGUARD = {
+TASKGUARD: dict[str, object] = {
     "BACKEND": os.environ.get("TASKGUARD_TEST_BACKEND", "database"),
     "REDIS_ALIAS": "redis",
     # run_schedules children import the schedules of tests/schedule_jobs.py through it.

@@ -14,6 +14,8 @@ from django.test import modify_settings
 from django.utils import timezone
 
 from django_taskguard import once_per_schedule, registry
+from django_taskguard.ledger import schedules as store
+from django_taskguard.models import ScheduleSource, TaskRun, TaskSchedule
 from django_taskguard.pauses import forget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,7 +34,8 @@ def job() -> Iterator[None]:
         return "ran"
 
     yield
-    registry.unregister("tests.discovery.job")
+    for name in ("tests.discovery.job", "tests.typo.first", "tests.typo.second"):
+        registry.unregister(name)
     forget()
 
 
@@ -84,3 +87,61 @@ def test_commands__app_module_that_raises_stops_the_scheduler_not_the_operator()
             run(*command)
     _out, err = run("pause_task", "tests.discovery.job")
     assert "tests.apps.broken.jobs raised RuntimeError: this jobs module is broken" in err
+
+
+TYPO = modify_settings(INSTALLED_APPS={"append": "tests.apps.typo"})
+TYPO_SAID = r"tests\.apps\.typo\.jobs could not be imported \(ImportError: cannot import name"
+RUNNERS = [
+    ("run_schedules", "--once"),
+    ("backfill", "tests.discovery.job", "--from", "2026-01-01T00:00Z", "--to", "2026-01-01T00:01Z"),
+]
+
+
+def store_schedule(task_name: str, function: str) -> None:
+    """What an earlier deploy saved: a schedule of the module that now fails to import."""
+    store.save([store.Record(
+        task_name=task_name, source=ScheduleSource.FUNCTION, function=function, cron="",
+        cron_day_or=True, every=SECOND, time_zone="", default_zone="UTC", catchup="latest",
+        grace=timedelta(minutes=1), max_catchup=1, pause_after_failures=None,
+    )])  # fmt: skip
+
+
+@TYPO
+@pytest.mark.parametrize("command", RUNNERS, ids=["run_schedules", "backfill"])
+def test_runners__own_module_import_error_stops_and_forgets_what_it_half_registered(
+    command: tuple[str, ...],
+):
+    # The reviewer's reproduction: `first` registers, the import fails, `second` was saved.
+    store_schedule("tests.typo.second", "tests.apps.typo.jobs.second")
+    with pytest.raises(
+        CommandError, match=TYPO_SAID + r".*tests\.typo\.first, tests\.typo\.second"
+    ):
+        run(*command)
+    assert "tests.typo.first" not in registry.entries()
+    assert not TaskRun.objects.filter(task_name__startswith="tests.typo.").exists()
+    assert not TaskSchedule.objects.filter(task_name="tests.typo.first").exists()
+
+
+@TYPO
+def test_runners__a_half_import_alone_says_the_module_declares_schedules():
+    with pytest.raises(CommandError, match=TYPO_SAID + r".*the schedules tests\.typo\.first,"):
+        run("run_schedules", "--once")
+    assert "tests.typo.first" not in registry.entries()
+
+
+@NEEDS_EXTRA
+@pytest.mark.parametrize("command", RUNNERS, ids=["run_schedules", "backfill"])
+def test_runners__import_error_in_a_module_with_a_saved_schedule_stops(command: tuple[str, ...]):
+    store_schedule("tests.extra.job", "tests.apps.needs_extra.tasks.job")
+    with pytest.raises(CommandError, match=r"needs_extra\.tasks could not be imported .*"
+                       r"the schedules tests\.extra\.job,"):  # fmt: skip
+        run(*command)
+
+
+@TYPO
+def test_operators__own_module_import_error_said_and_half_registered_entry_dropped():
+    store_schedule("tests.typo.second", "tests.apps.typo.jobs.second")
+    _out, err = run("pause_task", "tests.typo.second")
+    assert "tests.apps.typo.jobs could not be imported (ImportError: cannot import name" in err
+    assert "tests.typo.first" not in registry.entries()
+    assert TaskSchedule.objects.get(task_name="tests.typo.second").paused

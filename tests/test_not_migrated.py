@@ -7,9 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.db import DatabaseError, connection
+
+from django_taskguard import ledger
+from django_taskguard.exceptions import NotMigrated
 
 from .conftest import ROOT
 
@@ -18,8 +23,10 @@ from .conftest import ROOT
 KINDS = {"sqlite": None, "postgres": "postgres"}
 
 
-def manage(kind: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    name = KINDS[kind] or str(tmp_path / "never-migrated.sqlite3")
+def manage(
+    kind: str, tmp_path: Path, *args: str, name: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    name = name or KINDS[kind] or str(tmp_path / "never-migrated.sqlite3")
     env = {
         **os.environ,
         "TASKGUARD_TEST_DB": kind,
@@ -61,3 +68,72 @@ def test_check_deploy__unapplied_migrations_warned_not_by_migrate_itself(tmp_pat
     assert "taskguard.W014" not in migrated.stderr + migrated.stdout
     done = manage("sqlite", tmp_path, "check", "--deploy", "--database", "default")
     assert "taskguard" not in done.stderr, done.stderr
+
+
+KEYED_CALL = """
+from django_taskguard import once_per_key
+
+@once_per_key(key="order:{n}", name="tests.old.charge")
+def charge(n):
+    return n
+
+charge(1)
+"""
+
+
+@pytest.fixture
+def old_database(kind: str, tmp_path: Path) -> Iterator[str]:
+    """A database migrated to an older taskguard (0007: no ``TaskRun.key`` yet)."""
+    if kind == "sqlite":
+        yield str(tmp_path / "old.sqlite3")
+        return
+    import psycopg
+
+    name = f"taskguard_old_{os.getpid()}"
+    with psycopg.connect(host="127.0.0.1", user="postgres", dbname="postgres") as admin:
+        admin.autocommit = True
+        admin.execute(f"DROP DATABASE IF EXISTS {name}")
+        admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield name
+    finally:
+        with psycopg.connect(host="127.0.0.1", user="postgres", dbname="postgres") as admin:
+            admin.autocommit = True
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_keyed_call__older_migration_says_run_migrate_not_unreachable(kind, tmp_path, old_database):
+    migrated = manage(kind, tmp_path, "migrate", "taskguard", "0007", name=old_database)
+    assert migrated.returncode == 0, migrated.stderr
+    done = manage(kind, tmp_path, "shell", "-c", KEYED_CALL, name=old_database)
+    assert done.returncode != 0
+    assert "unreachable" not in done.stderr, done.stderr
+    said = "NotMigrated: 'tests.old.charge' did not run: taskguard's tables are not in database"
+    assert said in done.stderr, done.stderr
+    assert "run: manage.py migrate taskguard --database default" in done.stderr
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "SELECT 1 FROM taskguard_nowhere",
+        "SELECT nowhere FROM taskguard_taskrun",
+        "SELECT r.nowhere FROM taskguard_taskrun r",
+        "INSERT INTO taskguard_taskrun (nowhere) VALUES (1)",
+    ],
+)
+def test_not_migrated__by_the_drivers_error_code_on_this_database(statement):
+    """The test database's own driver (``TASKGUARD_TEST_DB``: SQLite, PostgreSQL, MariaDB)."""
+    with pytest.raises(DatabaseError) as raised, connection.cursor() as cursor:
+        cursor.execute(statement)
+    assert ledger.core.not_migrated(raised.value), raised.value
+    assert isinstance(ledger.unreachable(raised.value), NotMigrated)
+
+
+@pytest.mark.django_db
+def test_not_migrated__other_errors_are_not():
+    with pytest.raises(DatabaseError) as raised, connection.cursor() as cursor:
+        cursor.execute("SELECT * FROM taskguard_taskrun WHERE")  # a syntax error
+    assert not ledger.core.not_migrated(raised.value)

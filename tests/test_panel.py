@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from django_taskguard import once_per_schedule, registry
+from django_taskguard import once_per_key, once_per_schedule, registry
 from django_taskguard.models import RunState, TaskRunTransition
 from django_taskguard.owner import token_of
 from django_taskguard.panel import why_not_running
@@ -72,7 +72,20 @@ def test_why__abandoned_names_the_tasks_on_stale():
     assert "not run again" in abandon.summary
     unknown = why_not_running(make_run("tests.panel.elsewhere", 0, state=RunState.ABANDONED))
     assert "With on_stale" not in unknown.summary
-    assert "not imported in this process" in unknown.summary
+    assert "not known to this process" in unknown.summary
+
+
+def test_why__abandoned_names_on_stale_of_tasks_without_a_schedule():
+    """Keyed tasks and beat-stamped ones (no cron=/every=) never register a schedule; their
+    on_stale is known all the same."""
+    once_per_key(key="order:{n}", name="tests.panel.keyed_retry", on_stale="retry")(lambda n: n)
+    once_per_schedule(name="tests.panel.stamped_retry", on_stale="retry")(lambda: None)
+    once_per_key(key="order:{n}", name="tests.panel.keyed_abandon")(lambda n: n)
+    for name in ("tests.panel.keyed_retry", "tests.panel.stamped_retry"):
+        why = why_not_running(make_run(name, 0, state=RunState.ABANDONED))
+        assert 'This task has on_stale="retry"' in why.summary, (name, why.summary)
+    why = why_not_running(make_run("tests.panel.keyed_abandon", 0, state=RunState.ABANDONED))
+    assert 'This task has on_stale="abandon"' in why.summary, why.summary
 
 
 def test_why__keyed_run_reads_the_keys_lock(redis_server: RedisServer):

@@ -495,3 +495,30 @@ def test_run_schedules__a_paused_slot_is_logged_as_paused(caplog):
     assert calls == []
     assert "tests.once.paused slot" in out and "not run: the task is paused" in out, out
     assert "another call has it" not in out
+
+
+def test_scheduler__a_slot_another_copy_ran_before_the_pause_is_not_logged_paused(caplog):
+    import logging
+
+    from django_taskguard.scheduler import NOT_RUN_HERE, Scheduler
+
+    calls: list[str] = []
+    every_second("tests.once.ran_first", calls, grace=timedelta(minutes=5))
+    registry.sync()
+    entry = registry.entries()["tests.once.ran_first"]
+    slot = now_second() - 2 * SECOND
+    entry.run_for_slot(slot)  # another copy ran the slot, then an operator paused the task
+    call_command("pause_task", "tests.once.ran_first", stdout=StringIO())
+    scheduler = Scheduler([entry], max_workers=1)
+    scheduler_logger = logging.getLogger("taskguard.scheduler")
+    scheduler_logger.addHandler(caplog.handler)
+    try:
+        scheduler._run(entry, [slot])  # this copy's call for the same slot loses
+    finally:
+        scheduler_logger.removeHandler(caplog.handler)
+        scheduler.pool.close()
+        scheduler.writer.close()
+    assert calls == ["tests.once.ran_first"]
+    assert TaskRun.objects.get(task_name="tests.once.ran_first").state == RunState.SUCCEEDED
+    assert NOT_RUN_HERE in caplog.text, caplog.text
+    assert "paused" not in caplog.text, caplog.text

@@ -7,8 +7,12 @@ replaced by a default. One table: an invalid value of every key.
 
 from __future__ import annotations
 
+from io import StringIO
+
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
 from django_taskguard import once_per_schedule
@@ -86,3 +90,21 @@ def test_settings__taskguard_not_a_dict_refused_where_read():
     ):
         assert taskguard_settings.BACKEND is None
     assert str(raised.value) == words
+
+
+NOT_A_DICT = ([("BACKEND", "redis")], "taskguard.E008")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("taskguard", "check_id"), [*INVALID, NOT_A_DICT], ids=lambda v: str(v))
+@pytest.mark.parametrize("options", [(), ("--database", "default"), ("--deploy",)], ids=str)
+def test_check_command__reports_every_invalid_setting_by_its_id_and_never_raises(
+    taskguard, check_id, options
+):
+    # Every registered check runs (settings, caches, database, deploy): none may raise.
+    with (
+        override_settings(TASKGUARD=taskguard, CACHES={"default": LOCMEM}),
+        pytest.raises(SystemCheckError) as raised,
+    ):
+        call_command("check", *options, stdout=StringIO(), stderr=StringIO())
+    assert f"({check_id})" in str(raised.value), str(raised.value)

@@ -132,18 +132,31 @@ def settle_connection() -> None:
     connections[alias()].close()
 
 
-# A table or column of taskguard's that the database does not have (SQLite, PostgreSQL,
-# MariaDB's words): its migrations were not applied there.
-NOT_MIGRATED = re.compile(
-    r"no such (table|column): taskguard_|(relation|column) \"?taskguard_\S* does not exist"
-    r"|Table '[^']*taskguard_\w+' doesn't exist|Unknown column '[^']*taskguard_"
-)
+# The driver's words for "no such table" and "no such column". Only ledger code asks, about
+# its own statements, so such an error means taskguard's tables are missing or older than
+# this version (a database migrated to an earlier release): classified by the error's code,
+# not by the table's name in the message, which a column error or an alias (``AS r``) hides.
+NOT_MIGRATED_SQLSTATES = frozenset({"42P01", "42703"})  # PostgreSQL: undefined table, column
+NOT_MIGRATED_ERRNOS = frozenset({1146, 1054})  # MariaDB/MySQL: no such table, unknown column
+NOT_MIGRATED_SQLITE = re.compile(r"no such table|no such column|has no column named")
+
+
+def not_migrated(exc: Exception) -> bool:
+    """Whether ``exc`` (a Django ``DatabaseError``) says a table or column is missing."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if sqlstate is not None:
+        return sqlstate in NOT_MIGRATED_SQLSTATES
+    errno = cause.args[0] if cause.args else None
+    if isinstance(errno, int):
+        return errno in NOT_MIGRATED_ERRNOS
+    return NOT_MIGRATED_SQLITE.search(str(exc)) is not None  # SQLite: only its words
 
 
 def unreachable(exc: Exception) -> BackendUnavailable:
     """``BackendUnavailable`` saying what ``exc`` means: unreachable, or busy (SQLite);
     ``NotMigrated`` when the database answered that taskguard's tables are not there."""
-    if NOT_MIGRATED.search(str(exc)):
+    if not_migrated(exc):
         where = alias()
         return NotMigrated(
             f"taskguard's tables are not in database {where!r}, or are older than this "

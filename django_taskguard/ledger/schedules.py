@@ -15,7 +15,7 @@ from django.db import DatabaseError, connections
 from django.db.models import Q
 from django.utils import timezone
 
-from ..models import TaskSchedule
+from ..models import ScheduleSource, TaskSchedule
 from .core import alias, clip, unreachable
 
 PAUSED_REASON_MAX_LENGTH = 500
@@ -61,6 +61,19 @@ def names() -> list[str]:
     try:
         return list(
             TaskSchedule.objects.using(alias())
+            .order_by("task_name")
+            .values_list("task_name", flat=True)
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+
+
+def functions_under(module: str) -> list[str]:
+    """The task names of the saved function schedules whose function is in ``module``."""
+    try:
+        return list(
+            TaskSchedule.objects.using(alias())
+            .filter(source=ScheduleSource.FUNCTION, function__startswith=f"{module}.")
             .order_by("task_name")
             .values_list("task_name", flat=True)
         )

@@ -7,11 +7,17 @@ imported (the module is named on stderr with its error either way):
   the module raised: they act on stored rows by name, an operator needs them most while
   something is broken, and discovery only adds and updates rows, never removes one.
 - ``run_schedules`` and ``backfill`` (:data:`RUNNER`) go on past a missing dependency
-  (``ImportError``): such a module is usually a third-party app's Celery tasks, which
-  they do not fire, and a schedule it declared keeps its row, so its slots are still
-  swept ``missed`` and fail health. Any other error is a bug in the project's code: they
-  stop, so that a deploy which broke a module of schedules fails at start instead of
-  quietly recording its slots missed.
+  (``ImportError``) in a module that declares no schedule: such a module is usually a
+  third-party app's Celery tasks, which they do not fire. They stop when the module is
+  known to declare schedules (it registered one before the failing line, or a saved
+  function schedule's function is in it): that is the project's own module after a
+  broken deploy (``cannot import name``, a circular import, a new dependency not
+  installed), and going on would fire the part that imported and record the rest
+  ``missed`` with a false reason. Any other error is a bug in the project's code: they
+  stop too.
+
+Whatever the command, what a module registered before its import failed is forgotten:
+its schedules are unknown to this process, not half known.
 
 A module named in ``TASKGUARD["SCHEDULE_MODULES"]`` stops every command: it was asked for.
 """
@@ -19,6 +25,7 @@ A module named in ``TASKGUARD["SCHEDULE_MODULES"]`` stops every command: it was 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
@@ -26,14 +33,23 @@ from django.core.management.base import BaseCommand, CommandError
 from ..registry import Entry, sync, unimported
 from .arguments import unknown_task
 
-RUNNER: tuple[type[Exception], ...] = (ImportError,)
-OPERATOR: tuple[type[Exception], ...] = (Exception,)
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Which app-module import errors a command goes on past."""
+
+    errors: tuple[type[Exception], ...]
+    stop_if_declared: bool  # stop anyway when the module is known to declare schedules
 
 
-def sync_schedules(command: BaseCommand, tolerate: tuple[type[Exception], ...]) -> dict[str, Entry]:
+RUNNER = Tolerance((ImportError,), stop_if_declared=True)
+OPERATOR = Tolerance((Exception,), stop_if_declared=False)
+
+
+def sync_schedules(command: BaseCommand, tolerate: Tolerance) -> dict[str, Entry]:
     """``registry.sync``; each skipped module said on the command's stderr."""
     try:
-        found = sync(tolerate)
+        found = sync(tolerate.errors, tolerate.stop_if_declared)
     except ImproperlyConfigured as exc:
         raise CommandError(str(exc)) from exc
     for skipped in unimported():

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from datetime import datetime
@@ -20,6 +21,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_taskguard.locks import backend_name
 from django_taskguard.models import RunState, TaskRun
 from example.jobs import DEMO_EVERY
+
+# How long every instance gets to load Django and say "ready" (a busy machine is slow).
+READY_TIMEOUT = 120.0
 
 
 class Command(BaseCommand):
@@ -48,23 +52,25 @@ class Command(BaseCommand):
     def _run(self, log: Path, instances: int, ticks: int) -> None:
         period = DEMO_EVERY.total_seconds()
         go = log.with_name("start-at")
-        processes = [self._spawn(f"instance-{n + 1}", log, ticks, go) for n in range(instances)]
-        # Every instance says when it is up (Django loaded, ready to fire); only then is the
-        # first tick chosen, on a fresh slot boundary: a slow start on a busy machine must not
-        # make a late instance fire a later slot twice and leave one unfired.
-        for process in processes:
-            assert process.stdout is not None
-            if process.stdout.readline().strip() != "ready":
-                _out, err = process.communicate(timeout=60)
-                raise CommandError(f"an instance failed to start:\n{err}")
-        start_at = (int((time.time() + 1) / period) + 1) * period
-        first_slot = datetime.fromtimestamp(start_at).astimezone()
-        go.with_suffix(".tmp").write_text(repr(start_at))
-        go.with_suffix(".tmp").replace(go)  # all at once: no instance reads half a number
-        for process in processes:
-            _out, err = process.communicate(timeout=120 + ticks * period)
-            if process.returncode != 0:
-                raise CommandError(f"an instance failed:\n{err}")
+        processes: list[subprocess.Popen[str]] = []
+        readers: list[threading.Thread] = []
+        try:
+            for n in range(instances):
+                processes.append(self._spawn(f"instance-{n + 1}", log, ticks, go))
+            # Every instance says when it is up (Django loaded, ready to fire); only then is
+            # the first tick chosen, on a fresh slot boundary: a slow start on a busy machine
+            # must not make a late instance fire a later slot twice and leave one unfired.
+            readers = _expect_ready(processes)
+            start_at = (int((time.time() + 1) / period) + 1) * period
+            first_slot = datetime.fromtimestamp(start_at).astimezone()
+            go.with_suffix(".tmp").write_text(repr(start_at))
+            go.with_suffix(".tmp").replace(go)  # all at once: no instance reads half a number
+            for process in processes:
+                _out, err = process.communicate(timeout=120 + ticks * period)
+                if process.returncode != 0:
+                    raise CommandError(f"an instance failed:\n{err}")
+        finally:
+            _stop(processes, readers)  # whatever went wrong, no instance is left running
         if backend_name() == "redis":
             # A call that lost after the winner had finished was counted in Redis only
             # (one round trip, no database query); cleanup_locks folds such counts into
@@ -126,3 +132,47 @@ class Command(BaseCommand):
         if not ok or slots != ticks or executions_total != slots:
             raise CommandError("FAILED: some slot did not run exactly once")
         self.stdout.write(self.style.SUCCESS("OK: every slot ran exactly once"))
+
+
+def _expect_ready(processes: list[subprocess.Popen[str]]) -> list[threading.Thread]:
+    """Wait (at most READY_TIMEOUT seconds in all) for every instance's "ready" line.
+
+    A pipe's readline has no timeout of its own: each first line is read in a thread, and
+    the threads are returned for :func:`_stop` to join once the processes are gone."""
+    lines: list[str | None] = [None] * len(processes)
+
+    def read(n: int) -> None:
+        stdout = processes[n].stdout
+        assert stdout is not None
+        lines[n] = stdout.readline()
+
+    readers = [threading.Thread(target=read, args=(n,), daemon=True) for n in range(len(lines))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + READY_TIMEOUT
+    for n, reader in enumerate(readers):
+        reader.join(max(0.0, deadline - time.monotonic()))
+        if lines[n] is None:
+            raise CommandError(
+                f"instance-{n + 1} did not say it was ready within {READY_TIMEOUT:g}s"
+            )
+        if (lines[n] or "").strip() != "ready":
+            processes[n].wait(timeout=10)
+            assert processes[n].stderr is not None
+            raise CommandError(f"an instance failed to start:\n{processes[n].stderr.read()}")
+    return readers
+
+
+def _stop(processes: list[subprocess.Popen[str]], readers: list[threading.Thread]) -> None:
+    """Kill every instance still running, reap it, and close its pipes."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()
+    for reader in readers:
+        reader.join(5)  # each saw its pipe close
+    for process in processes:
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()

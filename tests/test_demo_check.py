@@ -1,0 +1,27 @@
+"""scripts/demo-check.sh (the README's demos from a fresh clone) says why when its private
+redis-server never answers, instead of going on to fail later with another message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from .conftest import ROOT
+
+FAKE_REDIS = "#!/bin/sh\necho 'fake redis-server: cannot bind the port' >&2\nexit 1\n"
+
+
+def test_demo_check__redis_server_that_never_answers_fails_at_once_with_its_output(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").write_text(FAKE_REDIS)
+    (bin_dir / "redis-server").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CI": "true"}
+    done = subprocess.run(
+        ["bash", "scripts/demo-check.sh"],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "redis-server on port" in done.stderr and "never answered" in done.stderr, done.stderr
+    assert "fake redis-server: cannot bind the port" in done.stderr, done.stderr
+    assert "-- make demo" not in done.stdout  # it stopped before the demos
