@@ -3,6 +3,8 @@ judged by set (not by count) and labelled by the pause state at its own time."""
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import threading
 from contextlib import nullcontext
 from datetime import datetime, timedelta
@@ -127,6 +129,44 @@ def test_sweep_missed__slots_while_paused_stay_skipped_after_resume():
             assert TaskRun.objects.get(task_name="tests.sweep.resumed", slot=slot).error.startswith(
                 "paused"
             )
+
+
+# -- one schedule's trouble stops no other ------------------------------------------------
+
+
+def test_sweep_missed__binds_no_more_parameters_than_the_database_allows():
+    """SQLite built with the older limit of 999 bound variables: a batch of 1,000 slots
+    is read in parts that fit."""
+    connection = connections["default"]
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLITE_LIMIT_VARIABLE_NUMBER: SQLite")
+    every_second("tests.sweep.limit", 1_200)
+    connection.ensure_connection()
+    raw = connection.connection
+    before = raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+    try:
+        result = sweep_missed(now=ledger.database_now())
+    finally:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, before)
+    assert result.missed_slots >= 1_100
+
+
+def test_sweep_missed__a_schedule_that_raises_is_logged_and_the_others_swept(caplog):
+    """A stored zone this copy's tzdata lacks: that schedule is logged and left (its mark
+    stays), every other schedule is swept."""
+    broken = every_second("tests.sweep.a_broken", 20)
+    TaskSchedule.objects.filter(pk=broken.pk).update(
+        every=None, cron="* * * * *", time_zone="Nowhere/Atlantis"
+    )
+    every_second("tests.sweep.b_fine", 20)
+    with caplog.at_level(logging.ERROR, logger="taskguard.missed"):
+        result = sweep_missed(now=ledger.database_now())
+    assert result.tasks.get("tests.sweep.b_fine", 0) >= 15
+    assert "tests.sweep.a_broken" not in result.tasks
+    assert TaskSchedule.objects.get(pk=broken.pk).swept_until is None
+    [record] = [r for r in caplog.records if "tests.sweep.a_broken" in r.getMessage()]
+    assert record.exc_info is not None and "Nowhere/Atlantis" in str(record.exc_info[1])
 
 
 # -- a dropped connection ----------------------------------------------------------------
