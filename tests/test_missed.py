@@ -215,10 +215,20 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup, lock_backe
     a compare-and-set from missed, however many backfills run at once."""
     name = f"tests.backfill.outage.{catchup}.{lock_backend}"
     calls: list[datetime] = []
+    runners: set[int] = set()
+    other_ran = threading.Event()
+    oldest: list[datetime] = []
 
     @once_per_schedule(every=SECOND, name=name, catchup=catchup, grace=GRACE)
     def job() -> None:
         calls.append(current_run().slot)
+        runners.add(threading.get_ident())
+        if current_run().slot == oldest[0]:
+            # Hold the first slot until the other backfill has run a later one: both
+            # really contend (the other meets this slot running, and goes on).
+            assert other_ran.wait(60), "the other backfill ran no slot"
+        else:
+            other_ran.set()
 
     try:
         registry.sync()
@@ -227,6 +237,7 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup, lock_backe
         sweep_missed()
         missed_slots = sorted(states(name))
         assert len(missed_slots) >= 8 and set(states(name).values()) == {RunState.MISSED}
+        oldest.append(missed_slots[0])
         span = ["--from", missed_slots[0].isoformat(), "--to", missed_slots[-1].isoformat()]
         args = ["backfill", name, *span]
         out = StringIO()
@@ -254,6 +265,7 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup, lock_backe
         assert not errors
         assert not both.broken, "both backfills were started together"
         assert sorted(calls) == missed_slots, "each missed slot ran once"
+        assert len(runners) == 2, "each backfill ran slots: they contended"
         assert set(states(name).values()) == {RunState.SUCCEEDED}
         run = TaskRun.objects.get(task_name=name, slot=missed_slots[0])
         steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("id")]
