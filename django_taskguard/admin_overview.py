@@ -22,6 +22,7 @@ from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
 from . import overview, pauses, timefmt
@@ -70,11 +71,12 @@ class OverviewMixin(AdminBase):
     def overview_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
+        number = request.GET.get("page", "1")
         try:
-            verdict, rows = overview.overview()
+            verdict, rows, page = overview.overview(page=int(number) if number.isdigit() else 1)
         except BackendUnavailable as exc:
             self.message_user(request, str(exc), messages.ERROR)
-            verdict, rows = None, []
+            verdict, rows, page = None, [], None
         context = {
             **self.admin_site.each_context(request),
             "ol_breadcrumbs": OL_BREADCRUMBS,
@@ -82,6 +84,8 @@ class OverviewMixin(AdminBase):
             "opts": self.opts,
             "verdict": verdict,
             "rows": [self._row(row) for row in rows],
+            "page": page,
+            "more": _more(page),
             "can_pause": request.user.has_perm(PAUSE_PERMISSION),
             "legend": self._legend(),
         }
@@ -177,6 +181,21 @@ class OverviewMixin(AdminBase):
         states += [overview.GAP, overview.DUE, overview.PAUSED]
         colours = {**self.state_colours, **CELL_COLOURS}
         return [(state, colours.get(state, "#6c757d")) for state in states]
+
+
+def _more(page: overview.Page | None) -> str:
+    """What the later pages hold: "12 more healthy tasks", or how many need attention."""
+    if page is None or not page.later:
+        return ""
+    if not page.later_unhealthy:
+        return ngettext("%(n)d more healthy task", "%(n)d more healthy tasks", page.later) % {
+            "n": page.later
+        }
+    return ngettext(
+        "%(n)d more task (%(bad)d of them unhealthy)",
+        "%(n)d more tasks (%(bad)d of them unhealthy)",
+        page.later,
+    ) % {"n": page.later, "bad": page.later_unhealthy}
 
 
 def _when(moment: datetime | None) -> tuple[str, str, str] | None:

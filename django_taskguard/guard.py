@@ -37,9 +37,10 @@ _ROW_LOCK = DatabaseLock()
 # The state a duplicate reports when Redis's finished marker decided it (the row,
 # succeeded, failed or skipped, was not read).
 FINISHED = "finished"
-FINISHED_STATES = frozenset(
-    {RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.MISSED}
-)
+# Rows no call can take any more: their slot's key keeps the finished marker. Not
+# ``missed``: backfill (and an on-time call) still takes a missed row over, so a late
+# call that met one releases the key instead of leaving a marker that would refuse them.
+FINISHED_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
 R = TypeVar("R")
 
 

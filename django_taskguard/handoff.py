@@ -6,7 +6,8 @@ copy (the worker's guard would run the slot once anyway; this saves the queue th
 duplicates). The slot travels with the task (``decorators.SLOT_KWARG``) and the worker's
 guarded call claims that slot, however late it runs; the claim turns the row
 ``running``. An enqueue that raises gives the row back (the slot has no row again: the
-sweep records it ``missed`` after its grace, or ``backfill`` hands it out again). A row
+sweep records it ``missed`` after its grace, or ``backfill`` hands it out again); one
+handed out late, which the sweep will not judge again, is recorded ``missed`` instead. A row
 that no worker starts within its grace is ended by the missed-slot sweep.
 """
 
@@ -22,6 +23,7 @@ from .exceptions import TaskGuardError
 from .guard import refused_late
 from .owner import actor
 from .registry import Entry
+from .signals import run_missed
 
 logger = logging.getLogger("taskguard.scheduler")
 
@@ -44,15 +46,18 @@ def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
         return "not enqueued here (it has a row: another copy enqueued it, or it ran)"
     try:
         made = entry.enqueue(slot)
-    except BaseException:
-        _give_back(entry.task_name, slot, run_id)
+    except BaseException as exc:
+        _give_back(entry.task_name, slot, run_id, exc)
         raise
     return f"enqueued ({made})"
 
 
-def _give_back(task_name: str, slot: datetime, run_id: int) -> None:
+def _give_back(task_name: str, slot: datetime, run_id: int, error: BaseException) -> None:
+    reason = f"missed: enqueue failed: {type(error).__name__}: {error}"
     try:
-        given = ledger.give_back_pending(run_id)
+        given = ledger.give_back_pending(
+            run_id, task_name, slot, reason=reason, actor=actor("scheduler")
+        )
     except Exception as exc:  # whatever it is, the enqueue's own error is the one raised
         logger.warning(
             "taskguard %s slot %s: the enqueue failed and its pending row %s could not be "
@@ -63,7 +68,14 @@ def _give_back(task_name: str, slot: datetime, run_id: int) -> None:
             exc,
         )
         return
-    if given:
+    if given == "missed":
+        logger.warning(
+            "taskguard %s slot %s: the enqueue failed, past the slot's grace; recorded missed",
+            task_name,
+            slot,
+        )
+        run_missed.send(sender=task_name, slot=slot, reason=reason)
+    elif given is not None:
         logger.warning(
             "taskguard %s slot %s: the enqueue failed; the slot was given back", task_name, slot
         )

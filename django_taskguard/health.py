@@ -9,8 +9,13 @@ A task is unhealthy when it is
 - **missed**: slots of it were recorded ``missed`` within ``MONITOR_WINDOW_HOURS``;
 - **failing**: its last ``HEALTH_FAILURES`` finished runs all failed (or were
   abandoned by a dead owner), or none of its last ``HEALTH_FAILURES`` due slots
-  succeeded, whatever the reason (skipped behind a hung run, missed, failed), while
-  the latest due slot is not running.
+  succeeded, whatever the reason (missed, failed, skipped), while the latest due slot
+  is not running. Slots due while a run of it was alive are not counted (skipped behind
+  a long run under ``overlap="skip"``: a long body is not a failing one): not while a
+  run is alive, nor those due before its latest success finished;
+- **running** too long: a run alive (its lease renewed) for longer than
+  ``HEALTH_FAILURES`` intervals of its schedule and at least ``HUNG_AFTER`` ("running
+  for 1h 10m: hung?"): a hung body and a long one look alike until then.
 
 A paused task is healthy, and says it is paused. Every task is judged: every read
 is an index probe per task, in statements of ``ledger.FACTS_CHUNK`` tasks each, so
@@ -35,13 +40,15 @@ from .models import TaskSchedule
 from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild
 from .states import RunState
 
-LATE, MISSED, FAILING = "late", "missed", "failing"
+LATE, MISSED, FAILING, RUNNING = "late", "missed", "failing", "running"
+# A run alive for longer than this (and than HEALTH_FAILURES intervals) is reported.
+HUNG_AFTER = timedelta(hours=1)
 OK, PAUSED, UNHEALTHY = "ok", "paused", "unhealthy"
 
 
 @dataclass(frozen=True)
 class Problem:
-    code: str  # late | missed | failing
+    code: str  # late | missed | failing | running
     detail: str
 
 
@@ -59,6 +66,7 @@ class TaskHealth:
     first_seen: datetime | None = None
     resumed_at: datetime | None = None  # the end of its latest pause
     last_success: ledger.LastRun | None = None
+    alive_since: datetime | None = None  # when its oldest run alive now started
     latest_due: datetime | None = None
     next_slot: datetime | None = None
     problems: list[Problem] = field(default_factory=list)
@@ -125,8 +133,10 @@ def check(*, task: str | None = None) -> Verdict:
         tasks = [t for t in tasks if t.task == task]
     names = [t.task for t in tasks]
     successes = ledger.latest_in_state(names, RunState.SUCCEEDED)
+    alive = ledger.alive_since(now)
     for health in tasks:
         health.last_success = successes.get(health.task)
+        health.alive_since = alive.get(health.task)
         if health.schedule is not None:
             health.latest_due = health.schedule.latest_slot(now - health.grace)
             health.next_slot = next_slot(health.schedule, now)
@@ -222,32 +232,63 @@ def judge(
         ) % {"n": failures, "slot": _iso(facts.latest_ended_slot)}
         health.problems.append(Problem(FAILING, detail))
     elif _no_success(health, facts, failures):
-        detail = ngettext(
-            "no success in its last due slot (%(slot)s is %(state)s; last success: %(last)s)",
-            "no success in its last %(n)d due slots (latest %(slot)s is %(state)s; "
-            "last success: %(last)s)",
-            failures,
-        ) % {
-            "n": failures,
-            "slot": _iso(due),
-            "state": facts.due_state,
-            "last": _iso(health.last_success.slot) if health.last_success else _("never"),
-        }
-        health.problems.append(Problem(FAILING, detail))
+        health.problems.append(_no_success_problem(health, facts, failures))
+    if (hung := _running_too_long(health, now, failures)) is not None:
+        health.problems.append(hung)
+
+
+def _no_success_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem:
+    due = health.latest_due
+    detail = ngettext(
+        "no success in its last due slot (%(slot)s is %(state)s; last success: %(last)s)",
+        "no success in its last %(n)d due slots (latest %(slot)s is %(state)s; "
+        "last success: %(last)s)",
+        failures,
+    ) % {
+        "n": failures,
+        "slot": _iso(due),
+        "state": facts.due_state,
+        "last": _iso(health.last_success.slot) if health.last_success else _("never"),
+    }
+    return Problem(FAILING, detail)
+
+
+def _running_too_long(health: TaskHealth, now: datetime, count: int) -> Problem | None:
+    """Its oldest run alive has run longer than ``count`` intervals and ``HUNG_AFTER``."""
+    since, schedule, due = health.alive_since, health.schedule, health.latest_due
+    if since is None:
+        return None
+    bound = HUNG_AFTER
+    if schedule is not None and due is not None:
+        bound = max(bound, due - expected_slots(schedule, due, count + 1)[-1])
+    if now - since <= bound:
+        return None
+    detail = _("running for %(age)s: hung? (a run started %(since)s is alive; limit %(bound)s)")
+    return Problem(
+        RUNNING, detail % {"age": _human(now - since), "since": _iso(since), "bound": _human(bound)}
+    )
 
 
 def _no_success(health: TaskHealth, facts: ledger.TaskFacts, count: int) -> bool:
     """None of the task's last ``count`` due slots succeeded, every one of them was due
-    while the task was registered and not paused, and the latest has a row that is not in
-    flight (no row is late; a running one is not judged yet)."""
+    while the task was registered and not paused and after its latest success finished
+    (a slot due while that run was alive was skipped behind it, not failed), no run of it
+    is alive (slots skipped behind it are not judged: :func:`_running_too_long` is), and
+    the latest has a row that is not in flight (no row is late; a running one is not
+    judged yet)."""
     due, schedule = health.latest_due, health.schedule
     if due is None or schedule is None or facts.due_state in IN_FLIGHT or facts.due_state is None:
+        return False
+    if health.alive_since is not None:
         return False
     oldest = expected_slots(schedule, due, count)[-1]
     since = max((t for t in (health.first_seen, health.resumed_at) if t is not None), default=None)
     if since is not None and oldest < since:
         return False
-    return health.last_success is None or health.last_success.slot < oldest
+    last = health.last_success
+    if last is None:
+        return True
+    return max(last.slot, last.finished_at or last.slot) < oldest
 
 
 IN_FLIGHT = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)

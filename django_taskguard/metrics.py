@@ -41,6 +41,9 @@ class LedgerCollector(Collector):
         verdict = health.check()
         summary = ledger.window_summary(verdict.checked_at - window, DURATION_BUCKETS)
         names = sorted({t.task for t in verdict.tasks} | {name for name, _ in summary})
+        duplicates: dict[str, int] = {}  # per task, summed once (not a scan per task)
+        for (name, _), found in summary.items():
+            duplicates[name] = duplicates.get(name, 0) + found.duplicates
         yield _gauge(
             "taskguard_window_seconds",
             "The window of slots the run gauges cover.",
@@ -79,7 +82,7 @@ class LedgerCollector(Collector):
             names,
             "taskguard_duplicates_suppressed",
             "Calls that found their slot taken and did not run, of the slots in the window.",
-            lambda name: sum(s.duplicates for (n, _), s in summary.items() if n == name),
+            lambda name: duplicates.get(name, 0),
         )
         yield _per_task(
             names,

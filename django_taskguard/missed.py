@@ -17,7 +17,9 @@ deploys, an explicit ``run_for_slot``) hide nothing. It goes in batches of
 ``MAX_BATCHES`` per schedule and sweep; ``swept_until`` moves after each batch over the
 slots that batch judged, so a long outage is recorded over a few sweeps, never skipped.
 Each slot is labelled by the pause state at its own time (the latest pause's start and
-end are kept on the schedule; earlier pauses are not).
+end are kept on the schedule; earlier pauses are not). A schedule that raises (a stored zone
+this copy's tzdata lacks) is logged and skipped, its mark left where it was; the database's
+own errors end the sweep (the next one retries).
 """
 
 from __future__ import annotations
@@ -67,7 +69,18 @@ def sweep_missed(
         for row in store.stored():
             if task is not None and row.task_name != task:
                 continue
-            _sweep_one(row, now, floor, dry_run, result)
+            try:
+                _sweep_one(row, now, floor, dry_run, result)
+            except (BackendUnavailable, DatabaseError):
+                raise  # the database's trouble, not this schedule's: the next sweep retries
+            except Exception:
+                # This schedule's own trouble (a stored zone this copy's tzdata lacks, a
+                # cron it cannot read): its mark stays where it was, the others go on.
+                logger.exception(
+                    "taskguard %s: the sweep skipped this schedule (its slots are judged "
+                    "again next sweep)",
+                    row.task_name,
+                )
     except (BackendUnavailable, DatabaseError):
         # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
         # connection that failed so that the next sweep reconnects.

@@ -1,8 +1,10 @@
 """The admin's per-task overview: one row per task, its health and a strip of its last slots.
 
 Read through :mod:`.health` and :mod:`.ledger`: per task, the health verdict's
-index probes and one backward scan of the (task_name, slot) index for the
-strip, so the page costs the same on a million runs as on ten.
+index probes and, for the tasks of the page shown (``OVERVIEW_PAGE`` rows, the
+unhealthy first), one backward scan of the (task_name, slot) index for the strip,
+so the page costs the same on a million runs as on ten, and its strips and HTML the
+same with thousands of tasks as with a hundred.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from datetime import datetime
 from . import health, ledger
 
 STRIP_LENGTH = 30
+# Rows per page: every task is judged, but strips are read and drawn for one page.
+OVERVIEW_PAGE = 100
 # A strip cell with no run: "gap" (due past its grace, nothing recorded; the
 # missed-slot sweep may not have run yet), "due" (within its grace), "paused".
 GAP, DUE, PAUSED = "gap", "due", "paused"
@@ -38,16 +42,33 @@ class TaskRow:
         return found
 
 
-def overview(length: int = STRIP_LENGTH) -> tuple[health.Verdict, list[TaskRow]]:
-    """Every known task, the unhealthy first, each with its last ``length`` slots."""
+@dataclass(frozen=True)
+class Page:
+    """Which rows of the overview a page shows, and what the later pages hold."""
+
+    number: int  # from 1
+    pages: int
+    later: int  # tasks on the pages after this one
+    later_unhealthy: int  # ... of them unhealthy
+
+
+def overview(
+    length: int = STRIP_LENGTH, page: int = 1
+) -> tuple[health.Verdict, list[TaskRow], Page]:
+    """Every known task judged, the unhealthy first; page ``page`` of ``OVERVIEW_PAGE``
+    rows, each with its last ``length`` slots (strips are read for that page only)."""
     verdict = health.check()
-    recent = ledger.recent_runs_of([task.task for task in verdict.tasks], length)
+    ordered = sorted(verdict.tasks, key=lambda task: (task.healthy, task.task))
+    size = OVERVIEW_PAGE
+    pages = max(1, -(-len(ordered) // size))
+    number = min(max(page, 1), pages)
+    shown, later = ordered[(number - 1) * size : number * size], ordered[number * size :]
+    recent = ledger.recent_runs_of([task.task for task in shown], length)
     rows = [
-        TaskRow(task, strip(task, recent[task.task], verdict.checked_at, length))
-        for task in verdict.tasks
+        TaskRow(task, strip(task, recent[task.task], verdict.checked_at, length)) for task in shown
     ]
-    rows.sort(key=lambda row: (row.health.healthy, row.health.task))
-    return verdict, rows
+    unhealthy = sum(1 for task in later if not task.healthy)
+    return verdict, rows, Page(number, pages, len(later), unhealthy)
 
 
 def strip(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from importlib import import_module
@@ -221,17 +221,17 @@ def sync(
 ) -> dict[str, Entry]:
     """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
     found = discover(tolerate, stop_if_declared)
-    _say_zone_conflicts()
+    _say_zone_conflicts(found.keys())
     store.save([entry.record() for entry in found.values()])
     return found
 
 
-def _say_zone_conflicts() -> None:
+def _say_zone_conflicts(registered: Collection[str]) -> None:
     """A cron without its own zone runs in Django's TIME_ZONE: copies that disagree on it
     fire different instants. Said before this copy's save records its own zone (check
     ``taskguard.W020`` says it too)."""
     zone = get_default_timezone_name()
-    for task_name, theirs in store.zone_conflicts(zone):
+    for task_name, theirs in store.zone_conflicts(zone, registered):
         logger.error(
             "taskguard: schedule %s was saved by a copy whose TIME_ZONE is %r; this copy's is "
             "%r, so the two fire its cron at different instants. Give every copy the same "

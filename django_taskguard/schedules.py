@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any, Protocol, runtime_checkable
 
 from django.utils import timezone
@@ -138,8 +139,16 @@ def describe(schedule: Schedule) -> dict[str, Any]:
     raise InvalidSchedule(f"{schedule!r} cannot be stored (a cron or interval schedule can)")
 
 
+# Distinct stored schedules kept built: health, metrics, the overview and the sweep rebuild
+# every row on every call, and building a cron (parsing, and a first walk to refuse one that
+# never fires) cost most of a health check with thousands of schedules. Schedules are
+# frozen values, so one built copy serves every caller and thread.
+REBUILT_CACHE_SIZE = 8192
+
+
+@lru_cache(maxsize=REBUILT_CACHE_SIZE)
 def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> Schedule:
-    """The schedule a ``TaskSchedule`` row stores."""
+    """The schedule a ``TaskSchedule`` row stores (built once per distinct value)."""
     if cron:
         return CronSchedule(cron, time_zone or None, day_or)
     if every is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
@@ -340,6 +341,46 @@ def test_overview__query_count_does_not_grow_with_runs_or_tasks(
         finished(f"tests.more{n}", slot)
     with django_assert_max_num_queries(len(few.captured_queries)):
         operator.get(OVERVIEW)
+
+
+def test_overview__unhealthy_first_then_a_page_of_healthy_tasks_and_a_link(operator, monkeypatch):
+    """Thousands of tasks: a page of rows, the unhealthy first, then "N more healthy
+    tasks" with a link to the next page, whose rows are the next healthy ones."""
+    from datetime import timedelta
+
+    from django_taskguard import overview
+
+    from .monitoring import due_slot, finished, schedule
+
+    monkeypatch.setattr(overview, "OVERVIEW_PAGE", 5)
+    minute = timedelta(minutes=1)
+    for n in range(3):
+        schedule(f"tests.page.late{n}", every=minute)  # no run: late
+    for n in range(8):
+        schedule(f"tests.page.ok{n}", every=minute)
+        finished(f"tests.page.ok{n}", due_slot(minute))
+    first = overview_rows(operator)
+    assert list(first) == [
+        *(f"tests.page.late{n}" for n in range(3)),
+        "tests.page.ok0",
+        "tests.page.ok1",
+    ]
+    html = operator.get(OVERVIEW).content.decode()
+    assert "6 more healthy tasks" in html and "?page=2" in html
+    assert "3 tasks need attention." in html
+    html = operator.get(OVERVIEW + "?page=2").content.decode()
+    assert [f"tests.page.ok{n}" in html for n in range(8)] == [False] * 2 + [True] * 5 + [False]
+    assert "1 more healthy task" in html and "?page=3" in html
+    assert list(overview_rows_of(operator.get(OVERVIEW + "?page=3"))) == ["tests.page.ok7"]
+    assert list(overview_rows_of(operator.get(OVERVIEW + "?page=x"))) == list(first)
+
+
+def overview_rows_of(response: Any) -> dict[str, str]:
+    html = response.content.decode()
+    return {
+        chunk.split('data-task="', 1)[1].split('"', 1)[0]: chunk
+        for chunk in html.split('<tr class="taskguard-task')[1:]
+    }
 
 
 def test_changelist__links_to_the_overview(viewer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -186,6 +187,32 @@ def test_redis_version_problem__before_7_0_is_refused(version, refused):
     assert (problem is not None) is refused
     if refused:
         assert f"is Redis {version}; taskguard's lock needs 7.0 or newer" in problem
+
+
+@pytest.mark.django_db(transaction=True)
+def test_check_schedule_zones__a_row_no_copy_registers_is_not_a_conflict(caplog):
+    """After a fleet-wide TIME_ZONE change, the row of a schedule removed from the code
+    keeps the old zone: no copy fires it, so neither W020 nor sync speaks of it."""
+    from django.core.checks import run_checks
+    from django.utils import timezone
+
+    from django_taskguard import registry
+    from django_taskguard.models import TaskSchedule
+
+    TaskSchedule.objects.create(
+        task_name="tests.zones.removed",
+        function="tests.zones.removed",
+        cron="30 9 * * *",
+        default_zone="Asia/Kolkata",
+        grace=timedelta(minutes=1),
+        max_catchup=1,
+        first_seen=timezone.now(),
+    )
+    with override_settings(TIME_ZONE="UTC"):
+        found = run_checks(databases=["default"])
+        registry.sync()
+    assert not [m for m in found if m.id == "taskguard.W020" and "tests.zones.removed" in m.msg]
+    assert "tests.zones.removed" not in caplog.text
 
 
 @pytest.mark.django_db(transaction=True)

@@ -285,6 +285,29 @@ def test_hand_off__a_failed_enqueue_gives_the_slot_back(jobs):
 
 
 @override_settings(**JOBS)
+def test_hand_off__a_failed_late_enqueue_is_recorded_missed(jobs):
+    """A slot handed out late (past its grace, behind the sweep's mark) whose enqueue
+    raises: the sweep will not look at it again, so its row ends missed, not deleted."""
+    registry.discover()
+    registry.sync()
+    entry = registry.entries()["tests.djtasks.parked"]
+
+    def broken(slot: datetime) -> str:
+        raise ConnectionError("the queue is down")
+
+    slot = latest(MINUTE) - 10 * MINUTE
+    TaskSchedule.objects.filter(task_name="tests.djtasks.parked").update(swept_until=slot)
+    with pytest.raises(ConnectionError):
+        hand_off(dataclasses.replace(entry, enqueue=broken), slot)
+    sweep_missed()
+    run = TaskRun.objects.get(task_name="tests.djtasks.parked", slot=slot)
+    assert run.state == RunState.MISSED
+    assert "enqueue failed" in run.error and "the queue is down" in run.error
+    steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("id")]
+    assert steps == [("pending", "missed")]
+
+
+@override_settings(**JOBS)
 def test_backfill_enqueue__each_slot_without_a_row_once(jobs, enqueued):
     registry.discover()
     end = latest(MINUTE) - MINUTE

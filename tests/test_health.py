@@ -13,9 +13,10 @@ from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 from django.urls import reverse
+from django.utils import timezone
 
 from django_taskguard import health
-from django_taskguard.models import RunState
+from django_taskguard.models import RunState, TaskRun
 
 from .conftest import ROOT, python
 from .monitoring import DAY, due_slot, finished, schedule
@@ -257,11 +258,11 @@ def test_check_schedules__judges_every_task_past_the_200th():
 
 
 def test_check_schedules__no_success_for_n_slots_whatever_the_reason():
-    """A body hung under overlap="skip": one run alive, every later slot skipped."""
+    """Every later slot skipped, and no run alive behind them: no success is a problem."""
     every = timedelta(minutes=1)
     slot = due_slot(every)
     schedule("tests.hung", every=every)
-    make_run("tests.hung", slot=slot - 19 * every, lease=600.0)  # alive, renewing
+    finished("tests.hung", slot - 19 * every, RunState.FAILED)
     for n in range(19):
         finished("tests.hung", slot - n * every, RunState.SKIPPED, attempt=0)
     status, out = run_check()
@@ -271,6 +272,49 @@ def test_check_schedules__no_success_for_n_slots_whatever_the_reason():
     assert run_check()[0] == 1
     with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_FAILURES": 21}):
         assert run_check()[0] == 0, "a success within the last 21 due slots"
+
+
+def long_run_behind_skipped_slots(task: str, running_for: timedelta) -> None:
+    """every=1min under overlap="skip": one run alive (renewing its lease) started
+    ``running_for`` ago, every slot due since then skipped behind it."""
+    every = timedelta(minutes=1)
+    slot = due_slot(every)
+    schedule(task, every=every)
+    behind = int(running_for / every)
+    run = make_run(task, slot=slot - behind * every, lease=600.0)
+    TaskRun.objects.filter(pk=run.pk).update(started_at=timezone.now() - running_for)
+    for n in range(min(behind, 30)):
+        finished(task, slot - n * every, RunState.SKIPPED, attempt=0)
+
+
+def test_check_schedules__a_long_run_under_overlap_skip_is_healthy():
+    """every=1min, a 5-minute body, HEALTH_FAILURES=3: the slots skipped behind a run
+    whose lease is alive are not counted against it."""
+    long_run_behind_skipped_slots("tests.long", timedelta(minutes=5))
+    status, out = run_check()
+    assert status == 0, out
+
+
+def test_check_schedules__slots_skipped_behind_the_latest_success_are_not_counted():
+    """Between two runs of a 5-minute body at every=1min: no run is alive, and the slots
+    due while the latest success ran were skipped behind it; not failing."""
+    every = timedelta(minutes=1)
+    slot = due_slot(every)
+    schedule("tests.between", every=every)
+    finished("tests.between", slot - 5 * every, seconds=5 * 60 + 10)  # ended after `slot`
+    for n in range(5):
+        finished("tests.between", slot - n * every, RunState.SKIPPED, attempt=0)
+    status, out = run_check()
+    assert status == 0, out
+
+
+def test_check_schedules__a_run_alive_past_the_bound_is_reported_hung():
+    """A body hung under overlap="skip" (its lease renewed, every later slot skipped)
+    still fails health once it has run longer than the bound."""
+    long_run_behind_skipped_slots("tests.hung", health.HUNG_AFTER + timedelta(minutes=10))
+    status, out = run_check()
+    assert status == 1, out
+    assert "RUNNING" in out and "running for 70m: hung?" in out, out
 
 
 def test_check_schedules__summary_counts_read_right():

@@ -3,6 +3,8 @@ judged by set (not by count) and labelled by the pause state at its own time."""
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import threading
 from contextlib import nullcontext
 from datetime import datetime, timedelta
@@ -10,11 +12,14 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from django_taskguard import current_run, ledger, missed, once_per_schedule, registry
 from django_taskguard.ledger.core import dialect
+from django_taskguard.locks import Acquired, get_backend
+from django_taskguard.management.commands.backfill import Command
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
@@ -126,6 +131,44 @@ def test_sweep_missed__slots_while_paused_stay_skipped_after_resume():
             )
 
 
+# -- one schedule's trouble stops no other ------------------------------------------------
+
+
+def test_sweep_missed__binds_no_more_parameters_than_the_database_allows():
+    """SQLite built with the older limit of 999 bound variables: a batch of 1,000 slots
+    is read in parts that fit."""
+    connection = connections["default"]
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLITE_LIMIT_VARIABLE_NUMBER: SQLite")
+    every_second("tests.sweep.limit", 1_200)
+    connection.ensure_connection()
+    raw = connection.connection
+    before = raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+    try:
+        result = sweep_missed(now=ledger.database_now())
+    finally:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, before)
+    assert result.missed_slots >= 1_100
+
+
+def test_sweep_missed__a_schedule_that_raises_is_logged_and_the_others_swept(caplog):
+    """A stored zone this copy's tzdata lacks: that schedule is logged and left (its mark
+    stays), every other schedule is swept."""
+    broken = every_second("tests.sweep.a_broken", 20)
+    TaskSchedule.objects.filter(pk=broken.pk).update(
+        every=None, cron="* * * * *", time_zone="Nowhere/Atlantis"
+    )
+    every_second("tests.sweep.b_fine", 20)
+    with caplog.at_level(logging.ERROR, logger="taskguard.missed"):
+        result = sweep_missed(now=ledger.database_now())
+    assert result.tasks.get("tests.sweep.b_fine", 0) >= 15
+    assert "tests.sweep.a_broken" not in result.tasks
+    assert TaskSchedule.objects.get(pk=broken.pk).swept_until is None
+    [record] = [r for r in caplog.records if "tests.sweep.a_broken" in r.getMessage()]
+    assert record.exc_info is not None and "Nowhere/Atlantis" in str(record.exc_info[1])
+
+
 # -- a dropped connection ----------------------------------------------------------------
 
 
@@ -167,15 +210,25 @@ def test_sweeper__survives_a_terminated_connection():
 
 
 @pytest.mark.parametrize("catchup", ["latest", "none"])
-def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
+def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup, lock_backend):
     """An outage the sweep recorded is what backfill is for: each missed slot runs once,
     a compare-and-set from missed, however many backfills run at once."""
-    name = f"tests.backfill.outage.{catchup}"
+    name = f"tests.backfill.outage.{catchup}.{lock_backend}"
     calls: list[datetime] = []
+    runners: set[int] = set()
+    other_ran = threading.Event()
+    oldest: list[datetime] = []
 
     @once_per_schedule(every=SECOND, name=name, catchup=catchup, grace=GRACE)
     def job() -> None:
         calls.append(current_run().slot)
+        runners.add(threading.get_ident())
+        if current_run().slot == oldest[0]:
+            # Hold the first slot until the other backfill has run a later one: both
+            # really contend (the other meets this slot running, and goes on).
+            assert other_ran.wait(60), "the other backfill ran no slot"
+        else:
+            other_ran.set()
 
     try:
         registry.sync()
@@ -184,6 +237,7 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
         sweep_missed()
         missed_slots = sorted(states(name))
         assert len(missed_slots) >= 8 and set(states(name).values()) == {RunState.MISSED}
+        oldest.append(missed_slots[0])
         span = ["--from", missed_slots[0].isoformat(), "--to", missed_slots[-1].isoformat()]
         args = ["backfill", name, *span]
         out = StringIO()
@@ -191,10 +245,12 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
         assert f"Would run {len(missed_slots)} slots of {name}" in out.getvalue()
         assert f"{len(missed_slots)} of them were recorded missed" in out.getvalue()
         errors: list[str] = []
+        both = threading.Barrier(2, timeout=60)
 
         def backfill() -> None:
             said = StringIO()
             try:
+                both.wait()  # both backfills start together, so they contend for each slot
                 call_command(*args, stdout=said)
             except BaseException as exc:  # reported below
                 errors.append(f"{exc!r}: {said.getvalue()}")
@@ -207,11 +263,102 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup):
         for thread in threads:
             thread.join(120)
         assert not errors
+        assert not both.broken, "both backfills were started together"
         assert sorted(calls) == missed_slots, "each missed slot ran once"
+        assert len(runners) == 2, "each backfill ran slots: they contended"
         assert set(states(name).values()) == {RunState.SUCCEEDED}
         run = TaskRun.objects.get(task_name=name, slot=missed_slots[0])
         steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("id")]
         assert steps == [("pending", "missed"), ("missed", "running"), ("running", "succeeded")]
+    finally:
+        registry.unregister(name)
+
+
+def late_call_then_backfill(name: str, **options: object) -> tuple[list[datetime], datetime]:
+    """A catchup="none" task's sweep-recorded missed slot, called late once (refused),
+    then backfilled; returns the slots the body ran and the slot."""
+    calls: list[datetime] = []
+
+    @once_per_schedule(every=SECOND, name=name, catchup="none", grace=GRACE, **options)
+    def job() -> None:
+        calls.append(current_run().slot)
+
+    registry.sync()
+    first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
+    TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
+    sweep_missed()
+    target = min(states(name))
+    # a second copy (or a second beat message) calls the slot late: catchup="none" refuses
+    assert registry.entries()[name].fire(target) is False
+    call_command("backfill", name, "--from", target.isoformat(), "--to", target.isoformat())
+    return calls, target
+
+
+def test_backfill__a_late_refused_call_leaves_the_missed_slot_to_backfill(lock_backend):
+    """The late call met the missed row and won the Redis key: it leaves no finished
+    marker (the row can still be taken), so backfill runs the slot."""
+    name = f"tests.backfill.late.{lock_backend}"
+    try:
+        calls, target = late_call_then_backfill(name)
+        assert calls == [target]
+        assert TaskRun.objects.get(task_name=name, slot=target).state == RunState.SUCCEEDED
+    finally:
+        registry.unregister(name)
+
+
+def test_backfill__a_slot_left_missed_is_not_run_and_fails_the_command(lock_backend):
+    """A slot still missed after the guard returned (another call holds its key) is
+    reported not run, and the command exits non-zero."""
+    if lock_backend == "database":
+        pytest.skip("a key held by another call: Redis (on the database the row is the lock)")
+    name = f"tests.backfill.held.{lock_backend}"
+
+    @once_per_schedule(every=SECOND, name=name, catchup="latest", grace=GRACE)
+    def job() -> None:
+        pass
+
+    try:
+        registry.sync()
+        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
+        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
+        sweep_missed()
+        target = min(states(name))
+        lock = get_backend()
+        key = lock.key_for(name, target, None)
+        assert lock.acquire(key, "held-elsewhere", 60, name) is Acquired.WON
+        out = StringIO()
+        span = ["--from", target.isoformat(), "--to", target.isoformat()]
+        with pytest.raises(CommandError, match=r"1 slots of .* were not run"):
+            call_command("backfill", name, *span, stdout=out)
+        assert "not run" in out.getvalue()
+        assert states(name)[target] == RunState.MISSED
+    finally:
+        registry.unregister(name)
+
+
+def test_backfill__a_lost_compare_and_set_under_raise_is_run_elsewhere():
+    """on_duplicate="raise": the backfill that finds the slot taken reports it run
+    elsewhere, not raised."""
+    name = "tests.backfill.raise"
+
+    @once_per_schedule(every=SECOND, name=name, grace=GRACE, on_duplicate="raise")
+    def job() -> None:
+        pass
+
+    try:
+        registry.sync()
+        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
+        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
+        sweep_missed()
+        target = min(states(name))
+        row = ledger.read(name, target)
+        assert row is not None
+        # another backfill took the slot after this one planned it
+        TaskRun.objects.filter(pk=row.id).update(state=RunState.SUCCEEDED)
+        out = StringIO()
+        command = Command(stdout=out)
+        assert command._run(registry.entries()[name], target) == "ran"
+        assert "run elsewhere" in out.getvalue()
     finally:
         registry.unregister(name)
 

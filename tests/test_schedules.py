@@ -224,3 +224,16 @@ def test_normalize_slot__naive_datetime_error_says_how_to_make_it_aware():
     assert "got naive 2026-11-26T21:00:00" in message
     assert "django.utils.timezone.make_aware(slot)" in message
     assert "slot.replace(tzinfo=datetime.timezone.utc)" in message
+
+
+def test_rebuild__one_built_schedule_per_stored_value():
+    """Health, metrics and the overview rebuild every stored row on every call: a cron
+    is built once per distinct (cron, day_or, zone, every), not once per row and call."""
+    from django_taskguard.schedules import rebuild
+
+    cron = rebuild("*/5 * * * *", True, "Europe/Berlin", None)
+    assert rebuild("*/5 * * * *", True, "Europe/Berlin", None) is cron
+    assert rebuild("*/5 * * * *", True, "UTC", None) is not cron
+    assert rebuild("", True, "", timedelta(minutes=5)) is rebuild(
+        "", True, "", timedelta(minutes=5)
+    )

@@ -10,10 +10,11 @@ from typing import Any
 from django.db import (
     DatabaseError,
 )
+from django.db.models import Min
 
 from ..states import RunState
 from . import sql
-from .core import aware, dialect, fetch_all, slot_param, unreachable
+from .core import aware, dialect, fetch_all, runs, slot_param, unreachable
 
 # -- monitoring: health, metrics and the admin's overview ---------------------------
 
@@ -134,6 +135,18 @@ def task_facts(
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return found
+
+
+def alive_since(now: datetime) -> dict[str, datetime]:
+    """Each task with a ``running`` row whose lease is alive by ``now`` (the database's
+    clock): when the oldest such run started. One statement, a range scan of the
+    (state, lease_until) index: its cost is the number of runs in flight."""
+    alive = runs().filter(state=RunState.RUNNING, lease_until__gt=now, started_at__isnull=False)
+    try:
+        rows = list(alive.values("task_name").annotate(since=Min("started_at")).order_by())
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return {row["task_name"]: row["since"] for row in rows}
 
 
 def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]:

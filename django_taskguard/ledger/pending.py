@@ -31,6 +31,8 @@ from .core import (
     to_row,
     unreachable,
 )
+from .maintenance import database_now
+from .schedules import get as schedule_of
 
 
 def insert_pending(task_name: str, slot: datetime) -> int | None:
@@ -66,13 +68,37 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
     return None if pending is None else pending.id
 
 
-def give_back_pending(run_id: int) -> bool:
-    """Delete a ``pending`` row that no attempt started (its enqueue failed), so that the
-    slot has no row again; False when something started it meanwhile."""
+def give_back_pending(
+    run_id: int, task_name: str, slot: datetime, *, reason: str, actor: str
+) -> str | None:
+    """Give back a ``pending`` row that no attempt started (its enqueue failed).
+
+    Deleted, so that the slot has no row again (``"given back"``): the sweep records it
+    ``missed`` after its grace, or it is handed out again. But a slot the sweep will not
+    judge again (older than its schedule's grace by the database's clock, or at or behind
+    its ``swept_until``) would then be lost without a record: its row is ended ``missed``
+    with ``reason`` instead (``"missed"``, a compare-and-set from ``pending``). None when
+    something started it meanwhile.
+    """
     try:
-        return one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value]) is not None
+        schedule = schedule_of(task_name)
+        if schedule is not None and (
+            slot <= database_now() - schedule.grace
+            or (schedule.swept_until is not None and slot <= schedule.swept_until)
+        ):
+            ended = _end(
+                runs().filter(pk=run_id),
+                task_name,
+                state=RunState.MISSED,
+                reason=reason,
+                actor=actor,
+                limit=1,
+            )
+            return "missed" if ended else None
+        deleted = one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
+    return None if deleted is None else "given back"
 
 
 def give_back(run_id: int, fence: int, owner: str, reason: str) -> Row | None:

@@ -167,12 +167,16 @@ STATES_AT_CHUNK = 1_000  # slots per statement
 
 def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
     """The state of ``task_name``'s row at each of ``slots`` that has one: a statement per
-    ``STATES_AT_CHUNK`` slots, whatever other rows lie between them."""
+    ``STATES_AT_CHUNK`` slots (fewer where the database binds fewer parameters), whatever
+    other rows lie between them."""
     found: dict[datetime, str] = {}
     d = dialect()
+    # The task name is one parameter too; SQLite may be built with a limit of 999.
+    most = connections[alias()].features.max_query_params
+    chunk = STATES_AT_CHUNK if most is None else min(STATES_AT_CHUNK, most - 1)
     try:
-        for start in range(0, len(slots), STATES_AT_CHUNK):
-            part = slots[start : start + STATES_AT_CHUNK]
+        for start in range(0, len(slots), chunk):
+            part = slots[start : start + chunk]
             params = [task_name, *(slot_param(slot) for slot in part)]
             for value, state in fetch_all(sql.states_at(d, len(part)), params):
                 if (slot := aware(value)) is not None:

@@ -7,7 +7,7 @@ missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIA
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
@@ -117,15 +117,19 @@ def zone_of(row: TaskSchedule) -> str:
     return row.time_zone or (row.default_zone if row.cron else "")
 
 
-def zone_conflicts(zone: str) -> list[tuple[str, str]]:
-    """``(task, zone)`` of the stored crons without a zone of their own that a copy whose
-    TIME_ZONE is not ``zone`` saved: such copies fire them at other instants."""
+def zone_conflicts(zone: str, registered: Collection[str]) -> list[tuple[str, str]]:
+    """``(task, zone)`` of the stored crons among ``registered`` (the schedules this copy
+    fires) without a zone of their own that a copy whose TIME_ZONE is not ``zone`` saved:
+    such copies fire them at other instants. A row no copy registers any more (a schedule
+    removed from the code, after a fleet-wide TIME_ZONE change) fires nowhere: no conflict.
+    """
     found = TaskSchedule.objects.using(alias()).exclude(cron="").filter(time_zone="")
     found = found.exclude(default_zone="").exclude(default_zone=zone).order_by("task_name")
-    try:
-        return list(found.values_list("task_name", "default_zone"))
+    try:  # filtered here, not in SQL: a list of names could pass the parameter limit
+        rows = list(found.values_list("task_name", "default_zone"))
     except DatabaseError as exc:
         raise unreachable(exc) from exc
+    return [(task, theirs) for task, theirs in rows if task in registered]
 
 
 def paused() -> dict[str, str]:

@@ -4,6 +4,7 @@ a range that has no row, or whose row the sweep recorded ``missed`` (it never ra
 from __future__ import annotations
 
 import dataclasses
+import time
 from argparse import ArgumentParser
 from datetime import datetime, timedelta
 from typing import Any
@@ -13,7 +14,7 @@ from django.utils import timezone
 
 from ... import guard, ledger
 from ...conf import taskguard_settings
-from ...exceptions import BackendUnavailable
+from ...exceptions import BackendUnavailable, DuplicateRun
 from ...handoff import hand_off
 from ...models import RunState, ScheduleSource
 from ...registry import Entry
@@ -22,6 +23,9 @@ from ..discovery import RUNNER, sync_schedules, unknown_schedule
 
 BACKFILL_MAX_SLOTS = 10_000
 ONE_MICROSECOND = timedelta(microseconds=1)
+# A slot still missed after the guard refused it is tried again after each pause (s): the
+# call holding its key is taking the row over, or lets the key go within moments.
+HELD_RETRY_PAUSES = (0.0, 0.5, 1.0, 2.0)
 
 
 class Command(BaseCommand):
@@ -80,10 +84,18 @@ class Command(BaseCommand):
             if failed:
                 raise CommandError(f"{failed} slots of {task} could not be enqueued")
             return
-        failed = sum(1 for slot in slots if not self._run(entry, slot))
-        self.stdout.write(f"Ran {len(slots) - failed} slots of {task}; {failed} raised.")
-        if failed:
-            raise CommandError(f"{failed} slots of {task} raised (recorded failed)")
+        ends = [self._run(entry, slot) for slot in slots]
+        raised, left = ends.count("raised"), ends.count("not run")
+        self.stdout.write(
+            f"Ran {ends.count('ran')} slots of {task}; {raised} raised; {left} not run."
+        )
+        if raised:
+            raise CommandError(f"{raised} slots of {task} raised (recorded failed)")
+        if left:
+            raise CommandError(
+                f"{left} slots of {task} were not run: still missed, their lock held by "
+                f"another call; backfill them again"
+            )
 
     def _say_plan(
         self, task: str, slots: int, refused: int, taken: int, missed: int, *, dry_run: bool,
@@ -145,21 +157,35 @@ class Command(BaseCommand):
             todo = [slot for slot in todo if slot not in rows]
         return todo, len(every) - len(recent), len(rows) - missed, missed
 
-    def _run(self, entry: Entry, slot: datetime) -> bool:
+    def _run(self, entry: Entry, slot: datetime) -> str:
+        """Run one slot: "ran" (here or elsewhere), "raised", or "not run" (still missed)."""
         # An operator's explicit call: a slot the sweep recorded missed runs whatever the
         # catch-up policy (the guard takes it over from missed, once across every caller).
         policy = entry.policy
         if policy.catchup == "none":
             policy = dataclasses.replace(policy, catchup="latest")
-        try:
-            result = guard.execute(entry.task_name, slot, policy, entry.func, (), {})
-        except Exception as exc:
-            self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
-            return False
-        row = ledger.read(entry.task_name, slot)
+        for pause in HELD_RETRY_PAUSES:
+            time.sleep(pause)
+            elsewhere = False
+            try:
+                result = guard.execute(entry.task_name, slot, policy, entry.func, (), {})
+            except DuplicateRun:  # on_duplicate="raise": another call has the slot
+                result, elsewhere = None, True
+            except Exception as exc:
+                self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
+                return "raised"
+            row = ledger.read(entry.task_name, slot)
+            # Still missed after the guard said no: another call holds the slot's key
+            # (it is taking the row over, or it is a late call that will let it go).
+            if result is not None or row is None or row.state != RunState.MISSED:
+                break
+        else:
+            self.stdout.write(f"  {slot.isoformat()}: not run (still missed; its lock is held)")
+            return "not run"
         state = row.state if row is not None else "no row"
-        self.stdout.write(f"  {slot.isoformat()}: {state}{'' if result is None else ' (ran)'}")
-        return True
+        done = " (ran)" if result is not None else " (run elsewhere)" if elsewhere else ""
+        self.stdout.write(f"  {slot.isoformat()}: {state}{done}")
+        return "ran"
 
     def _enqueue(self, entry: Entry, slot: datetime) -> bool:
         try:

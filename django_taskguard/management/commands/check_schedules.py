@@ -23,7 +23,8 @@ class Command(BaseCommand):
     help = (
         "Judge every registered schedule and every task the ledger has runs of: late (its "
         "latest due slot has no run past its grace, or a run's owner is presumed dead), "
-        "missed slots within MONITOR_WINDOW_HOURS, or its last HEALTH_FAILURES runs failed. "
+        "missed slots within MONITOR_WINDOW_HOURS, its last HEALTH_FAILURES runs failed, or a "
+        "run of it has been alive too long (hung?). "
         f"Exit {UNHEALTHY_EXIT} naming each unhealthy task and why; paused tasks are healthy "
         f"and said to be paused. Exit {UNREACHABLE_EXIT} when the database cannot be read, "
         f"{NOT_MIGRATED_EXIT} when taskguard's migrations were not applied there."
