@@ -172,8 +172,8 @@ def check_schedule_zones(
     zone = get_default_timezone_name()
     try:
         registered = registry.discover().keys()
-    except ImproperlyConfigured:
-        registered = registry.entries().keys()  # a module that fails: sync says which
+    except Exception:  # a schedules module that fails to import: sync says which, not check
+        registered = registry.entries().keys()
     try:
         conflicts = store.zone_conflicts(zone, registered)
     except BackendUnavailable:
