@@ -66,7 +66,7 @@ def prune_runs(
             return result
         last = ids[-1]
         started = time.monotonic()
-        runs, transitions = ledger.delete_finished(ids)
+        runs, transitions = ledger.delete_finished(ids, before)
         elapsed = time.monotonic() - started
         result.runs += runs
         result.transitions += transitions

@@ -11,11 +11,24 @@ from django.db import (
     transaction,
 )
 from django.db.models import Q, QuerySet
+from django.db.models.lookups import LessThan
 
 from ..models import TaskRun, TaskRunQuerySet, TaskRunTransition
-from ..states import PRUNABLE_STATES
+from ..states import PRUNABLE_STATES, RunState
 from . import sql
-from .core import RunRef, alias, aware, dialect, fetch_all, one, runs, transitions, unreachable
+from .core import (
+    RunRef,
+    alias,
+    aware,
+    dialect,
+    fetch_all,
+    one,
+    runs,
+    slot_param,
+    transitions,
+    unreachable,
+)
+from .pending import HANDED_OUT
 
 # -- maintenance -------------------------------------------------------------------
 
@@ -132,8 +145,12 @@ def last_transition(run_id: int) -> TaskRunTransition | None:
 
 
 def prunable(before: datetime) -> TaskRunQuerySet:
-    """Finished runs whose slot is older than ``before``."""
-    queryset: TaskRunQuerySet = runs().filter(state__in=PRUNABLE_STATES, slot__lt=before)
+    """Finished runs whose slot is older than ``before``, and a key's ``pending`` rows (an
+    attempt gave the key back: nothing ran) given back before ``before``: deleting one
+    reopens its key, which is right, as nothing ran; no sweep ends a key's row."""
+    finished = Q(state__in=PRUNABLE_STATES, slot__lt=before)
+    given_back = Q(LessThan(HANDED_OUT, before), state=RunState.PENDING, key__isnull=False)
+    queryset: TaskRunQuerySet = runs().filter(finished | given_back)
     return queryset
 
 
@@ -150,7 +167,7 @@ def prunable_ids(before: datetime, after_id: int, limit: int) -> list[int]:
     )
 
 
-def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
+def delete_finished(ids: Sequence[int], before: datetime) -> tuple[int, int]:
     """Delete these runs if still finished (state re-checked), with their transitions.
 
     One short transaction; returns (runs, transitions) deleted.
@@ -159,7 +176,10 @@ def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
     with transaction.atomic(using=alias()):
         deleted = [
             run_id
-            for (run_id,) in fetch_all(sql.delete_finished(d, len(ids)), [*ids, *PRUNABLE_STATES])
+            for (run_id,) in fetch_all(
+                sql.delete_finished(d, len(ids)),
+                [*ids, *PRUNABLE_STATES, RunState.PENDING.value, slot_param(before)],
+            )
         ]
         if not deleted:
             return 0, 0
