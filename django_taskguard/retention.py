@@ -41,7 +41,8 @@ def prune_runs(
     batch_size: int = BATCH_SIZE,
     progress: Callable[[PruneResult], None] | None = None,
 ) -> PruneResult:
-    """Delete finished runs whose slot is older than ``before``, with their transitions.
+    """Delete finished runs whose slot is older than ``before``, with their transitions
+    (and a key's ``pending`` row given back before ``before``: ``ledger.prunable``).
 
     ``before`` may not be later than the retention horizon (``PRUNE_AFTER_DAYS``
     ago by the database's clock, less :data:`CLOCK_MARGIN`): guarded calls

@@ -75,7 +75,8 @@ GIVEN_BACK_TO: dict[str, str] = {
 
 # States in which no attempt is live and none will follow on its own.
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
-# Finished for good: what retention may delete. Never running, pending or retrying.
+# Finished for good: what retention may delete. Never running or retrying; pending only for
+# a key's row given back (nothing ran: ``ledger.prunable``), never a slot's.
 PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED}))
 
 

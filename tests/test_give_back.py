@@ -117,12 +117,31 @@ def test_give_back__a_retry_attempt_goes_back_to_retrying_and_only_its_retry_run
 
     late = Policy(catchup="none", grace=timedelta(minutes=5))
     assert refused_late(NAME, slot, late, timezone.now()) is False  # the claim decides
+    sweep_missed(task=NAME)  # not a pending slot: the sweep leaves it to its retry
+    assert TaskRun.objects.get(task_name=NAME).state == RunState.RETRYING
     assert begin(NAME, slot, Policy(), message_id="other copy") is REFUSED
     third = begin(NAME, slot, Policy(), message_id="m1")
     assert isinstance(third, Attempt) and third.active.attempt == 2
     assert third.run(lambda: "ran", (), {}) == "ran"
     row = TaskRun.objects.get(task_name=NAME)
     assert (row.state, row.attempt, row.duplicates) == (RunState.SUCCEEDED, 2, 1)
+
+
+def test_give_back__a_given_back_retry_that_never_comes_is_abandoned_by_cleanup() -> None:
+    """The given-back retry's deadline passes: ``cleanup_locks`` records it abandoned,
+    "retry never came", as it does for any retry that never came."""
+    slot = timezone.now().replace(microsecond=0) - timedelta(minutes=30)
+    retrying_row(slot)
+    second = begin(NAME, slot, Policy(), message_id="m1")
+    assert isinstance(second, Attempt)
+    with refused_start():
+        second.run(lambda: "ran", (), {})
+    runs = TaskRun.objects.filter(task_name=NAME)
+    runs.update(lease_until=timezone.now() - timedelta(minutes=1))
+    call_command("cleanup_locks", stdout=StringIO())
+    row = runs.get()
+    assert row.state == RunState.ABANDONED
+    assert "retry never came" in row.transitions.order_by("id").last().reason  # type: ignore[union-attr]
 
 
 def test_give_back__a_takeover_goes_back_to_retrying_and_the_next_call_takes_it() -> None:
