@@ -75,8 +75,8 @@ GIVEN_BACK_TO: dict[str, str] = {
 
 # States in which no attempt is live and none will follow on its own.
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
-# Finished for good: what retention may delete. Never running or retrying; pending only for
-# a key's row given back (nothing ran: ``ledger.prunable``), never a slot's.
+# Finished for good: what retention may delete. Never running or retrying; pending only when
+# nobody started it for longer than retention (nothing ran: ``ledger.prunable``).
 PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED}))
 
 

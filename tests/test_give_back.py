@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.test import override_settings
 from django.utils import timezone
 
 from django_taskguard import ledger, once_per_key, once_per_schedule, registry
@@ -247,6 +248,31 @@ def test_give_back__retention_deletes_a_keys_given_back_row() -> None:
     call_command("prune_runs", stdout=StringIO())
     assert list(TaskRun.objects.values_list("key", flat=True)) == ["k:2"]
     assert charge(1) == 1
+
+
+def test_give_back__retention_deletes_an_unscheduled_slots_given_back_row() -> None:
+    """A slot of a task with no schedule (no sweep covers it) given back long ago is
+    deleted by ``prune_runs``; a later call for that slot is refused as pruned (recorded
+    ``skipped``), never run."""
+    ran: list[int] = []
+
+    @once_per_schedule(name=NAME)
+    def body() -> None:
+        ran.append(1)
+
+    old = timezone.now().replace(microsecond=0) - timedelta(
+        days=taskguard_settings.PRUNE_AFTER_DAYS + 2
+    )
+    with (
+        override_settings(TASKGUARD={"PRUNE_AFTER_DAYS": 10_000}),
+        refused_start(),
+    ):
+        body.run_for_slot(old)
+    TaskRun.objects.update(created_at=old, finished_at=old)
+    call_command("prune_runs", stdout=StringIO())
+    assert not TaskRun.objects.exists()
+    assert body.run_for_slot(old) is None and ran == []
+    assert TaskRun.objects.get().state == RunState.SKIPPED
 
 
 def test_give_back__a_skip_receiver_that_raises_leaves_the_skip_and_the_finished_marker(

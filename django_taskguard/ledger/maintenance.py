@@ -145,11 +145,14 @@ def last_transition(run_id: int) -> TaskRunTransition | None:
 
 
 def prunable(before: datetime) -> TaskRunQuerySet:
-    """Finished runs whose slot is older than ``before``, and a key's ``pending`` rows (an
-    attempt gave the key back: nothing ran) given back before ``before``: deleting one
-    reopens its key, which is right, as nothing ran; no sweep ends a key's row."""
+    """Finished runs whose slot is older than ``before``; and ``pending`` rows (handed out
+    or given back, and nobody started them: nothing ran) whose slot and hand-out or
+    give-back are both older than ``before``, which the missed-slot sweep never ends (a
+    key's row, an unscheduled task's slot). Deleting a key's row reopens the key, which is
+    right, as nothing ran; a slot's is not reopened: a call for a slot that old is
+    refused (``guard._refused_as_pruned``)."""
     finished = Q(state__in=PRUNABLE_STATES, slot__lt=before)
-    given_back = Q(LessThan(HANDED_OUT, before), state=RunState.PENDING, key__isnull=False)
+    given_back = Q(LessThan(HANDED_OUT, before), state=RunState.PENDING, slot__lt=before)
     queryset: TaskRunQuerySet = runs().filter(finished | given_back)
     return queryset
 
@@ -178,7 +181,7 @@ def delete_finished(ids: Sequence[int], before: datetime) -> tuple[int, int]:
             run_id
             for (run_id,) in fetch_all(
                 sql.delete_finished(d, len(ids)),
-                [*ids, *PRUNABLE_STATES, RunState.PENDING.value, slot_param(before)],
+                [*ids, *PRUNABLE_STATES, RunState.PENDING.value, *[slot_param(before)] * 2],
             )
         ]
         if not deleted:

@@ -788,12 +788,12 @@ def identity() -> str:
 
 @lru_cache
 def delete_finished(d: Dialect, count: int) -> str:
-    """Delete ``count`` runs by id if they are (still) in one of the prunable states, or a
-    key's ``pending`` row (given back) made pending before a time (parameters: the ids,
-    the prunable states, ``'pending'``, that time)."""
+    """Delete ``count`` runs by id if they are (still) in one of the prunable states, or
+    ``pending`` with their slot and the time they were made pending before a time
+    (parameters: the ids, the prunable states, ``'pending'``, that time twice)."""
     ids = ", ".join(["%s"] * count)
     states = ", ".join(["%s"] * len(PRUNABLE_STATES))
-    given_back = f"state = %s AND {d.key} IS NOT NULL AND COALESCE(finished_at, created_at) < %s"
+    given_back = "state = %s AND slot < %s AND COALESCE(finished_at, created_at) < %s"
     return _delete_runs_where(d, f"id IN ({ids}) AND (state IN ({states}) OR ({given_back}))")
 
 
