@@ -26,6 +26,10 @@ from .states import PRUNABLE_STATES, RunState
 logger = logging.getLogger("taskguard.guard")
 
 CLAIM_ROUNDS = 3
+EARLY_TAKEN = (
+    "claimed on time: the skipped row only recorded a call refused for being ahead of the "
+    "clock (SLOT_TOLERANCE_SECONDS)"
+)
 
 
 @dataclass(frozen=True)
@@ -107,12 +111,11 @@ def claim_many(
     wanted = sorted(wanted)
     owners = [new_owner(new_token()) for _ in wanted]
     sent = time.monotonic()
+    names = [name for name, _ in wanted]
     try:
-        rows = ledger.claim_many(
-            [name for name, _ in wanted], slot, owners, [lease for _, lease in wanted]
-        )
+        rows = ledger.claim_many(names, slot, owners, [lease for _, lease in wanted])
     except DatabaseError as exc:
-        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+        rows = _read_back_many(names, slot, exc)
     if rows is None:
         return None
     decided: dict[str, ActiveRun | Taken | None] = {}
@@ -127,10 +130,26 @@ def claim_many(
     return decided
 
 
+def _read_back_many(names: list[str], slot: datetime, exc: DatabaseError) -> dict[str, Row]:
+    """The batch claim's reply was lost: it may or may not have committed. Read the rows
+    back (a row with one of our owners is ours) instead of leaving won rows unrun."""
+    if not ledger.connection_lost(exc):
+        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+    logger.warning("taskguard batch claim of slot %s interrupted (%s); reading back", slot, exc)
+    try:
+        ledger.settle_connection()
+        rows = ledger.read_many(names, slot)
+    except DatabaseError as again:
+        raise BackendUnavailable(f"the taskguard database is unreachable ({again})") from again
+    return rows or {}
+
+
 def _plainly_taken(row: Row) -> bool:
     if row.state == RunState.RUNNING:
         return not row.expired
-    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED, RunState.ABANDONED)
+    if row.state == RunState.SKIPPED:
+        return row.attempt > 0  # attempt 0 may be an early call's refusal: the one-task path
+    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
 
 
 def _claim_row(
@@ -194,6 +213,12 @@ def _decide(
         return ledger.take_over(row, owner, lease, f"{dead}; on_stale=retry")
     if state == RunState.ABANDONED and not abandon:
         return ledger.take_over(row, owner, lease, "on_stale=retry")
+    if state == RunState.SKIPPED and row.attempt == 0:
+        # Perhaps only an early call's refusal: then this call, on time, takes the slot
+        # (compare-and-set: the ledger checks it is one). Otherwise the slot is skipped.
+        taken = ledger.take_refused_early(row, owner, lease, EARLY_TAKEN)
+        if taken is not None:
+            return taken
     return Taken(state, row.lease_left if state == RunState.RUNNING else None)
 
 

@@ -14,13 +14,11 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import coroutines, guard, ledger, registry, schedules
+from . import coroutines, guard, registry, schedules
 from .conf import lease_problem, taskguard_settings
 from .endings import ClassifyRaise
 from .exceptions import InvalidSchedule, TaskGuardError
 from .models import TASK_NAME_MAX_LENGTH
-from .owner import actor
-from .signals import run_skipped
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -167,19 +165,10 @@ def guarded_policy(func: Any) -> guard.Policy | None:
 def refuse_future_slot(task_name: str, slot: datetime, tolerance: timedelta) -> None:
     """A slot ahead of this clock by more than ``tolerance``: judged again on the
     database's clock (this one may be the one that is wrong); refused and recorded
-    ``skipped`` when that one agrees."""
-    now = ledger.database_now()
-    if slot - now <= tolerance:
-        return
-    reason = (
-        f"slot {slot.isoformat()} is in the future (the database's clock says "
-        f"{now.isoformat()}); a slot may be at most {tolerance.total_seconds():g}s ahead "
-        f"(SLOT_TOLERANCE_SECONDS): a clock is wrong, the caller's or a beat's"
-    )
-    run_id = ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("guard"))
-    if run_id is not None:
-        run_skipped.send(sender=task_name, slot=slot, reason=reason)
-    raise InvalidSchedule(reason)
+    ``skipped`` when that one agrees (an on-time call still runs it)."""
+    reason = guard.refused_early(task_name, slot, tolerance)
+    if reason is not None:
+        raise InvalidSchedule(reason)
 
 
 def refuse_task_object(target: Any, decorator: str) -> None:

@@ -47,15 +47,21 @@ RecordSuccess = Callable[[ActiveRun, str], bool]
 
 
 def record_raised(
-    active: ActiveRun, exc: BaseException, classify_raise: ClassifyRaise | None
+    active: ActiveRun,
+    exc: BaseException,
+    classify_raise: ClassifyRaise | None,
+    recorded: Callable[[bool], None] | None = None,
 ) -> bool:
     """Record a raising attempt's end and send its signal; True when the slot is over.
 
+    ``recorded(over)`` is called once the end is recorded, before the signal (the lock is
+    freed there, so that a call a receiver makes meets the recorded row on every backend).
     Never raises: the caller re-raises the function's own exception, whatever
     recording it ran into (a ``LeaseLost`` fence refusal, the database gone).
     """
     ending = _classify(classify_raise, exc)
-    error = f"{type(exc).__name__}: {exc}"
+    # Cut before formatting: a huge message is never copied whole.
+    error = f"{type(exc).__name__}: {ledger.clip(str(exc), ledger.ERROR_MAX_LENGTH)}"
     retry_within = retry_by = None
     if ending is not None:
         state, reason = ending.state, ending.reason
@@ -69,6 +75,8 @@ def record_raised(
         state, reason = RunState.ABANDONED, f"interrupted ({type(exc).__name__})"
     try:
         finish(active, state, reason, error=error, retry_within=retry_within, retry_by=retry_by)
+        if recorded is not None:
+            recorded(state in (RunState.FAILED, RunState.SKIPPED))
         if state == RunState.SKIPPED:
             run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
         elif state == RunState.ABANDONED:

@@ -286,6 +286,25 @@ def refused_late(task_name: str, slot: datetime, policy: Policy, now: datetime) 
     return _record_refusal(task_name, slot, RunState.MISSED, reason, end_pending=True)
 
 
+def refused_early(task_name: str, slot: datetime, tolerance: timedelta) -> str | None:
+    """A slot ahead of the database's clock by more than ``tolerance``: recorded
+    ``skipped`` (once), and the reason returned; None when that clock says it is in time.
+
+    The row takes the slot from nobody: the first call that is on time takes it over
+    (``claim``), so a wrong clock never costs the slot.
+    """
+    now = ledger.database_now()
+    if slot - now <= tolerance:
+        return None
+    reason = (
+        f"slot {slot.isoformat()} is in the future (the database's clock says "
+        f"{now.isoformat()}); a slot may be at most {tolerance.total_seconds():g}s ahead "
+        f"(SLOT_TOLERANCE_SECONDS): a clock is wrong, the caller's or a beat's"
+    )
+    _record_refusal(task_name, slot, RunState.SKIPPED, reason)
+    return reason
+
+
 def _refused_as_pruned(task_name: str, slot: datetime, horizon: timedelta) -> bool:
     """A slot older than retention may have had its row pruned: never run it again.
 
@@ -441,27 +460,36 @@ class Attempt:
     def returned(self, result: R) -> R:
         """Record that the function returned ``result`` (fenced: ``LeaseLost`` if taken over)."""
         heartbeats.stop(self.beat)
-        ended = False  # the row is recorded finished: the lock may say so too
         try:
             if self.policy.return_result:
                 _store_result(self.active, result)
             succeed(self.active, self.record_success)
-            ended = True
-            run_succeeded.send(sender=self.active.task_name, run=self.active, result=result)
-            return result
-        finally:
-            self._free(ended)
+        except BaseException:
+            self._free(ended=False)
+            raise
+        # The row is terminal: the lock says so before any receiver runs, so that a call
+        # made meanwhile meets the finished row on every backend (keep=0: the key is free).
+        self._free(ended=True)
+        run_succeeded.send(sender=self.active.task_name, run=self.active, result=result)
+        return result
 
     def raised(self, exc: BaseException) -> None:
         """Record that the function raised ``exc``; never raises (the caller re-raises ``exc``)."""
         heartbeats.stop(self.beat)
-        ended = False
+        ended, freed = False, False
+
+        def free(over: bool) -> None:  # the end is recorded: before any receiver runs
+            nonlocal freed
+            freed = True
+            self._free(over)
+
         try:
-            ended = record_raised(self.active, exc, self.classify_raise)
+            ended = record_raised(self.active, exc, self.classify_raise, free)
             if ended and self.policy.pause_after_failures:
                 _pause_after_failures(self.active.task_name, self.policy.pause_after_failures)
         finally:
-            self._free(ended)
+            if not freed:
+                self._free(ended)
 
     def _free(self, ended: bool) -> None:
         try:

@@ -20,6 +20,7 @@ from django.utils import timezone
 from . import ledger
 from .exceptions import TaskGuardError
 from .guard import refused_late
+from .owner import actor
 from .registry import Entry
 
 logger = logging.getLogger("taskguard.scheduler")
@@ -37,6 +38,8 @@ def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
     if scheduled and refused_late(entry.task_name, slot, entry.policy, timezone.now()):
         return "not enqueued: late (recorded missed, catchup='none')"
     run_id = ledger.insert_pending(entry.task_name, slot)
+    if run_id is None:  # a row that only refused an early call takes the slot from nobody
+        run_id = ledger.pend_refused_early(entry.task_name, slot, actor=actor("scheduler"))
     if run_id is None:
         return "not enqueued here (it has a row: another copy enqueued it, or it ran)"
     try:

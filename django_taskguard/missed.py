@@ -91,6 +91,8 @@ def _sweep_one(
         _end_pending(row, end, result)
     if end <= judged:
         return
+    if not dry_run and not row.paused:
+        _miss_refused_early(row, judged, end, result)
     schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
     found = _Found(row)
     for _ in range(MAX_BATCHES):
@@ -216,6 +218,24 @@ def _end_pending_all(
         ended += batch
         if len(batch) < PENDING_BATCH:
             return ended
+
+
+def _miss_refused_early(
+    row: TaskSchedule, start: datetime, end: datetime, result: SweepResult
+) -> None:
+    """Due slots whose row only recorded an early call's refusal, that no on-time call
+    took within their grace, are missed like slots with no row."""
+    why = (
+        f"missed: only a call ahead of the clock came (refused), and no instance claimed it "
+        f"on time within its grace ({row.grace.total_seconds():g}s)"
+    )
+    count = ledger.miss_refused_early(
+        row.task_name, start, end, reason=why, actor=actor("sweep"), limit=SWEEP_BATCH
+    )
+    if count:
+        result.missed_slots += count
+        result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + count
+        logger.warning("taskguard %s: %d due slots were only called early", row.task_name, count)
 
 
 def _count(result: SweepResult, task_name: str, slots: int) -> None:

@@ -18,27 +18,26 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Protocol
 
 from django.db import connections
 from django.utils import timezone
 
 from . import ledger
 from .batch import SuccessWriter
-from .claim import Taken, claim_many
 from .conf import taskguard_settings
-from .context import ActiveRun
-from .guard import duplicate, run_claimed
+from .dispatch import NOT_RUN_HERE, Dispatcher, batchable, not_run
+from .exceptions import BackendUnavailable
+from .guard import refused_early
 from .handoff import hand_off
 from .missed import sweep_missed
-from .pauses import paused_reason
+from .pool import Pool
 from .registry import Entry
 
 logger = logging.getLogger("taskguard.scheduler")
@@ -47,62 +46,16 @@ logger = logging.getLogger("taskguard.scheduler")
 LOOKAHEAD = timedelta(days=400)
 # The loop wakes at least this often (a stop, a clock step).
 MAX_SLEEP = 1.0
-# Schedules claimed by one statement.
-BATCH_CHUNK = 100
+# A clock that goes back more than this (a step, not jitter) is logged.
+CLOCK_STEP = timedelta(seconds=1)
 
 
-def _batchable(entry: Entry, slot: datetime, now: datetime) -> bool:
-    """A slot the batch claim decides like the one-task path would: on_stale="abandon",
-    and not one that catchup="none" records missed for being late."""
-    if entry.policy.on_stale != "abandon":
-        return False
-    return entry.policy.catchup != "none" or now - slot <= entry.policy.grace
+class Stop(Protocol):
+    """What stops :meth:`Scheduler.run` (a ``threading.Event`` will do)."""
 
+    def is_set(self) -> bool: ...
 
-class Pool:
-    """A bounded set of daemon worker threads (a call still running at exit is cut off;
-    its lease lapses and ``cleanup_locks`` records it ``abandoned``)."""
-
-    def __init__(self, workers: int) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._busy = 0
-        self._idle = threading.Condition()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"taskguard-fire-{n}", daemon=True)
-            for n in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._idle:
-            self._busy += 1
-        self._jobs.put(job)
-
-    @property
-    def busy(self) -> int:
-        return self._busy
-
-    def drain(self, timeout: float | None) -> bool:
-        """Wait until every submitted job has finished; False if ``timeout`` passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._busy == 0, timeout)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-
-    def _work(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                try:
-                    job()
-                finally:
-                    with self._idle:
-                        self._busy -= 1
-                        self._idle.notify_all()
-        finally:
-            connections.close_all()
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 @dataclass
@@ -124,10 +77,15 @@ class Scheduler:
     first_seen: dict[str, datetime] = field(default_factory=dict)
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
     _fired: int = 0
+    _clock: datetime | None = None  # the "now" of the last due()
 
     def __post_init__(self) -> None:
         self.pool = Pool(self.max_workers)
         self.writer = SuccessWriter()
+        self.stopping = threading.Event()  # no claim starts a body any more
+        self.dispatcher = Dispatcher(
+            self.pool, self.writer, self.stopping, self._run_slot, self._log
+        )
 
     # -- what is due -------------------------------------------------------------
 
@@ -152,6 +110,7 @@ class Scheduler:
 
     def due(self, now: datetime) -> list[tuple[Entry, list[datetime]]]:
         """The slots that fell due since the last call, per schedule."""
+        self._watch_clock(now)
         due = []
         for entry in self.entries:
             cursor = self._cursors[entry.task_name]
@@ -169,6 +128,18 @@ class Scheduler:
             cursor.fired, cursor.next_slot = latest, None
             due.append((entry, slots))
         return due
+
+    def _watch_clock(self, now: datetime) -> None:
+        """Log a clock stepped back: nothing fires until it is past the slots it fired."""
+        if self._clock is not None and now < self._clock - CLOCK_STEP:  # once per step
+            logger.warning(
+                "run_schedules: this host's clock went back %.1fs (from %s to %s); slots "
+                "after the ones already fired run when the clock reaches them again",
+                (self._clock - now).total_seconds(),
+                self._clock.isoformat(),
+                now.isoformat(),
+            )
+        self._clock = now
 
     def next_wakeup(self) -> datetime | None:
         slots = [cursor.next_slot for cursor in self._cursors.values() if cursor.next_slot]
@@ -196,9 +167,10 @@ class Scheduler:
     def fire(self, due: Iterable[tuple[Entry, list[datetime]]]) -> None:
         """Hand each schedule's due slots to the pool; one schedule's run in order.
 
-        Schedules due at the same slot are claimed together, in one statement
-        (PostgreSQL), then their bodies run on the pool: see :meth:`_claim_batch`.
+        Schedules due at the same slot are claimed together, in batches no larger than
+        the workers free to start them (PostgreSQL): see :mod:`.dispatch`.
         """
+        due = self._in_time(due)
         if self.enqueue:
             for entry, slots in due:
                 self.pool.submit(functools.partial(self._hand_off, entry, slots))
@@ -206,7 +178,7 @@ class Scheduler:
         batches: dict[datetime, list[Entry]] = {}
         now = timezone.now()
         for entry, slots in due:
-            if self.batch and len(slots) == 1 and _batchable(entry, slots[0], now):
+            if self.batch and len(slots) == 1 and batchable(entry, slots[0], now):
                 batches.setdefault(slots[0], []).append(entry)
             else:
                 self.pool.submit(functools.partial(self._run, entry, slots))
@@ -214,55 +186,47 @@ class Scheduler:
             if len(entries) == 1:
                 self.pool.submit(functools.partial(self._run, entries[0], [slot]))
                 continue
-            # Chunks of disjoint schedules, each its own statement and commit, taken from a
-            # random starting chunk: copies win different chunks and share the work.
+            # From a random starting schedule: copies claim different ones first and
+            # share the work.
             entries.sort(key=lambda entry: entry.task_name)
-            chunks = [entries[n : n + BATCH_CHUNK] for n in range(0, len(entries), BATCH_CHUNK)]
-            start = random.randrange(len(chunks))
-            for chunk in chunks[start:] + chunks[:start]:
-                self.pool.submit(functools.partial(self._claim_batch, slot, chunk))
+            start = random.randrange(len(entries))
+            self.dispatcher.add(slot, entries[start:] + entries[:start])
 
-    def _claim_batch(self, slot: datetime, entries: list[Entry]) -> None:
-        """One statement claims ``slot`` for every entry; the won ones run on the pool,
-        the taken ones are duplicates, the others (a pending, retrying, missed or stale
-        row) go the one-task way. No Redis key is set: the row is the lock."""
-        lease = taskguard_settings.LEASE_SECONDS
-        wanted = [(entry.task_name, entry.policy.lease_seconds or lease) for entry in entries]
+    def _in_time(
+        self, due: Iterable[tuple[Entry, list[datetime]]]
+    ) -> list[tuple[Entry, list[datetime]]]:
+        """The due slots this copy may fire: one more than ``SLOT_TOLERANCE_SECONDS`` ahead
+        of the database's clock (this copy's clock is fast) is refused and recorded, as any
+        early call's slot is, and an on-time copy still runs it."""
+        due = list(due)
+        if not due:
+            return due
+        tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
         try:
-            decided = claim_many(slot, wanted)
-        except Exception:
-            logger.exception("the batch claim of slot %s failed; firing one by one", slot)
-            decided = None
-        if decided is None:
-            for entry in entries:
-                self.pool.submit(functools.partial(self._run, entry, [slot]))
-            return
-        for entry in entries:
-            outcome = decided.get(entry.task_name)
-            if isinstance(outcome, ActiveRun):
-                self.pool.submit(functools.partial(self._run_claimed, entry, outcome))
-            elif isinstance(outcome, Taken):
-                duplicate(entry.task_name, slot, outcome.state, entry.policy)
-                self._log(entry, slot, "not run here (another call has it)", 0.0)
-            else:
-                self.pool.submit(functools.partial(self._run, entry, [slot]))
+            now = ledger.database_now()
+        except BackendUnavailable:
+            ledger.settle_connection()  # the claims say what is wrong
+            return due
+        kept = []
+        for entry, slots in due:
+            for slot in slots:
+                if slot - now > tolerance:
+                    self.pool.submit(functools.partial(self._refuse_early, entry, slot, tolerance))
+            slots = [slot for slot in slots if slot - now <= tolerance]
+            if slots:
+                kept.append((entry, slots))
+        return kept
 
-    def _run_claimed(self, entry: Entry, active: ActiveRun) -> None:
-        started = time.monotonic()
-        ran = False
-
-        def body() -> Any:
-            nonlocal ran
-            ran = True
-            return entry.func()
-
+    def _refuse_early(self, entry: Entry, slot: datetime, tolerance: timedelta) -> None:
         try:
-            run_claimed(active, entry.policy, body, self.writer.record)
+            reason = refused_early(entry.task_name, slot, tolerance)
         except Exception as exc:
-            outcome = f"raised {type(exc).__name__}: {exc}"
-        else:
-            outcome = "ran" if ran else _not_run(entry, "not run (recorded)")
-        self._log(entry, active.slot, outcome, time.monotonic() - started)
+            reason = f"raised {type(exc).__name__}: {exc}"
+        if reason is None:  # judged again: the database's clock caught up meanwhile
+            (self._hand_off if self.enqueue else self._run)(entry, [slot])
+            return
+        outcome = f"not run here: this copy's clock is ahead of the database's clock; {reason}"
+        self._log(entry, slot, outcome, 0.0)
 
     def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
         self._fired += 1
@@ -270,15 +234,20 @@ class Scheduler:
             "fired %s slot %s: %s in %.3fs", entry.task_name, slot.isoformat(), outcome, took
         )
 
+    def _run_slot(self, entry: Entry, slot: datetime) -> None:
+        self._run(entry, [slot])
+
     def _run(self, entry: Entry, slots: list[datetime]) -> None:
         for slot in slots:
+            if self.stopping.is_set():
+                return  # not claimed: the sweep records it, unless another copy runs it
             started = time.monotonic()
             try:
                 ran = entry.fire(slot)
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit from a body too: recorded failed
                 outcome = f"raised {type(exc).__name__}: {exc}"
             else:
-                outcome = "ran" if ran else _not_run(entry, NOT_RUN_HERE)
+                outcome = "ran" if ran else not_run(entry, NOT_RUN_HERE)
             self._log(entry, slot, outcome, time.monotonic() - started)
 
     def _hand_off(self, entry: Entry, slots: list[datetime]) -> None:
@@ -292,18 +261,22 @@ class Scheduler:
 
     # -- the loop ----------------------------------------------------------------
 
-    def run_once(self) -> int:
-        """Fire what is due now (and sweep), wait for it to finish; return the fires."""
+    def run_once(self, timeout: float | None = None) -> tuple[int, bool]:
+        """Fire what is due now (and sweep), wait up to ``timeout`` for it to finish;
+        return the fires, and False when some calls were still running."""
         self.fire(self.first_due(timezone.now()))
         self.sweep()
-        self.pool.drain(None)
-        self.pool.close()
-        self.writer.close()
-        return self._fired
+        deadline = None if timeout is None else time.monotonic() + timeout
+        settled = self.dispatcher.settle(timeout)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        finished = settled and self.pool.drain(left)
+        self._close(finished, timeout)
+        return self._fired, finished
 
-    def run(self, stop: threading.Event, stop_timeout: float) -> bool:
+    def run(self, stop: Stop, stop_timeout: float) -> bool:
         """Fire every slot until ``stop`` is set, then wait up to ``stop_timeout`` for the
-        calls still running; False when some were still running."""
+        calls still running; False when some were still running. Claims not started by
+        then are given back; slots not claimed yet are left to the sweep."""
         self.fire(self.first_due(timezone.now()))
         sweeper = threading.Thread(
             target=self._sweep_loop, args=(stop,), name="taskguard-sweep", daemon=True
@@ -316,17 +289,25 @@ class Scheduler:
             if wakeup is not None:
                 wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), MAX_SLEEP)
             stop.wait(wait)
+        self.stopping.set()
+        dropped = self.dispatcher.clear()
+        if dropped:
+            logger.info("run_schedules stopping: %d slots left unclaimed", dropped)
         finished = self.pool.drain(stop_timeout)
+        self._close(finished, stop_timeout)
+        return finished
+
+    def _close(self, finished: bool, timeout: float | None) -> None:
         if not finished:
             logger.warning(
                 "run_schedules stopping with %d calls still running after %gs: their leases "
                 "lapse and cleanup_locks records them abandoned",
                 self.pool.busy,
-                stop_timeout,
+                timeout,
             )
+        self.dispatcher.close()
         self.pool.close()
         self.writer.close()
-        return finished
 
     def _sweep_loop(self, stop: threading.Event) -> None:
         try:
@@ -345,15 +326,3 @@ class Scheduler:
         mine = {name: count for name, count in result.tasks.items() if name in names}
         if mine:
             logger.warning("missed slots recorded: %s", mine)
-
-
-NOT_RUN_HERE = "not run here (another call has it, or it is recorded)"
-
-
-def _not_run(entry: Entry, otherwise: str) -> str:
-    """Why a fired slot did not run in this call: the pause (cached, no query) when there
-    is one, ``otherwise`` not."""
-    reason = paused_reason(entry.task_name)
-    if reason is None:
-        return otherwise
-    return f"not run: the task is paused ({reason}); the slot is recorded skipped"

@@ -27,7 +27,11 @@ class RunState(models.TextChoices):
     SUCCEEDED = "succeeded", _("succeeded")
     # terminal: the function raised and no retry follows
     FAILED = "failed", _("failed")
-    # terminal: not run on purpose (overlap, no slot source, ...); the reason says why
+    # terminal: not run on purpose (overlap, no slot source, ...); the reason says why.
+    # One exception: a row that only records a call refused for being ahead of the clock
+    # (attempt 0, written before its slot) -> running: an on-time call takes it over, or
+    # -> pending: an on-time copy hands the slot to its task queue; -> missed: nobody on
+    # time came within its grace (the sweep)
     SKIPPED = "skipped", _("skipped")
     # the owner died (lease expired); -> retrying only under on_stale="retry"
     ABANDONED = "abandoned", _("abandoned")
@@ -56,7 +60,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     RunState.ABANDONED: frozenset({RunState.RETRYING}),
     RunState.SUCCEEDED: frozenset(),
     RunState.FAILED: frozenset(),
-    RunState.SKIPPED: frozenset(),
+    # Only a row recording an early call's refusal (the ledger's compare-and-set checks it).
+    RunState.SKIPPED: frozenset({RunState.RUNNING, RunState.PENDING, RunState.MISSED}),
     RunState.MISSED: frozenset({RunState.RUNNING}),
 }
 

@@ -35,7 +35,10 @@ TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-10}" \
 echo "== the example project's tests (written with django_taskguard.testing)"
 (cd example_project && "../$PY" -m pytest)
 echo "== tests on PostgreSQL"
+# The run_schedules chaos test (three copies, 200 schedules; a SIGKILL, a SIGSTOP, a
+# terminated connection) runs here only: 60 s of chaos, about 80 s in all.
 TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-20}" \
+  TASKGUARD_SCHEDULER_CHAOS_SECONDS="${TASKGUARD_SCHEDULER_CHAOS_SECONDS:-60}" \
   TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
 # MariaDB: the guarantee tests and a smoke set, not the whole suite (about 6.5 minutes there,
 # over CI's budget; about 2 minutes this way). The session starts a private mariadbd in a

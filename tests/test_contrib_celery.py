@@ -28,6 +28,7 @@ from django_taskguard.contrib.celery import (
 )
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.testing import freeze_now
 from tests import celery_tasks
 from tests.celery_app import app
 
@@ -167,6 +168,24 @@ def eager():
 
 def slot_headers(slot: datetime, name: str = "entry") -> dict[str, str]:
     return {SLOT_HEADER: slot.isoformat(), SCHEDULE_HEADER: name}
+
+
+def test_eager__a_fast_beats_message_does_not_take_the_slot_from_the_on_time_one(
+    eager, transactional_db, tmp_path
+):
+    # A beat whose clock is 10 minutes fast stamps a slot the worker refuses and records;
+    # before, that `skipped` row answered the on-time beat's message: the slot never ran.
+    log = tmp_path / "log"
+    slot = (datetime.now(UTC) + timedelta(minutes=10)).replace(microsecond=0)
+    kwargs = {"log": str(log), "seconds": 0}
+    early = celery_tasks.tick.apply_async(kwargs=kwargs, headers=slot_headers(slot, "fast"))
+    assert "in the future" in str(early.result)
+    assert TaskRun.objects.get().state == RunState.SKIPPED
+    with freeze_now(slot):  # the on-time beat's message, on a worker whose clock is right
+        celery_tasks.tick.apply_async(kwargs=kwargs, headers=slot_headers(slot, "fast"))
+    run = TaskRun.objects.get()
+    assert (run.state, run.attempt, run.slot) == (RunState.SUCCEEDED, 1, slot)
+    assert len(executions(log)) == 1
 
 
 def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transactional_db, tmp_path):

@@ -21,12 +21,13 @@ from django.core.management.base import CommandError
 from django.test import override_settings
 from django.utils import timezone
 
-from django_taskguard import ledger, once_per_key, once_per_schedule, registry
+from django_taskguard import guard, ledger, once_per_key, once_per_schedule, registry
 from django_taskguard.contrib.tasks import SLOT_KWARG, enqueue_for_slot
 from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.handoff import hand_off
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.testing import freeze_now
 
 TASKS_MODULE = next((m for m in ("django.tasks", "django_tasks") if find_spec(m)), None)
 # A mark, not a module-level skip: the version matrix names a test of this module by its
@@ -243,6 +244,29 @@ def test_enqueued_catchup_none__a_worker_past_the_grace_records_it_missed_not_ru
     assert run.state == RunState.MISSED and run.error.startswith("late: called")
     assert [(t.from_state, t.to_state) for t in run.transitions.all()] == [("pending", "missed")]
     assert jobs.executed == []
+
+
+@override_settings(**JOBS)
+def test_hand_off__an_early_calls_refusal_does_not_keep_the_slot_from_the_queue(jobs):
+    # Before: the `skipped` row a fast copy recorded made every on-time copy's hand-off
+    # "not enqueued here": the slot never ran.
+    registry.discover()
+    entry = registry.entries()["tests.djtasks.parked"]
+    slot = latest(MINUTE) + 10 * MINUTE
+    assert guard.refused_early("tests.djtasks.parked", slot, timedelta(seconds=5))
+    with freeze_now(slot):  # an on-time copy
+        assert hand_off(entry, slot).startswith("enqueued")
+        assert hand_off(entry, slot).startswith("not enqueued here")
+        jobs.parked.call(**{SLOT_KWARG: slot.isoformat()})
+    run = TaskRun.objects.get(task_name="tests.djtasks.parked", slot=slot)
+    steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("id")]
+    assert steps == [
+        ("pending", "skipped"),
+        ("skipped", "pending"),
+        ("pending", "running"),
+        ("running", "succeeded"),
+    ]
+    assert jobs.executed == [f"tests.djtasks.parked {slot.isoformat()}"]
 
 
 @override_settings(**JOBS)

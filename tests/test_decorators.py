@@ -9,11 +9,12 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from django_taskguard import current_run, once_per_schedule
+from django_taskguard import current_run, ledger, once_per_schedule
 from django_taskguard.decorators import SLOT_SOURCES
 from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.locks.base import run_key, task_digest
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.testing import freeze_now
 
 from .conftest import counted_duplicates
 from .slots import BASE_SLOT
@@ -125,6 +126,51 @@ def test_run_for_slot__future_slot_beyond_tolerance_is_refused_within_it_accepte
     guarded.run_for_slot(near)
     assert calls == [near]
     assert TaskRun.objects.get(slot=near).state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_for_slot__an_early_call_does_not_take_the_slot_from_on_time_calls(lock_backend):
+    # Before: the early call's `skipped` row answered every later call: the slot never
+    # ran anywhere. Now the first on-time call takes the row over, and says so.
+    calls: list[datetime] = []
+
+    @once_per_schedule(name="tests.future.early")
+    def guarded() -> str:
+        calls.append(current_run().slot)
+        return "ran"
+
+    slot = (timezone.now() + timedelta(minutes=10)).replace(microsecond=0)
+    for _ in range(2):  # a fast clock's calls: refused, recorded once
+        with pytest.raises(InvalidSchedule, match="in the future"):
+            guarded.run_for_slot(slot)
+    assert TaskRun.objects.get(slot=slot).state == RunState.SKIPPED
+    with freeze_now(slot):  # a caller whose clock says the slot is due
+        assert guarded.run_for_slot(slot) == "ran"
+        assert guarded.run_for_slot(slot) is None  # and only one of them
+    assert calls == [slot]
+    run = TaskRun.objects.get(slot=slot)
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
+    steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("at", "id")]
+    assert steps == [
+        ("pending", "skipped"),
+        ("skipped", "running"),
+        ("running", "succeeded"),
+    ]
+    assert "ahead of the clock" in run.transitions.get(from_state="skipped").reason
+    assert counted_duplicates(slot=slot) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_for_slot__a_skipped_row_that_is_no_early_refusal_is_never_taken(lock_backend):
+    # The takeover is the ledger's compare-and-set: a slot skipped for another reason
+    # (written after its slot: paused, older than retention) stays skipped.
+    calls: list[int] = []
+    guarded = once_per_schedule(name="tests.future.skipped")(lambda: calls.append(1))
+    ledger.insert_skipped("tests.future.skipped", SLOT, reason="paused: test", actor="test")
+    assert guarded.run_for_slot(SLOT) is None
+    run = TaskRun.objects.get(slot=SLOT)
+    assert (run.state, run.attempt, calls) == (RunState.SKIPPED, 0, [])
+    assert counted_duplicates(slot=SLOT) == 1
 
 
 @pytest.mark.django_db(transaction=True)

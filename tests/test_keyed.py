@@ -7,7 +7,8 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from io import StringIO
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from django_taskguard.exceptions import DuplicateRun, InvalidKey, InvalidSchedul
 from django_taskguard.locks import get_backend
 from django_taskguard.locks.keys import SlotKey, key_digest
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.signals import run_failed, run_succeeded
+from django_taskguard.testing import freeze_now
 
 from .conftest import python, wait_for
 from .redis_support import child_redis_env, command, redis_backend
@@ -137,6 +140,77 @@ def test_once_per_key__keep_zero_frees_the_key_when_finished_none_blocks_it():
     assert TaskRun.objects.filter(task_name="tests.keyed.keep0").count() == 1
     assert forever(1) == 1
     assert forever(1) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__keep_zero_key_is_free_once_the_row_is_terminal(lock_backend):
+    # Before: a call made while run_succeeded receivers still ran (the row already
+    # succeeded) was refused on Redis (the lock was freed only after the signal) and ran
+    # on the database backend. The key is free once the row is terminal, on both.
+    runs: list[int] = []
+    again: list[int | None] = []
+
+    @once_per_key(key="{n}", name="tests.keyed.keep0.signal", keep=timedelta(0))
+    def free(n: int) -> int:
+        runs.append(n)
+        return n
+
+    def on_succeeded(sender: str, run: object, result: object, **kwargs: object) -> None:
+        if sender == "tests.keyed.keep0.signal" and len(runs) == 1:
+            assert TaskRun.objects.get(key="1").state == RunState.SUCCEEDED
+            again.append(free(1))
+
+    run_succeeded.connect(on_succeeded, weak=False)
+    try:
+        assert free(1) == 1
+    finally:
+        run_succeeded.disconnect(on_succeeded)
+    assert again == [1], f"{lock_backend}: the call made after the row succeeded ran"
+    assert runs == [1, 1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__keep_zero_failed_key_is_free_once_the_row_is_terminal(lock_backend):
+    # The same for a failure: a call made while run_failed receivers still run.
+    runs: list[int] = []
+    again: list[object] = []
+
+    @once_per_key(key="{n}", name="tests.keyed.keep0.failed", keep=timedelta(0))
+    def flaky(n: int) -> int:
+        runs.append(n)
+        if len(runs) == 1:
+            raise ValueError("first call fails")
+        return n
+
+    def on_failed(sender: str, run: object, exception: object, **kwargs: object) -> None:
+        if sender == "tests.keyed.keep0.failed" and len(runs) == 1:
+            assert TaskRun.objects.get(key="1").state == RunState.FAILED
+            again.append(flaky(1))
+
+    run_failed.connect(on_failed, weak=False)
+    try:
+        with pytest.raises(ValueError, match="first call fails"):
+            flaky(1)
+    finally:
+        run_failed.disconnect(on_failed)
+    assert again == [1], f"{lock_backend}: the call made after the row failed ran"
+    assert runs == [1, 1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_per_key__a_frozen_clock_runs_any_number_of_keys(lock_backend):
+    # Before: a keyed row's slot is its claim's time; under freeze_now every key of the
+    # task claimed the same instant and the 6th raised TaskGuardError ("5 claims ... at
+    # the same microsecond").
+    @once_per_key(key="{n}", name="tests.keyed.frozen")
+    def body(n: int) -> int:
+        return n
+
+    with freeze_now(datetime(2026, 3, 1, 21, tzinfo=dt_timezone.utc)):
+        assert [body(n) for n in range(25)] == list(range(25))
+        assert body(7) is None
+    runs = TaskRun.objects.filter(task_name="tests.keyed.frozen")
+    assert runs.count() == 25 == len({run.slot for run in runs})
 
 
 @pytest.mark.django_db(transaction=True)

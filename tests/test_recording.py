@@ -4,6 +4,7 @@ never come, a user's exception whatever the recording meets."""
 from __future__ import annotations
 
 import json
+import tracemalloc
 from datetime import timedelta
 from io import StringIO
 
@@ -57,6 +58,33 @@ def test_failed_run__huge_error_text_is_bounded():
     run = TaskRun.objects.get()
     assert len(run.error) == ledger.ERROR_MAX_LENGTH and run.error.endswith("…")
     assert len(run.transitions.last().reason) == ledger.REASON_MAX_LENGTH
+
+
+def test_failed_run__huge_non_ascii_error_is_cut_before_it_is_escaped():
+    # Before: clip() escaped the whole message, then cut it: a 100M-character non-ASCII
+    # exception cost ~700 MB to record. Recording must cost about the stored text, not
+    # the message (measured with tracemalloc, not time).
+    message = "é\x00" * 2_000_000  # 4M characters, non-ASCII, with NULs to escape
+    tracemalloc.start()
+    try:
+        clipped = ledger.clip(message, ledger.ERROR_MAX_LENGTH)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"recording a 4M-character message allocated {peak} bytes"
+    assert clipped == ("é\\x00" * 2_000)[: ledger.ERROR_MAX_LENGTH - 1] + "…"
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 6, 7, 8, 20])
+@pytest.mark.parametrize(
+    "text", ["abcdefgh", "a\x00bc\x00", "ab\udcffcd", "x\ud83d\ude00y", "é😀\x00\udc80é"]
+)
+def test_clip__cutting_first_stores_what_escaping_first_stored(text, limit):
+    # Cut before escaping: the same text as escaping the whole message then cutting it,
+    # at every cut, a surrogate pair or an escape at the boundary included.
+    escaped = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+    expected = escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
+    assert ledger.clip(text, limit) == expected
 
 
 def test_retrying_run__a_retry_that_never_comes_is_abandoned_by_cleanup():

@@ -182,3 +182,46 @@ def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
         assert code != 0
         assert RunState.RUNNING in states
     assert "SIGTERM, no new fires" in (scratch / "a.out").read_text()
+
+
+def test_run_schedules__a_fast_copy_runs_no_slot_early_and_takes_none_from_on_time_copies(
+    child_env, scratch
+):
+    """A copy whose clock is 10 s fast (SLOT_TOLERANCE_SECONDS is 5): each slot it finds due
+    is ahead of the database's clock, so it is refused and recorded `skipped`, never run
+    early; the on-time copy takes those rows over when their slots come and runs each once.
+
+    Before: the fast copy judged slots on its own clock and ran every slot 10 s early."""
+    log = scratch / "executions.log"
+    task = "tests.fast.0"
+    env = schedule_env(child_env, log, "tests.fast", TASKGUARD_TEST_GRACE="5")
+    # Rows that were refused at some point (taken over or not).
+    refusals = TaskRun.objects.filter(task_name=task, transitions__to_state=RunState.SKIPPED)
+    on_time = Copy(env, scratch / "on-time.out")
+    try:
+        wait_for(lambda: len(executions(log)) >= 2, timeout=60, what="the on-time copy firing")
+        fast = Copy(env, scratch / "fast.out", TASKGUARD_TEST_CLOCK_OFFSET="10")
+        try:
+            wait_for(lambda: refusals.count() >= 3, timeout=60, what="the fast copy's refusals")
+        finally:
+            assert fast.stop() == 0
+        refused = set(refusals.values_list("slot", flat=True))
+        wait_for(
+            lambda: refused <= {slot for _, slot in executions(log)},
+            timeout=60,
+            what="the refused slots run on time",
+        )
+    finally:
+        assert on_time.stop() == 0
+
+    lines = [line.split() for line in log.read_text().splitlines()]
+    ran = [(datetime.fromisoformat(slot), float(at)) for _task, slot, _pid, at in lines]
+    early = [(slot, at) for slot, at in ran if at < slot.timestamp()]
+    assert not early, f"slots run before they were due: {early}"
+    assert len({slot for slot, _ in ran}) == len(ran), "a slot ran twice"
+    taken = TaskRun.objects.filter(task_name=task, slot__in=refused)
+    assert set(taken.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    for run in taken:
+        steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("at", "id")]
+        assert steps[:2] == [("pending", "skipped"), ("skipped", "running")]
+    assert "ahead of the database's clock" in (scratch / "fast.out").read_text()

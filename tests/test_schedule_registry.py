@@ -21,6 +21,7 @@ from django_taskguard.exceptions import InvalidSchedule
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.pauses import forget
+from django_taskguard.testing import freeze_now
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SECOND = timedelta(seconds=1)
@@ -227,6 +228,22 @@ def test_sweep_missed__records_each_unclaimed_slot_once():
     assert again.missed_slots == 0 and not again.tasks, "it starts where the last one ended"
 
 
+def test_sweep_missed__a_slot_only_refused_as_early_is_recorded_missed():
+    # Before: an early call's `skipped` row stood for the slot: when no on-time call came,
+    # nothing ran it and the sweep (so health) said nothing.
+    job = every_second("tests.sweep.early", [], grace=2 * SECOND)
+    registry.sync()
+    slot = now_second() + timedelta(minutes=5)
+    seen_since("tests.sweep.early", -(5 * 60 - 3))  # first seen 3 s before the slot
+    with pytest.raises(InvalidSchedule, match="in the future"):
+        job.run_for_slot(slot)
+    result = sweep_missed(now=slot + 5 * SECOND, task="tests.sweep.early")
+    run = TaskRun.objects.get(task_name="tests.sweep.early", slot=slot)
+    assert run.state == RunState.MISSED and result.missed_slots >= 1
+    steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("at", "id")]
+    assert steps == [("pending", "skipped"), ("skipped", "missed")]
+
+
 def test_sweep_missed__paused_task_slots_skipped_paused_not_missed():
     every_second("tests.sweep.paused", [], grace=2 * SECOND)
     registry.sync()
@@ -319,6 +336,21 @@ def test_backfill__runs_slots_without_row_once_twice_harmless():
     assert "Running 0 slots" in out.getvalue() and len(calls) == 10
     states = TaskRun.objects.filter(task_name="tests.backfill.job").values_list("state", flat=True)
     assert list(states) == [RunState.SUCCEEDED] * 10
+
+
+def test_backfill__runs_a_slot_whose_row_only_refused_an_early_call():
+    # Before: an early call's `skipped` row counted as the slot's row: backfill skipped it.
+    calls: list[str] = []
+    job = every_second("tests.backfill.early", calls)
+    slot = now_second() + timedelta(minutes=10)
+    with pytest.raises(InvalidSchedule, match="in the future"):
+        job.run_for_slot(slot)
+    args = ["--from", (slot - SECOND).isoformat(), "--to", (slot + SECOND).isoformat()]
+    with freeze_now(slot + timedelta(minutes=1)):
+        out = StringIO()
+        call_command("backfill", "tests.backfill.early", *args, stdout=out)
+    assert "Running 3 slots" in out.getvalue() and len(calls) == 3
+    assert TaskRun.objects.get(slot=slot).state == RunState.SUCCEEDED
 
 
 def test_backfill__range_bounded_and_old_slots_refused():

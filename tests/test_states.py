@@ -41,6 +41,11 @@ ALLOWED = {
     (S.ABANDONED, S.RETRYING),
     (S.PENDING, S.MISSED),
     (S.MISSED, S.RUNNING),
+    # Only a row recording an early call's refusal (attempt 0, written before its slot):
+    # the ledger's compare-and-set checks that (tests/test_decorators.py).
+    (S.SKIPPED, S.RUNNING),
+    (S.SKIPPED, S.PENDING),
+    (S.SKIPPED, S.MISSED),
 }
 ALL_PAIRS = list(itertools.product(RunState.values, RunState.values))
 ILLEGAL = [pair for pair in ALL_PAIRS if pair not in ALLOWED]

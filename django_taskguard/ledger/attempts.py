@@ -123,7 +123,10 @@ def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
 
 
 # A keyed row's slot is its claim's time; two keys of one task claimed in the same
-# microsecond would meet on the (task, slot) constraint: the later takes the next one.
+# microsecond meet on the (task, slot) constraint: the later takes the microsecond after
+# the task's latest slot from there on. A frozen clock (a test's) gives every key the same
+# time: each takes the next free one, however many keys there are; only claims racing
+# for the same free microsecond go another round.
 SLOT_COLLISION_ROUNDS = 5
 
 
@@ -166,7 +169,7 @@ def _claim_key(
                         one(sql.claimed_transition(d), [row.id])
         except IntegrityError:
             # Only the (task, slot) constraint can refuse it: (task, key) is the arbiter.
-            slot += timedelta(microseconds=1)
+            slot = _next_free_slot(task_name, slot)
             continue
         assert row is not None
         return row
@@ -174,6 +177,13 @@ def _claim_key(
         f"{task_name!r} key {key!r}: {SLOT_COLLISION_ROUNDS} claims of this task at the same "
         f"microsecond; try again"
     )
+
+
+def _next_free_slot(task_name: str, slot: datetime) -> datetime:
+    """The microsecond after ``task_name``'s latest slot at or after ``slot``."""
+    found = one(sql.last_slot_from(dialect()), [task_name, slot_param(slot)])
+    latest = aware(found[0]) if found is not None else None
+    return max(slot, latest or slot) + timedelta(microseconds=1)
 
 
 def _refuse_another_keys_row(
@@ -190,6 +200,21 @@ def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
     if key is not None:
         return to_row(one(sql.read_key(dialect()), [task_name, key]))
     return to_row(one(sql.read_slot(dialect()), [task_name, slot_param(slot)]))
+
+
+def read_many(task_names: Sequence[str], slot: datetime) -> dict[str, Row] | None:
+    """Each task's row of ``slot`` (tasks without one are left out), in one statement;
+    None where the database cannot batch (see :func:`claim_many`)."""
+    statement = sql.read_slot_many(dialect())
+    if statement is None:
+        return None
+    found = fetch_all(statement, [list(task_names), slot_param(slot)])
+    rows = {}
+    for values in found:
+        row = to_row(values[1:])
+        assert row is not None
+        rows[str(values[0])] = row
+    return rows
 
 
 def store_result(run_id: int, fence: int, result: str) -> bool:
@@ -251,6 +276,20 @@ def start_attempt(
         sets=sql.START_ATTEMPT,
         values=(owner, lease_seconds),
         retry_by=(message_id,) if row.state == RunState.RETRYING else None,
+    )
+
+
+def take_refused_early(row: Row, owner: str, lease_seconds: float, reason: str) -> Row | None:
+    """A ``skipped`` row that only records a call refused for being ahead of the clock
+    becomes ``owner``'s running attempt; ``None``: the row is no such refusal, or changed."""
+    return change(
+        row,
+        [Step(RunState.RUNNING, reason)],
+        actor=owner,
+        fenced=False,
+        lease="refused_early",
+        sets=sql.TAKE_REFUSED_EARLY,
+        values=(owner, lease_seconds),
     )
 
 

@@ -250,13 +250,17 @@ def clip(text: str, limit: int) -> str:
 
     What a database refuses becomes visible instead: NUL (PostgreSQL rejects it
     in text) as ``\\x00``, lone surrogates (no encoding takes them) as
-    ``\\udcxx``. A message is the user's, any text at all.
+    ``\\udcxx``. A message is the user's, any text at all, of any length: it is cut
+    before it is escaped (every character escapes to one or more, so the first
+    ``limit`` hold the result), never copied whole.
     """
+    cut = len(text) > limit
+    text = text[:limit]
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")
     if not text.isascii():
         text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return text if len(text) <= limit and not cut else text[: limit - 1] + "…"
 
 
 def change(
@@ -298,7 +302,7 @@ def change(
         step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
         return block_row(one(statement, [*params, row.id, *step_params]))
     with transaction.atomic(using=alias()):
-        if sets is sql.START_ATTEMPT and d.fence_counter:
+        if d.fence_counter and (sets is sql.START_ATTEMPT or sets is sql.TAKE_REFUSED_EARLY):
             bump_fence(d)
         statement = sql.change(d, assignments, fenced, lease, checked)
         updated = _update(d, statement, params, row.id)
@@ -349,6 +353,11 @@ def identity() -> str:
         raise unreachable(exc) from exc
     value = _identities[name] = uuid.UUID(str(found[0])).hex
     return value
+
+
+def identity_known() -> bool:
+    """Whether this process has read this ledger's identity (no query)."""
+    return alias() in _identities
 
 
 def new_identity() -> str:

@@ -30,6 +30,7 @@ from .core import (
     one,
     runs,
     slot_param,
+    to_row,
     unreachable,
 )
 
@@ -47,6 +48,28 @@ def insert_pending(task_name: str, slot: datetime) -> int | None:
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return int(found[0]) if found else None
+
+
+def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | None:
+    """Hand out ``slot`` (``pending``) when its row only records a call refused for being
+    ahead of the clock; None when it has no such row (compare-and-set)."""
+    d = dialect()
+    try:
+        row = to_row(one(sql.read_slot(d), [task_name, slot_param(slot)]))
+        if row is None or row.state != RunState.SKIPPED or row.attempt != 0:
+            return None
+        reason = "handed out on time: the skipped row only recorded a call ahead of the clock"
+        pending = change(
+            row,
+            [Step(RunState.PENDING, reason)],
+            actor=actor,
+            fenced=False,
+            lease="refused_early",
+            sets=sql.PEND_REFUSED_EARLY,
+        )
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return None if pending is None else pending.id
 
 
 def give_back_pending(run_id: int) -> bool:

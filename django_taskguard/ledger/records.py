@@ -15,9 +15,13 @@ from django.db import (
 from ..states import RunState, check_transition
 from . import sql
 from .core import (
+    ERROR_MAX_LENGTH,
     REASON_MAX_LENGTH,
+    Row,
+    Step,
     alias,
     aware,
+    change,
     clip,
     dialect,
     fetch_all,
@@ -108,6 +112,33 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return int(found[0]) if found else 0
+
+
+def miss_refused_early(
+    task_name: str, after: datetime, until: datetime, *, reason: str, actor: str, limit: int
+) -> int:
+    """The rows of ``task_name`` in ``(after, until]`` that only record an early call's
+    refusal (no on-time call took them) become ``missed``, each by compare-and-set (a
+    claim that got there first keeps its row); returns how many."""
+    d = dialect()
+    params = [task_name, slot_param(after), slot_param(until), limit]
+    changed = 0
+    try:
+        for run_id, fence, owner, lease_until in fetch_all(sql.refused_early_in(d), params):
+            row = Row(run_id, RunState.SKIPPED, 0, fence, owner, lease_until)
+            missed = change(
+                row,
+                [Step(RunState.MISSED, reason)],
+                actor=actor,
+                fenced=False,
+                lease="refused_early",
+                sets=sql.MISS_REFUSED_EARLY,
+                values=(clip(reason, ERROR_MAX_LENGTH),),
+            )
+            changed += missed is not None
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    return changed
 
 
 def latest_slot(task_name: str) -> datetime | None:

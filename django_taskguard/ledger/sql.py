@@ -336,6 +336,26 @@ def read_slot(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND slot = %s", d)
 
 
+# A keyed claim that met another key's row on (task, slot): the latest slot the task has
+# from there on (the (task, slot) index answers it), so the claim takes the next one.
+@lru_cache
+def last_slot_from(d: Dialect) -> str:
+    return _format("SELECT MAX(slot) FROM {run} WHERE task_name = %s AND slot >= %s", d)
+
+
+# Tasks (text[]), a slot: each task's row of that slot (PostgreSQL; the batch claim's
+# read-back after a lost reply).
+@lru_cache
+def read_slot_many(d: Dialect) -> str | None:
+    if not d.one_statement:
+        return None
+    return _format(
+        "SELECT task_name, {row}, {left} FROM {run} WHERE task_name = ANY(%s::text[]) "
+        "AND slot = %s",
+        d,
+    )
+
+
 @lru_cache
 def read_key(d: Dialect) -> str:
     return _format("SELECT {row}, {left} FROM {run} WHERE task_name = %s AND {key} = %s", d)
@@ -363,6 +383,12 @@ def now(d: Dialect) -> str:
 # -- changing a row --------------------------------------------------------------
 
 
+# A (skipped) row that only records a call refused for being ahead of the clock: nothing
+# ever held it, and it was written before its slot came (no other writer does that). The
+# first on-time call takes it over; it does not count as the slot's row.
+REFUSED_EARLY = "attempt = 0 AND created_at < slot"
+
+
 @lru_cache
 def change(
     d: Dialect, assignments: tuple[str, ...], fenced: bool, lease: str, retry_by: bool = False
@@ -383,6 +409,8 @@ def change(
         where += " AND r.lease_until <= {now}"
     elif lease == "live":
         where += " AND r.lease_until > {now}"
+    elif lease == "refused_early":
+        where += " AND " + REFUSED_EARLY
     sets = ", ".join(("state = %s", *assignments))
     returning = " RETURNING {row}" if d.update_returning else ""
     return _format(f"UPDATE {{run}} AS r SET {sets} WHERE {where}{returning}", d)
@@ -458,6 +486,19 @@ START_ATTEMPT = (  # owner, lease seconds
     "finished_at = NULL",
     "retry_by = NULL",
 )
+# An on-time call takes a row that only recorded an early call's refusal: the duplicate
+# its claim counted on finding the row is taken back (it is no duplicate, it runs).
+TAKE_REFUSED_EARLY = (
+    *START_ATTEMPT,
+    "error = ''",
+    "duplicates = CASE WHEN r.duplicates > 0 THEN r.duplicates - 1 ELSE 0 END",
+)
+# An on-time copy hands to its task queue a slot whose row only recorded an early call's
+# refusal: the row is handed out now (the sweep ends a pending row by when it was).
+PEND_REFUSED_EARLY = ("error = ''", "finished_at = NULL", "created_at = {now}")
+# The sweep: a due slot whose row only recorded an early call's refusal, and that no
+# on-time call took within its grace.
+MISS_REFUSED_EARLY = ("error = %s", "finished_at = {now}")
 END_ATTEMPT = ("error = %s", "finished_at = {now}", "duplicates = r.duplicates + %s")
 # An attempt after which another follows (a Celery retry): the lease says by when, and
 # retry_by which message carries it (NULL: any caller may start the next attempt).
@@ -714,17 +755,33 @@ def latest_slot(d: Dialect) -> str:
 
 @lru_cache
 def slots_in(d: Dialect) -> str:
-    """The slots with a row of task ``%s`` in ``(%s, %s]``."""
-    return _format("SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s", d)
+    """The slots with a row of task ``%s`` in ``(%s, %s]`` (an early call's refusal is none)."""
+    return _format(
+        "SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s "
+        f"AND NOT (state = 'skipped' AND {REFUSED_EARLY})",
+        d,
+    )
 
 
 @lru_cache(maxsize=16)
 def states_at(d: Dialect, count: int) -> str:
     """The slot and state of each row of task ``%s`` at one of ``count`` slots (one probe
-    of (task, slot) each)."""
+    of (task, slot) each); a row that only recorded an early call's refusal is none."""
     slots = ", ".join(["%s"] * count)
     return _format(
-        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ")", d
+        "SELECT slot, state FROM {run} WHERE task_name = %s AND slot IN (" + slots + ") "
+        f"AND NOT (state = 'skipped' AND {REFUSED_EARLY})",
+        d,
+    )
+
+
+# task, after, until, limit: the rows that only recorded an early call's refusal.
+@lru_cache
+def refused_early_in(d: Dialect) -> str:
+    return _format(
+        "SELECT id, fence, owner, lease_until FROM {run} WHERE task_name = %s AND slot > %s "
+        f"AND slot <= %s AND state = 'skipped' AND {REFUSED_EARLY} ORDER BY slot LIMIT %s",
+        d,
     )
 
 

@@ -32,3 +32,28 @@ def taskguard(transactional_db: None) -> Iterator[TaskguardKit]:
     reset_locks()
     yield TaskguardKit()
     reset_locks()
+
+
+@pytest.fixture(autouse=True)
+def _taskguard_after_transactional_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A transactional test that does not use the ``taskguard`` fixture
+    (``@pytest.mark.django_db(transaction=True)``, ``transactional_db``, ``live_server``)
+    leaves nothing of taskguard's to the next one: its ledger's Redis keys, the
+    paused-tasks cache (``reset.forget_after_test``)."""
+    yield
+    if "taskguard" in request.fixturenames or not _transactional(request):
+        return
+    from .reset import forget_after_test
+
+    forget_after_test()
+
+
+def _transactional(request: pytest.FixtureRequest) -> bool:
+    names = request.fixturenames
+    if "transactional_db" in names or "live_server" in names:
+        return True
+    marker = request.node.get_closest_marker("django_db")
+    if marker is None:
+        return False
+    transaction = marker.kwargs.get("transaction", marker.args[0] if marker.args else False)
+    return bool(transaction or marker.kwargs.get("reset_sequences"))

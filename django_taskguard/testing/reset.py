@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from .. import ledger, locks, pauses
 from ..conf import taskguard_settings
+from ..exceptions import BackendUnavailable
 
 # The databases whose ledger this process gave an identity of its own.
 _own_identity: set[str] = set()
@@ -36,3 +39,20 @@ def reset_locks() -> int:
     locks.forget_clients()
     pauses.forget()
     return locks.delete_ledger_keys()
+
+
+def forget_after_test() -> None:
+    """After a transactional test that did not ask for ``reset_locks`` (the pytest plugin
+    calls it): what taskguard kept must not answer the next test, whose database is empty.
+
+    On the Redis backend, once this process has used the ledger (its identity is known),
+    the ledger's keys there are deleted (a Redis that does not answer is left to its keys'
+    TTLs); the paused-tasks cache and cached settings and clients are forgotten. No
+    database query: the test's database may be flushed and closed to it already.
+    """
+    if ledger.identity_known() and locks.backend_name() == "redis":
+        with contextlib.suppress(BackendUnavailable):
+            locks.delete_ledger_keys()
+    taskguard_settings.reload()
+    locks.forget_clients()
+    pauses.forget()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import select
 import signal
 import sys
 import threading
@@ -49,10 +51,19 @@ class Command(BaseCommand):
             help="Threads running guarded calls at once (default: 8).",
         )
         parser.add_argument(
+            "--once-timeout",
+            type=whole_number(1, 86_400, "seconds"),
+            default=3600,
+            help="With --once: how long the fired calls may take; after it the command "
+            "exits non-zero and the calls still running are cut off (their leases lapse "
+            "and cleanup_locks records them abandoned) (default: 3600).",
+        )
+        parser.add_argument(
             "--stop-timeout",
             type=whole_number(0, 86_400, "seconds"),
             default=30,
-            help="After SIGTERM, how long running calls may take to finish (default: 30).",
+            help="After SIGTERM (or SIGINT), how long running calls may take to finish; a "
+            "second signal exits at once (default: 30).",
         )
         parser.add_argument(
             "--sweep-every",
@@ -111,23 +122,56 @@ class Command(BaseCommand):
             enqueue=options["enqueue"],
         )
         if options["once"]:
-            fired = scheduler.run_once()
+            fired, finished = scheduler.run_once(options["once_timeout"])
             logger.info("run_schedules --once: %d fires", fired)
+            if not finished:
+                raise CommandError(
+                    f"--once: calls still running after {options['once_timeout']}s (see the log)"
+                )
             return
-        stop = threading.Event()
-        self._on_signals(stop)
+        stop = SignalStop()
+        stop.install()
         if not scheduler.run(stop, options["stop_timeout"]):
             raise CommandError("stopped with calls still running (see the log)")
         logger.info("run_schedules stopped")
 
-    def _on_signals(self, stop: threading.Event) -> None:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            logger.info("run_schedules: %s, no new fires", signal.Signals(signum).name)
-            stop.set()
 
+class SignalStop:
+    """The stop that SIGTERM and SIGINT request.
+
+    A signal handler runs between two bytecodes of the main thread, which may hold any
+    lock at that moment (a ``threading.Event``'s, a logging handler's): so the handler
+    takes none. It counts the signal and writes a byte to a pipe; waiting is ``select``
+    on the pipe, and the main loop logs the stop. A second signal exits at once
+    (``os._exit``): an orchestrator's signals always end the process.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self.signum = 0
+        self._logged = threading.Lock()  # taken by the first thread that logs the stop
+
+    def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, handler)
-            signal.signal(signal.SIGINT, handler)
+            signal.signal(signal.SIGTERM, self._handler)
+            signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum:
+            os.write(2, b"run_schedules: a second signal, exiting now\n")
+            os._exit(128 + signum)
+        self.signum = signum
+        os.write(self._write, b"x")  # one byte, never more: the next signal exits
+
+    def is_set(self) -> bool:
+        return self.wait(0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        readable, _, _ = select.select([self._read], [], [], timeout)
+        if readable and self._logged.acquire(blocking=False):  # once, never in the handler
+            logger.info("run_schedules: %s, no new fires", signal.Signals(self.signum).name)
+        return bool(readable)
 
 
 def _check_enqueue(entries: list[Entry]) -> None:
