@@ -23,8 +23,10 @@ coroutine is closed and never resumed), every step that ends an attempt still ru
 an attempt claimed meanwhile is given back by the claiming thread itself if it has not
 handed the attempt over yet, else in a thread of its own; a finish (``returned``,
 ``raised``, a give-back) the loop cancelled before a worker thread took it runs in a
-thread of its own (each such step runs once, whichever thread takes it first). No
-attempt is left ``running`` with a live heartbeat.
+thread of its own (each such step runs once, whichever thread takes it first; when no
+thread can be started, on the loop's thread; an error of such a step is logged, there is
+nobody to raise it to). A claim the coroutine gave up on before it was opened is given
+back without ``run_started``. No attempt is left ``running`` with a live heartbeat.
 
 The steps run on one bounded pool of threads for the whole process (not the loop's
 default executor): its threads outlive event loops, so a connection kept by
