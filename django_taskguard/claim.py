@@ -85,7 +85,9 @@ def claim_slot(
         if isinstance(decided, Taken):
             return decided
         if decided is not None:
-            return _active(decided, task_name, slot, lease, sent, key)
+            active = _active(decided, task_name, slot, lease, sent, key)
+            active.claimed_from, active.message_id = row.state, message_id
+            return active
     raise TaskGuardError(
         f"could not settle the claim of {task_name!r} slot {slot.isoformat()} after "
         f"{CLAIM_ROUNDS} rounds of contention"

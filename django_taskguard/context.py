@@ -34,6 +34,10 @@ class ActiveRun:
     lease_seconds: float
     deadline: float = 0.0  # time.monotonic() by which the lease must be renewed
     key: str | None = None  # an @once_per_key run's key (its slot: when the key was claimed)
+    # The state the claim found the row in ("pending" for a row it created), and the message
+    # that carried it: what a give-back restores (``ledger.give_back``).
+    claimed_from: str = "pending"
+    message_id: str | None = None
     lost: threading.Event = field(default_factory=threading.Event)
     lost_reason: str = ""
     # Set once the attempt's end is recorded: a task the coroutine spawned (it inherits

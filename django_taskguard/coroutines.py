@@ -23,8 +23,10 @@ coroutine is closed and never resumed), every step that ends an attempt still ru
 an attempt claimed meanwhile is given back by the claiming thread itself if it has not
 handed the attempt over yet, else in a thread of its own; a finish (``returned``,
 ``raised``, a give-back) the loop cancelled before a worker thread took it runs in a
-thread of its own (each such step runs once, whichever thread takes it first). No
-attempt is left ``running`` with a live heartbeat.
+thread of its own (each such step runs once, whichever thread takes it first; when no
+thread can be started, on the loop's thread; an error of such a step is logged, there is
+nobody to raise it to). A claim the coroutine gave up on before it was opened is given
+back without ``run_started``. No attempt is left ``running`` with a live heartbeat.
 
 The steps run on one bounded pool of threads for the whole process (not the loop's
 default executor): its threads outlive event loops, so a connection kept by
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
@@ -51,6 +54,8 @@ from .guard import REFUSED, Attempt, Refused, Started, not_started_reason
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+logger = logging.getLogger("taskguard.guard")
 
 Begin = Callable[[], Started]
 
@@ -112,15 +117,23 @@ async def _refuse_in_callers_transaction() -> None:
 
 
 def _outside_the_loop(check: Callable[[], None]) -> None:
-    """Run ``check`` (no I/O, no await) as the sync code of this thread.
+    """Run ``check`` (no await) as the sync code of this thread.
 
     Django's connections are asgiref ``Local(thread_critical=True)``: code on a running
     loop sees connections of its own, not those of the sync code that started the loop
-    (``asyncio.run()``), where that code's transaction lives. asyncio's running-loop marker
-    (``_set_running_loop``, the hook event loops themselves use) is lifted for the call:
-    nothing else runs on the loop meanwhile, and it is put back before returning.
+    (``asyncio.run()``), where that code's transaction lives; and Django refuses blocking
+    ORM calls while a loop runs in the thread. asyncio's running-loop marker is lifted for
+    the call: nothing else runs on the loop meanwhile, and it is put back before returning.
+    This uses ``asyncio._set_running_loop``, a private function (the hook event loops
+    themselves use): asyncio has no public way to make a thread that runs a loop look like
+    plain sync code for one call (``loop.run_in_executor`` would change threads, and so
+    connections).
     """
-    loop = asyncio.get_running_loop()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs here (a coroutine closed by the garbage collector)
+        check()
+        return
     asyncio._set_running_loop(None)
     try:
         check()
@@ -139,10 +152,17 @@ class _Handoff:
         self._delivered: Attempt | None = None
 
     def open(self) -> Started:
-        """In the worker thread: claim and open the attempt, and hand it over."""
+        """In the worker thread: claim and open the attempt, and hand it over. A claim the
+        coroutine gave up on meanwhile is not made, or given back before it is opened (no
+        ``run_started`` for it)."""
+        if self._gave_up:
+            return REFUSED
         started = self._begin()
         if not isinstance(started, Attempt):
             return started
+        if self._gave_up:
+            started.give_back(_GAVE_UP)
+            return REFUSED
         if not started.open():
             return REFUSED
         with self._lock:
@@ -191,8 +211,22 @@ async def _ending(step: Callable[[], T]) -> tuple[T | None, asyncio.CancelledErr
 
 def _elsewhere(step: Callable[[], object]) -> None:
     """Run ``step`` in a thread of its own: the loop can no longer wait for it (a non-daemon
-    thread, so that the process waits for the record)."""
-    threading.Thread(target=_step, args=(step,), name="taskguard-end").start()
+    thread, so that the process waits for the record). When no thread can be started, it
+    runs here, on the loop's thread: late, but recorded."""
+    thread = threading.Thread(target=_logged, args=(step,), name="taskguard-end")
+    try:
+        thread.start()
+    except RuntimeError:  # "can't start new thread"
+        logger.warning("taskguard could not start a thread to end an attempt; ending it here")
+        _outside_the_loop(functools.partial(_logged, step))
+
+
+def _logged(step: Callable[[], object]) -> None:
+    """:func:`_step`, its error logged: nobody awaits it (not threading.excepthook's print)."""
+    try:
+        _step(step)
+    except Exception:
+        logger.exception("taskguard could not end an attempt after its event loop ended")
 
 
 # The worker threads of every guarded coroutine call in this process (made per process:

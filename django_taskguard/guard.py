@@ -24,6 +24,7 @@ from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
 from .signals import (
     duplicate_suppressed,
+    run_given_back,
     run_missed,
     run_skipped,
     run_started,
@@ -401,13 +402,14 @@ class Attempt:
         (the task is paused, or overlaps an earlier slot): recorded ``skipped``, lock freed."""
         try:
             skipped = _skip_paused(self.active) or (
-                self.policy.overlap == "skip" and _skip_for_overlap(self.active)
+                _skip_for_overlap(self.active) if self.policy.overlap == "skip" else None
             )
         except BaseException as exc:
             self.give_back(not_started_reason(exc))
             raise
-        if skipped:
+        if skipped is not None:  # recorded skipped: the skip stands whatever its receivers do
             self._free(ended=True)
+            run_skipped.send(sender=self.active.task_name, slot=self.active.slot, reason=skipped)
             return False
         with activate(self.active):
             try:
@@ -423,17 +425,21 @@ class Attempt:
 
     def give_back(self, reason: str) -> bool:
         """End this attempt before its function started: the slot or key is given back
-        (:func:`ledger.give_back`: the row ``pending`` again, ``reason`` in its log) and
-        the lock freed, so that the next caller takes it. Never raises; False when the
-        attempt was fenced out or the database failed (then the row stays ``running``
-        until its lease lapses and cleanup records it ``abandoned``)."""
+        (:func:`ledger.give_back`: the row back in the state its claim found it in,
+        ``reason`` in its log), the lock freed so that the next caller takes it, and
+        ``run_given_back`` sent. Never raises; False when the attempt no longer ran (ended
+        or taken over) or the database failed (then the row stays ``running`` until its
+        lease lapses and cleanup records it ``abandoned``)."""
         heartbeats.stop(self.beat)
         active = self.active
         given = False
         try:
-            given = ledger.give_back(active.id, active.fence, active.owner, reason) is not None
+            given = _give_back(active, reason)
             if not given:
-                logger.warning("taskguard run %s was taken over; not given back", active.id)
+                logger.warning(
+                    "taskguard run %s no longer running (ended or taken over); not given back",
+                    active.id,
+                )
         except Exception:
             logger.exception("taskguard could not give back run %s (%s)", active.id, reason)
         finally:
@@ -446,6 +452,10 @@ class Attempt:
                 active.attempt,
                 reason,
             )
+            try:
+                run_given_back.send(sender=active.task_name, run=active, reason=reason)
+            except Exception:  # the caller raises what ended the attempt, not this
+                logger.exception("a run_given_back receiver failed (run %s)", active.id)
         return given
 
     def returned(self, result: R) -> R:
@@ -489,9 +499,31 @@ class Attempt:
             self.active.ended.set()
 
 
+def _give_back(active: ActiveRun, reason: str) -> bool:
+    """:func:`ledger.give_back` of ``active``: True when this call gave its row back."""
+    changed = ledger.give_back(
+        active.id,
+        active.fence,
+        active.owner,
+        reason,
+        claimed_from=active.claimed_from,
+        retry_by=active.message_id,
+        retry_within=taskguard_settings.RETRY_GRACE_SECONDS,
+    )
+    return changed is not None
+
+
+# How much of an exception's text the reason of a give-back quotes.
+REASON_EXCEPTION_CHARS = 200
+
+
 def not_started_reason(exc: BaseException) -> str:
-    """The reason an attempt ended by ``exc`` before its function started is given back."""
-    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """The reason an attempt ended by ``exc`` before its function started is given back
+    (the exception's text cut to :data:`REASON_EXCEPTION_CHARS`)."""
+    text = str(exc)
+    if len(text) > REASON_EXCEPTION_CHARS:
+        text = text[: REASON_EXCEPTION_CHARS - 1] + "…"
+    what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return f"ended before the function started ({what}): nothing ran, given back"
 
 
@@ -515,14 +547,14 @@ def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: P
             )
 
 
-def _skip_paused(active: ActiveRun) -> bool:
+def _skip_paused(active: ActiveRun) -> str | None:
+    """Record the attempt ``skipped`` while its task is paused; the reason, or None."""
     paused = paused_reason(active.task_name)
     if paused is None:
-        return False
+        return None
     reason = f"paused: {paused}"
     finish(active, RunState.SKIPPED, reason)
-    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
-    return True
+    return reason
 
 
 def _pause_after_failures(task_name: str, failures: int) -> None:
@@ -536,11 +568,11 @@ def _pause_after_failures(task_name: str, failures: int) -> None:
         logger.exception("taskguard could not check the failures of %s", task_name)
 
 
-def _skip_for_overlap(active: ActiveRun) -> bool:
+def _skip_for_overlap(active: ActiveRun) -> str | None:
+    """Record the attempt ``skipped`` while an earlier slot runs; the reason, or None."""
     earlier = ledger.earlier_slot_running(active.task_name, active.slot)
     if earlier is None:
-        return False
+        return None
     reason = f"overlap: slot {earlier.isoformat()} of this task is still running"
     finish(active, RunState.SKIPPED, reason)
-    run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
-    return True
+    return reason

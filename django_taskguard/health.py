@@ -199,7 +199,10 @@ def judge(
             }
             health.problems.append(Problem(LATE, detail))
         elif facts.due_state == RunState.PENDING:
-            detail = _("slot %(slot)s was handed out %(age)s ago but never started") % {
+            detail = _(
+                "slot %(slot)s is pending (handed out or given back) and not started "
+                "%(age)s after it"
+            ) % {
                 "slot": _iso(due),
                 "age": _human(now - due),
             }

@@ -1,8 +1,9 @@
 """The missed-slot sweep: a due slot that no instance claimed within its grace is
 recorded ``missed`` (a slot due while the task was paused: ``skipped``, reason ``paused``).
 
-A slot handed to a task queue (``run_schedules --enqueue``, ``backfill --enqueue``) has a
-``pending`` row; one that no worker started within its grace of being handed out is ended
+A slot handed to a task queue (``run_schedules --enqueue``, ``backfill --enqueue``), or
+given back by an attempt that ended before its function started, has a ``pending`` row;
+one that nobody started within its grace of being handed out (or given back) is ended
 the same way (a compare-and-set from ``pending``: a worker's claim and the sweep never both
 win). It needs no scheduler alive: ``cleanup_locks`` (from cron) and ``run_schedules``
 both run it, any number of copies at once (every write is an insert that does nothing
@@ -178,24 +179,32 @@ def _paused_reason(row: TaskSchedule, window: store.PauseWindow | None) -> str:
 
 
 def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
-    """Slots handed to a task queue (``pending``) at or before ``end`` (their grace ago)
-    that no worker started end like slots nobody fired (a late worker may still run a
-    missed one: catch-up). By hand-out time, whatever the slot (a backfilled slot is old
-    when it is handed out): handed out while the task was paused, ``skipped``."""
+    """Slots handed to a task queue or given back (``pending``) at or before ``end`` (their
+    grace ago) that no worker started end like slots nobody fired (a late worker may still
+    run a missed one: catch-up). By hand-out (or give-back) time, whatever the slot (a
+    backfilled slot is old when it is handed out): handed out while the task was paused,
+    ``skipped``."""
     window = store.pause_window(row)
     if window is not None:
-        why = f"paused: {row.paused_reason or 'paused'} (enqueued, not started; the sweep)"
+        why = f"paused: {row.paused_reason or 'paused'} (pending, not started; the sweep)"
         ended = _end_pending_all(row, end, RunState.SKIPPED, why, window.start, window.end)
         result.paused_slots += len(ended)
         _count(result, row.task_name, len(ended))
     grace = row.grace.total_seconds()
-    why = f"missed: enqueued, but no worker started it within its grace ({grace:g}s)"
+    why = (
+        f"missed: pending (handed out or given back) and not started within its grace ({grace:g}s)"
+    )
     ended = _end_pending_all(row, end, RunState.MISSED, why, None, None)
     if not ended:
         return
     _count(result, row.task_name, len(ended))
     result.missed_slots += len(ended)
-    logger.warning("taskguard %s: %d enqueued slots were never started", row.task_name, len(ended))
+    logger.warning(
+        "taskguard %s: %d pending slots (handed out or given back) were not started within "
+        "their grace",
+        row.task_name,
+        len(ended),
+    )
     run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended))
 
 

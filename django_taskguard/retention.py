@@ -41,7 +41,8 @@ def prune_runs(
     batch_size: int = BATCH_SIZE,
     progress: Callable[[PruneResult], None] | None = None,
 ) -> PruneResult:
-    """Delete finished runs whose slot is older than ``before``, with their transitions.
+    """Delete finished runs whose slot is older than ``before``, with their transitions
+    (and ``pending`` rows nobody started, older than ``before``: ``ledger.prunable``).
 
     ``before`` may not be later than the retention horizon (``PRUNE_AFTER_DAYS``
     ago by the database's clock, less :data:`CLOCK_MARGIN`): guarded calls
@@ -66,7 +67,7 @@ def prune_runs(
             return result
         last = ids[-1]
         started = time.monotonic()
-        runs, transitions = ledger.delete_finished(ids)
+        runs, transitions = ledger.delete_finished(ids, before)
         elapsed = time.monotonic() - started
         result.runs += runs
         result.transitions += transitions

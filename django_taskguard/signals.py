@@ -16,6 +16,9 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
 - ``run_missed(slot, reason)``: a due slot was recorded ``missed`` (by the missed-slot
   sweep, or a call later than its grace under ``catchup="none"``); the sweep sends it once
   per task and sweep, with ``slot`` the newest missed slot and ``count`` how many.
+- ``run_given_back(run, reason)``: an attempt ended before its function started (its
+  ``run_started`` may have been sent) and gave its slot or key back: nothing ran, the row is
+  back in the state its claim found it in (``pending``, ``retrying`` or ``missed``).
 - ``lease_lost(run)``: an attempt lost its lease (not renewed in time, or fenced out).
 """
 
@@ -28,4 +31,5 @@ run_skipped = Signal()
 duplicate_suppressed = Signal()
 run_abandoned = Signal()
 lease_lost = Signal()
+run_given_back = Signal()
 run_missed = Signal()

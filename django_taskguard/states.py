@@ -18,7 +18,8 @@ class RunState(models.TextChoices):
     # | abandoned | missed (the sweep: no worker started it within its grace)
     PENDING = "pending", _("pending")
     # an attempt holds the lease; -> succeeded | failed | retrying | skipped | abandoned
-    # | pending (given back: the attempt ended before its function started)
+    # | pending, retrying or missed (given back: the attempt ended before its function
+    # started, the row back in the state its claim found it in: GIVEN_BACK_TO)
     RUNNING = "running", _("running")
     # an attempt ended, another is due (Celery retry, takeover); -> running | failed | abandoned
     RETRYING = "retrying", _("retrying")
@@ -52,6 +53,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
             RunState.SKIPPED,
             RunState.ABANDONED,
             RunState.PENDING,
+            RunState.MISSED,
         }
     ),
     RunState.RETRYING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.ABANDONED}),
@@ -63,9 +65,23 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     RunState.MISSED: frozenset({RunState.RUNNING}),
 }
 
+# Where an attempt that never entered its function gives its row back, by the state its
+# claim found the row in (a row the claim created counts as pending): a slot handed out
+# waits for a worker again, a missed slot stays missed (a late call may still take it),
+# and a row that awaited a retry (a Celery retry, or a takeover of a dead attempt) awaits it
+# again.
+GIVEN_BACK_TO: dict[str, str] = {
+    RunState.PENDING: RunState.PENDING,
+    RunState.MISSED: RunState.MISSED,
+    RunState.RETRYING: RunState.RETRYING,
+    RunState.RUNNING: RunState.RETRYING,
+    RunState.ABANDONED: RunState.RETRYING,
+}
+
 # States in which no attempt is live and none will follow on its own.
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
-# Finished for good: what retention may delete. Never running, pending or retrying.
+# Finished for good: what retention may delete. Never running or retrying; pending only when
+# nobody started it for longer than retention (nothing ran: ``ledger.prunable``).
 PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED}))
 
 

@@ -266,21 +266,51 @@ def test_async__cancelled_while_running_is_recorded_and_raised(lock_backend):
 
 
 @pytest.mark.once
-def test_async__wait_for_timeout_raises_timeout_error_and_is_recorded():
-    """``asyncio.wait_for`` cancels the call when its timeout passes (during the claim or
-    the body, whichever it meets): the caller gets its ``TimeoutError``, the run is recorded."""
+def test_async__wait_for_timeout_during_the_claim_raises_timeout_error_and_gives_back():
+    """``asyncio.wait_for``'s timeout (0.5 s) passes while the claim is in its worker thread
+    (a ``run_started`` receiver holds it 3 s): the caller gets its ``TimeoutError`` and the
+    slot is given back (the function never started)."""
+    ran: list[int] = []
+
+    def hold(sender: str, **kwargs: Any) -> None:
+        if sender == "tests.async.timeout":
+            threading.Event().wait(3.0)  # well past the timeout
 
     @once_per_schedule(name="tests.async.timeout")
     async def body() -> None:
-        await asyncio.Event().wait()  # never returns
+        ran.append(1)
 
     async def main() -> None:
         await asyncio.wait_for(body.run_for_slot(SLOT), timeout=0.5)
 
-    with pytest.raises(asyncio.TimeoutError):
+    with receiving(run_started, hold), pytest.raises(asyncio.TimeoutError):
         asyncio.run(main())
-    in_claim = TaskRun.objects.get(task_name="tests.async.timeout").state == RunState.PENDING
-    assert_cancelled_and_freed("tests.async.timeout", given_back=in_claim)
+    assert ran == []
+    assert_cancelled_and_freed("tests.async.timeout", given_back=True)
+
+
+@pytest.mark.once
+def test_async__a_timeout_in_the_function_raises_timeout_error_and_is_recorded():
+    """``asyncio.timeout`` passes once the function runs (expired by hand when it started):
+    the caller gets its ``TimeoutError``, the run is recorded interrupted."""
+    started = threading.Event()
+
+    @once_per_schedule(name="tests.async.timeout")
+    async def body() -> None:
+        started.set()
+        await asyncio.Event().wait()  # never returns
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(None) as deadline:
+            call = asyncio.ensure_future(body.run_for_slot(SLOT))
+            await in_thread(lambda: started.wait(WAIT))
+            deadline.reschedule(loop.time())
+            await call
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(main())
+    assert_cancelled_and_freed("tests.async.timeout", given_back=False)
 
 
 @pytest.mark.once

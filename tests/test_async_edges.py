@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from django.db import transaction
 
-from django_taskguard import coroutines, heartbeat, once_per_key, once_per_schedule
+from django_taskguard import coroutines, heartbeat, once_per_key, once_per_schedule, signals
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.models import RunState, TaskRun
@@ -51,6 +52,12 @@ def test_async_loop_end__a_finish_queued_behind_busy_claims_is_still_recorded(lo
 
     Regression: the cancelled finish never ran, and the heartbeat renewed the row's lease
     for as long as the process lived."""
+    finish_behind_busy_claims(in_own_thread=True)
+
+
+def finish_behind_busy_claims(*, in_own_thread: bool) -> None:
+    """The scenario above; ``in_own_thread``: the finish is expected in a thread of its own
+    (else on the loop's thread, when no thread could be started)."""
     blocked, go = threading.Semaphore(0), threading.Event()
     finished_in: list[str] = []
     in_body = threading.Event()
@@ -101,7 +108,8 @@ def test_async_loop_end__a_finish_queued_behind_busy_claims_is_still_recorded(lo
     assert ran == []
     run = TaskRun.objects.get(task_name="tests.async.target")
     assert (run.state, run.error) == (RunState.SUCCEEDED, "")
-    assert finished_in and "taskguard-end" in finished_in[0]  # run by the loop's fallback
+    assert finished_in  # run by the loop's fallback:
+    assert ("taskguard-end" in finished_in[0]) is in_own_thread, finished_in
     wait_for(lambda: heartbeat.heartbeats.live() == 0, WAIT, "every heartbeat to stop")
     held = TaskRun.objects.filter(task_name="tests.async.blocker")
     assert held.count() == size  # the queued two never claimed
@@ -140,6 +148,87 @@ def test_async_loop_end__fire_and_forget_calls_leave_no_run_running(lock_backend
     states = dict(runs.values_list("key", "state"))
     assert returned and all(states[f"job:{n}"] == RunState.SUCCEEDED for n in returned)
     wait_for(lambda: heartbeat.heartbeats.live() == 0, WAIT, "every heartbeat to stop")
+
+
+def test_async_loop_end__a_finish_already_running_in_the_pool_runs_once(lock_backend, caplog):
+    """The call's function returned and its finish is running in a pool thread (held in a
+    ``run_succeeded`` receiver) when ``asyncio.run`` ends: the loop cancels the step's task,
+    but the step already runs; the fallback thread must not run it a second time.
+
+    Mutation check: without ``_Once`` the fallback ran ``returned`` again, was fenced out
+    (``LeaseLost``) and reported a lease lost for a run that had succeeded."""
+    in_finish, go = threading.Event(), threading.Event()
+    succeeded: list[str] = []
+    lost: list[str] = []
+
+    def hold(sender: str, **kwargs: Any) -> None:
+        succeeded.append(threading.current_thread().name)
+        in_finish.set()
+        assert go.wait(WAIT)
+
+    def lease_lost(sender: str, **kwargs: Any) -> None:
+        lost.append(sender)
+
+    @once_per_schedule(name="tests.async.finishing")
+    async def target() -> str:
+        return "done"
+
+    async def main() -> None:
+        call = asyncio.ensure_future(target.run_for_slot(SLOT))
+        await in_thread(lambda: in_finish.wait(WAIT))  # the finish runs in a pool thread
+        assert not call.done()
+
+    with (
+        receiving(run_succeeded, hold),
+        receiving(signals.lease_lost, lease_lost),
+        caplog.at_level(logging.ERROR, logger="taskguard"),
+    ):
+        asyncio.run(main())  # cancels the call while its finish runs
+        go.set()
+        wait_for(lambda: heartbeat.heartbeats.live() == 0, WAIT, "the heartbeat to stop")
+        for thread in threading.enumerate():
+            if thread.name == "taskguard-end":
+                thread.join(WAIT)
+    run = TaskRun.objects.get(task_name="tests.async.finishing")
+    assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
+    assert len(succeeded) == 1 and "taskguard-end" not in succeeded[0]
+    assert lost == [] and "could not end" not in caplog.text, caplog.text
+
+
+def test_elsewhere__a_thread_that_cannot_start_runs_the_step_here(lock_backend, monkeypatch):
+    """No thread can be started for a finish the closing loop cancelled: it runs on the
+    loop's own thread instead, and no run is left ``running``.
+
+    Regression: ``Thread.start()``'s ``RuntimeError`` was raised in the closing loop and the
+    finish never ran (the heartbeat kept renewing the row)."""
+    real = threading.Thread
+
+    class NoEnd(real):  # type: ignore[misc,valid-type]
+        def start(self) -> None:
+            if self.name == "taskguard-end":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(coroutines.threading, "Thread", NoEnd)
+    finish_behind_busy_claims(in_own_thread=False)
+
+
+def test_elsewhere__an_error_in_the_step_is_logged_not_printed(caplog, monkeypatch):
+    """A step run in a thread of its own that raises is logged on the ``taskguard`` logger,
+    not left to ``threading.excepthook``."""
+    hooked: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+
+    def broken() -> None:
+        raise RuntimeError("database gone")
+
+    with caplog.at_level(logging.ERROR, logger="taskguard"):
+        coroutines._elsewhere(broken)
+        for thread in threading.enumerate():
+            if thread.name == "taskguard-end":
+                thread.join(WAIT)
+    assert hooked == []
+    assert "database gone" in caplog.text and "could not end an attempt" in caplog.text
 
 
 # --- item 7: a claim whose function never started gives its slot or key back --------------
@@ -242,3 +331,39 @@ def test_async__a_coroutine_closed_by_the_garbage_collector_is_recorded_quietly(
     run = TaskRun.objects.get(task_name="tests.async.collected")
     assert run.state == RunState.ABANDONED and "GeneratorExit" in run.error
     wait_for(lambda: heartbeat.heartbeats.live() == 0, WAIT, "its heartbeat to stop")
+
+
+def test_handoff__a_claim_given_up_on_sends_no_run_started(lock_backend):
+    """The coroutine gave up waiting (cancelled, the loop closing) before its claim was
+    made: no claim is made; after it was made, before it was opened: it is given back
+    without ``run_started`` (``run_given_back`` ends it), and the next call takes it.
+
+    Regression: a given-up claim was opened anyway, sent ``run_started``, and then only the
+    give-back, with no ending signal for the ``run_started`` it had sent."""
+    from django_taskguard.guard import REFUSED, Policy, begin
+
+    name = "tests.async.given_up"
+    started: list[str] = []
+    given: list[str] = []
+
+    def claim() -> Any:
+        return begin(name, SLOT, Policy())
+
+    early = coroutines._Handoff(claim)
+    early.give_up()
+    with (
+        receiving(run_started, lambda sender, **kw: started.append(sender)),
+        receiving(signals.run_given_back, lambda sender, **kw: given.append(kw["reason"])),
+    ):
+        assert early.open() is REFUSED
+        assert not TaskRun.objects.filter(task_name=name).exists()
+
+        def claim_then_gone() -> Any:
+            claimed = claim()
+            late.give_up()  # the coroutine goes away while the claim is made
+            return claimed
+
+        late = coroutines._Handoff(claim_then_gone)
+        assert late.open() is REFUSED
+    assert started == [] and len(given) == 1 and "CancelledError" in given[0]
+    assert_given_back(TaskRun.objects.get(task_name=name), "CancelledError")

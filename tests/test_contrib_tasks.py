@@ -206,7 +206,7 @@ def test_enqueued_never_started__the_sweep_records_it_missed_a_late_worker_still
     result = sweep_missed(now=ledger.database_now() + 10 * MINUTE)
     run = TaskRun.objects.get(task_name="tests.djtasks.parked", slot=slot)
     assert run.state == RunState.MISSED and result.missed_slots >= 1
-    assert run.error.startswith("missed: enqueued, but no worker started it")
+    assert run.error.startswith("missed: pending (handed out or given back) and not started")
 
     # The worker comes back late: catch-up "latest" runs a missed slot, and the log keeps it.
     jobs.parked.call(**{SLOT_KWARG: slot.isoformat()})
@@ -230,7 +230,7 @@ def test_backfilled_never_started__ended_by_when_it_was_handed_out_not_by_its_sl
     result = sweep_missed(now=ledger.database_now() + 10 * MINUTE)
     run = TaskRun.objects.get(task_name="tests.djtasks.parked", slot=old)
     assert run.state == RunState.MISSED and result.missed_slots >= 1
-    assert run.error.startswith("missed: enqueued, but no worker started it")
+    assert run.error.startswith("missed: pending (handed out or given back) and not started")
 
 
 @override_settings(**JOBS)

@@ -99,7 +99,7 @@ def test_prune_runs__the_delete_rechecks_the_state(ledger):
     taken_over = ledger[("old", RunState.ABANDONED)]
     TaskRun.objects.filter(pk=taken_over.pk).update(state=RunState.RETRYING)
     done = ledger[("old", RunState.SUCCEEDED)]
-    assert ledger_api.delete_finished([taken_over.pk, done.pk]) == (1, 2)
+    assert ledger_api.delete_finished([taken_over.pk, done.pk], timezone.now()) == (1, 2)
     assert TaskRun.objects.filter(pk=taken_over.pk).exists()
     assert taken_over.transitions.count() == 2
 

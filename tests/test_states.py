@@ -34,6 +34,7 @@ ALLOWED = {
     (S.RUNNING, S.SKIPPED),
     (S.RUNNING, S.ABANDONED),
     (S.RUNNING, S.PENDING),
+    (S.RUNNING, S.MISSED),  # a late claim of a missed slot given back
     (S.RETRYING, S.RUNNING),
     (S.RETRYING, S.FAILED),
     (S.RETRYING, S.ABANDONED),

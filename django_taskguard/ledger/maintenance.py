@@ -11,11 +11,24 @@ from django.db import (
     transaction,
 )
 from django.db.models import Q, QuerySet
+from django.db.models.lookups import LessThan
 
 from ..models import TaskRun, TaskRunQuerySet, TaskRunTransition
-from ..states import PRUNABLE_STATES
+from ..states import PRUNABLE_STATES, RunState
 from . import sql
-from .core import RunRef, alias, aware, dialect, fetch_all, one, runs, transitions, unreachable
+from .core import (
+    RunRef,
+    alias,
+    aware,
+    dialect,
+    fetch_all,
+    one,
+    runs,
+    slot_param,
+    transitions,
+    unreachable,
+)
+from .pending import HANDED_OUT
 
 # -- maintenance -------------------------------------------------------------------
 
@@ -132,8 +145,15 @@ def last_transition(run_id: int) -> TaskRunTransition | None:
 
 
 def prunable(before: datetime) -> TaskRunQuerySet:
-    """Finished runs whose slot is older than ``before``."""
-    queryset: TaskRunQuerySet = runs().filter(state__in=PRUNABLE_STATES, slot__lt=before)
+    """Finished runs whose slot is older than ``before``; and ``pending`` rows (handed out
+    or given back, and nobody started them: nothing ran) whose slot and hand-out or
+    give-back are both older than ``before``, which the missed-slot sweep never ends (a
+    key's row, an unscheduled task's slot). Deleting a key's row reopens the key, which is
+    right, as nothing ran; a slot's is not reopened: a call for a slot that old is
+    refused (``guard._refused_as_pruned``)."""
+    finished = Q(state__in=PRUNABLE_STATES, slot__lt=before)
+    given_back = Q(LessThan(HANDED_OUT, before), state=RunState.PENDING, slot__lt=before)
+    queryset: TaskRunQuerySet = runs().filter(finished | given_back)
     return queryset
 
 
@@ -150,7 +170,7 @@ def prunable_ids(before: datetime, after_id: int, limit: int) -> list[int]:
     )
 
 
-def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
+def delete_finished(ids: Sequence[int], before: datetime) -> tuple[int, int]:
     """Delete these runs if still finished (state re-checked), with their transitions.
 
     One short transaction; returns (runs, transitions) deleted.
@@ -159,7 +179,10 @@ def delete_finished(ids: Sequence[int]) -> tuple[int, int]:
     with transaction.atomic(using=alias()):
         deleted = [
             run_id
-            for (run_id,) in fetch_all(sql.delete_finished(d, len(ids)), [*ids, *PRUNABLE_STATES])
+            for (run_id,) in fetch_all(
+                sql.delete_finished(d, len(ids)),
+                [*ids, *PRUNABLE_STATES, RunState.PENDING.value, *[slot_param(before)] * 2],
+            )
         ]
         if not deleted:
             return 0, 0

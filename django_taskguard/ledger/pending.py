@@ -4,8 +4,8 @@ A ``pending`` row says that one copy enqueued the slot: the other copies find th
 and enqueue nothing, and the worker's claim turns it ``running``. A hand-off that failed
 gives its row back; one that no worker starts within its grace is ended by the
 missed-slot sweep (``missed``, or ``skipped`` while the task is paused). An attempt
-that ended before its function started gives its row back to ``pending`` too
-(:func:`give_back`).
+that ended before its function started gives its row back to the state its claim found
+it in (:func:`give_back`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from datetime import datetime
 
 from django.db import DatabaseError
 from django.db.models import QuerySet
+from django.db.models.functions import Coalesce
+from django.db.models.lookups import GreaterThanOrEqual, LessThan, LessThanOrEqual
 
 from ..models import TaskRun
-from ..states import RunState
+from ..states import GIVEN_BACK_TO, RunState
 from . import sql
 from .core import (
     ERROR_MAX_LENGTH,
@@ -33,6 +35,10 @@ from .core import (
 )
 from .maintenance import database_now
 from .schedules import get as schedule_of
+
+# When a pending row was last made pending: the time it was given back (``finished_at``,
+# which only a give-back sets on a pending row) or else created (handed to a task queue).
+HANDED_OUT = Coalesce("finished_at", "created_at")
 
 
 def insert_pending(task_name: str, slot: datetime) -> int | None:
@@ -101,25 +107,47 @@ def give_back_pending(
     return None if deleted is None else "given back"
 
 
-def give_back(run_id: int, fence: int, owner: str, reason: str) -> Row | None:
+def give_back(
+    run_id: int,
+    fence: int,
+    owner: str,
+    reason: str,
+    *,
+    claimed_from: str = RunState.PENDING,
+    retry_by: str | None = None,
+    retry_within: float = 0.0,
+) -> Row | None:
     """Give back a ``running`` attempt that never entered its function: nothing ran.
 
     The one operation for every claim that ends before the body starts (a coroutine
     cancelled while it claimed, a hook that raised before the function, a batch claim
-    whose run could not be handed to a thread). The row becomes ``pending`` again, as
-    before the claim: the next claim of its slot or key takes it (``claimed``, the
-    attempt counted again, a new fence from the counter: fences only grow, and this
-    attempt's is never valid again). ``reason`` says why, in the transition log
-    (``running -> pending``); a slot nobody claims again is ended by the missed-slot
-    sweep like any pending slot. Fenced like a finish: None when the attempt no longer
-    owns the row (taken over, abandoned), and then nothing is changed.
+    whose run could not be handed to a thread). The row goes back to the state its claim
+    found it in (``claimed_from``, mapped by ``states.GIVEN_BACK_TO``), with the attempt
+    count as before the claim and no owner; the next claim of its slot or key counts the
+    attempt again and gets a new fence from the counter (fences only grow: this attempt's
+    is never valid again). ``reason`` says why, in the transition log.
 
-    The caller frees its own lock afterwards (a Redis key, if it holds one), so that
-    the next caller takes the slot. Raises ``BackendUnavailable``.
+    - ``pending`` (a row the claim created, or one handed to a task queue) and ``missed``
+      (a late claim of a missed slot): not started, ``finished_at`` the time it was given
+      back; the missed-slot sweep ends a pending slot nobody claims again within its grace
+      of that time, retention deletes a pending key's row (see ``prunable``).
+    - ``retrying`` (a retry's attempt, or a takeover of a dead one): due again within
+      ``retry_within`` seconds (else ``cleanup_locks`` records it abandoned, "retry never
+      came"), startable only by the message ``retry_by`` (None: any caller).
+
+    Fenced like a finish: None when the attempt no longer owns the row (ended, taken over,
+    abandoned), and then nothing is changed. The caller frees its own lock afterwards (a
+    Redis key, if it holds one), so that the next caller takes the slot. Raises
+    ``BackendUnavailable``.
     """
+    to_state = GIVEN_BACK_TO[claimed_from]
     row = Row(run_id, RunState.RUNNING, 0, fence, owner, None)
+    sets: tuple[str, ...] = sql.GIVE_BACK
+    values: tuple[float, str | None] | tuple[()] = ()
+    if to_state == RunState.RETRYING:
+        sets, values = sql.GIVE_BACK_RETRY, (retry_within, retry_by)
     try:
-        return change(row, [Step(RunState.PENDING, reason)], actor=owner, sets=sql.GIVE_BACK)
+        return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
 
@@ -140,14 +168,15 @@ def end_pending(
     oldest slot first, become ``state`` (``missed``, or ``skipped``); returns the slots
     changed.
 
-    Judged by when the slot was handed out, not by the slot: ``backfill --enqueue`` hands
-    out slots long past, and a row no worker starts must end whatever its slot.
+    Judged by when the slot was handed out or given back (:data:`HANDED_OUT`),
+    not by the slot: ``backfill --enqueue`` hands out slots long past, a row no worker
+    starts must end whatever its slot, and a row given back is given its grace anew.
     """
-    candidates = runs().filter(created_at__lte=handed_out_by)
+    candidates = runs().filter(LessThanOrEqual(HANDED_OUT, handed_out_by))
     if since is not None:
-        candidates = candidates.filter(created_at__gte=since)
+        candidates = candidates.filter(GreaterThanOrEqual(HANDED_OUT, since))
     if before is not None:
-        candidates = candidates.filter(created_at__lt=before)
+        candidates = candidates.filter(LessThan(HANDED_OUT, before))
     return _end(
         candidates.order_by("slot"),
         task_name,

@@ -509,9 +509,25 @@ PAUSE_ATTEMPT = (
     "retry_by = %s",
 )
 ABANDON = ("error = %s", "duplicates = r.duplicates + %s")
-# An attempt that never entered its function, given back: the row is pending again, as
-# before the claim (the next claim counts the attempt again and hands out a new fence).
-GIVE_BACK = ("attempt = r.attempt - 1", "owner = ''", "started_at = NULL", "lease_until = NULL")
+# An attempt that never entered its function, given back (the next claim counts the attempt
+# again and hands out a new fence). To ``pending`` or ``missed``: the attempt count as before
+# the claim, no owner, not started, and ``finished_at`` when it was given back (the sweep
+# and retention judge a given-back row by it; the next claim clears it).
+GIVE_BACK = (
+    "attempt = r.attempt - 1",
+    "owner = ''",
+    "started_at = NULL",
+    "lease_until = NULL",
+    "finished_at = {now}",
+)
+# To ``retrying``: the attempt count as before the claim, no owner, the retry due within
+# the lease given (parameters: seconds, the message that may start it, NULL: any caller).
+GIVE_BACK_RETRY = (
+    "attempt = r.attempt - 1",
+    "owner = ''",
+    "lease_until = {lease}",
+    "retry_by = %s",
+)
 
 
 @lru_cache
@@ -829,10 +845,13 @@ def identity() -> str:
 
 @lru_cache
 def delete_finished(d: Dialect, count: int) -> str:
-    """Delete ``count`` runs by id if they are (still) in one of the prunable states."""
+    """Delete ``count`` runs by id if they are (still) in one of the prunable states, or
+    ``pending`` with their slot and the time they were made pending before a time
+    (parameters: the ids, the prunable states, ``'pending'``, that time twice)."""
     ids = ", ".join(["%s"] * count)
     states = ", ".join(["%s"] * len(PRUNABLE_STATES))
-    return _delete_runs_where(d, f"id IN ({ids}) AND state IN ({states})")
+    given_back = "state = %s AND slot < %s AND COALESCE(finished_at, created_at) < %s"
+    return _delete_runs_where(d, f"id IN ({ids}) AND (state IN ({states}) OR ({given_back}))")
 
 
 @lru_cache

@@ -58,7 +58,7 @@ class FrozenClock(ContextDecorator):
 
         @functools.wraps(func)
         async def frozen(*args: Any, **kwargs: Any) -> Any:
-            with self._recreate_cm():
+            with self:  # the clock is reentrant: nested uses stack their patches
                 return await func(*args, **kwargs)
 
         return cast(F, frozen)
