@@ -46,6 +46,7 @@ from .core import (
     change,
     clip,
     connection_lost,
+    database_now,
     describe_error,
     dialect,
     ensure_autocommit,
@@ -67,7 +68,6 @@ from .core import (
 from .maintenance import (
     REF_FIELDS,
     count_prunable,
-    database_now,
     delete_finished,
     for_task,
     in_flight,

@@ -427,3 +427,13 @@ def fence_at_least(value: int) -> None:
         if d.fence_counter:
             ensure_ledger_row()
         one(sql.fence_at_least(d), [value])
+
+
+def database_now() -> datetime:
+    """The database's clock (every instance judges deadlines against the same time)."""
+    try:
+        value = aware(one(sql.now(dialect()), [])[0])  # type: ignore[index]
+    except DatabaseError as exc:
+        raise unreachable(exc) from exc
+    assert value is not None
+    return value

@@ -19,10 +19,9 @@ from . import sql
 from .core import (
     RunRef,
     alias,
-    aware,
+    database_now,
     dialect,
     fetch_all,
-    one,
     runs,
     slot_param,
     transitions,
@@ -128,16 +127,6 @@ def refs(queryset: QuerySet[TaskRun], batch_size: int) -> Iterator[RunRef]:
         if len(batch) < batch_size:
             return
         last = batch[-1]["id"]
-
-
-def database_now() -> datetime:
-    """The database's clock (every instance judges deadlines against the same time)."""
-    try:
-        value = aware(one(sql.now(dialect()), [])[0])  # type: ignore[index]
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
-    assert value is not None
-    return value
 
 
 def last_transition(run_id: int) -> TaskRunTransition | None:

@@ -26,6 +26,7 @@ from .core import (
     Step,
     change,
     clip,
+    database_now,
     dialect,
     one,
     runs,
@@ -33,7 +34,6 @@ from .core import (
     to_row,
     unreachable,
 )
-from .maintenance import database_now
 from .schedules import get as schedule_of
 
 # When a pending row was last made pending: the time it was given back (``finished_at``,
