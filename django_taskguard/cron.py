@@ -180,6 +180,7 @@ class _Walk:
 
     def latest(self, now: datetime) -> datetime:
         with self.lock:
+            self._hold(now)
             self._catch_up(now)
             self._step(lambda: self.times[-1] <= now)
             found = bisect.bisect_right(self.times, now)
@@ -190,12 +191,20 @@ class _Walk:
 
     def between(self, start: datetime, end: datetime, limit: int) -> list[datetime]:
         with self.lock:
+            self._hold(start)
             self._catch_up(start)
             first = bisect.bisect_right(self.times, start)
             self._step(lambda: len(self.times) - first < limit and self.times[-1] <= end)
             found = self.times[first : first + limit]
             self._trim()
         return [time for time in found if time <= end]
+
+    def _hold(self, start: datetime) -> None:
+        """Start again from ``start`` when the walk begins at or after it: :func:`_walk`
+        saw it begin before, but another question (another thread) may have started it
+        again or trimmed it since, and the times in between are not all kept."""
+        if self.after >= start:
+            self._restart(start)
 
     def _catch_up(self, start: datetime) -> None:
         """Step forward to ``start``; start again from it when that is far."""
