@@ -30,6 +30,7 @@ from .core import (
     dialect,
     fetch_all,
     in_autocommit,
+    message_key,
     one,
     slot_param,
     to_row,
@@ -260,7 +261,7 @@ def start_attempt(
         fenced=False,
         sets=sql.START_ATTEMPT,
         values=(owner, lease_seconds),
-        retry_by=(message_id,) if row.state == RunState.RETRYING else None,
+        retry_by=(message_key(message_id),) if row.state == RunState.RETRYING else None,
     )
 
 
@@ -345,7 +346,7 @@ def finish(
     if retry_within is None:
         sets, values = sql.END_ATTEMPT, (stored, duplicates)
     else:
-        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates, retry_by)
+        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates, message_key(retry_by))
     return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
 
