@@ -251,8 +251,9 @@ def start_attempt(
     """A pending or retrying row becomes ``owner``'s running attempt (``None``: it changed,
     or, retrying, it waits for the retry another message carries: see :func:`count_other_copy`).
 
-    ``message_id``: the message carrying this call (Celery's task id); a retrying row that
-    names the message that asked for its retry (``retry_by``) is started by that one only.
+    ``message_id``: the message carrying this call (Celery's task id and retry count); a
+    retrying row that names the message carrying its retry (``retry_by``) is started by
+    that one only, until the retry is overdue (the row's ``lease_until`` has passed).
     """
     return change(
         row,
