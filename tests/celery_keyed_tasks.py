@@ -71,3 +71,11 @@ def once_retry_late(self: OnceTask, log: str, countdown: float) -> str:
 def plain_retry_late(self: object, log: str, countdown: float) -> str:
     """The same on a plain Task (apply_once works with any task; no retry hook)."""
     return retry_late(self, log, countdown)
+
+
+@shared_task(bind=True, base=OnceTask, autoretry_for=(OSError,), retry_kwargs={"countdown": 60})
+@once_per_key(key="late:{n}")
+def guarded_retry_late(self: OnceTask, n: int, log: str) -> str:
+    """Guarded; always raises OSError, whose autoretry (60 s later) may outlive the ttl."""
+    record(log, f"run {os.getpid()} {current_run().attempt}")
+    raise OSError("down")

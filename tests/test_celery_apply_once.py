@@ -298,6 +298,33 @@ def test_apply_once__a_retry_beyond_the_messages_expiry_is_refused_where_it_is_d
         cluster.kill_all()
 
 
+def test_apply_once__a_refused_autoretry_ends_the_guarded_run_failed(
+    child_env, scratch, redis_server, lock_redis
+):
+    # The guard records how the body ended before Celery's autoretry asks for the retry:
+    # it asks OnceTask's rule too, so a retry that will be refused ends the run failed,
+    # not retrying for a retry that never comes (which held the key until its deadline).
+    from tests.celery_keyed_tasks import guarded_retry_late
+
+    log = scratch / "x.log"
+    name = "tests.celery_keyed_tasks.guarded_retry_late"
+    cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
+    try:
+        cluster.worker("w1")
+        with publishing(redis_server, lock_redis) as (connection, prefix):
+            ttl = timedelta(seconds=30)
+            guarded_retry_late.apply_once(
+                (1, str(log)), key="late:1", ttl=ttl, connection=connection
+            )
+            record = enqueue_key(prefix, name, "late:1")
+            wait_for(lambda: command(lock_redis, "exists", record) == 0, 60, "the key freed")
+        run = TaskRun.objects.get(task_name=name)
+        assert (run.state, run.attempt) == (RunState.FAILED, 1), (run.state, run.error)
+        assert [line.split()[0] for line in log.read_text().splitlines()] == ["run"]
+    finally:
+        cluster.kill_all()
+
+
 def test_apply_once__a_retry_that_expired_says_so(child_env, scratch, redis_server, lock_redis):
     # Before (review of issue 19): an expired retry was recorded "the workers were down or
     # busy" (a plain Task has no retry hook to refuse the countdown; it is recorded true).

@@ -166,41 +166,42 @@ class OnceTask(Task):  # type: ignore[type-arg]
         """Celery's retry, refused (``TaskGuardError``, chained to ``exc``) when the retry of
         an ``apply_once`` message would come after the message expires: the retry keeps
         the expiry, so the worker would discard it unseen."""
-        _refuse_retry_beyond_expiry(self, exc, eta, countdown, max_retries)
+        now = timezone.now()
+        if eta is not None:
+            delay = (maybe_make_aware(eta, self.app.timezone) - now).total_seconds()
+        else:
+            delay = float(countdown if countdown is not None else self.default_retry_delay or 0)
+        refused = retry_refusal(self, self.request, delay, max_retries)
+        if refused is not None:
+            raise TaskGuardError(refused) from exc
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
-def _refuse_retry_beyond_expiry(
-    task: Task[Any, Any],
-    exc: Exception | None,
-    eta: datetime | None,
-    countdown: float | None,
-    max_retries: int | None,
-) -> None:
-    request = task.request
+def retry_refusal(
+    task: Task[Any, Any], request: Any, delay: float, max_retries: int | None = None
+) -> str | None:
+    """Why ``OnceTask.retry`` refuses a retry ``delay`` seconds from now (None: it does not):
+    the retry of an ``apply_once`` message keeps its expiry and would come after it."""
     limit = task.max_retries if max_retries is None else max_retries
-    if request.called_directly or request.is_eager or request.expires is None:
-        return
-    if limit is not None and request.retries + 1 > limit:
-        return  # no retry: Celery raises the task's error
+    if not isinstance(task, OnceTask) or request.called_directly or request.is_eager:
+        return None
+    if request.expires is None or (limit is not None and request.retries + 1 > limit):
+        return None  # no expiry, or no retry: Celery raises the task's error
     if not isinstance(message_headers(request).get(ENQUEUE_HEADER), dict):
-        return
-    now = timezone.now()
+        return None
     raw: Any = request.expires  # an ISO string in a message, a datetime when applied
     expires = maybe_make_aware(
         datetime.fromisoformat(raw) if isinstance(raw, str) else raw, task.app.timezone
     )
-    if eta is not None:
-        due = maybe_make_aware(eta, task.app.timezone)
-    else:
-        due = now + timedelta(seconds=float(countdown or task.default_retry_delay or 0))
-    if due >= expires:
-        raise TaskGuardError(
-            f"{task.name}: a retry due in {(due - now).total_seconds():.0f}s comes after its "
-            f"apply_once message expires, in {max((expires - now).total_seconds(), 0):.0f}s "
-            f"(ttl counts from the first publish; a retry keeps the expiry): it would be "
-            f"discarded unseen; give apply_once a longer ttl= or the retry a shorter countdown"
-        ) from exc
+    left = (expires - timezone.now()).total_seconds()
+    if delay < left:
+        return None
+    return (
+        f"{task.name}: a retry due in {delay:.0f}s comes after its apply_once message "
+        f"expires, in {max(left, 0):.0f}s (ttl counts from the first publish; a retry keeps "
+        f"the expiry): it would be discarded unseen; give apply_once a longer ttl= or the "
+        f"retry a shorter countdown"
+    )
 
 
 def _record_of(

@@ -24,6 +24,7 @@ from ...endings import Ending
 from ...exceptions import TaskGuardError
 from ...owner import actor
 from ...states import RunState
+from .enqueue import retry_refusal
 from .headers import (
     DEFERRED_HEADER,
     PERIODIC_TASK_HEADER,
@@ -117,6 +118,9 @@ def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> En
     if max_retries is None or request.retries + 1 <= max_retries:
         reason = f"{type(exc).__name__}: {exc}; a retry will follow (autoretry_for)"
         delay = _autoretry_delay(task, request, retry_kwargs)
+        jitter = getattr(task, "retry_backoff", False) and getattr(task, "retry_jitter", True)
+        if retry_refusal(task, request, 0.0 if jitter else delay, max_retries) is not None:
+            return None  # OnceTask.retry refuses it: the message would expire first
         return Ending(RunState.RETRYING, reason, delay, by)
     return None
 
