@@ -65,8 +65,9 @@ def claim_slot(
     ``count_live=False``: finding a live attempt does not count a duplicate.
     ``take_missed``: a row the sweep recorded ``missed`` is run late (``catchup`` other
     than ``"none"``); the transition log keeps the alarm.
-    ``message_id``: the message carrying this call (Celery's task id). A row retrying for
-    a retry that another message carries is not this call's: a counted duplicate.
+    ``message_id``: the message carrying this call (Celery's task id and retry count). A row
+    retrying for a retry that another message carries is not this call's: a counted
+    duplicate (unless that retry is overdue).
     """
     abandon = on_stale == "abandon"
     for _ in range(CLAIM_ROUNDS):

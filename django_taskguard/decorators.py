@@ -47,8 +47,8 @@ class CallContext:
     # Where the call runs, for people (a Celery worker's ``w1@host``).
     instance: str | None = None
     on_busy: guard.OnBusy | None = None
-    # The message carrying the call (Celery's task id): after a retry that names its
-    # message (``Ending.retry_by``), only that message starts the next attempt.
+    # The message carrying the call (Celery's task id and retry count): after a retry that
+    # names its message (``Ending.retry_by``), only that message starts the next attempt.
     message_id: str | None = None
     # A misfire grace for this call (a beat entry's ``taskguard_grace`` header): a call
     # later than it after its slot is recorded ``missed``, whatever the decorator says.

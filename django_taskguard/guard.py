@@ -148,9 +148,10 @@ def begin(
     """Claim (``task_name``, ``slot``): the attempt that will run the function, or a refusal
     (the duplicate is counted and signalled). Blocking: Redis and the database.
 
-    ``message_id``: the message carrying the call (Celery's task id). After an attempt
-    ended ``retrying`` with a retry that names its message (``Ending.retry_by``), only
-    that message starts the next attempt; another copy is a counted duplicate.
+    ``message_id``: the message carrying the call (Celery's task id and retry count).
+    After an attempt ended ``retrying`` with a retry that names its message
+    (``Ending.retry_by``), only that message starts the next attempt; another copy is a
+    counted duplicate, until the retry is overdue.
     """
     default_lease, horizon = taskguard_settings.for_claim()
     # Every call inside an open transaction is refused, the losing one too:

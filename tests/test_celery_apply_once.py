@@ -272,6 +272,87 @@ def test_apply_once__a_message_that_expired_in_the_queue_is_recorded_and_frees_i
         cluster.kill_all()
 
 
+def test_apply_once__a_retry_beyond_the_messages_expiry_is_refused_where_it_is_decided(
+    child_env, scratch, redis_server, lock_redis
+):
+    # Before (review of issue 19): a retry keeps its message's expiry (apply_once's ttl,
+    # from the first publish); a retry countdown beyond it was sent, expired in the queue
+    # and was recorded "expired ... the workers were down or busy", which was untrue.
+    from tests.celery_keyed_tasks import once_retry_late
+
+    log = scratch / "x.log"
+    name = "tests.celery_keyed_tasks.once_retry_late"
+    cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
+    try:
+        cluster.worker("w1")
+        with publishing(redis_server, lock_redis) as (connection, prefix):
+            ttl = timedelta(seconds=30)
+            once_retry_late.apply_once((str(log), 60), key="l:1", ttl=ttl, connection=connection)
+            record = enqueue_key(prefix, name, "l:1")
+            wait_for(lambda: command(lock_redis, "exists", record) == 0, 60, "the key freed")
+        found = [line.split()[0] for line in log.read_text().splitlines()]
+        assert found == ["run", "refused"], found
+        assert "comes after its apply_once message expires" in log.read_text()
+        assert not TaskRun.objects.filter(task_name=name).exists()
+    finally:
+        cluster.kill_all()
+
+
+def test_apply_once__a_refused_autoretry_ends_the_guarded_run_failed(
+    child_env, scratch, redis_server, lock_redis
+):
+    # The guard records how the body ended before Celery's autoretry asks for the retry:
+    # it asks OnceTask's rule too, so a retry that will be refused ends the run failed,
+    # not retrying for a retry that never comes (which held the key until its deadline).
+    from tests.celery_keyed_tasks import guarded_retry_late
+
+    log = scratch / "x.log"
+    name = "tests.celery_keyed_tasks.guarded_retry_late"
+    cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
+    try:
+        cluster.worker("w1")
+        with publishing(redis_server, lock_redis) as (connection, prefix):
+            ttl = timedelta(seconds=30)
+            guarded_retry_late.apply_once(
+                (1, str(log)), key="late:1", ttl=ttl, connection=connection
+            )
+            record = enqueue_key(prefix, name, "late:1")
+            wait_for(lambda: command(lock_redis, "exists", record) == 0, 60, "the key freed")
+        run = TaskRun.objects.get(task_name=name)
+        assert (run.state, run.attempt) == (RunState.FAILED, 1), (run.state, run.error)
+        assert [line.split()[0] for line in log.read_text().splitlines()] == ["run"]
+    finally:
+        cluster.kill_all()
+
+
+def test_apply_once__a_retry_that_expired_says_so(child_env, scratch, redis_server, lock_redis):
+    # Before (review of issue 19): an expired retry was recorded "the workers were down or
+    # busy" (a plain Task has no retry hook to refuse the countdown; it is recorded true).
+    from django_taskguard.contrib.celery import apply_once
+    from tests.celery_keyed_tasks import plain_retry_late
+
+    log = scratch / "x.log"
+    name = "tests.celery_keyed_tasks.plain_retry_late"
+    cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
+    try:
+        cluster.worker("w1")
+        with publishing(redis_server, lock_redis) as (connection, _):
+            ttl = timedelta(seconds=3)
+            apply_once(plain_retry_late, (str(log), 6), key="e:1", ttl=ttl, connection=connection)
+            wait_for(
+                lambda: TaskRun.objects.filter(task_name=name, state=RunState.SKIPPED).exists(),
+                90,
+                "the expired retry to be recorded",
+            )
+        errors = list(TaskRun.objects.filter(task_name=name).values_list("error", flat=True))
+        # Each copy that expired is recorded (the Redis broker may deliver the countdown's
+        # message twice when it is held past the visibility timeout).
+        assert all("retry 1" in error and "down or busy" not in error for error in errors)
+        assert [line.split()[0] for line in log.read_text().splitlines()] == ["run"]
+    finally:
+        cluster.kill_all()
+
+
 def test_apply_once__reject_requeue_keeps_the_key_taken_while_the_message_is_requeued(
     child_env, scratch, redis_server, lock_redis
 ):
@@ -296,3 +377,48 @@ def test_apply_once__reject_requeue_keeps_the_key_taken_while_the_message_is_req
         assert [line.split()[0] for line in log.read_text().splitlines()] == ["reject", "run"]
     finally:
         cluster.kill_all()
+
+
+def test_apply_once__an_expiry_is_recorded_on_a_connection_the_server_closed(
+    transactional_db, lock_redis
+):
+    # Before (review of issue 19): the worker's consumer thread wrote the expiry record on
+    # its long-lived connection; once the server had closed it (idle timeout, restart),
+    # the write failed and the expiry went unrecorded. Now Django's close_old_connections
+    # runs first, as at the start of a request.
+    import threading
+
+    from celery.app.task import Context
+    from django.db import connection, connections
+
+    from django_taskguard.contrib.celery import enqueue
+    from django_taskguard.contrib.celery.headers import ENQUEUE_HEADER
+    from tests.celery_keyed_tasks import plain
+
+    if connection.vendor != "postgresql":
+        pytest.skip("ends a server-side session with pg_terminate_backend")
+    header = {"key": "c:1", "ttl": 3, "keep": None}
+    request = Context(id="gone-1", retries=0, headers={ENQUEUE_HEADER: header})
+    pid: list[int] = []
+    closed = threading.Event()
+
+    def consumer() -> None:
+        try:
+            with connections["default"].cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                pid.append(cursor.fetchone()[0])
+            closed.wait(60)
+            enqueue.revoked(request=request, expired=True, sender=plain)
+        finally:
+            connections.close_all()
+
+    with redis_backend(lock_redis):
+        thread = threading.Thread(target=consumer)
+        thread.start()
+        wait_for(lambda: bool(pid), 30, "the consumer's connection")
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid[0]])
+        closed.set()
+        thread.join(60)
+    run = TaskRun.objects.get(task_name=plain.name)
+    assert run.state == RunState.SKIPPED and "gone-1" in run.error

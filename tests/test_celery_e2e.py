@@ -153,14 +153,19 @@ class Cluster:
             return None
         return next((n for n, p in self.processes.items() if group == p.pid), None)
 
-    def publish(self, task: Any, slot: datetime, schedule: str, **kwargs: object) -> str:
-        """Send ``task`` for ``slot`` the way a taskguard beat does; return the task id."""
+    def publish(
+        self, task: Any, slot: datetime, schedule: str, task_id: str | None = None, **kwargs: object
+    ) -> str:
+        """Send ``task`` for ``slot`` the way a taskguard beat does; return the task id
+        (``task_id``: send it under this id, as a copy of an earlier message)."""
         from tests.celery_app import app
 
         app.conf.broker_url = self.broker_url
         headers = {SLOT_HEADER: slot.isoformat(), SCHEDULE_HEADER: schedule}
         with app.connection_for_write() as connection:
-            result = task.apply_async(kwargs=kwargs, headers=headers, connection=connection)
+            result = task.apply_async(
+                kwargs=kwargs, headers=headers, connection=connection, task_id=task_id
+            )
         return str(result.id)
 
     def events(self, kind: str) -> list[list[str]]:

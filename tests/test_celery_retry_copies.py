@@ -79,6 +79,50 @@ def test_retry__a_second_copy_that_meets_the_retrying_row_is_a_duplicate(
     assert counted == 3
 
 
+def test_retry__a_stale_copy_of_the_message_that_asked_for_the_retry_is_a_duplicate(
+    cluster,  # noqa: F811
+    scratch,
+):
+    """Review of issue 19: a copy of the first message (same task id, retry count 0: a
+    put-back of the original, a redelivery after the visibility timeout) that meets the
+    row ``retrying`` for that message's retry. Before, ``retry_by`` was the task id alone:
+    the stale copy started attempt 2 early and began a second retry chain (more than 3
+    executions where max_retries=2 allows 3)."""
+    from tests import celery_tasks
+
+    log = scratch / "executions.log"
+    name = f"{celery_tasks.always_fails.name}[stale]"
+    cluster.env["TASKGUARD_TEST_VISIBILITY"] = "60"
+    cluster.worker("w1")
+    cluster.worker("w2")
+    slot = BASE_SLOT + timedelta(hours=15)
+    first = cluster.publish(celery_tasks.always_fails, slot, "stale", log=str(log))
+    wait_for(
+        lambda: TaskRun.objects.filter(task_name=name, state=RunState.RETRYING).exists(),
+        60,
+        "attempt 1 to end retrying",
+        cluster,
+    )
+    stale = cluster.publish(celery_tasks.always_fails, slot, "stale", first, log=str(log))
+    assert stale == first
+    wait_for(
+        lambda: TaskRun.objects.filter(task_name=name, state=RunState.FAILED).exists(),
+        60,
+        "the retries to run out",
+        cluster,
+    )
+    wait_for(
+        lambda: TaskRun.objects.filter(task_name=name, duplicates=1).exists(),
+        30,
+        "the stale copy to be counted",
+        cluster,
+    )
+    run = TaskRun.objects.get(task_name=name)
+    attempts = [line[3] for line in lines(log) if line[1] == name]
+    assert attempts == ["1", "2", "3"], cluster.describe()
+    assert (run.state, run.attempt, run.duplicates) == (RunState.FAILED, 3, 1)
+
+
 def test_retry__two_beats_two_workers_at_most_max_retries_plus_one_per_slot(cluster, scratch):  # noqa: F811
     """The documented HA setup with retries: two TaskguardScheduler beats, two workers,
     autoretry_for with max_retries=2 and retry_backoff (1 s, 2 s). A task that fails twice

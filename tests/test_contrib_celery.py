@@ -446,3 +446,22 @@ def test_beat__crontab_is_due_at_the_slots_run_schedules_fires_across_dst(
     fired = cron.slots_between(change - timedelta(hours=3), clock[0], 1000)
     assert stamped == fired
     assert len(fired) == (72 if minute == "*/5" else len(set(fired)))
+
+
+def test_classify_raise__a_retry_names_its_message_by_task_id_and_retry_count():
+    # Before (review of issue 19): retry_by was the task id alone, so a stale copy of the
+    # same message (a put-back of the original, a redelivery) started the next attempt
+    # early and began a second retry chain. Celery's retry keeps the id and adds one to
+    # ``retries``; a requeued message (Reject(requeue=True)) keeps both.
+    from celery.app.task import Context
+    from celery.exceptions import Reject, Retry
+
+    from django_taskguard.contrib.celery.worker import _message_id, classify_raise
+
+    request = Context(id="abc", retries=2, called_directly=False)
+    assert _message_id(request) == "abc/2"
+    task = celery_tasks.always_fails
+    assert classify_raise(task, request, Retry("again", when=5)).retry_by == "abc/3"
+    assert classify_raise(task, request, Reject("back", requeue=True)).retry_by == "abc/2"
+    first = Context(id="abc", retries=0, called_directly=False)
+    assert classify_raise(task, first, OSError("down")).retry_by == "abc/1"

@@ -9,6 +9,8 @@ forward 2026-03-08 07:00 UTC, falls back 2026-11-01 06:00 UTC (01:00-01:59 twice
 from __future__ import annotations
 
 import random
+import sys
+import threading
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from unittest import mock
@@ -18,7 +20,7 @@ import pytest
 from croniter import croniter
 
 from django_taskguard import health, once_per_schedule, registry
-from django_taskguard.cron import CronSchedule, plain_between, plain_latest
+from django_taskguard.cron import CronSchedule, _walk, plain_between, plain_latest
 from django_taskguard.scheduler import Scheduler
 
 UTC = dt_timezone.utc
@@ -221,6 +223,63 @@ def test_cron__kept_walks_agree_with_a_fresh_computation():
             assert cron.count_between(start, now, limit) == len(fresh)
             ahead = plain_between(cron, now, now + timedelta(days=400), 1)
             assert cron.slots_between(now, now + timedelta(days=400), 1) == ahead
+
+
+def test_cron__a_walk_moved_past_the_start_by_another_question_still_gives_every_slot():
+    """Regression: a question took the kept walk (its times began before its start), then
+    another question moved that walk past the start before the first one stepped it (the
+    main loop's latest_slot against the sweeper's slots_between): the first got the slots
+    after the walk's new beginning only (1 of 80) and the sweep took the short list as done."""
+    cron = CronSchedule("* * * * *", tz_name="UTC")
+    now = utc(2031, 5, 17, 9, 0)
+    cron.latest_slot(now - timedelta(minutes=100))  # the kept walk begins 100 minutes back
+    walk = _walk(cron, now - timedelta(minutes=80))  # the sweeper's question takes it...
+    assert cron.latest_slot(now) == now  # ...the main loop's moves it past the start...
+    found = walk.between(now - timedelta(minutes=80), now, 1000)  # ...then the sweeper asks
+    assert found == plain_between(cron, now - timedelta(minutes=80), now, 1000)
+    assert len(found) == 80
+    assert walk.latest(now - timedelta(minutes=90)) == now - timedelta(minutes=90)
+
+
+def test_cron__two_threads_sharing_a_walk_get_the_fresh_answers():
+    """The main loop (latest_slot, moving forward in jumps) and the sweeper (slots_between
+    over long windows behind it) ask the same kept walk at once; every answer is the fresh
+    computation's."""
+    cron = CronSchedule("*/2 * * * *", tz_name=BERLIN)
+    zone = ZoneInfo(BERLIN)
+    base = CHANGES[(BERLIN, "fall")] - timedelta(hours=6)
+    wrong: list[tuple[str, datetime, object, object]] = []
+    ready = threading.Barrier(2)
+
+    def main_loop() -> None:
+        rng = random.Random(1)
+        ready.wait()
+        for _ in range(400):
+            now = base + timedelta(minutes=rng.randrange(12 * 60))
+            if (got := cron.latest_slot(now)) != (want := plain_latest(cron, zone, now)):
+                wrong.append(("latest", now, got, want))
+
+    def sweeper() -> None:
+        rng = random.Random(2)
+        ready.wait()
+        for _ in range(150):
+            start = base + timedelta(minutes=rng.randrange(12 * 60))
+            end = start + timedelta(minutes=rng.choice([30, 200, 400]))
+            got = cron.slots_between(start, end, 10_000)
+            if got != (want := plain_between(cron, start, end, 10_000)):
+                wrong.append(("between", start, len(got), len(want)))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the window is a few bytecodes
+    try:
+        threads = [threading.Thread(target=main_loop), threading.Thread(target=sweeper)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == [], wrong[:5]
 
 
 def test_cron__fresh_computation_matches_the_oracle_on_random_dst_days():

@@ -198,3 +198,54 @@ def test_owner__names_the_instance_setting_then_the_host():
         Owner.parse(o) for o in TaskRun.objects.order_by("slot").values_list("owner", flat=True)
     ]
     assert [o.host for o in owners if o is not None] == [host(), "web_3", "w1@worker-host"]
+
+
+def retrying_for(name: str, message: str, retry_by: str) -> TaskRun:
+    """Run ``name``'s slot once as message ``message``, ending ``retrying`` for ``retry_by``."""
+
+    def classify(exc: BaseException) -> Ending:
+        return Ending(RunState.RETRYING, "retry requested", retry_within=30, retry_by=retry_by)
+
+    def fails() -> None:
+        raise Boom("transient")
+
+    with pytest.raises(Boom):
+        guard.execute(name, BASE_SLOT, Policy(), fails, (), {}, classify_raise=classify,
+                      message_id=message)  # fmt: skip
+    return TaskRun.objects.get(task_name=name)
+
+
+def test_retrying_run__a_message_identity_longer_than_the_column_still_starts_its_retry():
+    # Before (review of issue 19): a Celery task id over the 255-character column broke
+    # every retry on PostgreSQL (DataError, the row left running) and, truncated on
+    # MariaDB in non-strict mode, refused the real retry.
+    name, long_id = "tests.recording.retry_by_long", "t" * 300
+    run = retrying_for(name, f"{long_id}/0", f"{long_id}/1")
+    assert (run.state, run.attempt) == (RunState.RETRYING, 1)
+    assert run.retry_by is not None and len(run.retry_by) <= 255
+    other = guard.execute(name, BASE_SLOT, Policy(), lambda: "x", (), {}, message_id="u/1")
+    assert other is None
+    stale = guard.execute(name, BASE_SLOT, Policy(), lambda: "x", (), {},
+                          message_id=f"{long_id}/0")  # fmt: skip
+    assert stale is None
+    done = guard.execute(name, BASE_SLOT, Policy(), lambda: "ok", (), {},
+                         message_id=f"{long_id}/1")  # fmt: skip
+    assert done == "ok"
+    run.refresh_from_db()
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 2, 2)
+
+
+def test_retrying_run__an_overdue_retry_no_longer_holds_the_slot_for_its_message(lock_backend):
+    # Before (review of issue 19): once the retry's deadline (lease_until) had passed, the
+    # retry had never come (its publish failed), yet every other copy was still refused
+    # and the slot stayed stranded until the sweep, whatever on_stale said.
+    name, ran = "tests.recording.retry_overdue", []
+    run = retrying_for(name, "m/0", "m/1")
+    assert guard.execute(name, BASE_SLOT, Policy(), ran.append, ("early",), {},
+                         message_id="n/0") is None  # fmt: skip
+    TaskRun.objects.filter(pk=run.pk).update(lease_until=DatabaseNow() - timedelta(seconds=5))
+    assert ledger.count_other_copy(run.pk, "n/0") is False
+    got = guard.execute(name, BASE_SLOT, Policy(), lambda: "ran", (), {}, message_id="n/0")
+    assert got == "ran" and ran == []
+    run.refresh_from_db()
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 2, 1)

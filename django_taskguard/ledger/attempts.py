@@ -30,6 +30,7 @@ from .core import (
     dialect,
     fetch_all,
     in_autocommit,
+    message_key,
     one,
     slot_param,
     to_row,
@@ -265,8 +266,9 @@ def start_attempt(
     """A pending or retrying row becomes ``owner``'s running attempt (``None``: it changed,
     or, retrying, it waits for the retry another message carries: see :func:`count_other_copy`).
 
-    ``message_id``: the message carrying this call (Celery's task id); a retrying row that
-    names the message that asked for its retry (``retry_by``) is started by that one only.
+    ``message_id``: the message carrying this call (Celery's task id and retry count); a
+    retrying row that names the message carrying its retry (``retry_by``) is started by
+    that one only, until the retry is overdue (the row's ``lease_until`` has passed).
     """
     return change(
         row,
@@ -275,7 +277,7 @@ def start_attempt(
         fenced=False,
         sets=sql.START_ATTEMPT,
         values=(owner, lease_seconds),
-        retry_by=(message_id,) if row.state == RunState.RETRYING else None,
+        retry_by=(message_key(message_id),) if row.state == RunState.RETRYING else None,
     )
 
 
@@ -360,7 +362,7 @@ def finish(
     if retry_within is None:
         sets, values = sql.END_ATTEMPT, (stored, duplicates)
     else:
-        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates, retry_by)
+        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates, message_key(retry_by))
     return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
 

@@ -3,6 +3,7 @@ and the ledger's own row (identity, fences)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import uuid
@@ -35,6 +36,8 @@ CONNECTION_ERRORS = (OperationalError, InterfaceError)
 # Text the ledger stores for people: reasons and errors are cut to this.
 REASON_MAX_LENGTH = 500
 ERROR_MAX_LENGTH = 10_000
+# ``TaskRun.retry_by``'s width: a message's identity longer than this is stored digested.
+MESSAGE_KEY_MAX_LENGTH = 255
 
 
 def alias() -> str:
@@ -256,6 +259,16 @@ def to_row(values: Sequence[Any] | None) -> Row | None:
     return Row(
         int(values[0]), values[1], int(values[2]), values[3], values[4], aware(values[5]), left
     )
+
+
+def message_key(identity: str | None) -> str | None:
+    """A message's identity as ``retry_by`` stores and compares it: as given when it fits
+    the column (a Celery task id and retry count, readable in the admin), else
+    ``sha256:`` and its digest (a task id may be any string; cut, two would compare equal)."""
+    if identity is None or len(identity) <= MESSAGE_KEY_MAX_LENGTH:
+        return identity
+    digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"sha256:{digest}"
 
 
 def clip(text: str, limit: int) -> str:

@@ -25,6 +25,7 @@ from .core import (
     clip,
     dialect,
     fetch_all,
+    message_key,
     one,
     runs,
     slot_param,
@@ -54,7 +55,7 @@ def count_other_copy(run_id: int, message_id: str | None) -> bool:
     the row waits for the retry another message carries, not ``message_id``'s."""
     try:
         with connections[alias()].cursor() as cursor:
-            cursor.execute(sql.count_other_copy(dialect()), [run_id, message_id])
+            cursor.execute(sql.count_other_copy(dialect()), [run_id, message_key(message_id)])
             return bool(cursor.rowcount)
     except DatabaseError as exc:
         raise unreachable(exc) from exc

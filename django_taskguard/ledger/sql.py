@@ -398,13 +398,14 @@ def change(
 
     Parameters: the new state, the assignments' own, the id, the expected
     state, the fence when ``fenced``, the caller's message id when ``retry_by`` (the row
-    names no message that asked for its retry, or names this one).
+    names no message that asked for its retry, or names this one, or that retry is
+    overdue: its deadline passed, so it never came and any copy may start the attempt).
     """
     where = "r.id = %s AND r.state = %s"
     if fenced:
         where += " AND r.fence = %s"
     if retry_by:
-        where += " AND (r.retry_by IS NULL OR r.retry_by = %s)"
+        where += " AND (r.retry_by IS NULL OR r.retry_by = %s OR r.lease_until <= {now})"
     if lease == "expired":
         where += " AND r.lease_until <= {now}"
     elif lease == "live":
@@ -599,13 +600,14 @@ def add_duplicates(d: Dialect) -> str:
     )
 
 
-# A copy that found the row retrying for another message (parameters: id, the copy's
-# message id or NULL): counted, in the same statement that checks it; no row: it was not.
+# A copy that found the row retrying for another message, whose retry is not overdue
+# (parameters: id, the copy's message id or NULL): counted, in the same statement that
+# checks it; no row: it was not.
 @lru_cache
 def count_other_copy(d: Dialect) -> str:
     return _format(
         "UPDATE {run} SET duplicates = duplicates + 1 WHERE id = %s AND state = 'retrying' "
-        "AND retry_by IS NOT NULL AND retry_by <> COALESCE(%s, '')",
+        "AND retry_by IS NOT NULL AND retry_by <> COALESCE(%s, '') AND lease_until > {now}",
         d,
     )
 

@@ -17,7 +17,9 @@ holding the message's task id:
   by the worker instead of running next to a newer one. That is never silent: the
   worker records the expired message as a ``skipped`` run (reason ``expired``) and frees
   its record; a ``countdown``/``eta`` beyond ``ttl`` (a message that could only expire)
-  is refused at the call.
+  is refused at the call. A retry keeps the message's expiry (``ttl`` counts from the
+  first publish): ``OnceTask.retry`` refuses a countdown beyond what is left of it; on
+  another task base such a retry expires and is recorded as an expired retry.
 - A caller-chosen ``task_id`` is the record's value like any other: a second call with
   the same id finds it held and publishes nothing.
 - ``Reject(requeue=True)`` keeps the record (the message is back in the queue).
@@ -38,6 +40,7 @@ from celery.exceptions import Reject
 from celery.result import AsyncResult
 from celery.signals import task_postrun, task_prerun, task_revoked
 from celery.utils.time import maybe_make_aware
+from django.db import close_old_connections
 from django.utils import timezone
 from kombu.utils.uuid import uuid
 
@@ -149,6 +152,57 @@ class OnceTask(Task):  # type: ignore[type-arg]
         """See :func:`apply_once`."""
         return apply_once(self, args, kwargs, **options)
 
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Exception | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's retry, refused (``TaskGuardError``, chained to ``exc``) when the retry of
+        an ``apply_once`` message would come after the message expires: the retry keeps
+        the expiry, so the worker would discard it unseen."""
+        now = timezone.now()
+        if eta is not None:
+            delay = (maybe_make_aware(eta, self.app.timezone) - now).total_seconds()
+        else:
+            delay = float(countdown if countdown is not None else self.default_retry_delay or 0)
+        refused = retry_refusal(self, self.request, delay, max_retries)
+        if refused is not None:
+            raise TaskGuardError(refused) from exc
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def retry_refusal(
+    task: Task[Any, Any], request: Any, delay: float, max_retries: int | None = None
+) -> str | None:
+    """Why ``OnceTask.retry`` refuses a retry ``delay`` seconds from now (None: it does not):
+    the retry of an ``apply_once`` message keeps its expiry and would come after it."""
+    limit = task.max_retries if max_retries is None else max_retries
+    if not isinstance(task, OnceTask) or request.called_directly or request.is_eager:
+        return None
+    if request.expires is None or (limit is not None and request.retries + 1 > limit):
+        return None  # no expiry, or no retry: Celery raises the task's error
+    if not isinstance(message_headers(request).get(ENQUEUE_HEADER), dict):
+        return None
+    raw: Any = request.expires  # an ISO string in a message, a datetime when applied
+    expires = maybe_make_aware(
+        datetime.fromisoformat(raw) if isinstance(raw, str) else raw, task.app.timezone
+    )
+    left = (expires - timezone.now()).total_seconds()
+    if delay < left:
+        return None
+    return (
+        f"{task.name}: a retry due in {delay:.0f}s comes after its apply_once message "
+        f"expires, in {max(left, 0):.0f}s (ttl counts from the first publish; a retry keeps "
+        f"the expiry): it would be discarded unseen; give apply_once a longer ttl= or the "
+        f"retry a shorter countdown"
+    )
+
 
 def _record_of(
     task: Task[Any, Any] | None, request: Any = None
@@ -203,8 +257,13 @@ def revoked(
     request: Any = None, expired: bool = False, sender: Task[Any, Any] | None = None, **_: Any
 ) -> None:
     """A message of ``apply_once`` the worker discards (revoked, or ``expired``): free its
-    key; an expired one is also recorded as a ``skipped`` run with the reason."""
+    key; an expired one is also recorded as a ``skipped`` run with the reason.
+
+    Runs on the worker's consumer thread, whose database connection may have outlived
+    the server's idle timeout or ``CONN_MAX_AGE`` since its last use (the key's prefix
+    and the record read and write the ledger): closed first if so, as for a request."""
     try:
+        close_old_connections()
         found = _record_of(sender, request)
         if found is None or sender is None:
             return
@@ -212,18 +271,23 @@ def revoked(
         task_id = str(getattr(request, "id", "") or "")
         release_claim(record, task_id)
         if expired:
-            _record_expired(sender.name, task_id, header)
+            _record_expired(sender.name, task_id, header, int(request.retries or 0))
     except Exception:
         logger.exception("taskguard could not record the discarded message %s", request)
 
 
-def _record_expired(task_name: str, task_id: str, header: dict[str, Any]) -> None:
+def _record_expired(task_name: str, task_id: str, header: dict[str, Any], retries: int) -> None:
     """A skipped row keyed by now (not by the key: that would block it), with the reason."""
-    reason = (
-        f"expired: apply_once message {task_id} for key {header['key']!r} expired before a "
-        f"worker ran it (ttl {float(header.get('ttl') or 0):g}s: the workers were down or "
-        f"busy that long); its key is free"
+    ttl = float(header.get("ttl") or 0)
+    why = (
+        f"retry {retries} of apply_once message {task_id} for key {header['key']!r} expired "
+        f"before a worker ran it (ttl {ttl:g}s counts from the first publish and the retry "
+        f"kept that expiry: the retry's countdown, or its wait in the queue, outlived it)"
+        if retries
+        else f"apply_once message {task_id} for key {header['key']!r} expired before a "
+        f"worker ran it (ttl {ttl:g}s: the workers were down or busy that long)"
     )
+    reason = f"expired: {why}; its key is free"
     logger.warning("taskguard %s: %s", task_name, reason, extra={"task": task_name})
     ledger.ensure_autocommit()
     slot = timezone.now()

@@ -24,6 +24,7 @@ from ...endings import Ending
 from ...exceptions import TaskGuardError
 from ...owner import actor
 from ...states import RunState
+from .enqueue import retry_refusal
 from .headers import (
     DEFERRED_HEADER,
     PERIODIC_TASK_HEADER,
@@ -71,9 +72,17 @@ def celery_call_context() -> CallContext | None:
     )
 
 
-def _message_id(request: Any) -> str | None:
-    """The task id: a retry, a requeue and a put-back keep it; another beat's copy has its own."""
-    return str(request.id) if getattr(request, "id", None) else None
+def _message_id(request: Any, retries: int = 0) -> str | None:
+    """The message's identity: its task id and retry count, ``retries`` more.
+
+    Celery's retry (``Task.retry``, ``autoretry_for``) keeps the id and adds one to the
+    count; a requeue (``Reject(requeue=True)``) and a put-back (:func:`defer`) keep both;
+    another beat's copy has its own id. So a stale copy of an earlier message (a put-back
+    or redelivery of the attempt that asked for the retry) is not the retry.
+    """
+    if not getattr(request, "id", None):
+        return None
+    return f"{request.id}/{int(request.retries or 0) + retries}"
 
 
 def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> Ending | None:
@@ -86,12 +95,13 @@ def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> En
     unlimited). ``Ignore`` (which ``self.replace()`` raises too) and
     ``Reject(requeue=False)`` drop the call: ``skipped``, with the reason.
     """
-    by = _message_id(request)  # the retry (or the requeued message) keeps the task id
+    by = _message_id(request, retries=1)  # the retry Celery sends: same id, one more retry
     if isinstance(exc, Retry):
         return Ending(RunState.RETRYING, f"retry requested: {exc}", _seconds_until(exc.when), by)
     if isinstance(exc, Reject):
         if getattr(exc, "requeue", False):
-            return Ending(RunState.RETRYING, f"rejected and requeued: {exc}", retry_by=by)
+            again = _message_id(request)  # the message itself, back in the queue
+            return Ending(RunState.RETRYING, f"rejected and requeued: {exc}", retry_by=again)
         return Ending(RunState.SKIPPED, f"rejected by the task (celery Reject): {exc}")
     if isinstance(exc, Ignore):
         return Ending(RunState.SKIPPED, "ignored by the task (celery Ignore, or self.replace())")
@@ -108,6 +118,9 @@ def classify_raise(task: Task[Any, Any], request: Any, exc: BaseException) -> En
     if max_retries is None or request.retries + 1 <= max_retries:
         reason = f"{type(exc).__name__}: {exc}; a retry will follow (autoretry_for)"
         delay = _autoretry_delay(task, request, retry_kwargs)
+        jitter = getattr(task, "retry_backoff", False) and getattr(task, "retry_jitter", True)
+        if retry_refusal(task, request, 0.0 if jitter else delay, max_retries) is not None:
+            return None  # OnceTask.retry refuses it: the message would expire first
         return Ending(RunState.RETRYING, reason, delay, by)
     return None
 
