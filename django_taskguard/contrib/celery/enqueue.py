@@ -163,9 +163,10 @@ class OnceTask(Task):  # type: ignore[type-arg]
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's retry, refused (``TaskGuardError``, chained to ``exc``) when the retry of
-        an ``apply_once`` message would come after the message expires: the retry keeps
-        the expiry, so the worker would discard it unseen."""
+        """Celery's retry, refused when the retry of an ``apply_once`` message would come
+        after the message expires (the retry keeps the expiry, so the worker would discard
+        it unseen): the task's own error ``exc`` is raised, as when retries run out, and the
+        refusal logged; with no ``exc``, ``TaskGuardError`` says why."""
         now = timezone.now()
         if eta is not None:
             delay = (maybe_make_aware(eta, self.app.timezone) - now).total_seconds()
@@ -173,7 +174,10 @@ class OnceTask(Task):  # type: ignore[type-arg]
             delay = float(countdown if countdown is not None else self.default_retry_delay or 0)
         refused = retry_refusal(self, self.request, delay, max_retries)
         if refused is not None:
-            raise TaskGuardError(refused) from exc
+            if exc is None:
+                raise TaskGuardError(refused)
+            logger.error("%s; the task fails with its own error instead", refused)
+            raise exc
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
