@@ -21,11 +21,9 @@ import tracemalloc
 from datetime import datetime
 from pathlib import Path
 
-import django
-from django.conf import settings
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.admin_site import configure_admin_site  # noqa: E402
 
 DB = os.environ.get("TASKGUARD_BENCH_DB", "taskguard_bench")
 PG = {
@@ -40,50 +38,9 @@ urlpatterns: list[object] = []
 
 
 def configure() -> None:
-    settings.configure(
-        SECRET_KEY="bench",
-        DEBUG=False,
-        USE_TZ=True,
-        TIME_ZONE="Europe/Paris",
-        ALLOWED_HOSTS=["*"],
-        INSTALLED_APPS=[
-            "django.contrib.admin",
-            "django.contrib.auth",
-            "django.contrib.contenttypes",
-            "django.contrib.sessions",
-            "django.contrib.messages",
-            "django_taskguard",
-        ],
-        MIDDLEWARE=[
-            "django.contrib.sessions.middleware.SessionMiddleware",
-            "django.middleware.csrf.CsrfViewMiddleware",
-            "django.contrib.auth.middleware.AuthenticationMiddleware",
-            "django.contrib.messages.middleware.MessageMiddleware",
-        ],
-        ROOT_URLCONF=__name__,
-        TEMPLATES=[
-            {
-                "BACKEND": "django.template.backends.django.DjangoTemplates",
-                "APP_DIRS": True,
-                "OPTIONS": {
-                    "context_processors": [
-                        "django.template.context_processors.request",
-                        "django.contrib.auth.context_processors.auth",
-                        "django.contrib.messages.context_processors.messages",
-                    ]
-                },
-            }
-        ],
-        DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": DB, **PG}},
-        TASKGUARD={"BACKEND": "database"},
-        LOGGING={"version": 1, "loggers": {"taskguard": {"level": "ERROR"}}},
+    configure_admin_site(
+        {"ENGINE": "django.db.backends.postgresql", "NAME": DB, **PG}, urlpatterns, __name__
     )
-    django.setup()
-    from django.contrib import admin
-    from django.urls import include, path
-
-    urlpatterns.append(path("admin/", admin.site.urls))
-    urlpatterns.append(path("taskguard/", include("django_taskguard.urls")))
 
 
 def admin_database(sql: str) -> None:

@@ -24,60 +24,17 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-import django
-from django.conf import settings
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.admin_site import configure_admin_site  # noqa: E402
+
 urlpatterns: list[object] = []
 
 
 def configure(path: Path) -> None:
-    settings.configure(
-        SECRET_KEY="bench",
-        DEBUG=False,
-        USE_TZ=True,
-        TIME_ZONE="Europe/Paris",
-        ALLOWED_HOSTS=["*"],
-        INSTALLED_APPS=[
-            "django.contrib.admin",
-            "django.contrib.auth",
-            "django.contrib.contenttypes",
-            "django.contrib.sessions",
-            "django.contrib.messages",
-            "django_taskguard",
-        ],
-        MIDDLEWARE=[
-            "django.contrib.sessions.middleware.SessionMiddleware",
-            "django.middleware.csrf.CsrfViewMiddleware",
-            "django.contrib.auth.middleware.AuthenticationMiddleware",
-            "django.contrib.messages.middleware.MessageMiddleware",
-        ],
-        ROOT_URLCONF=__name__,
-        TEMPLATES=[
-            {
-                "BACKEND": "django.template.backends.django.DjangoTemplates",
-                "APP_DIRS": True,
-                "OPTIONS": {
-                    "context_processors": [
-                        "django.template.context_processors.request",
-                        "django.contrib.auth.context_processors.auth",
-                        "django.contrib.messages.context_processors.messages",
-                    ]
-                },
-            }
-        ],
-        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}},
-        TASKGUARD={"BACKEND": "database"},
-        LOGGING={"version": 1, "loggers": {"taskguard": {"level": "ERROR"}}},
+    configure_admin_site(
+        {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}, urlpatterns, __name__
     )
-    django.setup()
-    from django.contrib import admin
-    from django.urls import include
-    from django.urls import path as url
-
-    urlpatterns.append(url("admin/", admin.site.urls))
-    urlpatterns.append(url("taskguard/", include("django_taskguard.urls")))
 
 
 def seed(count: int, cron: str) -> None:
