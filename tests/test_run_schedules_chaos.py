@@ -51,7 +51,7 @@ def test_run_schedules__chaos__every_due_slot_once_or_recorded_none_left_running
     )  # fmt: skip
     args = [python(), "-m", "tests.scheduler_child", "--sweep-every", "1", "--max-workers", "16"]
     killed, stopped, cut = (
-        start(args, {**env, "PGAPPNAME": f"taskguard-chaos-{name}"}, scratch / f"{name}.out")
+        start(args, {**env, "PGAPPNAME": f"{APP}-{name}"}, scratch / f"{name}.out")
         for name in ("killed", "stopped", "cut")
     )
     copies = [killed, stopped, cut]
@@ -70,7 +70,7 @@ def test_run_schedules__chaos__every_due_slot_once_or_recorded_none_left_running
         time.sleep(lease + 4)  # past its lease: the others abandon what it held
         stopped.send_signal(signal.SIGCONT)
         until(0.65)
-        assert _terminate_backends("taskguard-chaos-cut") > 0, "no connection of the copy"
+        assert _terminate_backends(f"{APP}-cut") > 0, "no connection of the copy"
         until(1.0)
         ended = datetime.now().astimezone()
         window = _slots(began + timedelta(seconds=3), ended - timedelta(seconds=5))
@@ -96,6 +96,11 @@ def test_run_schedules__chaos__every_due_slot_once_or_recorded_none_left_running
     time.sleep(lease + 2)  # the leases of the SIGKILLed copy's runs lapse
     call_command("cleanup_locks", stdout=io.StringIO())
     _check_chaos(log, names, window, dead={killed.pid, stopped.pid})
+
+
+# The copies' application name, this run's own: another run of the suite on the same server
+# (a version matrix pass) must never have its connections terminated.
+APP = f"taskguard-chaos-{os.getpid()}"
 
 
 def _terminate_backends(application: str) -> int:
