@@ -105,6 +105,8 @@ def finish_behind_busy_claims(*, in_own_thread: bool) -> None:
         asyncio.run(main())  # ends with every call still in flight, and cancels them
         go.set()
         wait_for(none_running, WAIT, "no run left running")
+        # The row is written before run_succeeded is sent: wait for the receiver too.
+        wait_for(lambda: finished_in, WAIT, "run_succeeded from the finish")
     assert ran == []
     run = TaskRun.objects.get(task_name="tests.async.target")
     assert (run.state, run.error) == (RunState.SUCCEEDED, "")
