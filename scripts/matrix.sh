@@ -40,7 +40,8 @@ SMOKE=(
   tests/test_contrib_tasks.py::test_enqueue_for_slot__the_slot_travels_and_is_claimed_not_recomputed
   tests/test_async.py::test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking
   tests/test_async.py::test_async__cancelled_during_the_claim_gives_the_slot_back_and_never_runs
-  tests/test_async.py::test_async__wait_for_timeout_raises_timeout_error_and_is_recorded
+  tests/test_async.py::test_async__wait_for_timeout_during_the_claim_raises_timeout_error_and_gives_back
+  tests/test_async.py::test_async__a_timeout_in_the_function_raises_timeout_error_and_is_recorded
 )
 
 
