@@ -43,6 +43,13 @@ def states(task: str) -> dict[datetime, str]:
     return dict(TaskRun.objects.filter(task_name=task).values_list("slot", "state"))
 
 
+def swept_after_an_outage(name: str) -> None:
+    """``name`` first seen 12 s ago, never fired, then swept: its due slots are missed."""
+    first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
+    TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
+    sweep_missed()
+
+
 def test_sweep_missed__a_long_outage_records_every_slot_in_batches():
     """~11,000 due one-second slots, the newest already run (the scheduler came back):
     every other slot is recorded missed, in a bounded number of statements."""
@@ -232,9 +239,7 @@ def test_backfill__runs_slots_the_sweep_recorded_missed_once(catchup, lock_backe
 
     try:
         registry.sync()
-        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
-        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
-        sweep_missed()
+        swept_after_an_outage(name)
         missed_slots = sorted(states(name))
         assert len(missed_slots) >= 8 and set(states(name).values()) == {RunState.MISSED}
         oldest.append(missed_slots[0])
@@ -284,9 +289,7 @@ def late_call_then_backfill(name: str, **options: object) -> tuple[list[datetime
         calls.append(current_run().slot)
 
     registry.sync()
-    first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
-    TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
-    sweep_missed()
+    swept_after_an_outage(name)
     target = min(states(name))
     # a second copy (or a second beat message) calls the slot late: catchup="none" refuses
     assert registry.entries()[name].fire(target) is False
@@ -319,9 +322,7 @@ def test_backfill__a_slot_left_missed_is_not_run_and_fails_the_command(lock_back
 
     try:
         registry.sync()
-        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
-        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
-        sweep_missed()
+        swept_after_an_outage(name)
         target = min(states(name))
         lock = get_backend()
         key = lock.key_for(name, target, None)
@@ -347,9 +348,7 @@ def test_backfill__a_lost_compare_and_set_under_raise_is_run_elsewhere():
 
     try:
         registry.sync()
-        first = ledger.database_now().replace(microsecond=0) - 12 * SECOND
-        TaskSchedule.objects.filter(task_name=name).update(first_seen=first)
-        sweep_missed()
+        swept_after_an_outage(name)
         target = min(states(name))
         row = ledger.read(name, target)
         assert row is not None
