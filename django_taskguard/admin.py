@@ -43,6 +43,7 @@ else:  # the admin classes are not subscriptable at runtime
     RunAdminBase = admin.ModelAdmin
     TransitionInlineBase = admin.TabularInline
 
+# Every state has its colour (tests/test_states.py checks that none is missing).
 STATE_COLOURS: dict[str, str] = {
     RunState.PENDING: "#6c757d",
     RunState.RUNNING: "#0d6efd",
@@ -241,7 +242,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         return format_html(
             '<span class="taskguard-state" style="background:{};color:#fff;padding:2px 8px;'
             'border-radius:9px;font-size:11px;font-weight:600;white-space:nowrap">{}</span>{}{}',
-            STATE_COLOURS.get(run.state, "#6c757d"),
+            STATE_COLOURS[run.state],
             run.get_state_display(),
             self.lease_display(run),
             self.attempt_display(run),

@@ -38,9 +38,8 @@ else:
     AdminBase = object
 
 PAUSE_PERMISSION = "taskguard.pause_taskschedule"
-# Strip colours beyond the run states: a slot with no run.
+# Strip colours beyond the run states' own (the admin's ``state_colours``): a slot with no run.
 CELL_COLOURS = {
-    RunState.MISSED: "#e8590c",
     overview.GAP: "#ffffff",
     overview.DUE: "#cfe2ff",
     overview.PAUSED: "#dee2e6",
@@ -165,8 +164,9 @@ class OverviewMixin(AdminBase):
         zone = timezone.get_current_timezone()
         # One reverse() for the page's up to 6,000 cells: the change URL with a placeholder.
         change = reverse("admin:taskguard_taskrun_change", args=[RUN_ID])
+        colours = self._colours()
         for cell in cells:
-            colour = CELL_COLOURS.get(cell.state) or self.state_colours.get(cell.state, "#6c757d")
+            colour = colours[cell.state]
             title = f"{timefmt.both(cell.slot, zone)}: {cell.state}"
             values = (escape(cell.state), escape(title), escape(colour))
             if cell.run_id is None:
@@ -179,8 +179,12 @@ class OverviewMixin(AdminBase):
     def _legend(self) -> list[tuple[str, str]]:
         states = [state.value for state in RunState]
         states += [overview.GAP, overview.DUE, overview.PAUSED]
-        colours = {**self.state_colours, **CELL_COLOURS}
-        return [(state, colours.get(state, "#6c757d")) for state in states]
+        colours = self._colours()
+        return [(state, colours[state]) for state in states]
+
+    def _colours(self) -> dict[str, str]:
+        """Every cell's colour by its state: a run's, or a slot's with no run."""
+        return {**self.state_colours, **CELL_COLOURS}
 
 
 def _more(page: overview.Page | None) -> str:

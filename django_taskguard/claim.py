@@ -21,7 +21,7 @@ from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import Row
 from .owner import new_owner, new_token
 from .signals import run_abandoned
-from .states import PRUNABLE_STATES, RunState
+from .states import DUPLICATE_STATES, PRUNABLE_STATES, RunState
 
 logger = logging.getLogger("taskguard.guard")
 
@@ -146,11 +146,12 @@ def _read_back_many(names: list[str], slot: datetime, exc: DatabaseError) -> dic
 
 
 def _plainly_taken(row: Row) -> bool:
+    """Counted a duplicate under ``on_stale="abandon"`` (the batch's policy)."""
     if row.state == RunState.RUNNING:
         return not row.expired
-    if row.state == RunState.SKIPPED:
-        return row.attempt > 0  # attempt 0 may be an early call's refusal: the one-task path
-    return row.state in (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+    if row.state == RunState.SKIPPED and row.attempt == 0:
+        return False  # perhaps an early call's refusal: the one-task path decides
+    return row.state in DUPLICATE_STATES or row.state == RunState.ABANDONED
 
 
 def _claim_row(

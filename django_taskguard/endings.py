@@ -18,7 +18,7 @@ from .conf import taskguard_settings
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, LeaseLost
 from .signals import run_abandoned, run_failed, run_skipped
-from .states import RunState
+from .states import TERMINAL_STATES, RunState
 
 logger = logging.getLogger("taskguard.guard")
 
@@ -76,7 +76,7 @@ def record_raised(
     try:
         finish(active, state, reason, error=error, retry_within=retry_within, retry_by=retry_by)
         if recorded is not None:
-            recorded(state in (RunState.FAILED, RunState.SKIPPED))
+            recorded(state in TERMINAL_STATES)
         if state == RunState.SKIPPED:
             run_skipped.send(sender=active.task_name, slot=active.slot, reason=reason)
         elif state == RunState.ABANDONED:
@@ -98,7 +98,7 @@ def record_raised(
             state,
         )
         return False
-    return state in (RunState.FAILED, RunState.SKIPPED)
+    return state in TERMINAL_STATES
 
 
 def _classify(classify_raise: ClassifyRaise | None, exc: BaseException) -> Ending | None:

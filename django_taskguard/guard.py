@@ -30,18 +30,14 @@ from .signals import (
     run_started,
     run_succeeded,
 )
-from .states import RunState
+from .states import TERMINAL_STATES, RunState
 
 logger = logging.getLogger("taskguard.guard")
 _ROW_LOCK = DatabaseLock()
 
-# The state a duplicate reports when Redis's finished marker decided it (the row,
-# succeeded, failed or skipped, was not read).
+# The state a duplicate reports when Redis's finished marker decided it (the row, in one
+# of TERMINAL_STATES, was not read).
 FINISHED = "finished"
-# Rows no call can take any more: their slot's key keeps the finished marker. Not
-# ``missed``: backfill (and an on-time call) still takes a missed row over, so a late
-# call that met one releases the key instead of leaving a marker that would refuse them.
-FINISHED_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
 R = TypeVar("R")
 
 
@@ -200,11 +196,12 @@ def begin(
         raise
     if isinstance(outcome, Taken):
         if acquired is Acquired.WON:
-            # A finished row (Redis was flushed, or its marker lapsed): put the marker
-            # back, so the next late call is decided in Redis again. Not for a key with
-            # a keep: its marker must not outlast the keep, and only the row knows when
-            # the run ended.
-            if outcome.state in FINISHED_STATES and (key is None or policy.keep_seconds is None):
+            # A terminal row (Redis was flushed, or its marker lapsed): put the marker
+            # back, so the next late call is decided in Redis again. Not on a missed row:
+            # backfill (and an on-time call) still takes it over, and a marker would refuse
+            # them. Not for a key with a keep: its marker must not outlast the keep, and
+            # only the row knows when the run ended.
+            if outcome.state in TERMINAL_STATES and (key is None or policy.keep_seconds is None):
                 lock.finish(lock_key, token)
             else:
                 lock.release(lock_key, token)

@@ -38,7 +38,7 @@ from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .models import TaskSchedule
 from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild
-from .states import RunState
+from .states import LIVE_STATES, RunState
 
 LATE, MISSED, FAILING, RUNNING = "late", "missed", "failing", "running"
 # A run alive for longer than this (and than HEALTH_FAILURES intervals) is reported.
@@ -280,7 +280,7 @@ def _no_success(health: TaskHealth, facts: ledger.TaskFacts, count: int) -> bool
     the latest has a row that is not in flight (no row is late; a running one is not
     judged yet)."""
     due, schedule = health.latest_due, health.schedule
-    if due is None or schedule is None or facts.due_state in IN_FLIGHT or facts.due_state is None:
+    if due is None or schedule is None or facts.due_state in LIVE_STATES or facts.due_state is None:
         return False
     if health.alive_since is not None:
         return False
@@ -292,9 +292,6 @@ def _no_success(health: TaskHealth, facts: ledger.TaskFacts, count: int) -> bool
     if last is None:
         return True
     return max(last.slot, last.finished_at or last.slot) < oldest
-
-
-IN_FLIGHT = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 
 
 def next_slot(schedule: Schedule, now: datetime) -> datetime | None:

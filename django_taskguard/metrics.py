@@ -26,11 +26,10 @@ from prometheus_client.registry import Collector
 
 from . import health, ledger
 from .conf import taskguard_settings
-from .states import RunState
+from .states import TIMED_STATES, RunState
 
 # Bucket bounds of the duration histogram, in seconds.
 DURATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
-TIMED_STATES = (RunState.SUCCEEDED, RunState.FAILED)
 
 
 class LedgerCollector(Collector):

@@ -13,7 +13,7 @@ from django.utils.translation import gettext_lazy as _
 
 from ._compat import check_constraint
 from .owner import Owner
-from .states import TERMINAL_STATES, RunState
+from .states import ATTEMPT_STATES, PRUNABLE_STATES, RunState
 
 __all__ = ["DatabaseNow", "Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
 
@@ -43,16 +43,15 @@ class TaskRunQuerySet(models.QuerySet["TaskRun"]):
 
     def overdue(self) -> TaskRunQuerySet:
         """Stale running rows, and retrying rows whose retry is overdue (its deadline passed)."""
-        return self.filter(
-            state__in=(RunState.RUNNING, RunState.RETRYING), lease_until__lte=DatabaseNow()
-        )
+        return self.filter(state__in=ATTEMPT_STATES, lease_until__lte=DatabaseNow())
 
     def live(self) -> TaskRunQuerySet:
         """Running rows whose lease is still valid by the database's clock."""
         return self.filter(state=RunState.RUNNING, lease_until__gt=DatabaseNow())
 
     def finished(self) -> TaskRunQuerySet:
-        return self.filter(state__in=TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED})
+        """Runs finished for good (what retention may delete)."""
+        return self.filter(state__in=PRUNABLE_STATES)
 
     def with_lease(self) -> TaskRunQuerySet:
         """Annotate ``lease_alive`` and ``db_now``, judged by the database's clock."""

@@ -78,11 +78,39 @@ GIVEN_BACK_TO: dict[str, str] = {
     RunState.ABANDONED: RunState.RETRYING,
 }
 
-# States in which no attempt is live and none will follow on its own.
-TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
-# Finished for good: what retention may delete. Never running or retrying; pending only when
-# nobody started it for longer than retention (nothing ran: ``ledger.prunable``).
-PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED}))
+# The sets of states that mean something, each named once here: the code tests a state
+# against the set's name, never a list of its own. Tuples, so that a statement given one as
+# parameters gets them in one order. tests/test_states.py walks every member through them.
+
+# Terminal: no attempt is live and none will follow on its own. A call that meets one is a
+# duplicate whatever it asked (see DUPLICATE_STATES), and a slot whose row is terminal keeps
+# Redis's finished marker (the Lua ACQUIRE answers it as always counted). The one row a call
+# may still take is a skipped one at attempt 0 that only records an early call's refusal
+# (the claim's compare-and-set decides).
+TERMINAL_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED)
+# Counts as a duplicate: a second call that meets a row in one of these states does not run
+# and is counted a duplicate, whatever its policy. Besides them, a call is counted on a
+# running row whose lease is alive (unless it asked not to be counted) and, under
+# on_stale="abandon", on an abandoned row (abandoned for good); on any other row it runs.
+DUPLICATE_STATES: tuple[str, ...] = TERMINAL_STATES
+# Live: an attempt may be running or is due (handed out or given back, running, awaiting
+# its retry). Health does not judge such a slot by its outcome yet.
+LIVE_STATES: tuple[str, ...] = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
+# An attempt owns the row: it runs under its lease, or it ended and a retry is due. The row's
+# ``lease_until`` is the deadline (the lease; the retry's) after which it is overdue.
+ATTEMPT_STATES: tuple[str, ...] = (RunState.RUNNING, RunState.RETRYING)
+# Ended: an attempt ran and its run is over (it returned, it raised for good, or its owner
+# died): the runs a task's failure streak and health's "its last runs" count.
+ENDED_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+# Timed: the function ran to its end (returned or raised) and the attempt recorded when; the
+# runs whose durations the metrics report.
+TIMED_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED)
+# Finished for good: what retention may delete (``TaskRun.objects.finished()``), and the
+# rows a keyed call whose ``keep`` ran out deletes to run again. Never running or retrying;
+# pending only when nobody started it for longer than retention (``ledger.prunable``).
+PRUNABLE_STATES: tuple[str, ...] = tuple(
+    sorted((*TERMINAL_STATES, RunState.ABANDONED, RunState.MISSED))
+)
 
 
 def check_transition(from_state: str, to_state: str) -> None:

@@ -82,7 +82,6 @@ from .maintenance import (
     task_names,
 )
 from .monitoring import (
-    ENDED_STATES,
     FACTS_CHUNK,
     LastRun,
     SlotRun,
@@ -123,7 +122,6 @@ from .records import (
 
 __all__ = [
     "CONNECTION_ERRORS",
-    "ENDED_STATES",
     "ERROR_MAX_LENGTH",
     "FACTS_CHUNK",
     "REASON_MAX_LENGTH",

@@ -12,7 +12,7 @@ from django.db import (
 )
 from django.db.models import Min
 
-from ..states import RunState
+from ..states import ENDED_STATES, RunState
 from . import sql
 from .core import aware, dialect, fetch_all, runs, slot_param, unreachable
 
@@ -98,7 +98,6 @@ class TaskFacts:
     latest_ended_slot: datetime | None
 
 
-ENDED_STATES = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
 FACTS_CHUNK = 200  # tasks per statement
 
 

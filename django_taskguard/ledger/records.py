@@ -12,7 +12,7 @@ from django.db import (
     transaction,
 )
 
-from ..states import RunState, check_transition
+from ..states import ATTEMPT_STATES, ENDED_STATES, RunState, check_transition
 from . import sql
 from .core import (
     ERROR_MAX_LENGTH,
@@ -195,9 +195,8 @@ def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetim
 
 def failed_streak(task_name: str, length: int) -> bool:
     """True when the newest ``length`` finished runs of ``task_name`` all failed."""
-    states = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
     try:
-        found = fetch_all(sql.last_states(dialect()), [task_name, *states, length])
+        found = fetch_all(sql.last_states(dialect()), [task_name, *ENDED_STATES, length])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return len(found) == length and all(state == RunState.FAILED for (state,) in found)
@@ -257,7 +256,7 @@ def keyed_token_holders(token: str) -> list[tuple[str, bool]]:
     try:
         found = (
             runs()
-            .filter(state__in=(RunState.RUNNING, RunState.RETRYING), key__isnull=False)
+            .filter(state__in=ATTEMPT_STATES, key__isnull=False)
             .filter(owner__endswith=f":{token}")
             .with_lease()
         )
