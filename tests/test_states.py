@@ -1,4 +1,5 @@
-"""The state machine: one transition table, every other transition refused.
+"""The state machine: one transition table, every other transition refused; the named
+sets of states, and every state walked through every place that must handle it.
 
 ``ledger.change()`` is the only writer of states: it checks the whole path
 against the table before it touches the database, and it writes the state
@@ -8,18 +9,30 @@ change and one transition row per step in the same transaction.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
 from django.db import DatabaseError, connection
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
 
-from django_taskguard import ledger
+from django_taskguard import health, ledger, once_per_schedule, overview, panel, states
+from django_taskguard.admin import STATE_COLOURS
+from django_taskguard.admin_overview import CELL_COLOURS
 from django_taskguard.exceptions import IllegalTransition, TaskGuardError
 from django_taskguard.ledger import Row, Step
+from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
-from django_taskguard.states import TRANSITIONS, check_transition
+from django_taskguard.signals import duplicate_suppressed
+from django_taskguard.states import GIVEN_BACK_TO, TRANSITIONS, check_transition
 
+from .monitoring import due_slot, finished, schedule
+from .redis_support import command, redis_backend
+from .runs import make_run
 from .slots import BASE_SLOT
 
 S = RunState
@@ -229,3 +242,224 @@ def test_check_transition__the_message_names_states_by_their_values():
     with pytest.raises(IllegalTransition) as info:
         check_transition(S.SUCCEEDED, S.RUNNING)
     assert str(info.value) == "a run cannot go from 'succeeded' to 'running'"
+
+
+# -- the named sets, and every state through every place that must handle it ------------
+#
+# What each state means, spelled out here independently of states.py: which of its named
+# sets hold it, how the admin panel's summary starts, what health finds wrong with a task
+# whose latest due slot is in it (HEALTH_FAILURES=1), and what a second call meeting it
+# does (database lock: run, or be counted a duplicate). A new RunState member fails
+# test_every_state__has_its_meaning_spelled_out until it is placed here, and then each
+# test below that walks the members fails until its place handles it.
+
+
+@dataclass(frozen=True)
+class Meaning:
+    sets: frozenset[str]
+    summary: str
+    problems: tuple[str, ...]
+    runs: bool  # a call for the row's slot runs the function
+    counted: bool  # ... or, not run, is counted a duplicate
+
+
+def meaning(sets: str, summary: str, problems: str, *, runs: bool, counted: bool) -> Meaning:
+    return Meaning(frozenset(sets.split()), summary, tuple(problems.split()), runs, counted)
+
+
+FOR_GOOD = "TERMINAL DUPLICATE PRUNABLE"
+MEANINGS: dict[str, Meaning] = {
+    S.PENDING: meaning("LIVE", "Due but not started", "late", runs=True, counted=False),
+    # (a running row here holds a live lease)
+    S.RUNNING: meaning("LIVE ATTEMPT", "Running now", "", runs=False, counted=True),
+    S.RETRYING: meaning("LIVE ATTEMPT", "Attempt 1 ended", "", runs=True, counted=False),
+    S.SUCCEEDED: meaning(f"{FOR_GOOD} ENDED TIMED", "Finished:", "", runs=False, counted=True),
+    S.FAILED: meaning(f"{FOR_GOOD} ENDED TIMED", "Failed:", "failing", runs=False, counted=True),
+    S.SKIPPED: meaning(FOR_GOOD, "Skipped on purpose", "failing", runs=False, counted=True),
+    # (counted under on_stale="abandon", the default; "retry" takes it over)
+    S.ABANDONED: meaning("ENDED PRUNABLE", "Abandoned:", "failing", runs=False, counted=True),
+    # (a late call under catchup="latest", the default, still takes a missed slot)
+    S.MISSED: meaning("PRUNABLE", "Missed:", "missed failing", runs=True, counted=False),
+}
+NAMED_SETS = {
+    "TERMINAL": states.TERMINAL_STATES,
+    "DUPLICATE": states.DUPLICATE_STATES,
+    "LIVE": states.LIVE_STATES,
+    "ATTEMPT": states.ATTEMPT_STATES,
+    "ENDED": states.ENDED_STATES,
+    "TIMED": states.TIMED_STATES,
+    "PRUNABLE": states.PRUNABLE_STATES,
+}
+EVERY_STATE = pytest.mark.parametrize("state", RunState.values)
+
+
+def test_every_state__has_its_meaning_spelled_out():
+    assert set(MEANINGS) == set(RunState.values)
+    assert set(TRANSITIONS) == set(RunState.values)
+    assert set(GIVEN_BACK_TO.values()) <= set(RunState.values)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_SETS))
+def test_state_sets__each_holds_the_states_that_mean_it(name):
+    named = NAMED_SETS[name]
+    assert len(named) == len(set(named)), named
+    assert set(named) == {state for state, said in MEANINGS.items() if name in said.sets}
+
+
+def test_state_sets__a_terminal_row_allows_no_transition_but_an_early_refusal_taken_over():
+    for state in states.TERMINAL_STATES:
+        if state != S.SKIPPED:
+            assert TRANSITIONS[state] == frozenset(), state
+    for state in set(RunState.values) - set(states.TERMINAL_STATES):
+        assert TRANSITIONS[state], f"{state} is not terminal: something must follow it"
+
+
+def test_state_sets__sql_gets_each_as_parameters_in_one_order():
+    for named in NAMED_SETS.values():
+        assert isinstance(named, tuple)
+        assert all(isinstance(state, str) for state in named)
+
+
+@pytest.mark.django_db(transaction=True)
+@EVERY_STATE
+def test_every_state__the_panel_summarises_it(state):
+    assert set(panel.SUMMARIES) == set(RunState.values)
+    run = make_run(f"tests.states.{state}", 0, state=state, lease=3600)
+    said = panel.why_not_running(run).summary
+    assert said.startswith(MEANINGS[state].summary), said
+    if state != S.SUCCEEDED:
+        assert "ran and will not run again" not in said, said
+
+
+def test_every_state__has_its_own_colour_in_the_admin_and_the_overview():
+    assert set(STATE_COLOURS) == set(RunState.values)
+    assert len(set(STATE_COLOURS.values())) == len(RunState.values), "two states, one colour"
+    cells = set(CELL_COLOURS)
+    assert cells == {overview.GAP, overview.DUE, overview.PAUSED}
+    assert not cells & set(RunState.values), "a run's cell takes its state's own colour"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_every_state__the_admin_draws_it_in_the_changelist_and_the_overview(admin_client):
+    minute = timedelta(minutes=1)
+    slot = due_slot(minute)
+    schedule("tests.states.strip", every=minute)
+    for n, state in enumerate(RunState.values):
+        finished("tests.states.strip", slot - n * minute, state)
+    listing = admin_client.get(reverse("admin:taskguard_taskrun_changelist"))
+    page = admin_client.get(reverse("admin:taskguard_taskrun_overview"))
+    assert listing.status_code == page.status_code == 200
+    html, strip = listing.content.decode(), page.content.decode()
+    for state in RunState.values:
+        colour = STATE_COLOURS[state]
+        assert f"background:{colour};color:#fff" in html, state  # its badge
+        assert f'class="taskguard-cell {state}"' in strip, state
+        assert f'style="background:{colour}"' in strip, state
+
+
+@pytest.mark.django_db(transaction=True)
+@EVERY_STATE
+def test_every_state__the_health_verdict_judges_it(state):
+    task = f"tests.states.{state}"
+    schedule(task)
+    run = finished(task, due_slot(), state)
+    if state == S.RUNNING:  # alive, started a minute ago
+        alive = {"lease_until": timezone.now() + timedelta(hours=1), "finished_at": None}
+        TaskRun.objects.filter(pk=run.pk).update(
+            started_at=timezone.now() - timedelta(minutes=1), **alive
+        )
+    elif state == S.PENDING:
+        TaskRun.objects.filter(pk=run.pk).update(started_at=None, finished_at=None)
+    with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_FAILURES": 1}):
+        (judged,) = [t for t in health.check().tasks if t.task == task]
+    assert tuple(problem.code for problem in judged.problems) == MEANINGS[state].problems
+
+
+@pytest.mark.django_db(transaction=True)
+def test_every_state__the_metrics_count_it_and_time_only_the_timed(admin_client):
+    minute = timedelta(minutes=1)
+    slot = due_slot(minute)
+    for n, state in enumerate(RunState.values):
+        finished("tests.states.metrics", slot - n * minute, state, seconds=2.0)
+    response = admin_client.get(reverse("taskguard:metrics"))
+    assert response.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            if sample.labels.get("task") == "tests.states.metrics":
+                samples[(sample.name, sample.labels.get("state"), sample.labels.get("le"))] = (
+                    sample.value
+                )
+    for state in RunState.values:
+        assert samples[("taskguard_runs", state, None)] == 1, state
+    timed = sum(1 for said in MEANINGS.values() if "TIMED" in said.sets)
+    assert samples[("taskguard_run_duration_seconds_gcount", None, None)] == timed
+    assert samples[("taskguard_run_duration_seconds_gsum", None, None)] == pytest.approx(
+        2.0 * timed, abs=0.01
+    )
+
+
+def row_in(state: str, task: str) -> TaskRun:
+    """A row at SLOT in ``state``, at attempt 1 (a running one holds a live lease)."""
+    running = state == S.RUNNING
+    return TaskRun.objects.create(
+        task_name=task,
+        slot=SLOT,
+        state=state,
+        attempt=1,
+        fence=3,
+        owner="otherhost:1:0:" + "e" * 32,
+        started_at=timezone.now() - timedelta(minutes=1),
+        lease_until=timezone.now() + timedelta(hours=1) if running or state == S.RETRYING else None,
+        finished_at=None if running else timezone.now(),
+    )
+
+
+def second_call(task: str) -> tuple[bool, list[str]]:
+    """Call ``task`` for SLOT: (did it run, the states its duplicate signals reported)."""
+    ran, seen = [], []
+    job = once_per_schedule(name=task)(lambda: ran.append(True))
+    uid = f"tests.states.{task}"
+    duplicate_suppressed.connect(
+        lambda state, **_: seen.append(state), weak=False, dispatch_uid=uid
+    )
+    try:
+        job.run_for_slot(SLOT)
+    finally:
+        duplicate_suppressed.disconnect(dispatch_uid=uid)
+    return bool(ran), seen
+
+
+@pytest.mark.django_db(transaction=True)
+@EVERY_STATE
+def test_every_state__a_call_meeting_it_runs_or_counts_a_duplicate(state):
+    # The database's rule (the claim's SQL and the claim's reading of its row).
+    task = f"tests.states.claim.{state}"
+    row_in(state, task)
+    ran, seen = second_call(task)
+    said = MEANINGS[state]
+    assert (ran, bool(seen)) == (said.runs, said.counted), (ran, seen)
+    if said.counted:
+        assert TaskRun.objects.get(task_name=task).duplicates == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@EVERY_STATE
+def test_every_state__redis_answers_later_calls_alone_exactly_on_duplicate_states(
+    state, redis_server
+):
+    # The Lua ACQUIRE counts every call that meets the finished marker a duplicate, with no
+    # query: the marker must be left on exactly the rows in DUPLICATE_STATES (counted
+    # whatever the call asked), never on one a later call may still take or run.
+    task = f"tests.states.redis.{state}"
+    row_in(state, task)
+    with redis_backend(redis_server) as lock:
+        ran, _seen = second_call(task)  # Redis is empty: the call reads the row
+        marked = command(redis_server, "get", lock.key(task, SLOT)) == FINISHED_MARKER.encode()
+        if ran:
+            return  # it ran (and left the marker of its own success): not this rule's case
+        assert marked is (state in states.DUPLICATE_STATES), state
+        if marked:
+            with CaptureQueriesContext(connection) as queries:
+                assert second_call(task) == (False, ["finished"])
+            assert len(queries) == 0
