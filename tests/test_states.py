@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from django_taskguard import health, ledger, once_per_schedule, overview, panel, states
 from django_taskguard.admin import STATE_COLOURS
 from django_taskguard.admin_overview import CELL_COLOURS
+from django_taskguard.claim import claim_many
 from django_taskguard.exceptions import IllegalTransition, TaskGuardError
 from django_taskguard.ledger import Row, Step
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
@@ -463,3 +464,29 @@ def test_every_state__redis_answers_later_calls_alone_exactly_on_duplicate_state
             with CaptureQueriesContext(connection) as queries:
                 assert second_call(task) == (False, ["finished"])
             assert len(queries) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("early", [False, True], ids=["skipped-behind", "refused-early"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="ledger/sql.py _CLAIM_MANY counts a skipped row at attempt 0 a duplicate, which "
+    "the one-task path it hands the row to counts (or, taking over an early refusal, "
+    "takes back) again",
+)
+def test_every_state__the_batch_claim_and_its_one_task_fallback_count_a_call_once(early):
+    # A skipped row at attempt 0 (a slot skipped behind a live run, or an early call's
+    # refusal): the batch claim leaves it to the one-task path (None), which decides it as
+    # a single call would. One call: one duplicate if it does not run, none if it runs.
+    if connection.vendor != "postgresql":
+        pytest.skip("the batch claim is PostgreSQL's")
+    task = "tests.states.batch"
+    created = SLOT - timedelta(minutes=1) if early else timezone.now()
+    row = TaskRun.objects.create(
+        task_name=task, slot=SLOT, state=S.SKIPPED, attempt=0, owner="", error="skipped"
+    )
+    TaskRun.objects.filter(pk=row.pk).update(created_at=created, finished_at=timezone.now())
+    assert claim_many(SLOT, [(task, 30.0)]) == {task: None}
+    ran, seen = second_call(task)
+    assert ran is early and bool(seen) is not early
+    assert TaskRun.objects.get(pk=row.pk).duplicates == (0 if early else 1)
