@@ -446,12 +446,13 @@ def test_every_state__a_call_meeting_it_runs_or_counts_a_duplicate(state):
 
 @pytest.mark.django_db(transaction=True)
 @EVERY_STATE
-def test_every_state__redis_answers_later_calls_alone_exactly_on_duplicate_states(
+def test_every_state__redis_answers_later_calls_alone_exactly_on_terminal_states(
     state, redis_server
 ):
     # The Lua ACQUIRE counts every call that meets the finished marker a duplicate, with no
-    # query: the marker must be left on exactly the rows in DUPLICATE_STATES (counted
-    # whatever the call asked), never on one a later call may still take or run.
+    # query: the marker must be left on exactly the terminal rows, each of which the
+    # database counts a duplicate whatever the call asked (DUPLICATE_STATES), never on one
+    # a later call may still take or run.
     task = f"tests.states.redis.{state}"
     row_in(state, task)
     with redis_backend(redis_server) as lock:
@@ -459,7 +460,8 @@ def test_every_state__redis_answers_later_calls_alone_exactly_on_duplicate_state
         marked = command(redis_server, "get", lock.key(task, SLOT)) == FINISHED_MARKER.encode()
         if ran:
             return  # it ran (and left the marker of its own success): not this rule's case
-        assert marked is (state in states.DUPLICATE_STATES), state
+        assert marked is (state in states.TERMINAL_STATES), state
+        assert not marked or state in states.DUPLICATE_STATES, state
         if marked:
             with CaptureQueriesContext(connection) as queries:
                 assert second_call(task) == (False, ["finished"])

@@ -21,7 +21,10 @@ class Script:
 
 
 # What a finished slot's lock key holds for FINISHED_MARKER_SECONDS: never a token
-# (tokens are 32 hex characters), so no compare-and-set on a token ever matches it.
+# (tokens are 32 hex characters), so no compare-and-set on a token ever matches it. It
+# stands for a row in ``states.TERMINAL_STATES`` (the guard leaves it on exactly those),
+# and ACQUIRE counts every call that meets it, as the database counts every call on a row
+# in ``states.DUPLICATE_STATES``: tests/test_states.py walks every state through both.
 FINISHED_MARKER = "=done"
 
 # Take the lock for ARGV[1] for ARGV[2] ms (or find it already ours): 1. Else count
