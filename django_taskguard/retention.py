@@ -47,6 +47,7 @@ def prune_runs(
     ``before`` may not be later than the retention horizon (``PRUNE_AFTER_DAYS``
     ago by the database's clock, less :data:`CLOCK_MARGIN`): guarded calls
     refuse only slots older than it, so a younger pruned slot would run again.
+    Raises ``BackendUnavailable`` (``NotMigrated``) when the database fails.
     """
     days = taskguard_settings.PRUNE_AFTER_DAYS
     horizon = ledger.database_now() - timedelta(days=days) - CLOCK_MARGIN
