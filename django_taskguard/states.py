@@ -81,7 +81,7 @@ GIVEN_BACK_TO: dict[str, str] = {
 # States in which no attempt is live and none will follow on its own.
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.SKIPPED})
 # Finished for good: what retention may delete. Never running or retrying; pending only when
-# nobody started it for longer than retention (nothing ran: ``ledger.prunable``).
+# nobody started it for longer than retention (nothing ran: ``ledger.maintenance.prunable``).
 PRUNABLE_STATES = tuple(sorted(TERMINAL_STATES | {RunState.ABANDONED, RunState.MISSED}))
 
 
