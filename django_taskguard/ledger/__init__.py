@@ -18,8 +18,8 @@ that has nothing to settle translates with :func:`unreachable` or :data:`transla
 
 - an attempt's statements: :func:`claim`, :func:`claim_many`, :func:`start_attempt`,
   :func:`take_over`, :func:`take_refused_early`, :func:`abandon`, :func:`reopen_key`,
-  :func:`earlier_slot_running`, :func:`finish`, :func:`succeed_many`, :func:`renew`, and
-  the compare-and-set under them, :func:`change`;
+  :func:`finish`, :func:`succeed_many`, :func:`renew`, and the compare-and-set under
+  them, :func:`change`;
 - their read-backs: :func:`read`, :func:`read_many`, :func:`read_by_id`;
 - the ledger's own row, kept by signal handlers (``post_migrate``, sent by ``migrate``
   and ``flush``; ``post_save`` under ``loaddata``), whose command fails with the

@@ -394,6 +394,7 @@ def renew(
     return aware(values[0]) if values else None
 
 
+@translated
 def earlier_slot_running(task_name: str, slot: datetime) -> datetime | None:
     """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
     values = one(sql.earlier_running(dialect()), [task_name, slot_param(slot)])
