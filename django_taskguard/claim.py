@@ -137,11 +137,9 @@ def _read_back_many(names: list[str], slot: datetime, exc: DatabaseError) -> dic
     if not ledger.connection_lost(exc):
         raise ledger.unreachable(exc) from exc
     logger.warning("taskguard batch claim of slot %s interrupted (%s); reading back", slot, exc)
-    try:
+    with ledger.translated:
         ledger.settle_connection()
         rows = ledger.read_many(names, slot)
-    except DatabaseError as again:
-        raise ledger.unreachable(again) from again
     return rows or {}
 
 
