@@ -150,8 +150,10 @@ def _ledger_tables_away() -> None:
             cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
 
 
-# Maintenance reads and writes that once let the driver's DatabaseError through.
+# Maintenance reads and writes (and the overlap check before an attempt's function starts)
+# that once let the driver's DatabaseError through.
 MAINTENANCE = {
+    "earlier_slot_running": lambda: ledger.earlier_slot_running("t", timezone.now()),
     "health.check": lambda: health.check(),
     "last_transition": lambda: ledger.last_transition(1),
     "count_prunable": lambda: ledger.count_prunable(timezone.now()),
