@@ -135,13 +135,11 @@ def _read_back_many(names: list[str], slot: datetime, exc: DatabaseError) -> dic
     """The batch claim's reply was lost: it may or may not have committed. Read the rows
     back (a row with one of our owners is ours) instead of leaving won rows unrun."""
     if not ledger.connection_lost(exc):
-        raise BackendUnavailable(f"the taskguard database is unreachable ({exc})") from exc
+        raise ledger.unreachable(exc) from exc
     logger.warning("taskguard batch claim of slot %s interrupted (%s); reading back", slot, exc)
-    try:
+    with ledger.translated:
         ledger.settle_connection()
         rows = ledger.read_many(names, slot)
-    except DatabaseError as again:
-        raise BackendUnavailable(f"the taskguard database is unreachable ({again})") from again
     return rows or {}
 
 

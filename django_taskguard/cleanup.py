@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from django.db import DatabaseError
 from django.db.models import QuerySet
 
 from . import ledger
@@ -162,10 +161,8 @@ def abandon(run: RunRef, reason: str, *, lease: str, who: str | None = None) -> 
 
     ``who``: the transition's actor (``cleanup@host:pid`` when not given).
     """
-    try:
+    with ledger.translated:
         changed = ledger.abandon(run.row, actor=who or actor("cleanup"), reason=reason, lease=lease)
-    except DatabaseError as exc:
-        raise ledger.unreachable(exc) from exc
     if changed is None:
         logger.info("taskguard run %s changed meanwhile; left alone", run.id)
         return False

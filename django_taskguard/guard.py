@@ -336,7 +336,7 @@ def _record_refusal(
                 task_name, slot, state=state, reason=reason, actor=by
             )
     except BackendUnavailable as exc:
-        raise BackendUnavailable(f"{task_name!r} did not run: {exc}") from exc
+        raise type(exc)(f"{task_name!r} did not run: {exc}") from exc  # NotMigrated stays so
     if not recorded:
         return False
     logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)

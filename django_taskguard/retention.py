@@ -42,11 +42,12 @@ def prune_runs(
     progress: Callable[[PruneResult], None] | None = None,
 ) -> PruneResult:
     """Delete finished runs whose slot is older than ``before``, with their transitions
-    (and ``pending`` rows nobody started, older than ``before``: ``ledger.prunable``).
+    (and ``pending`` rows nobody started, older than ``before``: ``ledger.maintenance.prunable``).
 
     ``before`` may not be later than the retention horizon (``PRUNE_AFTER_DAYS``
     ago by the database's clock, less :data:`CLOCK_MARGIN`): guarded calls
     refuse only slots older than it, so a younger pruned slot would run again.
+    Raises ``BackendUnavailable`` (``NotMigrated``) when the database fails.
     """
     days = taskguard_settings.PRUNE_AFTER_DAYS
     horizon = ledger.database_now() - timedelta(days=days) - CLOCK_MARGIN

@@ -107,7 +107,7 @@ ENDED_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED, RunState.A
 TIMED_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED)
 # Finished for good: what retention may delete (``TaskRun.objects.finished()``), and the
 # rows a keyed call whose ``keep`` ran out deletes to run again. Never running or retrying;
-# pending only when nobody started it for longer than retention (``ledger.prunable``).
+# pending only when nobody started it for longer than retention (``ledger.maintenance.prunable``).
 PRUNABLE_STATES: tuple[str, ...] = tuple(
     sorted((*TERMINAL_STATES, RunState.ABANDONED, RunState.MISSED))
 )

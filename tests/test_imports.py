@@ -105,3 +105,15 @@ def test_import_graph__the_core_does_not_import_contrib():
     }
     leaks = {name: sorted(t for t in targets if ".contrib" in t) for name, targets in core.items()}
     assert {name: found for name, found in leaks.items() if found} == {}
+
+
+def test_ledger__translates_database_errors_in_one_place():
+    """No ledger module catches ``DatabaseError`` itself: maintenance code uses
+    ``ledger.translated`` (the hot paths let the database's errors through on purpose)."""
+    found = []
+    for path in sorted((PACKAGE / "ledger").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            caught = node.type if isinstance(node, ast.ExceptHandler) else None
+            if caught is not None and "DatabaseError" in ast.unparse(caught):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == [], "catch through ledger.translated instead"

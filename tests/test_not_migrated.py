@@ -8,12 +8,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from io import StringIO
 from pathlib import Path
 
 import pytest
-from django.db import DatabaseError, connection
+from django.core.management import CommandError, call_command
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
 
-from django_taskguard import ledger
+from django_taskguard import health, ledger
 from django_taskguard.exceptions import NotMigrated
 
 from .conftest import ROOT
@@ -137,3 +140,49 @@ def test_not_migrated__other_errors_are_not():
     with pytest.raises(DatabaseError) as raised, connection.cursor() as cursor:
         cursor.execute("SELECT * FROM taskguard_taskrun WHERE")  # a syntax error
     assert not ledger.core.not_migrated(raised.value)
+
+
+def _ledger_tables_away() -> None:
+    """The runs and transitions tables renamed inside the caller's savepoint, put back by
+    its rollback."""
+    with connection.cursor() as cursor:
+        for table in ("taskguard_taskrun", "taskguard_taskruntransition"):
+            cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+
+
+# Maintenance reads and writes (and the overlap check before an attempt's function starts)
+# that once let the driver's DatabaseError through.
+MAINTENANCE = {
+    "earlier_slot_running": lambda: ledger.earlier_slot_running("t", timezone.now()),
+    "health.check": lambda: health.check(),
+    "last_transition": lambda: ledger.last_transition(1),
+    "count_prunable": lambda: ledger.count_prunable(timezone.now()),
+    "prunable_ids": lambda: ledger.prunable_ids(timezone.now(), 0, 10),
+    "delete_finished": lambda: ledger.delete_finished([1], timezone.now()),
+    "task_names": lambda: ledger.task_names(None),
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("call", sorted(MAINTENANCE))
+def test_maintenance__a_database_error_comes_out_as_ours(call):
+    """A real failure (the ledger's tables gone, in a savepoint rolled back after): the
+    maintenance function raises NotMigrated (a BackendUnavailable), not the driver's error."""
+    if connection.vendor == "mysql":
+        pytest.skip("MariaDB commits DDL: the table could not be put back by a rollback")
+    with pytest.raises(NotMigrated) as raised, transaction.atomic():
+        _ledger_tables_away()
+        MAINTENANCE[call]()
+    assert isinstance(raised.value.__cause__, DatabaseError)
+    assert ledger.task_names(None) == []  # the table is back
+
+
+@pytest.mark.django_db
+def test_prune_runs__a_database_error_is_said_once_with_what_to_do():
+    if connection.vendor == "mysql":
+        pytest.skip("MariaDB commits DDL: the table could not be put back by a rollback")
+    with pytest.raises(CommandError) as raised, transaction.atomic():
+        _ledger_tables_away()
+        call_command("prune_runs", stdout=StringIO())
+    assert "run: manage.py migrate taskguard --database default" in str(raised.value)
+    assert isinstance(raised.value.__cause__, NotMigrated)

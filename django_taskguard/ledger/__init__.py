@@ -7,15 +7,32 @@ row as it was read (its state, and its fence for an owner's write, and its
 lease by the database's clock where asked), so a stale writer changes
 nothing; each is written with its transition rows in one transaction.
 
-The hot paths (:func:`claim`, :func:`finish`, :func:`renew`) raise the
-database's own errors, because their callers settle a lost reply by reading
-back; maintenance functions raise ``BackendUnavailable`` instead.
+Errors. Every maintenance read and write raises ``BackendUnavailable`` (``NotMigrated``
+when taskguard's tables are missing) through the one translator, :data:`translated`
+(which asks :func:`unreachable`). These raise the database's own ``DatabaseError``
+instead, on purpose: their callers tell a lost reply (:func:`connection_lost`: the
+statement may have committed) from a refusal, and settle the first by reading back or
+trying again (``claim.py``, ``endings.py``, ``batch.py``, ``heartbeat.py``); a caller
+that has nothing to settle translates with :func:`unreachable` or :data:`translated`
+(``claim.py``, ``cleanup.abandon``):
+
+- an attempt's statements: :func:`claim`, :func:`claim_many`, :func:`start_attempt`,
+  :func:`take_over`, :func:`take_refused_early`, :func:`abandon`, :func:`reopen_key`,
+  :func:`finish`, :func:`succeed_many`, :func:`renew`, and the compare-and-set under
+  them, :func:`change`;
+- their read-backs: :func:`read`, :func:`read_many`, :func:`read_by_id`;
+- the ledger's own row, kept by signal handlers (``post_migrate``, sent by ``migrate``
+  and ``flush``; ``post_save`` under ``loaddata``), whose command fails with the
+  database's error: :func:`ensure_ledger_row`, :func:`fence_at_least`;
+- querysets, run by their caller: :func:`runs`, :func:`transitions`, :func:`for_task`.
+
+This module exports what the rest of the package (and its tests) call, nothing else: the
+ledger's own helpers are imported from their submodule.
 """
 
 from __future__ import annotations
 
 from .attempts import (
-    SLOT_COLLISION_ROUNDS,
     abandon,
     claim,
     claim_many,
@@ -34,48 +51,37 @@ from .attempts import (
     take_refused_early,
 )
 from .core import (
-    CONNECTION_ERRORS,
     ERROR_MAX_LENGTH,
     REASON_MAX_LENGTH,
     Row,
     RunRef,
     Step,
     alias,
-    aware,
-    bump_fence,
     change,
     clip,
     connection_lost,
     database_now,
-    describe_error,
-    dialect,
     ensure_autocommit,
     ensure_ledger_row,
     ensure_reachable,
     fence_at_least,
-    fetch_all,
     identity,
     identity_known,
     new_identity,
-    one,
     runs,
     settle_connection,
-    slot_param,
-    to_row,
     transitions,
+    translated,
     unreachable,
 )
 from .maintenance import (
-    REF_FIELDS,
     count_prunable,
     delete_finished,
     for_task,
     in_flight,
     known_task_names,
     last_transition,
-    prunable,
     prunable_ids,
-    refs,
     run_ref,
     running_in_pid_space,
     stale_runs,
@@ -108,25 +114,20 @@ from .records import (
     insert_abandoned,
     insert_missed,
     insert_skipped,
-    insert_unheld,
     insert_unheld_many,
     keyed_token_holders,
     latest_slot,
     miss_refused_early,
     row_exists,
-    slots_in,
     slots_without_row,
     states_at,
     token_holders,
 )
 
 __all__ = [
-    "CONNECTION_ERRORS",
     "ERROR_MAX_LENGTH",
     "FACTS_CHUNK",
     "REASON_MAX_LENGTH",
-    "REF_FIELDS",
-    "SLOT_COLLISION_ROUNDS",
     "LastRun",
     "Row",
     "RunRef",
@@ -138,8 +139,6 @@ __all__ = [
     "add_duplicates",
     "alias",
     "alive_since",
-    "aware",
-    "bump_fence",
     "change",
     "claim",
     "claim_many",
@@ -149,8 +148,6 @@ __all__ = [
     "count_prunable",
     "database_now",
     "delete_finished",
-    "describe_error",
-    "dialect",
     "earlier_slot_running",
     "end_pending",
     "end_pending_slot",
@@ -159,7 +156,6 @@ __all__ = [
     "ensure_reachable",
     "failed_streak",
     "fence_at_least",
-    "fetch_all",
     "finish",
     "for_task",
     "give_back",
@@ -171,7 +167,6 @@ __all__ = [
     "insert_missed",
     "insert_pending",
     "insert_skipped",
-    "insert_unheld",
     "insert_unheld_many",
     "keyed_token_holders",
     "known_task_names",
@@ -180,15 +175,12 @@ __all__ = [
     "latest_slot",
     "miss_refused_early",
     "new_identity",
-    "one",
     "pend_refused_early",
-    "prunable",
     "prunable_ids",
     "read",
     "read_by_id",
     "read_many",
     "recent_runs_of",
-    "refs",
     "renew",
     "reopen_key",
     "result_of",
@@ -197,8 +189,6 @@ __all__ = [
     "running_in_pid_space",
     "runs",
     "settle_connection",
-    "slot_param",
-    "slots_in",
     "slots_without_row",
     "stale_runs",
     "start_attempt",
@@ -209,9 +199,9 @@ __all__ = [
     "take_refused_early",
     "task_facts",
     "task_names",
-    "to_row",
     "token_holders",
     "transitions",
+    "translated",
     "unreachable",
     "window_summary",
 ]

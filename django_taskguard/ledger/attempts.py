@@ -7,7 +7,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import (
-    DatabaseError,
     IntegrityError,
     connections,
     transaction,
@@ -34,7 +33,7 @@ from .core import (
     one,
     slot_param,
     to_row,
-    unreachable,
+    translated,
 )
 
 # -- the hot paths -----------------------------------------------------------------
@@ -220,20 +219,15 @@ def read_many(task_names: Sequence[str], slot: datetime) -> dict[str, Row] | Non
 
 def store_result(run_id: int, fence: int, result: str) -> bool:
     """Store a live keyed attempt's JSON result (fenced); False when it no longer owns the row."""
-    try:
-        with connections[alias()].cursor() as cursor:
-            cursor.execute(sql.store_result(dialect()), [result, run_id, fence, RunState.RUNNING])
-            return bool(cursor.rowcount)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
+    with translated, connections[alias()].cursor() as cursor:
+        cursor.execute(sql.store_result(dialect()), [result, run_id, fence, RunState.RUNNING])
+        return bool(cursor.rowcount)
 
 
 def result_of(task_name: str, key: str) -> str | None:
     """The JSON result a succeeded keyed run stored, or None."""
-    try:
+    with translated:
         found = one(sql.read_result(dialect()), [task_name, key])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     if found is None or found[0] != RunState.SUCCEEDED:
         return None
     return None if found[1] is None else str(found[1])
@@ -400,6 +394,7 @@ def renew(
     return aware(values[0]) if values else None
 
 
+@translated
 def earlier_slot_running(task_name: str, slot: datetime) -> datetime | None:
     """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
     values = one(sql.earlier_running(dialect()), [task_name, slot_param(slot)])

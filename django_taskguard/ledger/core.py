@@ -8,9 +8,11 @@ import logging
 import re
 import uuid
 from collections.abc import Sequence
+from contextlib import ContextDecorator
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone as dt_timezone
+from types import TracebackType
 from typing import Any
 
 from django.db import (
@@ -179,12 +181,36 @@ def describe_error(exc: Exception) -> str:
     return f"is unreachable ({exc})"
 
 
+class _Translated(ContextDecorator):
+    """``with translated:`` or ``@translated``: a ``DatabaseError`` raised inside comes out
+    as :func:`unreachable` says (``BackendUnavailable``, or ``NotMigrated``), chained to it.
+
+    The one place a database error becomes ours (httpx's ``map_exceptions``, with one
+    mapping), used by every maintenance read and write. Not by the hot paths, which raise
+    the database's own errors (see the package's docstring). A generator's body runs after
+    the decorator returned: translate inside it (``with translated:``), as :func:`refs` does.
+    """
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, DatabaseError):
+            raise unreachable(exc) from exc
+
+
+translated = _Translated()
+
+
 def ensure_reachable() -> None:
     """Raise ``BackendUnavailable`` unless the ledger's database answers."""
-    try:
+    with translated:
         connections[alias()].ensure_connection()
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def ensure_autocommit() -> None:
@@ -371,12 +397,10 @@ def identity() -> str:
         return _identities[name]
     except KeyError:
         pass
-    try:
+    with translated:
         found = one(sql.identity(), [])
         if found is None:
             found = (ensure_ledger_row().identity,)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     value = _identities[name] = uuid.UUID(str(found[0])).hex
     return value
 
@@ -395,11 +419,9 @@ def new_identity() -> str:
     """
     name = alias()
     value = uuid.uuid4()
-    try:
+    with translated:
         ensure_ledger_row(name)
         Ledger.objects.using(name).filter(id=1).update(identity=value)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     _identities[name] = value.hex
     return value.hex
 
@@ -444,9 +466,7 @@ def fence_at_least(value: int) -> None:
 
 def database_now() -> datetime:
     """The database's clock (every instance judges deadlines against the same time)."""
-    try:
+    with translated:
         value = aware(one(sql.now(dialect()), [])[0])  # type: ignore[index]
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     assert value is not None
     return value

@@ -6,7 +6,6 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 
 from django.db import (
-    DatabaseError,
     connections,
     transaction,
 )
@@ -25,7 +24,7 @@ from .core import (
     runs,
     slot_param,
     transitions,
-    unreachable,
+    translated,
 )
 from .pending import HANDED_OUT
 
@@ -54,7 +53,7 @@ def in_flight(
     queryset = for_task(runs().live(), task)
     if among is not None:
         queryset = queryset.filter(pk__in=among.order_by().values("pk"))
-    try:
+    with translated:
         now = database_now()
         found = queryset.order_by("lease_until").values_list(
             "task_name", "slot", "owner", "lease_until"
@@ -64,8 +63,6 @@ def in_flight(
             for name, slot, owner, until in found
             if until is not None
         ]
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def for_task(queryset: TaskRunQuerySet, task: str | None) -> TaskRunQuerySet:
@@ -77,10 +74,7 @@ def for_task(queryset: TaskRunQuerySet, task: str | None) -> TaskRunQuerySet:
 
 def known_task_names(limit: int = 1000) -> list[str]:
     """Task names the ledger has runs of (for messages that suggest one)."""
-    try:
-        return task_names(limit)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
+    return task_names(limit)
 
 
 def running_in_pid_space(space: str, batch_size: int = 500) -> Iterator[RunRef]:
@@ -90,10 +84,8 @@ def running_in_pid_space(space: str, batch_size: int = 500) -> Iterator[RunRef]:
 
 def run_ref(run_id: int) -> tuple[RunRef, bool] | None:
     """One run and whether its lease is alive by the database's clock."""
-    try:
+    with translated:
         found = runs().filter(pk=run_id).with_lease().values(*REF_FIELDS, "lease_alive").first()
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     if found is None:
         return None
     alive = bool(found.pop("lease_alive"))
@@ -116,12 +108,10 @@ REF_FIELDS = (
 def refs(queryset: QuerySet[TaskRun], batch_size: int) -> Iterator[RunRef]:
     last = 0
     while True:
-        try:
+        with translated:
             batch = list(
                 queryset.filter(pk__gt=last).order_by("pk").values(*REF_FIELDS)[:batch_size]
             )
-        except DatabaseError as exc:
-            raise unreachable(exc) from exc
         for values in batch:
             yield RunRef(**values)
         if len(batch) < batch_size:
@@ -129,6 +119,7 @@ def refs(queryset: QuerySet[TaskRun], batch_size: int) -> Iterator[RunRef]:
         last = batch[-1]["id"]
 
 
+@translated
 def last_transition(run_id: int) -> TaskRunTransition | None:
     return transitions(run_id).order_by("-at", "-id").first()
 
@@ -146,6 +137,7 @@ def prunable(before: datetime) -> TaskRunQuerySet:
     return queryset
 
 
+@translated
 def count_prunable(before: datetime) -> tuple[int, int]:
     """How many runs, and transitions of theirs, :func:`prunable` finds."""
     queryset = prunable(before)
@@ -153,12 +145,14 @@ def count_prunable(before: datetime) -> tuple[int, int]:
     return queryset.count(), TaskRunTransition.objects.using(alias()).filter(run__in=pks).count()
 
 
+@translated
 def prunable_ids(before: datetime, after_id: int, limit: int) -> list[int]:
     return list(
         prunable(before).filter(pk__gt=after_id).order_by("pk").values_list("pk", flat=True)[:limit]
     )
 
 
+@translated
 def delete_finished(ids: Sequence[int], before: datetime) -> tuple[int, int]:
     """Delete these runs if still finished (state re-checked), with their transitions.
 
@@ -183,6 +177,7 @@ def delete_finished(ids: Sequence[int], before: datetime) -> tuple[int, int]:
             return len(deleted), transitions_deleted
 
 
+@translated
 def task_names(limit: int | None) -> list[str]:
     """Distinct task names (the first ``limit``; None: all) by a loose index scan on
     (task_name, slot), not a DISTINCT scan."""

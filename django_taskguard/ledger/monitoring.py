@@ -7,14 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import (
-    DatabaseError,
-)
 from django.db.models import Min
 
 from ..states import ENDED_STATES, RunState
 from . import sql
-from .core import aware, dialect, fetch_all, runs, slot_param, unreachable
+from .core import aware, dialect, fetch_all, runs, slot_param, translated
 
 # -- monitoring: health, metrics and the admin's overview ---------------------------
 
@@ -39,7 +36,7 @@ def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
     found: dict[str, LastRun] = {}
     d = dialect()
     chunk = 200
-    try:
+    with translated:
         for start in range(0, len(names), chunk):
             part = names[start : start + chunk]
             statement = sql.latest_in_state(d, len(part))
@@ -47,8 +44,6 @@ def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
                 slot_at = aware(slot)
                 if slot_at is not None:
                     found[name] = LastRun(slot_at, aware(finished))
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return found
 
 
@@ -68,10 +63,8 @@ def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, 
     """Per (task, state), the runs whose slot is at or after ``since``: one statement,
     a range scan of the slot index (its cost is the window's row count)."""
     statement = sql.window_summary(dialect(), len(bounds))
-    try:
+    with translated:
         rows = fetch_all(statement, [*bounds, slot_param(since)])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return {
         (name, state): StateSummary(
             int(count),
@@ -107,7 +100,7 @@ def task_facts(
     """For each ``(task, due slot)``: its :class:`TaskFacts`, one statement per 200 tasks."""
     d = dialect()
     found: dict[str, TaskFacts] = {}
-    try:
+    with translated:
         for start in range(0, len(asks), FACTS_CHUNK):
             part = asks[start : start + FACTS_CHUNK]
             params: list[Any] = []
@@ -131,8 +124,6 @@ def task_facts(
                     int(failed),
                     aware(latest),
                 )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return found
 
 
@@ -141,10 +132,8 @@ def alive_since(now: datetime) -> dict[str, datetime]:
     clock): when the oldest such run started. One statement, a range scan of the
     (state, lease_until) index: its cost is the number of runs in flight."""
     alive = runs().filter(state=RunState.RUNNING, lease_until__gt=now, started_at__isnull=False)
-    try:
+    with translated:
         rows = list(alive.values("task_name").annotate(since=Min("started_at")).order_by())
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return {row["task_name"]: row["since"] for row in rows}
 
 
@@ -154,7 +143,7 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
     the (task_name, slot) index from there."""
     d = dialect()
     found: dict[str, list[SlotRun]] = {name: [] for name in names}
-    try:
+    with translated:
         for start in range(0, len(names), FACTS_CHUNK):
             part = names[start : start + FACTS_CHUNK]
             for name, run_id, slot, state in fetch_all(
@@ -163,8 +152,6 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
                 slot_at = aware(slot)
                 assert slot_at is not None
                 found[name].append(SlotRun(int(run_id), slot_at, state))
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     for runs_of_task in found.values():
         runs_of_task.sort(key=lambda run: run.slot, reverse=True)
     return found

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.db.models.functions import Coalesce
 from django.db.models.lookups import GreaterThanOrEqual, LessThan, LessThanOrEqual
@@ -32,7 +31,7 @@ from .core import (
     runs,
     slot_param,
     to_row,
-    unreachable,
+    translated,
 )
 from .schedules import get as schedule_of
 
@@ -43,12 +42,10 @@ HANDED_OUT = Coalesce("finished_at", "created_at")
 
 def insert_pending(task_name: str, slot: datetime) -> int | None:
     """Record ``slot`` as handed out (``pending``); None when it has a row already."""
-    try:
+    with translated:
         found = one(
             sql.insert_pending(dialect()), [task_name, slot_param(slot), RunState.PENDING.value]
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return int(found[0]) if found else None
 
 
@@ -56,7 +53,7 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
     """Hand out ``slot`` (``pending``) when its row only records a call refused for being
     ahead of the clock; None when it has no such row (compare-and-set)."""
     d = dialect()
-    try:
+    with translated:
         row = to_row(one(sql.read_slot(d), [task_name, slot_param(slot)]))
         if row is None or row.state != RunState.SKIPPED or row.attempt != 0:
             return None
@@ -69,8 +66,6 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
             lease="refused_early",
             sets=sql.PEND_REFUSED_EARLY,
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return None if pending is None else pending.id
 
 
@@ -86,7 +81,7 @@ def give_back_pending(
     with ``reason`` instead (``"missed"``, a compare-and-set from ``pending``). None when
     something started it meanwhile.
     """
-    try:
+    with translated:
         schedule = schedule_of(task_name)
         if schedule is not None and (
             slot <= database_now() - schedule.grace
@@ -102,8 +97,6 @@ def give_back_pending(
             )
             return "missed" if ended else None
         deleted = one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return None if deleted is None else "given back"
 
 
@@ -146,10 +139,8 @@ def give_back(
     values: tuple[float, str | None] | tuple[()] = ()
     if to_state == RunState.RETRYING:
         sets, values = sql.GIVE_BACK_RETRY, (retry_within, retry_by)
-    try:
+    with translated:
         return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def end_pending(
@@ -209,7 +200,7 @@ def _end(
 ) -> list[datetime]:
     """Compare-and-set each pending row of ``candidates`` to ``state``: a worker's claim
     that got there first wins, and the row is left to it."""
-    try:
+    with translated:
         found = list(
             candidates.filter(
                 task_name=task_name, key__isnull=True, state=RunState.PENDING
@@ -229,6 +220,4 @@ def _end(
             )
             if changed is not None:
                 ended.append(slot)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return ended

@@ -7,7 +7,6 @@ from datetime import datetime
 from typing import Any
 
 from django.db import (
-    DatabaseError,
     connections,
     transaction,
 )
@@ -29,7 +28,7 @@ from .core import (
     one,
     runs,
     slot_param,
-    unreachable,
+    translated,
 )
 
 # -- what no attempt wrote -----------------------------------------------------------
@@ -42,23 +41,17 @@ def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None =
         statement, params = sql.add_duplicates_key(dialect()), [count, task_name, key]
     else:
         statement, params = sql.add_duplicates(dialect()), [count, task_name, slot_param(slot)]
-    try:
-        with connections[alias()].cursor() as cursor:
-            cursor.execute(statement, params)
-            return bool(cursor.rowcount)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
+    with translated, connections[alias()].cursor() as cursor:
+        cursor.execute(statement, params)
+        return bool(cursor.rowcount)
 
 
 def count_other_copy(run_id: int, message_id: str | None) -> bool:
     """A call that found run ``run_id`` retrying: True (and counted as a duplicate) when
     the row waits for the retry another message carries, not ``message_id``'s."""
-    try:
-        with connections[alias()].cursor() as cursor:
-            cursor.execute(sql.count_other_copy(dialect()), [run_id, message_key(message_id)])
-            return bool(cursor.rowcount)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
+    with translated, connections[alias()].cursor() as cursor:
+        cursor.execute(sql.count_other_copy(dialect()), [run_id, message_key(message_id)])
+        return bool(cursor.rowcount)
 
 
 def insert_abandoned(
@@ -93,11 +86,8 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
         return 0
     d = dialect()
     if not d.one_statement:  # a row and its transition at a time, one commit for them all
-        try:
-            with transaction.atomic(using=alias()):
-                inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
-        except DatabaseError as exc:
-            raise unreachable(exc) from exc
+        with translated, transaction.atomic(using=alias()):
+            inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
         return sum(1 for run_id in inserted if run_id is not None)
     params = [
         [task for task, _, _ in rows],
@@ -108,10 +98,8 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
         state,
         actor,
     ]
-    try:
+    with translated:
         found = one(sql.insert_unheld_many(d), params)
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return int(found[0]) if found else 0
 
 
@@ -124,7 +112,7 @@ def miss_refused_early(
     d = dialect()
     params = [task_name, slot_param(after), slot_param(until), limit]
     changed = 0
-    try:
+    with translated:
         for run_id, fence, owner, lease_until in fetch_all(sql.refused_early_in(d), params):
             row = Row(run_id, RunState.SKIPPED, 0, fence, owner, lease_until)
             missed = change(
@@ -137,29 +125,23 @@ def miss_refused_early(
                 values=(clip(reason, ERROR_MAX_LENGTH),),
             )
             changed += missed is not None
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return changed
 
 
 def latest_slot(task_name: str) -> datetime | None:
     """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
     slot is one a catch-up still runs)."""
-    try:
+    with translated:
         found = one(sql.latest_slot(dialect()), [task_name, RunState.MISSED])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return aware(found[0]) if found else None
 
 
 def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     """The slots of ``task_name`` in ``(after, until]`` that have a row."""
-    try:
+    with translated:
         found = fetch_all(
             sql.slots_in(dialect()), [task_name, slot_param(after), slot_param(until)]
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return {slot for (value,) in found if (slot := aware(value)) is not None}
 
 
@@ -175,15 +157,13 @@ def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
     # The task name is one parameter too; SQLite may be built with a limit of 999.
     most = connections[alias()].features.max_query_params
     chunk = STATES_AT_CHUNK if most is None else min(STATES_AT_CHUNK, most - 1)
-    try:
+    with translated:
         for start in range(0, len(slots), chunk):
             part = slots[start : start + chunk]
             params = [task_name, *(slot_param(slot) for slot in part)]
             for value, state in fetch_all(sql.states_at(d, len(part)), params):
                 if (slot := aware(value)) is not None:
                     found[slot] = state
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return found
 
 
@@ -195,10 +175,8 @@ def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetim
 
 def failed_streak(task_name: str, length: int) -> bool:
     """True when the newest ``length`` finished runs of ``task_name`` all failed."""
-    try:
+    with translated:
         found = fetch_all(sql.last_states(dialect()), [task_name, *ENDED_STATES, length])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return len(found) == length and all(state == RunState.FAILED for (state,) in found)
 
 
@@ -215,45 +193,38 @@ def insert_unheld(
     check_transition(RunState.PENDING, state)
     d = dialect()
     reason = clip(reason, REASON_MAX_LENGTH)
-    try:
-        with transaction.atomic(using=alias()):
-            if key is None:
-                statement = sql.insert_unheld(d)
-                params = [task_name, slot_param(slot), state, reason, duplicates]
-            else:
-                statement = sql.insert_unheld_key(d)
-                params = [task_name, slot_param(slot), key, state, reason, duplicates]
-            inserted = one(statement, params)
-            if inserted is None:
-                return None
-            one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
+    with translated, transaction.atomic(using=alias()):
+        if key is None:
+            statement = sql.insert_unheld(d)
+            params = [task_name, slot_param(slot), state, reason, duplicates]
+        else:
+            statement = sql.insert_unheld_key(d)
+            params = [task_name, slot_param(slot), key, state, reason, duplicates]
+        inserted = one(statement, params)
+        if inserted is None:
+            return None
+        one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
     return int(inserted[0])
 
 
 def row_exists(task_name: str, slot: datetime, key: str | None = None) -> bool:
     found = runs().filter(task_name=task_name)
     found = found.filter(key=key) if key is not None else found.filter(slot=slot)
-    try:
+    with translated:
         return found.exists()
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def token_holders(slot: datetime, token: str) -> list[tuple[str, bool]]:
     """``(task_name, lease alive)`` of the runs at ``slot`` whose owner holds ``token``."""
-    try:
+    with translated:
         found = runs().filter(slot=slot, owner__endswith=f":{token}").with_lease()
         pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
         return [(name, bool(alive)) for name, alive in pairs]
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def keyed_token_holders(token: str) -> list[tuple[str, bool]]:
     """``(task_name, lease alive)`` of the unfinished keyed runs whose owner holds ``token``."""
-    try:
+    with translated:
         found = (
             runs()
             .filter(state__in=ATTEMPT_STATES, key__isnull=False)
@@ -262,5 +233,3 @@ def keyed_token_holders(token: str) -> list[tuple[str, bool]]:
         )
         pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
         return [(name, bool(alive)) for name, alive in pairs]
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc

@@ -11,12 +11,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
-from django.db import DatabaseError, connections
+from django.db import connections
 from django.db.models import Q
 from django.utils import timezone
 
 from ..models import ScheduleSource, TaskSchedule
-from .core import alias, clip, unreachable
+from .core import alias, clip, translated
 
 PAUSED_REASON_MAX_LENGTH = 500
 
@@ -44,41 +44,33 @@ _CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_na
 
 def stored() -> list[TaskSchedule]:
     """Every known schedule, by task name."""
-    try:
+    with translated:
         return list(TaskSchedule.objects.using(alias()).order_by("task_name"))
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def get(task_name: str) -> TaskSchedule | None:
-    try:
+    with translated:
         return TaskSchedule.objects.using(alias()).filter(task_name=task_name).first()
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def names() -> list[str]:
-    try:
+    with translated:
         return list(
             TaskSchedule.objects.using(alias())
             .order_by("task_name")
             .values_list("task_name", flat=True)
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def functions_under(module: str) -> list[str]:
     """The task names of the saved function schedules whose function is in ``module``."""
-    try:
+    with translated:
         return list(
             TaskSchedule.objects.using(alias())
             .filter(source=ScheduleSource.FUNCTION, function__startswith=f"{module}.")
             .order_by("task_name")
             .values_list("task_name", flat=True)
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def save(records: Sequence[Record], now: datetime | None = None) -> int:
@@ -98,7 +90,7 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
     # the only one a new row (no id yet) can meet.
     features = connections[alias()].features
     target = ["task_name"] if features.supports_update_conflicts_with_target else None
-    try:
+    with translated:
         TaskSchedule.objects.using(alias()).bulk_create(
             rows,
             batch_size=500,
@@ -106,8 +98,6 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
             unique_fields=target,
             update_fields=[*_CODE_FIELDS, "last_seen"],
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return len(rows)
 
 
@@ -125,27 +115,23 @@ def zone_conflicts(zone: str, registered: Collection[str]) -> list[tuple[str, st
     """
     found = TaskSchedule.objects.using(alias()).exclude(cron="").filter(time_zone="")
     found = found.exclude(default_zone="").exclude(default_zone=zone).order_by("task_name")
-    try:  # filtered here, not in SQL: a list of names could pass the parameter limit
+    with translated:  # filtered here, not in SQL: a list of names could pass the parameter limit
         rows = list(found.values_list("task_name", "default_zone"))
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
     return [(task, theirs) for task, theirs in rows if task in registered]
 
 
 def paused() -> dict[str, str]:
     """The paused tasks and why."""
-    try:
+    with translated:
         found = TaskSchedule.objects.using(alias()).filter(paused=True)
         return dict(found.values_list("task_name", "paused_reason"))
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 def set_paused(task_name: str, reason: str | None) -> bool:
     """Pause ``task_name`` (``reason``) or resume it (``None``); False when it is unknown
     or already so. The latest pause's start and end are kept (:func:`pause_window`)."""
     queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
-    try:
+    with translated:
         if reason is None:
             return bool(
                 queryset.filter(paused=True).update(
@@ -160,8 +146,6 @@ def set_paused(task_name: str, reason: str | None) -> bool:
                 paused_reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
             )
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
 
 
 @dataclass(frozen=True)
@@ -189,9 +173,7 @@ def pause_window(row: TaskSchedule) -> PauseWindow | None:
 def mark_swept(task_name: str, until: datetime) -> None:
     """The sweep checked every slot of ``task_name`` up to ``until`` (never moves back)."""
     queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
-    try:
+    with translated:
         queryset.filter(Q(swept_until__isnull=True) | Q(swept_until__lt=until)).update(
             swept_until=until
         )
-    except DatabaseError as exc:
-        raise unreachable(exc) from exc
