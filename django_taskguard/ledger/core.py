@@ -248,21 +248,25 @@ def one_prepared(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
     Parsing and planning these statements cost as much as running them. Django's default
     cursor binds parameters on the client, and psycopg never prepares what it sends that
     way; so the statement goes through a server-binding cursor of psycopg's own on the same
-    connection, wrapped by Django as its cursors are (``execute_wrapper``, query logging,
-    error translation). psycopg prepares it once ``prepare_threshold`` runs have been seen,
+    connection, wrapped by Django as its cursors are (``execute_wrapper``, error
+    translation). psycopg prepares it once ``prepare_threshold`` runs have been seen,
     per connection: a new connection prepares anew, nothing is shared between connections.
+    A connection that logs its queries (``DEBUG``, ``assertNumQueries``) runs them through
+    :func:`one`: Django can show a client-bound statement's SQL, not a server-bound one's.
     """
     connection = connections[alias()]
-    if connection.settings_dict["OPTIONS"].get("prepare_threshold") is None:
+    if (
+        connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
+        or connection.queries_logged
+    ):
         return one(statement, params)
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     if Psycopg3Connection is None or not isinstance(connection.connection, Psycopg3Connection):
         return one(statement, params)
     connection.validate_thread_sharing()
-    raw = ServerBindingCursor(connection.connection)
-    logged = connection.queries_logged
-    with connection.make_debug_cursor(raw) if logged else connection.make_cursor(raw) as cursor:
+    raw: Any = ServerBindingCursor(connection.connection)  # django-stubs: a CursorWrapper
+    with connection.make_cursor(raw) as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone() if cursor.description else None
 
