@@ -241,9 +241,9 @@ def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
 
 
 def one_prepared(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
-    """:func:`one` for the hot paths' statements: prepared by the server where the project
-    lets psycopg 3 prepare (``DATABASES[...]["OPTIONS"]["prepare_threshold"]`` not None;
-    Django leaves it None so that connection poolers keep working), else :func:`one`.
+    """:func:`one` for the hot paths' statements (each returns rows): prepared by the server
+    where the project lets psycopg 3 prepare (``DATABASES[...]["OPTIONS"]["prepare_threshold"]``
+    not None; Django leaves it None so that connection poolers keep working), else :func:`one`.
 
     Parsing and planning these statements cost as much as running them. Django's default
     cursor binds parameters on the client, and psycopg never prepares what it sends that
@@ -268,7 +268,8 @@ def one_prepared(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
     raw: Any = ServerBindingCursor(connection.connection)  # django-stubs: a CursorWrapper
     with connection.make_cursor(raw) as cursor:
         cursor.execute(statement, params)
-        return cursor.fetchone() if cursor.description else None
+        found: Sequence[Any] | None = cursor.fetchone()  # rows always: no ``description``
+        return found
 
 
 def fetch_all(statement: str, params: Sequence[Any]) -> list[Sequence[Any]]:
