@@ -1,6 +1,6 @@
 """Benchmark the guarded call against its floor (a script, not a test).
 
-    python bench/bench_guard.py [--rounds 2000] [--database mariadb]
+    python bench/bench_guard.py [--rounds 2000] [--database mariadb] [--prepare-threshold 5]
 
 Starts a private redis-server on a free loopback port, uses PostgreSQL
 (``TASKGUARD_BENCH_DB``, default database ``test`` on 127.0.0.1:5432 as user
@@ -20,6 +20,10 @@ tests do), creates the taskguard tables there if needed, and times in one proces
 - the same three for ``@once_per_key`` (a fresh key each time: winner; key held by
   someone else; key holding the finished marker);
 - one Redis ``PING`` with redis-py, and one on a bare socket (no client library).
+
+``--prepare-threshold N`` sets PostgreSQL's ``OPTIONS["prepare_threshold"]`` (Django's
+default: None, nothing prepared), which lets the guarded calls' hot statements be
+prepared by the server; the floor's raw cursor binds on the client either way.
 
 Before timing, it checks with Django's ``CaptureQueriesContext`` that both
 losing calls (and both keyed ones) make no database query. Prints medians, p99 and
@@ -75,7 +79,7 @@ def start_redis(directory: str) -> tuple[subprocess.Popen[bytes], int]:
     sys.exit("redis-server did not start")
 
 
-def database(kind: str) -> dict[str, object]:
+def database(kind: str, prepare_threshold: int | None = None) -> dict[str, object]:
     if kind == "mariadb":
         from tests import mariadb_server  # a private server, stopped when this exits
 
@@ -103,10 +107,11 @@ def database(kind: str) -> dict[str, object]:
         "HOST": os.environ.get("TASKGUARD_PG_HOST", "127.0.0.1"),
         "PORT": os.environ.get("TASKGUARD_PG_PORT", "5432"),
         "CONN_MAX_AGE": None,
+        "OPTIONS": {} if prepare_threshold is None else {"prepare_threshold": prepare_threshold},
     }
 
 
-def configure(port: int, kind: str) -> None:
+def configure(port: int, kind: str, prepare_threshold: int | None = None) -> None:
     import django
     from django.conf import settings
 
@@ -114,7 +119,7 @@ def configure(port: int, kind: str) -> None:
         USE_TZ=True,
         TIME_ZONE="UTC",
         INSTALLED_APPS=["django_taskguard"],
-        DATABASES={"default": database(kind)},
+        DATABASES={"default": database(kind, prepare_threshold)},
         CACHES={
             "default": {
                 "BACKEND": "django_redis.cache.RedisCache",
@@ -164,11 +169,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--database", choices=["postgresql", "mariadb"], default="postgresql")
+    parser.add_argument("--prepare-threshold", type=int, default=None)
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="taskguard-bench-")
     server, port = start_redis(directory)
     try:
-        configure(port, args.database)
+        configure(port, args.database, args.prepare_threshold)
         run(args.rounds, port)
     finally:
         server.terminate()
@@ -290,7 +296,11 @@ def run(rounds: int, port: int) -> None:
     )
     name = connection.settings_dict["NAME"]
     kind = f"MariaDB {connection.mysql_version}" if mariadb else "PostgreSQL"  # type: ignore[attr-defined]
-    print(f"{rounds} interleaved rounds; loopback Redis :{port}, {kind} database {name}")
+    threshold = connection.settings_dict["OPTIONS"].get("prepare_threshold")
+    print(
+        f"{rounds} interleaved rounds; loopback Redis :{port}, {kind} database {name}, "
+        f"prepare_threshold {threshold}"
+    )
     for name, samples in results.items():
         print(
             f"  {name:19} median {statistics.median(samples) * 1e6:9.1f} us   "

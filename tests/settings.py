@@ -86,6 +86,12 @@ if DB_KIND == "postgres":
             "TEST": {"NAME": f"test_taskguard_{os.getpid()}"} if not CHILD_DB_NAME else {},
         }
     }
+    # TASKGUARD_TEST_PG_PREPARE=N: psycopg prepares a statement at its N-th run (Django's
+    # default: never), as a project's OPTIONS may ask; the ledger's hot statements then go
+    # through a server-binding cursor (``ledger.core.one_prepared``).
+    if os.environ.get("TASKGUARD_TEST_PG_PREPARE"):
+        threshold = int(os.environ["TASKGUARD_TEST_PG_PREPARE"])
+        DATABASES["default"]["OPTIONS"] = {"prepare_threshold": threshold}
 elif DB_KIND == "mariadb":
     from tests import mariadb_server
 

@@ -31,6 +31,7 @@ from .core import (
     in_autocommit,
     message_key,
     one,
+    one_prepared,
     slot_param,
     to_row,
     translated,
@@ -66,7 +67,7 @@ def claim(
     d = dialect()
     params = [task_name, slot_param(slot), owner, lease_seconds, count_live, abandon_is_final]
     if d.one_statement:
-        row = to_row(one(sql.claim(d), [*params, owner]))
+        row = to_row(one_prepared(sql.claim(d), [*params, owner]))
     elif d.compound and in_autocommit():
         row = block_row(one(sql.claim_block(d, keyed=False), [*params, owner]))
     else:
@@ -152,7 +153,7 @@ def _claim_key(
         ]
         try:
             if d.one_statement:
-                row = to_row(one(sql.claim_key(d), [*params, owner]))
+                row = to_row(one_prepared(sql.claim_key(d), [*params, owner]))
             elif d.compound and in_autocommit():
                 found = one(sql.claim_block(d, keyed=True), [*params, owner])
                 _refuse_another_keys_row(found, key, task_name, slot)

@@ -32,6 +32,12 @@ from ..owner import token_of
 from ..states import check_transition
 from . import sql
 
+try:  # psycopg 3: the ledger's hot statements may be prepared (see :func:`one_prepared`)
+    from psycopg import Connection as Psycopg3Connection
+    from psycopg import Cursor as ServerBindingCursor
+except ImportError:  # psycopg2, or no PostgreSQL driver at all
+    Psycopg3Connection = ServerBindingCursor = None  # type: ignore[assignment,misc]
+
 logger = logging.getLogger("taskguard.ledger")
 
 CONNECTION_ERRORS = (OperationalError, InterfaceError)
@@ -260,6 +266,38 @@ def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
         return cursor.fetchone() if cursor.description else None
 
 
+def one_prepared(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
+    """:func:`one` for the hot paths' statements (each returns rows): prepared by the server
+    where the project lets psycopg 3 prepare (``DATABASES[...]["OPTIONS"]["prepare_threshold"]``
+    not None; Django leaves it None so that connection poolers keep working), else :func:`one`.
+
+    Parsing and planning these statements cost as much as running them. Django's default
+    cursor binds parameters on the client, and psycopg never prepares what it sends that
+    way; so the statement goes through a server-binding cursor of psycopg's own on the same
+    connection, wrapped by Django as its cursors are (``execute_wrapper``, error
+    translation). psycopg prepares it once ``prepare_threshold`` runs have been seen,
+    per connection: a new connection prepares anew, nothing is shared between connections.
+    A connection that logs its queries (``DEBUG``, ``assertNumQueries``) runs them through
+    :func:`one`: Django can show a client-bound statement's SQL, not a server-bound one's.
+    """
+    connection = connections[alias()]
+    if (
+        connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
+        or connection.queries_logged
+    ):
+        return one(statement, params)
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    if Psycopg3Connection is None or not isinstance(connection.connection, Psycopg3Connection):
+        return one(statement, params)
+    connection.validate_thread_sharing()
+    raw: Any = ServerBindingCursor(connection.connection)  # django-stubs: a CursorWrapper
+    with connection.make_cursor(raw) as cursor:
+        cursor.execute(statement, params)
+        found: Sequence[Any] | None = cursor.fetchone()  # rows always: no ``description``
+        return found
+
+
 def fetch_all(statement: str, params: Sequence[Any]) -> list[Sequence[Any]]:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
@@ -348,7 +386,7 @@ def change(
     if d.one_statement:
         statement = sql.change_logged(d, assignments, fenced, lease, len(steps), checked)
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
-        return to_row(one(statement, [*params, actor, *step_params]))
+        return to_row(one_prepared(statement, [*params, actor, *step_params]))
     if d.compound and in_autocommit():
         statement = sql.change_block(d, assignments, fenced, lease, len(steps), checked)
         step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]

@@ -1,0 +1,78 @@
+"""PostgreSQL: the ledger's hot statements are prepared by the server only when the project
+lets psycopg prepare (``OPTIONS["prepare_threshold"]``), once per connection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from django_taskguard import once_per_schedule
+from django_taskguard.models import RunState, TaskRun, TaskRunTransition
+
+from .proc import BASE_SLOT
+
+pytestmark = pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL only")
+
+SLOT = BASE_SLOT + timedelta(days=1)
+
+
+@pytest.fixture
+def prepare_threshold(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The test's connection opened anew with ``OPTIONS["prepare_threshold"]`` set to the
+    test's parameter (absent for None: Django's default), as a project's settings would."""
+    options = connection.settings_dict["OPTIONS"]
+    before = dict(options)
+    connection.close()
+    options.pop("prepare_threshold", None)
+    if request.param is not None:
+        options["prepare_threshold"] = request.param
+    try:
+        yield
+    finally:
+        connection.close()
+        options.clear()
+        options.update(before)
+
+
+def prepared_statements() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [statement for (statement,) in cursor.fetchall()]
+
+
+def run_three_slots() -> None:
+    @once_per_schedule(name="tests.prepared")
+    def body() -> str:
+        return "ran"
+
+    for minute in range(3):
+        assert body.run_for_slot(SLOT + timedelta(minutes=minute)) == "ran"
+    runs = TaskRun.objects.filter(task_name="tests.prepared")
+    assert sorted(runs.values_list("state", flat=True)) == [RunState.SUCCEEDED] * 3
+    logged = TaskRunTransition.objects.filter(run__task_name="tests.prepared")
+    assert logged.count() == 6  # claimed and returned, each with its row's change
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("prepare_threshold", [0], indirect=True)
+def test_prepare_threshold__claim_and_finish_prepared_once_per_connection(
+    prepare_threshold: None,
+) -> None:
+    run_three_slots()
+    prepared = prepared_statements()
+    assert any(s.startswith("WITH u AS (INSERT INTO taskguard_taskrun") for s in prepared)
+    assert any(s.startswith("WITH u AS (UPDATE taskguard_taskrun") for s in prepared)
+    assert len(prepared) == len(set(prepared))  # three calls, each statement prepared once
+    connection.close()  # a new connection has nothing prepared: none is shared
+    assert prepared_statements() == []
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("prepare_threshold", [None], indirect=True)
+def test_django_default__nothing_prepared(prepare_threshold: None) -> None:
+    """Django's default keeps connection poolers working: nothing prepared."""
+    run_three_slots()
+    assert prepared_statements() == []
