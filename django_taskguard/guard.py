@@ -153,7 +153,7 @@ def begin(
     (``Ending.retry_by``), only that message starts the next attempt; another copy is a
     counted duplicate, until the retry is overdue.
     """
-    default_lease, horizon = taskguard_settings.for_claim()
+    default_lease, horizon = taskguard_settings.for_claim
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.
