@@ -18,7 +18,15 @@ from django.utils import timezone
 from .cron import EPOCH, UTC, CronSchedule, wall_to_utc
 from .exceptions import InvalidSchedule
 
-__all__ = ["EPOCH", "UTC", "CronSchedule", "IntervalSchedule", "Schedule", "wall_to_utc"]
+__all__ = [
+    "EPOCH",
+    "UTC",
+    "CronSchedule",
+    "IntervalSchedule",
+    "Schedule",
+    "StoredSchedule",
+    "wall_to_utc",
+]
 
 
 @runtime_checkable
@@ -59,6 +67,14 @@ class IntervalSchedule:
         if end <= start:
             return 0
         return min(cap, (end - self.latest_slot(start)) // self.every)
+
+    def next_slot(self, now: datetime) -> datetime:
+        """The first slot after ``now``."""
+        return self.latest_slot(now) + self.every
+
+
+# What a ``TaskSchedule`` row stores and :func:`rebuild` gives back.
+StoredSchedule = CronSchedule | IntervalSchedule
 
 
 def from_celery(schedule: Any) -> Schedule:
@@ -147,7 +163,7 @@ REBUILT_CACHE_SIZE = 8192
 
 
 @lru_cache(maxsize=REBUILT_CACHE_SIZE)
-def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> Schedule:
+def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> StoredSchedule:
     """The schedule a ``TaskSchedule`` row stores (built once per distinct value)."""
     if cron:
         return CronSchedule(cron, time_zone or None, day_or)
