@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from ... import ledger
 from ...context import active_run
-from ...decorators import SLOT_SOURCES, CallContext, guarded_policy
+from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
 from ...exceptions import TaskGuardError
 from ...owner import actor
