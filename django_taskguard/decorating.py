@@ -29,7 +29,7 @@ class CallContext:
 
     slot: datetime | str | None = None
     task_name: str | None = None
-    # See endings.ClassifyRaise / OnBusy: how the caller's framework retries and
+    # See endings.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
     # redelivers, so retries and redeliveries are attempts, never lost slots.
     classify_raise: ClassifyRaise | None = None
     # Where the call runs, for people (a Celery worker's ``w1@host``).
