@@ -113,7 +113,7 @@ class RedisLock(LockBackend):
         self._probe_at = 0.0
         # Connections of the scripts' hot path, checked out without the pool's
         # bookkeeping (list.pop and append are atomic: no lock needed). A forked child
-        # makes its own: the sockets are the parent's (dropped there, never closed).
+        # makes its own: it leaves the parent's sockets alone (dropped, never closed).
         self._sockets = per_process(Sockets)
         self._prefixes: dict[tuple[str, str], str] = {}
 
