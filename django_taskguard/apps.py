@@ -12,13 +12,13 @@ class TaskguardConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
-        from .signal_handlers import connect, connect_celery
+        from .signal_handlers import connect
 
         connect(self)
-        connect_celery()
 
         if find_spec("celery") is not None:
-            # Registers the slot source that reads the beat-stamped message headers.
+            # The slot source that reads the beat-stamped message headers, celery's
+            # schedules in schedule=, the startup cleanup when a worker is ready.
             from .contrib.celery.worker import register
 
             register()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 from django.conf import settings as django_settings
@@ -204,17 +205,14 @@ class Settings:
         for name in names:
             self._get(name)
 
+    @cached_property
     def for_claim(self) -> tuple[float, timedelta]:
         """``(LEASE_SECONDS, retention horizon)``: read by every guarded call."""
-        try:
-            claim: tuple[float, timedelta] = self._cache["(claim)"]
-        except KeyError:
-            horizon = timedelta(days=self.PRUNE_AFTER_DAYS)
-            claim = self._cache["(claim)"] = (self.LEASE_SECONDS, horizon)
-        return claim
+        return self.LEASE_SECONDS, timedelta(days=self.PRUNE_AFTER_DAYS)
 
     def reload(self) -> None:
         self._cache.clear()
+        self.__dict__.pop("for_claim", None)
 
     def _number(self, name: str) -> float:
         value: float = self._get(name)

@@ -51,6 +51,7 @@ from django.db import close_old_connections
 from . import ledger
 from .context import activate
 from .guard import REFUSED, Attempt, Refused, Started, not_started_reason
+from .process import per_process
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -232,16 +233,13 @@ def _logged(step: Callable[[], object]) -> None:
 # The worker threads of every guarded coroutine call in this process (made per process:
 # a forked child makes its own). Bounded like asyncio's default executor.
 _POOL_SIZE = min(32, (os.cpu_count() or 1) + 4)
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
+_pool = per_process(lambda: ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="taskguard"))
+_pool_lock = threading.Lock()  # one pool per process, even when two threads ask at once
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="taskguard"))
-        return _pool[1]
+        return _pool.get()
 
 
 async def _settled(step: Callable[[], T]) -> tuple[T, asyncio.CancelledError | None]:

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from asgiref.sync import async_to_sync, iscoroutinefunction
 from django.conf import settings as django_settings
@@ -16,49 +16,39 @@ from django.utils import timezone
 
 from . import coroutines, guard, registry, schedules
 from .conf import lease_problem, taskguard_settings
-from .endings import ClassifyRaise
+
+# A slot source's hooks stay importable from here too (docs/architecture.md).
+from .decorating import SLOT_SOURCES as SLOT_SOURCES
+from .decorating import (
+    USE_TZ_NEEDED,
+    call_context,
+    choose,
+    dotted_name,
+    note_on_stale,
+    refuse_task_object,
+    validate_task_name,
+)
+from .decorating import CallContext as CallContext
 from .exceptions import InvalidSchedule, TaskGuardError
-from .models import TASK_NAME_MAX_LENGTH
+from .policy import (
+    DEFAULT_GRACE,
+    DEFAULT_MAX_CATCHUP,
+    Catchup,
+    OnDuplicate,
+    OnStale,
+    Overlap,
+    Policy,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 
-OnDuplicate = Literal["skip", "raise"]
-Overlap = Literal["allow", "skip"]
-OnStale = Literal["abandon", "retry"]
-Catchup = Literal["latest", "none", "all"]
 
 # Bounds of the catch-up arguments, checked at decoration time.
 GRACE_BOUNDS = (timedelta(seconds=1), timedelta(days=7))
 MAX_CATCHUP_BOUNDS = (1, 10_000)
 PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
-
-
-@dataclass(frozen=True)
-class CallContext:
-    """What a slot source (the Celery glue) knows about the current call."""
-
-    slot: datetime | str | None = None
-    task_name: str | None = None
-    # See endings.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
-    # redelivers, so retries and redeliveries are attempts, never lost slots.
-    classify_raise: ClassifyRaise | None = None
-    # Where the call runs, for people (a Celery worker's ``w1@host``).
-    instance: str | None = None
-    on_busy: guard.OnBusy | None = None
-    # The message carrying the call (Celery's task id and retry count): after a retry that
-    # names its message (``Ending.retry_by``), only that message starts the next attempt.
-    message_id: str | None = None
-    # A misfire grace for this call (a beat entry's ``taskguard_grace`` header): a call
-    # later than it after its slot is recorded ``missed``, whatever the decorator says.
-    grace: timedelta | None = None
-
-
-# Functions consulted at call time, in order, for the slot and task name of a
-# call that has no explicit slot (``contrib.celery`` registers one that reads
-# the beat-stamped message header).
-SLOT_SOURCES: list[Callable[[], CallContext | None]] = []
 
 # The keyword argument that carries a slot with an enqueued call (django.tasks has no
 # message headers): ``contrib.tasks.enqueue_for_slot`` and ``run_schedules --enqueue`` add
@@ -71,7 +61,7 @@ class Guarded(Protocol[P, R]):
 
     task_name: str | None
     schedule: schedules.Schedule | None
-    policy: guard.Policy
+    policy: Policy
     __wrapped__: Callable[P, R]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R | None: ...
@@ -86,7 +76,7 @@ class AsyncGuarded(Protocol[P, T]):
 
     task_name: str | None
     schedule: schedules.Schedule | None
-    policy: guard.Policy
+    policy: Policy
     __wrapped__: Callable[P, Awaitable[T]]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T | None]: ...
@@ -114,7 +104,7 @@ class _Spec(Generic[P, R]):
     func: Callable[P, R]
     name: str | None
     schedule: schedules.Schedule | None
-    policy: guard.Policy
+    policy: Policy
 
     def resolve(
         self, explicit: datetime | str | None, context: CallContext | None = None
@@ -138,28 +128,9 @@ class _Spec(Generic[P, R]):
         )
 
 
-# The words of system check taskguard.E003, said at run time too: manage.py shell,
-# scripts, gunicorn and Celery workers run no system checks.
-USE_TZ_NEEDED = (
-    "taskguard needs USE_TZ = True (system check taskguard.E003): slots are aware UTC "
-    "datetimes, and naive times are ambiguous across DST"
-)
-
-
 @functools.lru_cache(maxsize=8)
 def _tolerance(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
-
-
-def guarded_policy(func: Any) -> guard.Policy | None:
-    """The policy of a function made by ``@once_per_schedule`` or ``@once_per_key``,
-    or None for any other."""
-    policy = getattr(func, "policy", None)
-    if not isinstance(policy, guard.Policy):
-        return None
-    if callable(getattr(func, "run_for_slot", None)) or callable(getattr(func, "key_of", None)):
-        return policy
-    return None
 
 
 def refuse_future_slot(task_name: str, slot: datetime, tolerance: timedelta) -> None:
@@ -171,70 +142,9 @@ def refuse_future_slot(task_name: str, slot: datetime, tolerance: timedelta) -> 
         raise InvalidSchedule(reason)
 
 
-def refuse_task_object(target: Any, decorator: str) -> None:
-    """Refuse what is not a function, saying so plainly for a django.tasks task (the
-    decorator goes under ``@task()``, whose worker must call the guarded function)."""
-    if callable(target):
-        return
-    if callable(getattr(target, "enqueue", None)) and callable(getattr(target, "func", None)):
-        raise InvalidSchedule(
-            f"{decorator} is above a task object ({target!r}); put it under the task "
-            f"decorator: @task() on top, then {decorator}, then def"
-        )
-    raise InvalidSchedule(f"{decorator.partition('(')[0]} decorates a callable, not {target!r}")
-
-
-def call_context() -> CallContext | None:
-    for source in SLOT_SOURCES:
-        context = source()
-        if context is not None:
-            return context
-    return None
-
-
-# Every decorated function's ``on_stale`` by task name, noted at decoration time whatever its
-# slot source (a schedule, a beat's stamp, a key): the admin's panel says what becomes of an
-# abandoned run of it. Memory only; a Celery task's own name is the function's dotted path
-# unless ``name=`` was given, as it is here.
-_on_stale: dict[str, str] = {}
-
-
-def note_on_stale(task_name: str, on_stale: str) -> None:
-    _on_stale[task_name] = on_stale
-
-
-def on_stale_of(task_name: str) -> str | None:
-    """The ``on_stale`` of the decorated function named ``task_name`` in this process."""
-    return _on_stale.get(task_name)
-
-
-def dotted_name(func: Callable[..., Any]) -> str:
-    return f"{func.__module__}.{func.__qualname__}"
-
-
-def validate_task_name(name: str) -> str:
-    """Reject task names that cannot be stored or told apart."""
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidSchedule(f"task name must be a non-empty string, got {name!r}")
-    if len(name) > TASK_NAME_MAX_LENGTH:
-        raise InvalidSchedule(
-            f"task name is {len(name)} characters long; at most {TASK_NAME_MAX_LENGTH} fit "
-            f"({name[:40]!r}...)"
-        )
-    if "\x00" in name:
-        raise InvalidSchedule(f"task name must not contain NUL characters: {name!r}")
-    return name
-
-
-def choose(argument: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise InvalidSchedule(f"{argument}= must be one of {', '.join(allowed)}; got {value!r}")
-    return value
-
-
 def _grace(grace: timedelta | None) -> timedelta:
     if grace is None:
-        return guard.DEFAULT_GRACE
+        return DEFAULT_GRACE
     low, high = GRACE_BOUNDS
     if not isinstance(grace, timedelta) or not low <= grace <= high:
         raise InvalidSchedule(
@@ -396,15 +306,14 @@ def once_per_schedule(
         problem = lease_problem(lease_seconds, "lease_seconds=")
         if problem is not None:
             raise InvalidSchedule(problem)
-    policy = guard.Policy(
+    policy = Policy(
         on_duplicate=choose("on_duplicate", on_duplicate, ("skip", "raise")),
         overlap=choose("overlap", overlap, ("allow", "skip")),
         on_stale=choose("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
         catchup=choose("catchup", catchup, ("latest", "none", "all")),
         grace=_grace(grace),
-        max_catchup=_bounded("max_catchup", max_catchup, MAX_CATCHUP_BOUNDS)
-        or guard.DEFAULT_MAX_CATCHUP,
+        max_catchup=_bounded("max_catchup", max_catchup, MAX_CATCHUP_BOUNDS) or DEFAULT_MAX_CATCHUP,
         pause_after_failures=_bounded(
             "pause_after_failures", pause_after_failures, PAUSE_AFTER_FAILURES_BOUNDS
         ),

@@ -22,6 +22,7 @@ from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
 from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
+from .policy import Policy
 from .signals import (
     duplicate_suppressed,
     run_given_back,
@@ -39,26 +40,6 @@ _ROW_LOCK = DatabaseLock()
 # of TERMINAL_STATES, was not read).
 FINISHED = "finished"
 R = TypeVar("R")
-
-
-DEFAULT_GRACE = timedelta(minutes=5)
-DEFAULT_MAX_CATCHUP = 100
-
-
-@dataclass(frozen=True)
-class Policy:
-    on_duplicate: str = "skip"  # "skip" | "raise"
-    overlap: str = "allow"  # "allow" | "skip"
-    on_stale: str = "abandon"  # "abandon" | "retry"
-    lease_seconds: float | None = None
-    # @once_per_key: how long a finished key blocks a new run (None: until pruned)
-    keep_seconds: float | None = None
-    # @once_per_key: store the JSON result; duplicates of the succeeded key get it
-    return_result: bool = False
-    catchup: str = "latest"  # "latest" | "none" | "all" (see docs/schedules.md)
-    grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
-    max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
-    pause_after_failures: int | None = None  # pause the task after this many failures in a row
 
 
 # Optional hooks a slot source (the Celery glue) passes for one call:
@@ -149,7 +130,7 @@ def begin(
     (``Ending.retry_by``), only that message starts the next attempt; another copy is a
     counted duplicate, until the retry is overdue.
     """
-    default_lease, horizon = taskguard_settings.for_claim()
+    default_lease, horizon = taskguard_settings.for_claim
     # Every call inside an open transaction is refused, the losing one too:
     # otherwise each instance but one would count a duplicate of a slot whose
     # only claimant then raised, and nothing would record it.

@@ -37,7 +37,7 @@ from . import ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .models import TaskSchedule
-from .schedules import CronSchedule, IntervalSchedule, Schedule, rebuild
+from .schedules import Schedule, StoredSchedule, rebuild
 from .states import LIVE_STATES, RunState
 
 LATE, MISSED, FAILING, RUNNING = "late", "missed", "failing", "running"
@@ -57,7 +57,7 @@ class TaskHealth:
     """One task's verdict, and what the overview shows beside it."""
 
     task: str
-    schedule: Schedule | None = None
+    schedule: StoredSchedule | None = None
     words: str = ""
     paused: bool = False
     paused_at: datetime | None = None
@@ -139,7 +139,7 @@ def check(*, task: str | None = None) -> Verdict:
         health.alive_since = alive.get(health.task)
         if health.schedule is not None:
             health.latest_due = health.schedule.latest_slot(now - health.grace)
-            health.next_slot = next_slot(health.schedule, now)
+            health.next_slot = health.schedule.next_slot(now)
     asks = [(t.task, t.latest_due if _expected(t) else None) for t in tasks if not t.paused]
     failures = taskguard_settings.HEALTH_FAILURES
     facts = ledger.task_facts(asks, now - window, failures)
@@ -172,7 +172,7 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
     )
 
 
-def build_schedule(row: TaskSchedule) -> Schedule | None:
+def build_schedule(row: TaskSchedule) -> StoredSchedule | None:
     try:
         return rebuild(row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every)
     except Exception:  # a row written by another version: shown, not judged on time
@@ -292,30 +292,6 @@ def _no_success(health: TaskHealth, facts: ledger.TaskFacts, count: int) -> bool
     if last is None:
         return True
     return max(last.slot, last.finished_at or last.slot) < oldest
-
-
-def next_slot(schedule: Schedule, now: datetime) -> datetime | None:
-    """The schedule's first slot after ``now``."""
-    if isinstance(schedule, IntervalSchedule):
-        return schedule.latest_slot(now) + schedule.every
-    if isinstance(schedule, CronSchedule):
-        found = schedule.slots_between(now, now + timedelta(days=800), 1)
-        return found[0] if found else None
-    latest = schedule.latest_slot(now)
-    # Any other schedule: bracket the next slot, then bisect to the second.
-    low, step = now, timedelta(minutes=1)
-    while schedule.latest_slot(now + step) <= latest:
-        low, step = now + step, step * 2
-        if step > timedelta(days=800):
-            return None
-    high = now + step
-    while high - low > timedelta(seconds=1):
-        middle = low + (high - low) / 2
-        if schedule.latest_slot(middle) > latest:
-            high = middle
-        else:
-            low = middle
-    return schedule.latest_slot(high)
 
 
 def expected_slots(schedule: Schedule, before: datetime, count: int) -> list[datetime]:

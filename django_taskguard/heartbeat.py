@@ -33,7 +33,6 @@ renewed before its deadline is declared lost (``lease_lost`` signal;
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from django.db import connections
 from . import ledger
 from .context import ActiveRun
 from .locks import LockBackend
+from .process import per_process
 
 logger = logging.getLogger("taskguard.heartbeat")
 
@@ -106,7 +106,6 @@ class Heartbeats:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # the scheduler waits on it
         self._beats: set[Beat] = set()
@@ -120,8 +119,6 @@ class Heartbeats:
 
     def start(self, active: ActiveRun, lock: LockBackend, key: str) -> Beat:
         """Renew ``active``'s lease until ``stop()``; raises (and keeps nothing) on failure."""
-        if self._pid != os.getpid():
-            self._reset()  # forked: the parent's threads (and maybe its lock) are not ours
         beat = Beat(active, lock, key)
         beat.next_at = time.monotonic() + beat.interval
         with self._lock:
@@ -336,4 +333,21 @@ def _lost(beat: Beat, reason: str) -> None:
     beat.next_at = NEVER  # nothing more to renew
 
 
-heartbeats = Heartbeats()
+class ThisProcess:
+    """``heartbeats``: this process's :class:`Heartbeats`. A forked child makes its own:
+    the parent's threads (and maybe its lock, held at the fork) are not the child's."""
+
+    def __init__(self) -> None:
+        self._mine = per_process(Heartbeats)
+
+    def start(self, active: ActiveRun, lock: LockBackend, key: str) -> Beat:
+        return self._mine.get().start(active, lock, key)
+
+    def stop(self, beat: Beat | None) -> None:
+        self._mine.get().stop(beat)
+
+    def live(self) -> int:
+        return self._mine.get().live()
+
+
+heartbeats = ThisProcess()

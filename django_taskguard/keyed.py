@@ -18,11 +18,9 @@ from django.utils import timezone
 
 from . import coroutines, guard
 from .conf import lease_problem
-from .decorators import (
+from .decorating import (
     USE_TZ_NEEDED,
     CallContext,
-    OnDuplicate,
-    OnStale,
     call_context,
     choose,
     dotted_name,
@@ -32,6 +30,7 @@ from .decorators import (
 )
 from .exceptions import InvalidKey, InvalidSchedule
 from .models import KEY_MAX_LENGTH
+from .policy import OnDuplicate, OnStale, Policy
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,7 +45,7 @@ class AsyncKeyGuarded(Protocol[P, T]):
     """A keyed coroutine function: await it like the original; it returns None when not run."""
 
     task_name: str | None
-    policy: guard.Policy
+    policy: Policy
     __wrapped__: Callable[P, Awaitable[T]]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T | None]: ...
@@ -73,7 +72,7 @@ class KeyGuarded(Protocol[P, R]):
     """A keyed function: call it like the original; it returns None when not run."""
 
     task_name: str | None
-    policy: guard.Policy
+    policy: Policy
     __wrapped__: Callable[P, R]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R | None: ...
@@ -244,7 +243,7 @@ def once_per_key(
             raise InvalidSchedule(problem)
     if isinstance(key, str):
         _fields(key)
-    policy = guard.Policy(
+    policy = Policy(
         on_duplicate=choose("on_duplicate", on_duplicate, ("skip", "raise")),
         on_stale=choose("on_stale", on_stale, ("abandon", "retry")),
         lease_seconds=lease_seconds,
@@ -283,7 +282,7 @@ class _Keyed:
 
     name: str | None
     where: str
-    policy: guard.Policy
+    policy: Policy
     make_key: _KeyMaker[Any]
 
     def begin(self, run_key: str, hooks: CallContext) -> guard.Started:

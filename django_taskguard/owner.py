@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .conf import taskguard_settings
+from .process import per_process
 
 # Host names are at most 64 bytes on Linux; anything longer is cut, so an
 # owner always fits TaskRun.owner (255).
@@ -75,20 +76,13 @@ def host() -> str:
     return socket.gethostname()[:HOST_MAX_LENGTH].replace(":", "_") or "localhost"
 
 
-_space: tuple[int, str] | None = None
-
-
 def pid_space() -> str:
     """This process's pid space: ``<boot id>.<pid namespace inode>``, or ``"-"``.
 
     Computed once per process (again after a fork: a child may be in a new
     pid namespace when it was cloned into one, as container runtimes do).
     """
-    global _space
-    pid = os.getpid()
-    if _space is None or _space[0] != pid:
-        _space = (pid, _read_space())
-    return _space[1]
+    return _space.get()
 
 
 def _read_space() -> str:
@@ -101,22 +95,20 @@ def _read_space() -> str:
     return f"{boot_id}.{inode}"
 
 
+_space = per_process(_read_space)
+
+
 # Attempt tokens: 64 random bits per process, then a counter (no system call but
 # getpid per call). The random part is drawn again whenever the pid changes: a
 # fork that skips Python's at-fork hooks (uWSGI without py-call-osafterfork)
 # must not hand two workers the same tokens.
-_token_prefix = ("", 0)  # (random part, the pid it was drawn in)
+_token_prefix = per_process(lambda: os.urandom(8).hex())
 _token_counter = itertools.count()
 
 
 def new_token() -> str:
     """A token unique to one attempt: the fast-path lock's value, the owner's tail."""
-    global _token_prefix
-    prefix, pid = _token_prefix
-    if pid != os.getpid():
-        prefix, pid = os.urandom(8).hex(), os.getpid()
-        _token_prefix = (prefix, pid)
-    return f"{prefix}{next(_token_counter):016x}"
+    return f"{_token_prefix.get()}{next(_token_counter):016x}"
 
 
 def new_owner(token: str | None = None, name: str | None = None) -> str:

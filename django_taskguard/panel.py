@@ -10,7 +10,7 @@ from django.utils.translation import gettext as _
 
 from . import ledger, registry, timefmt
 from .conf import taskguard_settings
-from .decorators import on_stale_of
+from .decorating import on_stale_of
 from .exceptions import BackendUnavailable
 from .locks import get_backend
 from .locks.database import DatabaseLock

@@ -32,9 +32,9 @@ from django.utils.module_loading import module_has_submodule
 from django.utils.timezone import get_default_timezone_name
 
 from .conf import taskguard_settings
-from .guard import Policy
 from .ledger import schedules as store
 from .models import ScheduleSource
+from .policy import Policy
 from .schedules import Schedule, describe
 
 AUTODISCOVER = ("tasks", "jobs")

@@ -8,6 +8,7 @@ computes the same slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
@@ -18,7 +19,15 @@ from django.utils import timezone
 from .cron import EPOCH, UTC, CronSchedule, wall_to_utc
 from .exceptions import InvalidSchedule
 
-__all__ = ["EPOCH", "UTC", "CronSchedule", "IntervalSchedule", "Schedule", "wall_to_utc"]
+__all__ = [
+    "EPOCH",
+    "UTC",
+    "CronSchedule",
+    "IntervalSchedule",
+    "Schedule",
+    "StoredSchedule",
+    "wall_to_utc",
+]
 
 
 @runtime_checkable
@@ -60,43 +69,19 @@ class IntervalSchedule:
             return 0
         return min(cap, (end - self.latest_slot(start)) // self.every)
 
-
-def from_celery(schedule: Any) -> Schedule:
-    """Translate a celery ``crontab`` or ``schedule`` into ours."""
-    try:
-        from celery.schedules import crontab
-        from celery.schedules import schedule as celery_schedule
-    except ImportError:  # pragma: no cover - celery is an extra
-        raise InvalidSchedule(
-            f"schedule={schedule!r} is not supported (install django-taskguard[celery] "
-            f"for celery crontab/schedule objects)"
-        ) from None
-    if isinstance(schedule, crontab):
-        return CronSchedule(celery_cron_expression(schedule), day_or=False)
-    if isinstance(schedule, celery_schedule):
-        return IntervalSchedule(getattr(schedule, "run_every"))  # noqa: B009 (untyped in stubs)
-    raise InvalidSchedule(f"unsupported schedule object: {schedule!r}")
+    def next_slot(self, now: datetime) -> datetime:
+        """The first slot after ``now``."""
+        return self.latest_slot(now) + self.every
 
 
-def celery_cron_expression(schedule: Any) -> str:
-    """A five-field cron expression for a celery ``crontab``, from its parsed fields.
+# What a ``TaskSchedule`` row stores and :func:`rebuild` gives back.
+StoredSchedule = CronSchedule | IntervalSchedule
 
-    The parsed sets are used (not the original arguments, which may be sets,
-    ranges or names); a field that allows every value is written ``*``.
-    Celery requires the day of month and the day of week to match both: pair
-    the expression with ``day_or=False``.
-    """
-    fields = (
-        (schedule.minute, 60),
-        (schedule.hour, 24),
-        (schedule.day_of_month, 31),
-        (schedule.month_of_year, 12),
-        (schedule.day_of_week, 7),
-    )
-    return " ".join(
-        "*" if len(values) >= size else ",".join(str(v) for v in sorted(values))
-        for values, size in fields
-    )
+
+# Functions that turn another library's schedule object into ours, or return None when
+# it is not theirs; ``build`` asks them in order (``contrib.celery`` registers one for
+# celery's ``crontab`` and ``schedule``).
+TRANSLATORS: list[Callable[[Any], Schedule | None]] = []
 
 
 def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule | None:
@@ -122,7 +107,15 @@ def build(cron: str | None, every: timedelta | None, schedule: Any) -> Schedule 
         return CronSchedule(schedule)
     if isinstance(schedule, timedelta):
         return IntervalSchedule(schedule)
-    return from_celery(schedule)
+    for translate in TRANSLATORS:
+        translated = translate(schedule)
+        if translated is not None:
+            return translated
+    raise InvalidSchedule(
+        f"unsupported schedule object: {schedule!r} (schedule= takes a cron string, a "
+        f"timedelta, a taskguard schedule, or a celery crontab/schedule with "
+        f"django-taskguard[celery] installed)"
+    )
 
 
 def describe(schedule: Schedule) -> dict[str, Any]:
@@ -147,7 +140,7 @@ REBUILT_CACHE_SIZE = 8192
 
 
 @lru_cache(maxsize=REBUILT_CACHE_SIZE)
-def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> Schedule:
+def rebuild(cron: str, day_or: bool, time_zone: str, every: timedelta | None) -> StoredSchedule:
     """The schedule a ``TaskSchedule`` row stores (built once per distinct value)."""
     if cron:
         return CronSchedule(cron, time_zone or None, day_or)

@@ -1,5 +1,6 @@
-"""Receivers taskguard connects: startup cleanup when a Celery worker starts; the
-fence source moved past fences that arrive with imported rows."""
+"""Receivers taskguard connects: the fence source moved past fences that arrive with
+imported rows, the ledger's row after ``migrate``; and the startup cleanup, which
+``contrib.celery`` connects to Celery's ``worker_ready``."""
 
 from __future__ import annotations
 
@@ -57,12 +58,3 @@ def connect(app_config: Any) -> None:
 
     post_save.connect(fence_imported, sender=TaskRun, dispatch_uid="taskguard.fence_imported")
     post_migrate.connect(keep_ledger_row, sender=app_config, dispatch_uid="taskguard.ledger_row")
-
-
-def connect_celery() -> None:
-    """Run the startup cleanup when a Celery worker is ready (if Celery is installed)."""
-    try:
-        from celery.signals import worker_ready
-    except ImportError:  # pragma: no cover - celery is an extra
-        return
-    worker_ready.connect(run_startup_cleanup, dispatch_uid="taskguard.startup_cleanup")

@@ -201,5 +201,8 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"taskguard": {"handlers": ["console"], "level": "WARNING"}},
+    "loggers": {
+        "taskguard": {"handlers": ["console"], "level": "WARNING"},
+        "taskguard.scheduler": {"level": "INFO"},  # run_schedules children log their fires
+    },
 }

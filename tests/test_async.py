@@ -28,7 +28,7 @@ from django.db import connections
 from django_taskguard import current_run, heartbeat, ledger, once_per_key, once_per_schedule
 from django_taskguard.cleanup import cleanup_locks
 from django_taskguard.context import ActiveRun, active_run
-from django_taskguard.decorators import dotted_name
+from django_taskguard.decorating import dotted_name
 from django_taskguard.exceptions import LeaseLost
 from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.models import RunState, TaskRun

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -303,6 +304,30 @@ def test_eager__beat_claim_lets_one_beat_publish_a_slot(
     assert len(redis_server.client().keys("taskguard:*:beat:*")) == 1
     run = TaskRun.objects.get()
     assert (run.state, run.duplicates) == (RunState.SUCCEEDED, 0)
+
+
+def test_beat_claim__owner_and_key_are_the_ones_the_package_builds(transactional_db, redis_server):
+    """The beat names itself as every attempt does (``owner.new_owner``, with its pid space)
+    and keys its claim with the key builder (``locks.keys.beat_key``), not by hand."""
+    from django_taskguard.contrib.celery.beat import beat_claim
+    from django_taskguard.locks import redis_key_prefix
+    from django_taskguard.locks.keys import beat_key
+    from django_taskguard.owner import Owner
+
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "redis": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    taskguard = {"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+    with override_settings(CACHES=caches, TASKGUARD=taskguard):
+        claim = beat_claim("tests.celery_tasks.tick", "tick-2s", BASE_SLOT)
+        assert claim is not None and claim.key is not None
+        identity = task_identity("tests.celery_tasks.tick", "tick-2s")
+        assert claim.key == beat_key(redis_key_prefix(), identity, BASE_SLOT)
+        owner = Owner.parse(claim.owner)
+        assert owner is not None and owner.pid == os.getpid() and owner.same_pid_space()
+        claim.release()
+    assert redis_server.client().keys("taskguard:*:beat:*") == [], "given back by its owner"
 
 
 def test_eager__beat_claim_sends_anyway_when_redis_is_down(

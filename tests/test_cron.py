@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from croniter import croniter
 
-from django_taskguard import health, once_per_schedule, registry
+from django_taskguard import once_per_schedule, registry
 from django_taskguard.cron import CronSchedule, _walk, plain_between, plain_latest
 from django_taskguard.scheduler import Scheduler
 
@@ -139,9 +139,9 @@ def test_next_slot__after_the_spring_change_before_the_shifted_slot(zone):
     cron = CronSchedule("30 2 * * *", tz_name=zone)
     shifted = change + timedelta(minutes=30)
     for now in (change - timedelta(hours=1), change, change + timedelta(minutes=10)):
-        assert health.next_slot(cron, now) == shifted, now
+        assert cron.next_slot(now) == shifted, now
     # 02:30 the next day, 23 hours later in real time
-    assert health.next_slot(cron, shifted) == shifted + timedelta(hours=23)
+    assert cron.next_slot(shifted) == shifted + timedelta(hours=23)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -29,8 +29,10 @@ from django.test.utils import CaptureQueriesContext
 
 from django_taskguard import current_run, once_per_schedule
 from django_taskguard.exceptions import DuplicateRun, LeaseLost, TaskGuardError
+from django_taskguard.heartbeat import heartbeats
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.owner import new_token
+from django_taskguard.process import per_process
 from django_taskguard.signals import (
     duplicate_suppressed,
     lease_lost,
@@ -523,6 +525,38 @@ def test_new_token__unique_in_children_forked_without_python_hooks():
         os.waitpid(pid, 0)
     assert len(set(tokens)) == len(tokens) == 6
     assert len({token[:16] for token in tokens}) == 3, "each process draws its own random part"
+
+
+def test_per_process__a_child_forked_without_python_hooks_makes_its_own_value():
+    """Every fork-safe value of the package (the token prefix, the pid space, the lock
+    backend, the Redis lock's sockets, the heartbeats, the coroutine pool) is one of these."""
+    made: list[int] = []
+
+    def make() -> list[int]:
+        made.append(os.getpid())
+        return [os.getpid()]
+
+    value = per_process(make)
+    mine = value.get()
+    assert value.get() is mine and made == [os.getpid()]
+    parent_heartbeats = heartbeats._mine.get()
+    libc_fork = ctypes.PyDLL(None).fork  # PyDLL: the GIL stays held across the fork
+    read, write = os.pipe()
+    pid = libc_fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            theirs = value.get()
+            fresh = theirs is not mine and theirs == [os.getpid()] and value.get() is theirs
+            own = value.mine() is theirs and heartbeats._mine.get() is not parent_heartbeats
+            os.write(write, b"1" if fresh and own and made[-1] == os.getpid() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    reported = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert reported == b"1"
+    assert value.get() is mine and made == [os.getpid()], "the parent keeps its own"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -178,11 +178,11 @@ def test_next_slot__cron_and_interval():
     from django_taskguard.schedules import CronSchedule, IntervalSchedule
 
     now = datetime(2026, 3, 29, 0, 30, tzinfo=timezone.utc)  # Paris springs forward at 01:00 UTC
-    assert health.next_slot(IntervalSchedule(timedelta(minutes=5)), now) == now.replace(minute=35)
+    assert IntervalSchedule(timedelta(minutes=5)).next_slot(now) == now.replace(minute=35)
     nightly = CronSchedule("0 21 * * *", "Europe/Paris")
-    assert health.next_slot(nightly, now) == datetime(2026, 3, 29, 19, tzinfo=timezone.utc)
+    assert nightly.next_slot(now) == datetime(2026, 3, 29, 19, tzinfo=timezone.utc)
     skipped = CronSchedule("30 2 * * *", "Europe/Paris")  # 02:30 does not exist that night
-    found = health.next_slot(skipped, now)
+    found = skipped.next_slot(now)
     assert found is not None and skipped.latest_slot(found) == found > now
 
 

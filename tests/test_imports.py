@@ -117,3 +117,22 @@ def test_ledger__translates_database_errors_in_one_place():
             if caught is not None and "DatabaseError" in ast.unparse(caught):
                 found.append(f"{path.name}:{node.lineno}")
     assert found == [], "catch through ledger.translated instead"
+
+
+def test_imports__the_core_never_imports_celery():
+    """Celery is an extra: what the package knows of it lives behind ``contrib/celery``."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        if name.startswith("django_taskguard.contrib.celery"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            found[name] = found.get(name, []) + [
+                target for target in targets if target.partition(".")[0] == "celery"
+            ]
+    assert {name: targets for name, targets in found.items() if targets} == {}

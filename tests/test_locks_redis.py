@@ -140,7 +140,7 @@ def test_redis_lock__inherited_lock_opens_its_own_connection_after_fork(redis_se
             try:
                 other = guard_key("tests.lock.child", SLOT)
                 results = {lock.acquire(other, "c" * 32, 30) for _ in range(2000)}
-                own = all(c.pid == os.getpid() for c in lock._idle)  # made here, not inherited
+                own = all(c.pid == os.getpid() for c in lock._sockets.get().idle)  # made here
                 ok = own and results == {Acquired.WON} and lock.errors == 0
                 os.write(write, b"1" if ok else b"0")
             finally:
@@ -172,7 +172,7 @@ def test_redis_lock__idle_connection_closed_by_the_server_is_replaced(redis_serv
 def test_redis_lock__replies_through_redis_py(redis_server, tmp_path):
     """Replies read by redis-py's parser: an error keeps the connection in step; READONLY drops."""
     with redis_backend(redis_server) as lock:
-        connection, _ = lock._checkout()
+        connection, _ = lock._checkout(lock._sockets.get())
         command(redis_server, "set", "tests:word", "x")
         with pytest.raises(ResponseError, match="not an integer"):
             call(connection, pack("INCR", "tests:word"))
@@ -186,7 +186,7 @@ def test_redis_lock__replies_through_redis_py(redis_server, tmp_path):
     replica.start()
     try:
         with redis_backend(replica) as lock:
-            connection, _ = lock._checkout()
+            connection, _ = lock._checkout(lock._sockets.get())
             with pytest.raises(RedisConnectionError, match="ReadOnlyError"):
                 call(connection, pack("SET", "tests:n", 1))  # a demoted master after failover
             connection.disconnect()

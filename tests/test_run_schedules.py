@@ -9,17 +9,23 @@ with ``TASKGUARD_TEST_CLOCK_OFFSET`` (tests/scheduler_child.py replaces
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
+from io import StringIO
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
+from django.utils import timezone as django_timezone
 
-from django_taskguard.models import RunState, TaskRun
+from django_taskguard import once_per_schedule, registry
+from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.registry import unregister
 
 from .conftest import python, wait_for
 
@@ -225,3 +231,31 @@ def test_run_schedules__a_fast_copy_runs_no_slot_early_and_takes_none_from_on_ti
         steps = [(t.from_state, t.to_state) for t in run.transitions.order_by("at", "id")]
         assert steps[:2] == [("pending", "skipped"), ("skipped", "running")]
     assert "ahead of the database's clock" in (scratch / "fast.out").read_text()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_schedules__the_projects_own_handlers_receive_the_schedulers_records():
+    """The command never reconfigures the project's logging: a handler the project put on
+    the root logger (at WARNING, Django's default) receives the scheduler's warnings."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    root = logging.getLogger()
+    root.addHandler(handler)
+    name = "tests.logging.job"
+
+    @once_per_schedule(every=SECOND, name=name, grace=2 * SECOND)
+    def job() -> None: ...
+
+    try:
+        registry.sync()
+        TaskSchedule.objects.filter(task_name=name).update(  # deployed 10 s ago, never fired
+            first_seen=django_timezone.now() - 10 * SECOND, swept_until=None
+        )
+        call_command("run_schedules", "--once", "--task", name, stdout=StringIO())
+    finally:
+        root.removeHandler(handler)
+        unregister(name)
+    said = [r.getMessage() for r in records if r.name == "taskguard.scheduler"]
+    assert any(message.startswith("missed slots recorded") for message in said), said
+    assert logging.getLogger("taskguard.scheduler").propagate

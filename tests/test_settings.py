@@ -7,6 +7,7 @@ replaced by a default. One table: an invalid value of every key.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from io import StringIO
 
 import pytest
@@ -108,3 +109,11 @@ def test_check_command__reports_every_invalid_setting_by_its_id_and_never_raises
     ):
         call_command("check", *options, stdout=StringIO(), stderr=StringIO())
     assert f"({check_id})" in str(raised.value), str(raised.value)
+
+
+def test_for_claim__follows_override_settings():
+    """The guard's cached ``(LEASE_SECONDS, retention horizon)`` is read again after a change."""
+    before = taskguard_settings.for_claim
+    with override_settings(TASKGUARD={"LEASE_SECONDS": 7, "PRUNE_AFTER_DAYS": 3}):
+        assert taskguard_settings.for_claim == (7.0, timedelta(days=3))
+    assert taskguard_settings.for_claim == before

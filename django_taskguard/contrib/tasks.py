@@ -23,7 +23,8 @@ from importlib import import_module
 from typing import Any
 
 from .. import registry, schedules
-from ..decorators import SLOT_KWARG, guarded_policy
+from ..decorating import guarded_policy
+from ..decorators import SLOT_KWARG
 from ..exceptions import TaskGuardError
 
 __all__ = ["SLOT_KWARG", "enqueue_for_slot", "register", "task_classes"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -10,6 +9,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
 from ..conf import taskguard_settings
+from ..process import per_process
 from .base import Acquired, LockBackend, run_key
 from .database import DatabaseLock
 from .keys import enqueue_key
@@ -67,24 +67,14 @@ def backend_name() -> str:
     return name
 
 
-_cached: tuple[int, LockBackend] | None = None
-
-
 def get_backend() -> LockBackend:
     """The lock backend in force, built once per process and settings."""
-    global _cached
-    cached = _cached
-    if cached is not None and cached[0] == os.getpid():
-        return cached[1]
-    backend = _build_backend()
-    _cached = (os.getpid(), backend)
-    return backend
+    return _cached.get()
 
 
 def forget_backend() -> None:
     """Drop the cached backend (the settings changed)."""
-    global _cached
-    _cached = None
+    _cached.forget()
 
 
 def forget_clients() -> None:
@@ -135,6 +125,9 @@ def _build_backend() -> LockBackend:
             ) from exc
         return RedisLock.for_alias(taskguard_settings.REDIS_ALIAS)
     raise ImproperlyConfigured(f"unknown TASKGUARD BACKEND {name!r} (auto, redis or database)")
+
+
+_cached = per_process(_build_backend)  # the lock backend of this process and settings
 
 
 def claim_once(key: str, value: str, ttl_seconds: int) -> bool:

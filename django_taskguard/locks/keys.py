@@ -80,6 +80,14 @@ def enqueue_key(prefix: str, task_name: str, key: str) -> str:
     return f"{prefix}:{ENQUEUE}:{{{task_digest(task_name)}:{KEYED}{key_digest(key)}}}"
 
 
+BEAT = "beat"  # a beat's claim of publishing one (entry, slot) (BEAT_CLAIM)
+
+
+def beat_key(prefix: str, identity: str, slot: datetime) -> str:
+    """The key by which one beat claims the publishing of (entry identity, slot)."""
+    return f"{prefix}:{BEAT}:{task_digest(identity)}:{slot_label(slot)}"
+
+
 def claim_key(run_key: str) -> str:
     """The claim record that goes with a lock key made by :func:`run_key`."""
     head, _, tail = run_key.rpartition(f":{RUN}:{{")

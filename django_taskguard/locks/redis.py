@@ -23,10 +23,10 @@ own slot. An acquire that errors is settled by reading the key back.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,6 +38,7 @@ from redis.sentinel import SentinelConnectionPool
 from .. import ledger
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
+from ..process import PerProcess, per_process
 from .base import Acquired, LockBackend
 from .keys import (
     CLAIM,
@@ -88,25 +89,32 @@ PROBE_SECONDS = 1.0
 _OUTCOMES = (Acquired.LOST, Acquired.WON, Acquired.FINISHED)
 
 
+@dataclass
+class Sockets:
+    """A lock's connections in one process: ``idle`` ones are connected, ``closed`` ones
+    had their socket dropped after an error (reconnected on their next checkout)."""
+
+    idle: list[ConnectionInterface] = field(default_factory=list)
+    closed: list[ConnectionInterface] = field(default_factory=list)
+
+
 class RedisLock(LockBackend):
     name = "redis"
     # One lock per process and alias; rebuilt after fork or a settings change.
-    _instances: ClassVar[dict[tuple[str, float], RedisLock]] = {}
+    _instances: ClassVar[PerProcess[dict[tuple[str, float], RedisLock]]] = per_process(dict)
 
     def __init__(self, alias: str, client: redis.Redis, source: object = None) -> None:
         self.alias = alias
         self.client = client
         self.source = source
-        self.pid = os.getpid()
         self.errors = 0  # Redis errors seen by this process (any command)
         self._state = threading.Lock()
         self._down_since: float | None = None
         self._probe_at = 0.0
         # Connections of the scripts' hot path, checked out without the pool's
-        # bookkeeping (list.pop and append are atomic: no lock needed).
-        self._idle: list[ConnectionInterface] = []
-        self._closed: list[ConnectionInterface] = []
-        self._idle_pid = self.pid
+        # bookkeeping (list.pop and append are atomic: no lock needed). A forked child
+        # makes its own: it leaves the parent's sockets alone (dropped, never closed).
+        self._sockets = per_process(Sockets)
         self._prefixes: dict[tuple[str, str], str] = {}
 
     def key_prefix(self) -> str:
@@ -135,23 +143,26 @@ class RedisLock(LockBackend):
         taskguard_settings.FINISHED_MARKER_SECONDS  # noqa: B018 - refused here, not at finish
         source = settings.CACHES.get(alias)
         timeout = taskguard_settings.REDIS_SOCKET_TIMEOUT
-        lock = cls._instances.get((alias, timeout))
-        if lock is None or lock.pid != os.getpid() or lock.source is not source:
-            lock = cls(alias, build_client(alias, timeout), source)
-            cls._instances[(alias, timeout)] = lock
+        instances = cls._instances.get()
+        lock = instances.get((alias, timeout))
+        if lock is None or lock.source is not source:
+            lock = instances[(alias, timeout)] = cls(alias, build_client(alias, timeout), source)
         return lock
 
     @classmethod
     def close_all(cls) -> None:
         """Disconnect and forget every cached lock client of this process."""
-        locks, cls._instances = list(cls._instances.values()), {}
+        instances = cls._instances.mine() or {}
+        locks = list(instances.values())
+        instances.clear()
         for lock in locks:
             lock.close()
 
     def close(self) -> None:
         """Disconnect this lock's connections (they reconnect on next use)."""
-        idle, self._idle, self._closed = self._idle, [], []
-        for connection in idle:
+        sockets = self._sockets.mine()
+        self._sockets.forget()
+        for connection in sockets.idle if sockets else ():
             connection.disconnect()  # type: ignore[no-untyped-call]
         pool = self.client.connection_pool
         pool.disconnect()
@@ -331,7 +342,8 @@ class RedisLock(LockBackend):
         ``Redis.execute_command`` and the pool's checkout: that machinery costs
         about a third of a loopback round trip.
         """
-        connection, connected = self._checkout()
+        sockets = self._sockets.get()
+        connection, connected = self._checkout(sockets)
         try:
             if not connected:
                 # connect(), not the send's own connect: redis-py does the handshake
@@ -345,35 +357,28 @@ class RedisLock(LockBackend):
                 reply = call(connection, pack("EVAL", script.source, len(keys), *keys, *args))
         except ResponseError:
             if connected:  # the server answered a command: the connection is in step
-                self._idle.append(connection)
+                sockets.idle.append(connection)
                 raise
             connection.disconnect()  # type: ignore[no-untyped-call]  # (refused in the handshake)
-            self._closed.append(connection)
+            sockets.closed.append(connection)
             raise
         except BaseException:
             # A reply may still be on its way: never reuse this socket (the
             # connection object is kept: the pool counts every one it made).
             connection.disconnect()  # type: ignore[no-untyped-call]
-            self._closed.append(connection)
+            sockets.closed.append(connection)
             raise
-        self._idle.append(connection)
+        sockets.idle.append(connection)
         return reply
 
-    def _checkout(self) -> tuple[ConnectionInterface, bool]:
-        """A connection of ours and whether it is connected.
-
-        An idle connected one, else a closed one, else a new one. ``_idle``
-        holds connected connections only; ``_closed`` those whose socket was
-        dropped after an error.
-        """
-        if self._idle_pid != os.getpid():
-            # Forked: the sockets are the parent's (dropped here, never closed).
-            self._idle, self._closed, self._idle_pid = [], [], os.getpid()
+    def _checkout(self, sockets: Sockets) -> tuple[ConnectionInterface, bool]:
+        """A connection of ours and whether it is connected: an idle connected one, else
+        a closed one, else a new one."""
         try:
-            connection = self._idle.pop()
+            connection = sockets.idle.pop()
         except IndexError:
             try:
-                return self._closed.pop(), False
+                return sockets.closed.pop(), False
             except IndexError:
                 return self.client.connection_pool.make_connection(), False
         if readable(connection):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ..decorators import dotted_name, guarded_policy
+from ..decorating import dotted_name, guarded_policy
 from ..exceptions import TaskGuardError
 from ..schedules import normalize_slot
 

@@ -12,7 +12,6 @@ from ``django_taskguard.contrib.celery``.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,8 +24,8 @@ from django.core.exceptions import ImproperlyConfigured
 from ... import schedules
 from ...conf import taskguard_settings
 from ...locks import claim_once, redis_key_prefix, release_claim
-from ...locks.base import slot_label, task_digest
-from ...owner import host, new_token
+from ...locks.keys import beat_key
+from ...owner import new_owner
 from .headers import (
     SCHEDULE_HEADER,
     SLOT_HEADER,
@@ -277,11 +276,16 @@ def beat_claim(task_name: str, entry_name: str, slot: datetime) -> BeatClaim | N
     (a claim with no key): the worker's claim is the guarantee, this only saves
     the duplicate messages. The caller releases the claim if its publish fails.
     """
-    owner = f"{host()}:{os.getpid()}:{new_token()}"
-    key = f"beat:{task_digest(task_identity(task_name, entry_name))}:{slot_label(slot)}"
+    owner = new_owner()
+    identity = task_identity(task_name, entry_name)
     try:
-        key = f"{redis_key_prefix()}:{key}"
+        key = beat_key(redis_key_prefix(), identity, slot)
         return BeatClaim(key, owner) if claim_once(key, owner, BEAT_CLAIM_TTL) else None
     except Exception as exc:
-        logger.warning("taskguard beat claim of %s failed (%s); sending anyway", key, exc)
+        logger.warning(
+            "taskguard beat claim of %s at %s failed (%s); sending anyway",
+            identity,
+            slot.isoformat(),
+            exc,
+        )
         return BeatClaim(None, owner)

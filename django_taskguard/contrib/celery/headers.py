@@ -111,8 +111,42 @@ def slot_for(schedule: Any, now: datetime) -> datetime | None:
 
 def cron_of(schedule: crontab) -> schedules.CronSchedule:
     """A celery crontab as taskguard's cron: its fields, its zone, both day fields must match."""
-    expression = schedules.celery_cron_expression(schedule)
+    expression = cron_expression(schedule)
     return schedules.CronSchedule(expression, tz_name=zone_name(schedule.tz), day_or=False)
+
+
+def from_celery(schedule: Any) -> schedules.Schedule | None:
+    """A celery ``crontab`` or ``schedule`` given to ``schedule=``, as ours (None: neither).
+
+    The crontab is read in Django's ``TIME_ZONE`` like a ``cron=`` string (the beat's
+    :func:`cron_of` uses the crontab's own zone instead)."""
+    if isinstance(schedule, crontab):
+        return schedules.CronSchedule(cron_expression(schedule), day_or=False)
+    if isinstance(schedule, interval_schedule):
+        every: timedelta = getattr(schedule, "run_every")  # noqa: B009 (untyped in stubs)
+        return schedules.IntervalSchedule(every)
+    return None
+
+
+def cron_expression(schedule: Any) -> str:
+    """A five-field cron expression for a celery ``crontab``, from its parsed fields.
+
+    The parsed sets are used (not the original arguments, which may be sets,
+    ranges or names); a field that allows every value is written ``*``.
+    Celery requires the day of month and the day of week to match both: pair
+    the expression with ``day_or=False``.
+    """
+    fields = (
+        (schedule.minute, 60),
+        (schedule.hour, 24),
+        (schedule.day_of_month, 31),
+        (schedule.month_of_year, 12),
+        (schedule.day_of_week, 7),
+    )
+    return " ".join(
+        "*" if len(values) >= size else ",".join(str(v) for v in sorted(values))
+        for values, size in fields
+    )
 
 
 def zone_name(tz: Any) -> str:

@@ -15,14 +15,16 @@ from typing import Any, NoReturn, cast
 
 from celery import Task, current_app
 from celery.exceptions import Ignore, Reject, Retry
+from celery.signals import worker_ready
 from django.utils import timezone
 
-from ... import ledger
+from ... import ledger, schedules
 from ...context import active_run
-from ...decorators import SLOT_SOURCES, CallContext, guarded_policy
+from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
 from ...exceptions import TaskGuardError
 from ...owner import actor
+from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
 from .enqueue import retry_refusal
 from .headers import (
@@ -30,6 +32,7 @@ from .headers import (
     PERIODIC_TASK_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
+    from_celery,
     grace_of,
     message_headers,
     task_identity,
@@ -208,6 +211,11 @@ def record_no_slot(task_name: str, request: Any) -> NoReturn:
 
 
 def register() -> None:
-    """Make guarded Celery tasks find their slot in the message (idempotent)."""
+    """Wire Celery in (idempotent): guarded tasks find their slot in the message,
+    ``schedule=`` takes a celery ``crontab``/``schedule``, and a worker that is ready runs
+    the startup cleanup (``STARTUP_CLEANUP``)."""
     if celery_call_context not in SLOT_SOURCES:
         SLOT_SOURCES.append(celery_call_context)
+    if from_celery not in schedules.TRANSLATORS:
+        schedules.TRANSLATORS.append(from_celery)
+    worker_ready.connect(run_startup_cleanup, dispatch_uid="taskguard.startup_cleanup")

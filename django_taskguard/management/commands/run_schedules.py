@@ -6,9 +6,10 @@ import logging
 import os
 import select
 import signal
-import sys
 import threading
 from argparse import ArgumentParser
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -85,12 +86,29 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if not logger.hasHandlers() or logger.getEffectiveLevel() > logging.INFO:
-            handler = logging.StreamHandler(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False  # one line per fire, not one per configured handler
+        with self._console_log(options["verbosity"]):
+            self._run(options)
+
+    @contextmanager
+    def _console_log(self, verbosity: int) -> Iterator[None]:
+        """Log the fires to this command's stdout when the project configured no logging
+        at all (and ``--verbosity`` is not 0), for this command only; a project that
+        configured logging gets the records through its own handlers, untouched."""
+        if verbosity == 0 or logger.hasHandlers():
+            yield
+            return
+        handler = logging.StreamHandler(self.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+    def _run(self, options: dict[str, Any]) -> None:
         try:
             ledger.ensure_reachable()
             found = sync_schedules(self, RUNNER)
