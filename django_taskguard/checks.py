@@ -120,7 +120,7 @@ def check_ledger_server(
 ) -> list[CheckMessage]:
     """MariaDB 10.11+, not MySQL (E007): Django's "mysql" is both, and only the server
     tells which (``check --database``, ``migrate``)."""
-    from .ledger.sql import vendor_problem
+    from .ledger.backends import vendor_problem
 
     alias = _valid("DATABASE_ALIAS")
     if (

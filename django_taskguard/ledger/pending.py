@@ -19,7 +19,7 @@ from django.db.models.lookups import GreaterThanOrEqual, LessThan, LessThanOrEqu
 
 from ..models import TaskRun
 from ..states import GIVEN_BACK_TO, RunState
-from . import sql
+from .backends import fragments
 from .core import (
     ERROR_MAX_LENGTH,
     Row,
@@ -44,9 +44,7 @@ HANDED_OUT = Coalesce("finished_at", "created_at")
 def insert_pending(task_name: str, slot: datetime) -> int | None:
     """Record ``slot`` as handed out (``pending``); None when it has a row already."""
     try:
-        found = one(
-            sql.insert_pending(dialect()), [task_name, slot_param(slot), RunState.PENDING.value]
-        )
+        found = one(dialect().insert_pending, [task_name, slot_param(slot), RunState.PENDING.value])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return int(found[0]) if found else None
@@ -57,7 +55,7 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
     ahead of the clock; None when it has no such row (compare-and-set)."""
     d = dialect()
     try:
-        row = to_row(one(sql.read_slot(d), [task_name, slot_param(slot)]))
+        row = to_row(one(d.read_slot, [task_name, slot_param(slot)]))
         if row is None or row.state != RunState.SKIPPED or row.attempt != 0:
             return None
         reason = "handed out on time: the skipped row only recorded a call ahead of the clock"
@@ -67,7 +65,7 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
             actor=actor,
             fenced=False,
             lease="refused_early",
-            sets=sql.PEND_REFUSED_EARLY,
+            sets=fragments.PEND_REFUSED_EARLY,
         )
     except DatabaseError as exc:
         raise unreachable(exc) from exc
@@ -101,7 +99,7 @@ def give_back_pending(
                 limit=1,
             )
             return "missed" if ended else None
-        deleted = one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value])
+        deleted = one(dialect().give_back_pending, [run_id, RunState.PENDING.value])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return None if deleted is None else "given back"
@@ -142,10 +140,10 @@ def give_back(
     """
     to_state = GIVEN_BACK_TO[claimed_from]
     row = Row(run_id, RunState.RUNNING, 0, fence, owner, None)
-    sets: tuple[str, ...] = sql.GIVE_BACK
+    sets: fragments.Sets = fragments.GIVE_BACK
     values: tuple[float, str | None] | tuple[()] = ()
     if to_state == RunState.RETRYING:
-        sets, values = sql.GIVE_BACK_RETRY, (retry_within, retry_by)
+        sets, values = fragments.GIVE_BACK_RETRY, (retry_within, retry_by)
     try:
         return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
     except DatabaseError as exc:
@@ -224,7 +222,7 @@ def _end(
                 [Step(state, reason)],
                 actor=actor,
                 fenced=False,
-                sets=sql.END_ATTEMPT,
+                sets=fragments.END_ATTEMPT,
                 values=(stored, 0),
             )
             if changed is not None:

@@ -13,7 +13,7 @@ from django.db import (
 )
 
 from ..states import RunState, check_transition
-from . import sql
+from .backends import fragments
 from .core import (
     ERROR_MAX_LENGTH,
     REASON_MAX_LENGTH,
@@ -23,6 +23,7 @@ from .core import (
     aware,
     change,
     clip,
+    connection,
     dialect,
     fetch_all,
     message_key,
@@ -39,9 +40,9 @@ def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None =
     """Add ``count`` duplicate calls to the slot's (or key's) row; False when there is no row."""
     params: list[Any]
     if key is not None:
-        statement, params = sql.add_duplicates_key(dialect()), [count, task_name, key]
+        statement, params = dialect().add_duplicates_key, [count, task_name, key]
     else:
-        statement, params = sql.add_duplicates(dialect()), [count, task_name, slot_param(slot)]
+        statement, params = dialect().add_duplicates, [count, task_name, slot_param(slot)]
     try:
         with connections[alias()].cursor() as cursor:
             cursor.execute(statement, params)
@@ -55,7 +56,7 @@ def count_other_copy(run_id: int, message_id: str | None) -> bool:
     the row waits for the retry another message carries, not ``message_id``'s."""
     try:
         with connections[alias()].cursor() as cursor:
-            cursor.execute(sql.count_other_copy(dialect()), [run_id, message_key(message_id)])
+            cursor.execute(dialect().count_other_copy, [run_id, message_key(message_id)])
             return bool(cursor.rowcount)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
@@ -92,7 +93,7 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
     if not rows:
         return 0
     d = dialect()
-    if not d.one_statement:  # a row and its transition at a time, one commit for them all
+    if not d.writes_in_batches:  # a row and its transition at a time, one commit for them all
         try:
             with transaction.atomic(using=alias()):
                 inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
@@ -109,10 +110,10 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
         actor,
     ]
     try:
-        found = one(sql.insert_unheld_many(d), params)
+        count = d.insert_unheld_many(connection(), params)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
-    return int(found[0]) if found else 0
+    return count or 0
 
 
 def miss_refused_early(
@@ -125,7 +126,7 @@ def miss_refused_early(
     params = [task_name, slot_param(after), slot_param(until), limit]
     changed = 0
     try:
-        for run_id, fence, owner, lease_until in fetch_all(sql.refused_early_in(d), params):
+        for run_id, fence, owner, lease_until in fetch_all(d.refused_early_in, params):
             row = Row(run_id, RunState.SKIPPED, 0, fence, owner, lease_until)
             missed = change(
                 row,
@@ -133,7 +134,7 @@ def miss_refused_early(
                 actor=actor,
                 fenced=False,
                 lease="refused_early",
-                sets=sql.MISS_REFUSED_EARLY,
+                sets=fragments.MISS_REFUSED_EARLY,
                 values=(clip(reason, ERROR_MAX_LENGTH),),
             )
             changed += missed is not None
@@ -146,7 +147,7 @@ def latest_slot(task_name: str) -> datetime | None:
     """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
     slot is one a catch-up still runs)."""
     try:
-        found = one(sql.latest_slot(dialect()), [task_name, RunState.MISSED])
+        found = one(dialect().latest_slot, [task_name, RunState.MISSED])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return aware(found[0]) if found else None
@@ -155,9 +156,7 @@ def latest_slot(task_name: str) -> datetime | None:
 def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     """The slots of ``task_name`` in ``(after, until]`` that have a row."""
     try:
-        found = fetch_all(
-            sql.slots_in(dialect()), [task_name, slot_param(after), slot_param(until)]
-        )
+        found = fetch_all(dialect().slots_in, [task_name, slot_param(after), slot_param(until)])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return {slot for (value,) in found if (slot := aware(value)) is not None}
@@ -179,7 +178,7 @@ def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
         for start in range(0, len(slots), chunk):
             part = slots[start : start + chunk]
             params = [task_name, *(slot_param(slot) for slot in part)]
-            for value, state in fetch_all(sql.states_at(d, len(part)), params):
+            for value, state in fetch_all(d.states_at(len(part)), params):
                 if (slot := aware(value)) is not None:
                     found[slot] = state
     except DatabaseError as exc:
@@ -197,7 +196,7 @@ def failed_streak(task_name: str, length: int) -> bool:
     """True when the newest ``length`` finished runs of ``task_name`` all failed."""
     states = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
     try:
-        found = fetch_all(sql.last_states(dialect()), [task_name, *states, length])
+        found = fetch_all(dialect().last_states, [task_name, *states, length])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return len(found) == length and all(state == RunState.FAILED for (state,) in found)
@@ -219,15 +218,15 @@ def insert_unheld(
     try:
         with transaction.atomic(using=alias()):
             if key is None:
-                statement = sql.insert_unheld(d)
+                statement = d.insert_unheld
                 params = [task_name, slot_param(slot), state, reason, duplicates]
             else:
-                statement = sql.insert_unheld_key(d)
+                statement = d.insert_unheld_key
                 params = [task_name, slot_param(slot), key, state, reason, duplicates]
             inserted = one(statement, params)
             if inserted is None:
                 return None
-            one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
+            one(d.transition, [inserted[0], RunState.PENDING, state, reason, actor])
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return int(inserted[0])
