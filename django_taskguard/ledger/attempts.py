@@ -91,9 +91,6 @@ def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
     """Record many running attempts ``succeeded`` in one statement, each fenced:
     ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
     fenced out). None where the database cannot do it in one statement (SQLite, MariaDB)."""
-    d = dialect()
-    if not d.writes_in_batches:
-        return None
     check_transition(RunState.RUNNING, RunState.SUCCEEDED)
     params = [
         [run_id for run_id, _, _, _ in items],
@@ -105,9 +102,8 @@ def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
         RunState.RUNNING,
         RunState.SUCCEEDED,
     ]
-    found = d.succeed_many(connection(), params)
-    assert found is not None
-    return {int(run_id) for (run_id,) in found}
+    found = dialect().succeed_many(connection(), params)
+    return None if found is None else {int(run_id) for (run_id,) in found}
 
 
 # A keyed row's slot is its claim's time; two keys of one task claimed in the same

@@ -92,14 +92,6 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
     check_transition(RunState.PENDING, state)
     if not rows:
         return 0
-    d = dialect()
-    if not d.writes_in_batches:  # a row and its transition at a time, one commit for them all
-        try:
-            with transaction.atomic(using=alias()):
-                inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
-        except DatabaseError as exc:
-            raise unreachable(exc) from exc
-        return sum(1 for run_id in inserted if run_id is not None)
     params = [
         [task for task, _, _ in rows],
         [slot_param(slot) for _, slot, _ in rows],
@@ -110,10 +102,15 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
         actor,
     ]
     try:
-        count = d.insert_unheld_many(connection(), params)
+        count = dialect().insert_unheld_many(connection(), params)
+        if count is not None:
+            return count
+        # Not in one statement: a row and its transition at a time, one commit for them all.
+        with transaction.atomic(using=alias()):
+            inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
     except DatabaseError as exc:
         raise unreachable(exc) from exc
-    return count or 0
+    return sum(1 for run_id in inserted if run_id is not None)
 
 
 def miss_refused_early(
