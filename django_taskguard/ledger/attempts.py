@@ -61,8 +61,15 @@ def claim(
     """
     if key is not None:
         return _claim_key(task_name, slot, key, owner, lease_seconds, abandon_is_final, count_live)
-    params = [task_name, slot_param(slot), owner, lease_seconds, count_live, abandon_is_final]
-    row = to_row(dialect().claim(connection(), params, owner))
+    params = {
+        "task": task_name,
+        "slot": slot_param(slot),
+        "owner": owner,
+        "lease": lease_seconds,
+        "count_live": count_live,
+        "abandon_is_final": abandon_is_final,
+    }
+    row = to_row(dialect().claim(connection(), params))
     assert row is not None
     return row
 
@@ -75,7 +82,12 @@ def claim_many(
     Returns each task's row (``owner`` equal to the one given: this call created it), or
     None where the database cannot do it in one statement (SQLite, MariaDB: claim one by one).
     """
-    params = [list(task_names), list(owners), list(leases), slot_param(slot)]
+    params = {
+        "tasks": list(task_names),
+        "owners": list(owners),
+        "leases": list(leases),
+        "slot": slot_param(slot),
+    }
     found = dialect().claim_many(connection(), params)
     if found is None:
         return None
@@ -125,17 +137,17 @@ def _claim_key(
 ) -> Row:
     d = dialect()
     for _ in range(SLOT_COLLISION_ROUNDS):
-        params = [
-            task_name,
-            slot_param(slot),
-            key,
-            owner,
-            lease_seconds,
-            count_live,
-            abandon_is_final,
-        ]
+        params = {
+            "task": task_name,
+            "slot": slot_param(slot),
+            "key": key,
+            "owner": owner,
+            "lease": lease_seconds,
+            "count_live": count_live,
+            "abandon_is_final": abandon_is_final,
+        }
         try:
-            row = to_row(d.claim_key(connection(), params, owner, key))
+            row = to_row(d.claim_key(connection(), params))
         except IntegrityError:
             # Only the (task, slot) constraint can refuse it: (task, key) is the arbiter.
             slot = _next_free_slot(task_name, slot)

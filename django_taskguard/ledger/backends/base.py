@@ -15,7 +15,7 @@ returns the row's values as the database gave them (``None``: nothing was writte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property, lru_cache
 from typing import Any, ClassVar
 
@@ -23,8 +23,10 @@ from django.db import transaction
 
 from ...states import PRUNABLE_STATES
 from .fragments import (
+    CLAIM_STATES,
     CLAIMED,
     CLAIMED_COLUMNS,
+    CLAIMED_STATES,
     CLAIMED_VALUES,
     FENCE_SEQUENCE,
     REFUSED_EARLY,
@@ -38,15 +40,17 @@ from .fragments import (
 )
 
 Values = Sequence[Any]
+# A statement's parameters: a list for ``%s``, a mapping for ``%(name)s``.
+Params = Sequence[Any] | Mapping[str, Any]
 
 
-def one(connection: Any, statement: str, params: Sequence[Any]) -> Values | None:
+def one(connection: Any, statement: str, params: Params) -> Values | None:
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone() if cursor.description else None
 
 
-def fetch_all(connection: Any, statement: str, params: Sequence[Any]) -> list[Values]:
+def fetch_all(connection: Any, statement: str, params: Params) -> list[Values]:
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return list(cursor.fetchall())
@@ -97,8 +101,9 @@ class Backend:
 
     now: ClassVar[str]
     """The database's clock, for deadlines and timestamps."""
-    lease_from_now: ClassVar[str]
-    """A lease's end: now plus one ``%s`` parameter of seconds."""
+    lease_after: ClassVar[str]
+    """A lease's end: now plus ``{seconds}`` (a parameter: ``%s``, or ``%(lease)s`` in the
+    claims)."""
     seconds_ago: ClassVar[str]
     """Now less one ``%s`` parameter of seconds."""
     lease_left: ClassVar[str]
@@ -124,7 +129,8 @@ class Backend:
             transition=TRANSITION,
             columns=TRANSITION_COLUMNS,
             now=self.now,
-            lease=self.lease_from_now,
+            lease=self.lease_after.format(seconds="%s"),
+            lease_named=self.lease_after.format(seconds="%(lease)s"),
             fence=self.next_fence,
             row=ROW,
             left=self.lease_left,
@@ -146,11 +152,12 @@ class Backend:
 
     @cached_property
     def claim_statement(self) -> str:
-        """Upsert the (task, slot) row as ``running``. Parameters: task, slot, owner, lease
-        seconds, count_live, abandon_is_final. A plainly taken slot counts a duplicate."""
+        """Upsert the (task, slot) row as ``running``. Named parameters: task, slot, owner,
+        lease (seconds), count_live, abandon_is_final, and :data:`.fragments.CLAIM_STATES`.
+        A plainly taken slot counts a duplicate."""
         return self.format(
             f"INSERT INTO {{run}} AS r (task_name, slot, {CLAIMED_COLUMNS}) "
-            f"VALUES (%s, %s, {CLAIMED_VALUES}) "
+            f"VALUES (%(task)s, %(slot)s, {CLAIMED_VALUES}) "
             "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
             f"CASE WHEN {counts_duplicate()} THEN 1 ELSE 0 END "
             "RETURNING {row}, {left}"
@@ -159,11 +166,10 @@ class Backend:
     @cached_property
     def claim_key_statement(self) -> str:
         """:attr:`claim_statement` for a keyed run: the row of (task, key), its slot the
-        claim's time. Parameters: task, slot, key, owner, lease seconds, count_live,
-        abandon_is_final."""
+        claim's time. Named parameters: :attr:`claim_statement`'s and the key."""
         return self.format(
             f"INSERT INTO {{run}} AS r (task_name, slot, {{key}}, {CLAIMED_COLUMNS}) "
-            f"VALUES (%s, %s, %s, {CLAIMED_VALUES}) "
+            f"VALUES (%(task)s, %(slot)s, %(key)s, {CLAIMED_VALUES}) "
             "ON CONFLICT (task_name, {key}) WHERE {key} IS NOT NULL DO UPDATE SET duplicates = "
             f"r.duplicates + CASE WHEN {counts_duplicate()} THEN 1 ELSE 0 END "
             "RETURNING {row}, {left}"
@@ -171,38 +177,43 @@ class Backend:
 
     @cached_property
     def claimed_transition(self) -> str:
-        """The ``claimed`` transition of run ``%s`` (after a claim that made the row)."""
-        return self.format(CLAIMED) + f"FROM {RUN} WHERE id = %s"
+        """The ``claimed`` transition of run ``%(id)s`` (after a claim that made the row;
+        with :data:`.fragments.CLAIMED_STATES`)."""
+        return self.format(CLAIMED) + f"FROM {RUN} WHERE id = %(id)s"
 
-    def claim(self, connection: Any, params: Sequence[Any], owner: str) -> Values | None:
-        """The claim and, when it made the row (``owner``'s), its ``claimed`` transition:
-        the row and its lease left. Parameters: :attr:`claim_statement`'s."""
-        return self._claim_in_transaction(connection, self.claim_statement, params, owner)
+    def claim(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
+        """The claim and, when it made the row (the row's owner is ``params["owner"]``),
+        its ``claimed`` transition: the row and its lease left. Parameters:
+        :attr:`claim_statement`'s but the states."""
+        return self._claim_in_transaction(connection, self.claim_statement, params)
 
-    def claim_key(
-        self, connection: Any, params: Sequence[Any], owner: str, key: str
-    ) -> Values | None:
-        """:meth:`claim` of a keyed run. Raises ``IntegrityError`` when the (task, slot)
-        constraint refused it (another key's row has the slot)."""
-        return self._claim_in_transaction(connection, self.claim_key_statement, params, owner)
+    def claim_key(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
+        """:meth:`claim` of a keyed run (``params["key"]``). Raises ``IntegrityError`` when
+        the (task, slot) constraint refused it (another key's row has the slot)."""
+        return self._claim_in_transaction(connection, self.claim_key_statement, params)
 
     def _claim_in_transaction(
-        self, connection: Any, statement: str, params: Sequence[Any], owner: str
+        self, connection: Any, statement: str, params: Mapping[str, Any]
     ) -> Values | None:
         with transaction.atomic(using=connection.alias):
             self.fence_moved_on(connection)
-            found = one(connection, statement, params)
-            if found is not None and found[4] == owner:
-                one(connection, self.claimed_transition, [found[0]])
+            found = one(connection, statement, {**params, **CLAIM_STATES})
+            self.log_claimed(connection, found, params["owner"])
         return found
+
+    def log_claimed(self, connection: Any, found: Values | None, owner: str) -> None:
+        """The ``claimed`` transition of the row a claim returned, when it made it."""
+        if found is not None and found[4] == owner:
+            one(connection, self.claimed_transition, {"id": found[0], **CLAIMED_STATES})
 
     def fence_moved_on(self, connection: Any) -> None:
         """Before a write that hands out a fence, in its transaction (see
         :attr:`fences_from_ledger_row`)."""
 
-    def claim_many(self, connection: Any, params: Sequence[Any]) -> list[Values] | None:
-        """Many tasks' rows of one slot at once, with their ``claimed`` transitions (None:
-        not in one statement, see :attr:`writes_in_batches`)."""
+    def claim_many(self, connection: Any, params: Mapping[str, Any]) -> list[Values] | None:
+        """Many tasks' rows of one slot at once (named parameters: tasks, owners, leases, the
+        slot), with their ``claimed`` transitions (None: not in one statement, see
+        :attr:`writes_in_batches`)."""
         return None
 
     def succeed_many(self, connection: Any, params: Sequence[Any]) -> list[Values] | None:

@@ -7,9 +7,11 @@ Templates name the database's own expressions in braces (``{now}``, ``{lease}``,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...models import Ledger, TaskRun, TaskRunTransition
+from ...states import TERMINAL_STATES, RunState
 
 RUN = TaskRun._meta.db_table
 LEDGER = Ledger._meta.db_table
@@ -24,26 +26,56 @@ IDENTITY = f"SELECT identity FROM {LEDGER} WHERE id = 1"
 CLAIMED_COLUMNS = (
     "state, attempt, fence, owner, created_at, started_at, lease_until, error, duplicates"
 )
-CLAIMED_VALUES = "'running', 1, {fence}, %s, {now}, {now}, {lease}, '', 0"
+# Named parameters: the owner, the lease's seconds, and :data:`CLAIM_STATES`.
+CLAIMED_VALUES = "%(running)s, 1, {fence}, %(owner)s, {now}, {now}, {lease_named}, '', 0"
 # The ``claimed`` transition of the rows a claim made (``... FROM <its rows>``).
 CLAIMED = (
-    "INSERT INTO {transition} ({columns}) SELECT id, 'pending', 'running', {now}, 'claimed', owner "
+    "INSERT INTO {transition} ({columns}) "
+    "SELECT id, %(pending)s, %(running)s, {now}, 'claimed', owner "
 )
 # One transition row: run, from, to, reason, actor (at = the database's now).
 TRANSITION_ROW = "(%s, %s, %s, {now}, %s, %s)"
 
 
-def counts_duplicate(row: str = "r.", live: str = "%s", abandoned: str = "%s") -> str:
+def in_states(name: str, states: Iterable[str]) -> str:
+    """A set of states as named parameters, ``%(name_0)s, %(name_1)s, ...`` (their values:
+    :func:`state_params`), for ``state IN (...)``: state names are never pasted into SQL."""
+    return ", ".join(f"%({name}_{n})s" for n in range(len(sorted(states))))
+
+
+def state_params(name: str, states: Iterable[str]) -> dict[str, str]:
+    """The values of :func:`in_states`' parameters."""
+    return {f"{name}_{n}": str(state) for n, state in enumerate(sorted(states))}
+
+
+def counts_duplicate(
+    row: str = "r.", live: str = "%(count_live)s", abandoned: str = "%(abandon_is_final)s"
+) -> str:
     """The duplicate-count rule, the one copy of it: a claim that finds the slot plainly
-    taken counts a duplicate. Finished; running under a live lease (when ``live`` holds:
-    a caller that will be put back is counted when it comes back); abandoned (when
-    ``abandoned`` holds: abandoned for good). ``row``: how the existing row's columns are
-    qualified (``r.``; MariaDB's ``ON DUPLICATE KEY UPDATE``: bare names)."""
+    taken counts a duplicate. Terminal (``states.TERMINAL_STATES``); running under a live
+    lease (when ``live`` holds: a caller that will be put back is counted when it comes
+    back); abandoned (when ``abandoned`` holds: abandoned for good). ``row``: how the
+    existing row's columns are qualified (``r.``; MariaDB's ``ON DUPLICATE KEY UPDATE``:
+    bare names). Its states are :data:`CLAIM_STATES`."""
     return (
-        f"{row}state IN ('succeeded', 'failed', 'skipped') "
-        f"OR ({row}state = 'running' AND {row}lease_until > {{now}} AND {live}) "
-        f"OR ({row}state = 'abandoned' AND {abandoned})"
+        f"{row}state IN ({in_states('terminal', TERMINAL_STATES)}) "
+        f"OR ({row}state = %(running)s AND {row}lease_until > {{now}} AND {live}) "
+        f"OR ({row}state = %(abandoned)s AND {abandoned})"
     )
+
+
+# The states a claim's statements name (its row, its transition, the duplicate-count rule).
+CLAIM_STATES: dict[str, str] = {
+    **state_params("terminal", TERMINAL_STATES),
+    "pending": RunState.PENDING.value,
+    "running": RunState.RUNNING.value,
+    "abandoned": RunState.ABANDONED.value,
+}
+# Those of a claim's ``claimed`` transition alone.
+CLAIMED_STATES: dict[str, str] = {
+    "pending": RunState.PENDING.value,
+    "running": RunState.RUNNING.value,
+}
 
 
 # A (skipped) row that only records a call refused for being ahead of the clock: nothing

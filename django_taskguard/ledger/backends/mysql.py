@@ -10,7 +10,7 @@ Fences come from a MariaDB SEQUENCE (migration 0009).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -18,6 +18,7 @@ from django.db import IntegrityError, InterfaceError, transaction
 
 from .base import Backend, Values, one, placeholders
 from .fragments import (
+    CLAIM_STATES,
     CLAIMED_COLUMNS,
     CLAIMED_VALUES,
     FENCE_SEQUENCE,
@@ -61,11 +62,11 @@ def upsert(keyed: bool) -> str:
     its key, which :meth:`MariaDBBackend.refuse_another_keys_row` compares (and then the
     claim takes the next microsecond).
     """
-    key_column, key_value = ("{key}, ", "%s, ") if keyed else ("", "")
+    key_column, key_value = ("{key}, ", "%(key)s, ") if keyed else ("", "")
     mine = "{key} <=> VALUES({key})" if keyed else "TRUE"
     return (
         f"INSERT INTO {{run}} (task_name, slot, {key_column}{CLAIMED_COLUMNS}) "
-        f"VALUES (%s, %s, {key_value}{CLAIMED_VALUES}) ON DUPLICATE KEY UPDATE "
+        f"VALUES (%(task)s, %(slot)s, {key_value}{CLAIMED_VALUES}) ON DUPLICATE KEY UPDATE "
         f"duplicates = duplicates + CASE WHEN ({mine}) AND ({counts_duplicate(row='')}) "
         "THEN 1 ELSE 0 END"
     )
@@ -93,11 +94,11 @@ BLOCK = (
 INTO = "INTO v_id, v_state, v_attempt, v_fence, v_owner, v_lease, v_left, v_key"
 # After an upsert: the row it inserted or found (ON DUPLICATE KEY UPDATE ... id =
 # LAST_INSERT_ID(id) makes LAST_INSERT_ID() name it either way), and its ``claimed``
-# transition when this call made it (one more parameter: the owner).
+# transition when this call made it (the row's owner is the claim's).
 CLAIMED_ROW = (
     "; SELECT {row}, {left}, {key} " + INTO + " FROM {run} WHERE id = LAST_INSERT_ID(); "
-    "IF v_owner = %s THEN INSERT INTO {transition} ({columns}) "
-    "VALUES (v_id, 'pending', 'running', {now}, 'claimed', v_owner); END IF;"
+    "IF v_owner = %(owner)s THEN INSERT INTO {transition} ({columns}) "
+    "VALUES (v_id, %(pending)s, %(running)s, {now}, 'claimed', v_owner); END IF;"
 )
 
 
@@ -119,7 +120,7 @@ class MariaDBBackend(Backend):
     upsert_meets_any_unique_key = True
 
     now = "UTC_TIMESTAMP(6)"
-    lease_from_now = "UTC_TIMESTAMP(6) + INTERVAL CAST(%s AS DECIMAL(20, 6)) SECOND"
+    lease_after = "UTC_TIMESTAMP(6) + INTERVAL CAST({seconds} AS DECIMAL(20, 6)) SECOND"
     seconds_ago = "UTC_TIMESTAMP(6) - INTERVAL CAST(%s AS DECIMAL(20, 6)) SECOND"
     lease_left = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until) / 1000000"
     # A MariaDB SEQUENCE (migration 0009): not transactional, never goes back.
@@ -168,29 +169,27 @@ class MariaDBBackend(Backend):
 
     @lru_cache  # noqa: B019 (one backend per database, for the process's life)
     def claim_block(self, keyed: bool) -> str:
-        """The claim and its ``claimed`` transition in one round trip: the claim's
-        parameters and the owner again. Returns the row and its key (another key's row
-        when the slot collided)."""
+        """The claim and its ``claimed`` transition in one round trip (the claim's
+        parameters). Returns the row and its key (another key's row when the slot
+        collided)."""
         claimed = upsert(keyed) + ", id = LAST_INSERT_ID(id)"
         return self.format(block(claimed + CLAIMED_ROW))
 
-    def claim(self, connection: Any, params: Sequence[Any], owner: str) -> Values | None:
+    def claim(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
         if self.in_autocommit(connection):
-            return block_values(one(connection, self.claim_block(False), [*params, owner]))
-        return super().claim(connection, params, owner)
+            found = one(connection, self.claim_block(False), {**params, **CLAIM_STATES})
+            return block_values(found)
+        return super().claim(connection, params)
 
-    def claim_key(
-        self, connection: Any, params: Sequence[Any], owner: str, key: str
-    ) -> Values | None:
+    def claim_key(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
         if self.in_autocommit(connection):
-            found = one(connection, self.claim_block(True), [*params, owner])
-            self.refuse_another_keys_row(found, key)
+            found = one(connection, self.claim_block(True), {**params, **CLAIM_STATES})
+            self.refuse_another_keys_row(found, params["key"])
             return block_values(found)
         with transaction.atomic(using=connection.alias):
-            found = one(connection, self.claim_key_statement, params)
-            self.refuse_another_keys_row(found, key)
-            if found is not None and found[4] == owner:
-                one(connection, self.claimed_transition, [found[0]])
+            found = one(connection, self.claim_key_statement, {**params, **CLAIM_STATES})
+            self.refuse_another_keys_row(found, params["key"])
+            self.log_claimed(connection, found, params["owner"])
         return found
 
     @staticmethod

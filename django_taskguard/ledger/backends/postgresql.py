@@ -4,12 +4,13 @@ from a sequence (migration 0002)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property, lru_cache
 from typing import Any
 
 from .base import Backend, Values, fetch_all, one
 from .fragments import (
+    CLAIM_STATES,
     CLAIMED,
     CLAIMED_COLUMNS,
     FENCE_SEQUENCE,
@@ -20,21 +21,23 @@ from .fragments import (
 )
 
 # Many tasks' rows for one slot at once, with the ``claimed`` transitions of the rows this
-# statement created. Parameters: tasks (text[]), owners (text[]), lease seconds
-# (float8[]), the slot. A plainly taken slot (finished, abandoned, live) counts a
-# duplicate, as a claim does for ``on_stale="abandon"``. Rows go in task order, so two
-# schedulers claiming the same batch wait on each other instead of deadlocking.
+# statement created. Named parameters: tasks (text[]), owners (text[]), leases (seconds,
+# float8[]), the slot, and CLAIM_STATES. A plainly taken slot (finished, abandoned, live)
+# counts a duplicate, as a claim does for ``on_stale="abandon"`` (``abandon_is_final``:
+# an abandoned row always counts, so ``abandoned`` is in the rule here). Rows go in task
+# order, so two schedulers claiming the same batch wait on each other instead of
+# deadlocking.
 CLAIM_MANY = (
-    "WITH c AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::float8[]) "
-    "AS c(task_name, owner, lease)), "
+    "WITH c AS (SELECT * FROM unnest(%(tasks)s::text[], %(owners)s::text[], "
+    "%(leases)s::float8[]) AS c(task_name, owner, lease)), "
     f"u AS (INSERT INTO {{run}} AS r (task_name, slot, {CLAIMED_COLUMNS}) "
-    "SELECT c.task_name, %s, 'running', 1, {fence}, c.owner, {now}, {now}, "
+    "SELECT c.task_name, %(slot)s, %(running)s, 1, {fence}, c.owner, {now}, {now}, "
     "{now} + make_interval(secs => c.lease), '', 0 FROM c ORDER BY c.task_name "
     "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
     f"CASE WHEN {counts_duplicate(live='TRUE', abandoned='TRUE')} THEN 1 ELSE 0 END "
     "RETURNING r.task_name, {row}, {left}), "
     "t AS (INSERT INTO {transition} ({columns}) "
-    "SELECT u.id, 'pending', 'running', {now}, 'claimed', u.owner FROM u JOIN c USING (owner)) "
+    "SELECT u.id, %(pending)s, %(running)s, {now}, 'claimed', u.owner FROM u JOIN c USING (owner)) "
     "SELECT * FROM u"
 )
 # Many attempts recorded ``succeeded`` at once, each fenced like a change, with their
@@ -79,7 +82,7 @@ class PostgreSQLBackend(Backend):
     writes_in_batches = True
 
     now = "statement_timestamp()"
-    lease_from_now = "statement_timestamp() + make_interval(secs => %s)"
+    lease_after = "statement_timestamp() + make_interval(secs => {seconds})"
     seconds_ago = "statement_timestamp() - make_interval(secs => %s)"
     lease_left = "EXTRACT(EPOCH FROM lease_until - statement_timestamp())"
     next_fence = f"nextval('{FENCE_SEQUENCE}')"
@@ -94,10 +97,12 @@ class PostgreSQLBackend(Backend):
     # -- claiming: the upsert and its ``claimed`` transition, one statement ------------
 
     def logged_claim(self, upsert: str) -> str:
-        """``upsert`` and the ``claimed`` transition of a row it made (one more parameter:
-        the owner again; the transition is written only when this call created the row)."""
+        """``upsert`` and the ``claimed`` transition of a row it made (the transition is
+        written only when this call created the row: the row's owner is the claim's)."""
         claimed = self.format(CLAIMED)
-        return f"WITH u AS ({upsert}), t AS ({claimed} FROM u WHERE owner = %s) SELECT * FROM u"
+        return (
+            f"WITH u AS ({upsert}), t AS ({claimed} FROM u WHERE owner = %(owner)s) SELECT * FROM u"
+        )
 
     @cached_property
     def claim_logged(self) -> str:
@@ -107,16 +112,14 @@ class PostgreSQLBackend(Backend):
     def claim_key_logged(self) -> str:
         return self.logged_claim(self.claim_key_statement)
 
-    def claim(self, connection: Any, params: Sequence[Any], owner: str) -> Values | None:
-        return one(connection, self.claim_logged, [*params, owner])
+    def claim(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
+        return one(connection, self.claim_logged, {**params, **CLAIM_STATES})
 
-    def claim_key(
-        self, connection: Any, params: Sequence[Any], owner: str, key: str
-    ) -> Values | None:
-        return one(connection, self.claim_key_logged, [*params, owner])
+    def claim_key(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
+        return one(connection, self.claim_key_logged, {**params, **CLAIM_STATES})
 
-    def claim_many(self, connection: Any, params: Sequence[Any]) -> list[Values] | None:
-        return fetch_all(connection, self.claim_many_statement, params)
+    def claim_many(self, connection: Any, params: Mapping[str, Any]) -> list[Values] | None:
+        return fetch_all(connection, self.claim_many_statement, {**params, **CLAIM_STATES})
 
     @cached_property
     def claim_many_statement(self) -> str:

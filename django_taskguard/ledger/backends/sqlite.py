@@ -18,7 +18,7 @@ class SQLiteBackend(Backend):
     fences_from_ledger_row = True
 
     now = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
-    lease_from_now = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || %s || ' seconds')"
+    lease_after = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || {seconds} || ' seconds')"
     seconds_ago = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || %s || ' seconds')"
     lease_left = "(julianday(lease_until) - julianday('now')) * 86400.0"
     # The ledger row's counter, moved on by :meth:`fence_moved_on` first in the same
