@@ -345,7 +345,7 @@ def renew(
     ``timeout_seconds`` bounds the renewal (its waits for locks and its run
     time); past it the database's error is raised, as for any failed renewal.
     """
-    params = [lease_seconds, run_id, fence]
+    params = {"lease": lease_seconds, "id": run_id, "fence": fence, "running": RunState.RUNNING}
     milliseconds = None if timeout_seconds is None else max(1, round(timeout_seconds * 1000))
     values = dialect().renew(connection(), params, milliseconds)
     return aware(values[0]) if values else None
@@ -353,5 +353,6 @@ def renew(
 
 def earlier_slot_running(task_name: str, slot: datetime) -> datetime | None:
     """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
-    values = one(dialect().earlier_running, [task_name, slot_param(slot)])
+    params = {"task": task_name, "slot": slot_param(slot), "running": RunState.RUNNING}
+    values = one(dialect().earlier_running, params)
     return aware(values[0]) if values else None

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone as dt_timezone
@@ -212,13 +212,13 @@ def connection() -> Any:
     return connections[alias()]
 
 
-def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
+def one(statement: str, params: Sequence[Any] | Mapping[str, Any]) -> Sequence[Any] | None:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone() if cursor.description else None
 
 
-def fetch_all(statement: str, params: Sequence[Any]) -> list[Sequence[Any]]:
+def fetch_all(statement: str, params: Sequence[Any] | Mapping[str, Any]) -> list[Sequence[Any]]:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
         return list(cursor.fetchall())

@@ -56,7 +56,12 @@ def count_other_copy(run_id: int, message_id: str | None) -> bool:
     the row waits for the retry another message carries, not ``message_id``'s."""
     try:
         with connections[alias()].cursor() as cursor:
-            cursor.execute(dialect().count_other_copy, [run_id, message_key(message_id)])
+            params = {
+                "id": run_id,
+                "message": message_key(message_id),
+                "retrying": RunState.RETRYING,
+            }
+            cursor.execute(dialect().count_other_copy, params)
             return bool(cursor.rowcount)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
@@ -120,7 +125,13 @@ def miss_refused_early(
     refusal (no on-time call took them) become ``missed``, each by compare-and-set (a
     claim that got there first keeps its row); returns how many."""
     d = dialect()
-    params = [task_name, slot_param(after), slot_param(until), limit]
+    params = {
+        "task": task_name,
+        "after": slot_param(after),
+        "until": slot_param(until),
+        "skipped": RunState.SKIPPED,
+        "limit": limit,
+    }
     changed = 0
     try:
         for run_id, fence, owner, lease_until in fetch_all(d.refused_early_in, params):
@@ -153,7 +164,13 @@ def latest_slot(task_name: str) -> datetime | None:
 def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     """The slots of ``task_name`` in ``(after, until]`` that have a row."""
     try:
-        found = fetch_all(dialect().slots_in, [task_name, slot_param(after), slot_param(until)])
+        params = {
+            "task": task_name,
+            "after": slot_param(after),
+            "until": slot_param(until),
+            "skipped": RunState.SKIPPED,
+        }
+        found = fetch_all(dialect().slots_in, params)
     except DatabaseError as exc:
         raise unreachable(exc) from exc
     return {slot for (value,) in found if (slot := aware(value)) is not None}
@@ -168,13 +185,18 @@ def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
     other rows lie between them."""
     found: dict[datetime, str] = {}
     d = dialect()
-    # The task name is one parameter too; SQLite may be built with a limit of 999.
+    # The task name and the skipped state are parameters too; SQLite may be built with a
+    # limit of 999.
     most = connections[alias()].features.max_query_params
-    chunk = STATES_AT_CHUNK if most is None else min(STATES_AT_CHUNK, most - 1)
+    chunk = STATES_AT_CHUNK if most is None else min(STATES_AT_CHUNK, most - 2)
     try:
         for start in range(0, len(slots), chunk):
             part = slots[start : start + chunk]
-            params = [task_name, *(slot_param(slot) for slot in part)]
+            params = {
+                "task": task_name,
+                "skipped": RunState.SKIPPED,
+                **{f"slot_{n}": slot_param(slot) for n, slot in enumerate(part)},
+            }
             for value, state in fetch_all(d.states_at(len(part)), params):
                 if (slot := aware(value)) is not None:
                     found[slot] = state

@@ -251,9 +251,11 @@ class Backend:
 
     @cached_property
     def earlier_running(self) -> str:
+        """The slot of a live attempt of a task before a slot (named parameters: task, slot,
+        running)."""
         return self.format(
-            "SELECT slot FROM {run} WHERE task_name = %s AND slot < %s AND state = 'running' "
-            "AND lease_until > {now} ORDER BY slot LIMIT 1"
+            "SELECT slot FROM {run} WHERE task_name = %(task)s AND slot < %(slot)s "
+            "AND state = %(running)s AND lease_until > {now} ORDER BY slot LIMIT 1"
         )
 
     @cached_property
@@ -341,15 +343,16 @@ class Backend:
 
     @cached_property
     def renew_statement(self) -> str:
-        """Extend the lease of a running attempt (parameters: lease seconds, id, fence)."""
+        """Extend the lease of a running attempt (named parameters: lease (seconds), id,
+        fence, running)."""
         returning = " RETURNING lease_until" if self.returns_from_update else ""
         return self.format(
-            "UPDATE {run} AS r SET lease_until = {lease} "
-            "WHERE r.id = %s AND r.fence = %s AND r.state = 'running'" + returning
+            "UPDATE {run} AS r SET lease_until = {lease_named} "
+            "WHERE r.id = %(id)s AND r.fence = %(fence)s AND r.state = %(running)s" + returning
         )
 
     def renew(
-        self, connection: Any, params: Sequence[Any], milliseconds: int | None
+        self, connection: Any, params: Mapping[str, Any], milliseconds: int | None
     ) -> Values | None:
         """:attr:`renew_statement`, bounded (its waits for locks and its run time) by
         ``milliseconds`` when given: the new ``lease_until``, or None (not renewed)."""
@@ -374,11 +377,12 @@ class Backend:
     @cached_property
     def count_other_copy(self) -> str:
         """A copy that found the row retrying for another message, whose retry is not
-        overdue (parameters: id, the copy's message id or NULL): counted, in the same
-        statement that checks it; no row: it was not."""
+        overdue (named parameters: id, message: the copy's message id or NULL, retrying):
+        counted, in the same statement that checks it; no row: it was not."""
         return self.format(
-            "UPDATE {run} SET duplicates = duplicates + 1 WHERE id = %s AND state = 'retrying' "
-            "AND retry_by IS NOT NULL AND retry_by <> COALESCE(%s, '') AND lease_until > {now}"
+            "UPDATE {run} SET duplicates = duplicates + 1 WHERE id = %(id)s "
+            "AND state = %(retrying)s AND retry_by IS NOT NULL "
+            "AND retry_by <> COALESCE(%(message)s, '') AND lease_until > {now}"
         )
 
     @cached_property
@@ -507,28 +511,32 @@ class Backend:
 
     @cached_property
     def slots_in(self) -> str:
-        """The slots with a row of task ``%s`` in ``(%s, %s]`` (an early call's refusal is
-        none)."""
+        """The slots with a row of a task in ``(after, until]`` (an early call's refusal is
+        none). Named parameters: task, after, until, skipped."""
         return self.format(
-            "SELECT slot FROM {run} WHERE task_name = %s AND slot > %s AND slot <= %s "
-            f"AND NOT (state = 'skipped' AND {REFUSED_EARLY})"
+            "SELECT slot FROM {run} WHERE task_name = %(task)s AND slot > %(after)s "
+            f"AND slot <= %(until)s AND NOT (state = %(skipped)s AND {REFUSED_EARLY})"
         )
 
     @lru_cache(maxsize=16)  # noqa: B019
     def states_at(self, count: int) -> str:
-        """The slot and state of each row of task ``%s`` at one of ``count`` slots (one probe
-        of (task, slot) each); a row that only recorded an early call's refusal is none."""
+        """The slot and state of each row of a task at one of ``count`` slots (one probe of
+        (task, slot) each); a row that only recorded an early call's refusal is none. Named
+        parameters: task, slot_0 ... slot_<count - 1>, skipped."""
+        slots = ", ".join(f"%(slot_{n})s" for n in range(count))
         return self.format(
-            f"SELECT slot, state FROM {{run}} WHERE task_name = %s AND slot IN "
-            f"({placeholders(count)}) AND NOT (state = 'skipped' AND {REFUSED_EARLY})"
+            f"SELECT slot, state FROM {{run}} WHERE task_name = %(task)s AND slot IN ({slots}) "
+            f"AND NOT (state = %(skipped)s AND {REFUSED_EARLY})"
         )
 
     @cached_property
     def refused_early_in(self) -> str:
-        """task, after, until, limit: the rows that only recorded an early call's refusal."""
+        """The rows that only recorded an early call's refusal (named parameters: task,
+        after, until, skipped, limit)."""
         return self.format(
-            "SELECT id, fence, owner, lease_until FROM {run} WHERE task_name = %s AND slot > %s "
-            f"AND slot <= %s AND state = 'skipped' AND {REFUSED_EARLY} ORDER BY slot LIMIT %s"
+            "SELECT id, fence, owner, lease_until FROM {run} WHERE task_name = %(task)s "
+            "AND slot > %(after)s AND slot <= %(until)s AND state = %(skipped)s "
+            f"AND {REFUSED_EARLY} ORDER BY slot LIMIT %(limit)s"
         )
 
     @cached_property

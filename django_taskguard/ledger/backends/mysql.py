@@ -251,7 +251,7 @@ class MariaDBBackend(Backend):
         return self.format("SELECT lease_until FROM {run} WHERE id = %s")
 
     def renew(
-        self, connection: Any, params: Sequence[Any], milliseconds: int | None
+        self, connection: Any, params: Mapping[str, Any], milliseconds: int | None
     ) -> Values | None:
         """No ``RETURNING``: the lease is read back in the renewal's transaction."""
         statement = (
@@ -261,7 +261,7 @@ class MariaDBBackend(Backend):
             with connection.cursor() as cursor:
                 cursor.execute(statement, params)
                 renewed = cursor.rowcount > 0
-            return one(connection, self.lease_of, [params[1]]) if renewed else None
+            return one(connection, self.lease_of, [params["id"]]) if renewed else None
 
     # -- deleting runs -----------------------------------------------------------------
 

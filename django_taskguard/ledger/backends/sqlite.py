@@ -4,7 +4,7 @@ first in that transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from django.db import transaction
@@ -53,7 +53,7 @@ class SQLiteBackend(Backend):
             one(connection, self.fence_at_least_statement, [value])
 
     def renew(
-        self, connection: Any, params: Sequence[Any], milliseconds: int | None
+        self, connection: Any, params: Mapping[str, Any], milliseconds: int | None
     ) -> Values | None:
         """Bounded by the connection's busy timeout, put back afterwards."""
         if milliseconds is None:
