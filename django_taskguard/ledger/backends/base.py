@@ -6,11 +6,15 @@ database's SQL; what they share is here or in :mod:`.fragments`. Like Django's
 attribute (a capability flag), and the statements and strategies read those flags, never
 the vendor's name.
 
-Statements take ``%s`` parameters; deadlines are judged by the database's clock
-(:attr:`Backend.now`). A strategy (:meth:`Backend.claim`, :meth:`Backend.change`,
-:meth:`Backend.renew`...) runs its statements on the ledger's connection it is given and
-returns the row's values as the database gave them (``None``: nothing was written);
-:mod:`..core` turns them into rows and translates errors.
+Statements take named ``%(name)s`` parameters (the claims, the renewal, the reads that
+name a state) or ``%s`` ones (the rest, their order in the docstring). State names are
+parameters, from the sets of :mod:`django_taskguard.states`, never pasted into SQL.
+Deadlines are judged by the database's clock (:attr:`Backend.now`).
+
+A strategy (:meth:`Backend.claim`, :meth:`Backend.change`, :meth:`Backend.renew`...)
+runs its statements on the ledger's connection it is given and returns the row's values
+as the database gave them (``None``: nothing was written); :mod:`..core` turns them into
+rows and translates errors.
 """
 
 from __future__ import annotations

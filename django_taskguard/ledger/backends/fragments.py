@@ -40,7 +40,7 @@ TRANSITION_ROW = "(%s, %s, %s, {now}, %s, %s)"
 def in_states(name: str, states: Iterable[str]) -> str:
     """A set of states as named parameters, ``%(name_0)s, %(name_1)s, ...`` (their values:
     :func:`state_params`), for ``state IN (...)``: state names are never pasted into SQL."""
-    return ", ".join(f"%({name}_{n})s" for n in range(len(sorted(states))))
+    return ", ".join(f"%({name}_{n})s" for n in range(len(list(states))))
 
 
 def state_params(name: str, states: Iterable[str]) -> dict[str, str]:
