@@ -264,7 +264,8 @@ class Backend:
 
     @cached_property
     def read_now(self) -> str:
-        return f"SELECT {self.now}".replace("%%", "%")
+        """The database's clock, read (run without parameters: no ``%`` is doubled)."""
+        return f"SELECT {self.now}"
 
     # -- changing a row ----------------------------------------------------------------
 

@@ -27,6 +27,8 @@ class SQLiteBackend(Backend):
     next_fence = f"(SELECT fence FROM {LEDGER} WHERE id = 1)"
     duration = "(julianday(finished_at) - julianday(started_at)) * 86400.0"
 
+    # :attr:`now`, run without parameters (its ``%`` not doubled).
+    read_now = "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"
     bump_fence = f"UPDATE {LEDGER} SET fence = fence + 1 WHERE id = 1"
     fence_at_least_statement = f"UPDATE {LEDGER} SET fence = MAX(fence, %s) WHERE id = 1"
 
