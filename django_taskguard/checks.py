@@ -99,9 +99,11 @@ def _valid(name: str) -> Any:
 
 
 def _check_database() -> list[CheckMessage]:
+    from .ledger.backends import of_vendor
+
     alias = taskguard_settings.DATABASE_ALIAS
     vendor = connections[alias].vendor
-    if vendor not in ("postgresql", "sqlite", "mysql"):
+    if of_vendor(vendor) is None:
         return [
             Error(
                 f"taskguard supports PostgreSQL, MariaDB and SQLite; DATABASES[{alias!r}] "
@@ -120,7 +122,7 @@ def check_ledger_server(
 ) -> list[CheckMessage]:
     """MariaDB 10.11+, not MySQL (E007): Django's "mysql" is both, and only the server
     tells which (``check --database``, ``migrate``)."""
-    from .ledger.sql import vendor_problem
+    from .ledger.backends import of_vendor
 
     alias = _valid("DATABASE_ALIAS")
     if (
@@ -131,10 +133,11 @@ def check_ledger_server(
     ):
         return []
     connection = connections[alias]
-    if connection.vendor != "mysql":
-        return []
+    backend = of_vendor(connection.vendor)
+    if backend is None:
+        return []  # E007 from _check_database (check_settings)
     try:
-        problem = vendor_problem(connection)
+        problem = backend.server_problem(connection)
     except DatabaseError:
         return []  # unreachable: the command that asked for the check says so itself
     if problem is None:

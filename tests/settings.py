@@ -88,7 +88,7 @@ if DB_KIND == "postgres":
     }
     # TASKGUARD_TEST_PG_PREPARE=N: psycopg prepares a statement at its N-th run (Django's
     # default: never), as a project's OPTIONS may ask; the ledger's hot statements then go
-    # through a server-binding cursor (``ledger.core.one_prepared``).
+    # through a server-binding cursor (``ledger.backends.postgresql.one_prepared``).
     if os.environ.get("TASKGUARD_TEST_PG_PREPARE"):
         threshold = int(os.environ["TASKGUARD_TEST_PG_PREPARE"])
         DATABASES["default"]["OPTIONS"] = {"prepare_threshold": threshold}

@@ -18,7 +18,7 @@ from django.core import checks
 from django.db import OperationalError, connection
 
 from django_taskguard import current_run, ledger, once_per_schedule
-from django_taskguard.ledger import sql
+from django_taskguard.ledger import backends
 from django_taskguard.models import RunState, TaskRun
 
 from .conftest import python, wait_for
@@ -304,7 +304,7 @@ def test_check__the_private_server_passes_the_database_check():
     ],
 )
 def test_mysql_problem__mariadb_10_11_or_later_only(is_mariadb, version, problem):
-    found = sql.mysql_problem(is_mariadb, version)
+    found = backends.mysql_problem(is_mariadb, version)
     if problem is None:
         assert found is None
     else:

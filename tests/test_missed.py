@@ -59,7 +59,7 @@ def test_sweep_missed__a_long_outage_records_every_slot_in_batches():
     expected = IntervalSchedule(SECOND).slots_between(row.first_seen, end, 20_000)
     assert len(expected) > 10_000
     finished("tests.sweep.outage", expected[-1])
-    batched = dialect().one_statement  # elsewhere a row and its transition at a time
+    batched = dialect().writes_in_batches  # elsewhere a row and its transition at a time
     with CaptureQueriesContext(connections["default"]) if batched else nullcontext() as queries:
         result = sweep_missed(now=now)
     found = states("tests.sweep.outage")

@@ -14,7 +14,7 @@ from django.db import (
 
 from ..exceptions import TaskGuardError
 from ..states import PRUNABLE_STATES, RunState, check_transition
-from . import sql
+from .backends import fragments
 from .core import (
     ERROR_MAX_LENGTH,
     REASON_MAX_LENGTH,
@@ -22,16 +22,12 @@ from .core import (
     Step,
     alias,
     aware,
-    block_row,
-    bump_fence,
     change,
     clip,
+    connection,
     dialect,
-    fetch_all,
-    in_autocommit,
     message_key,
     one,
-    one_prepared,
     slot_param,
     to_row,
     translated,
@@ -64,19 +60,15 @@ def claim(
     """
     if key is not None:
         return _claim_key(task_name, slot, key, owner, lease_seconds, abandon_is_final, count_live)
-    d = dialect()
-    params = [task_name, slot_param(slot), owner, lease_seconds, count_live, abandon_is_final]
-    if d.one_statement:
-        row = to_row(one_prepared(sql.claim(d), [*params, owner]))
-    elif d.compound and in_autocommit():
-        row = block_row(one(sql.claim_block(d, keyed=False), [*params, owner]))
-    else:
-        with transaction.atomic(using=alias()):
-            if d.fence_counter:
-                bump_fence(d)
-            row = to_row(one(sql.claim(d), params))
-            if row is not None and row.owner == owner:
-                one(sql.claimed_transition(d), [row.id])
+    params = {
+        "task": task_name,
+        "slot": slot_param(slot),
+        "owner": owner,
+        "lease": lease_seconds,
+        "count_live": count_live,
+        "abandon_is_final": abandon_is_final,
+    }
+    row = to_row(dialect().claim(connection(), params))
     assert row is not None
     return row
 
@@ -89,10 +81,15 @@ def claim_many(
     Returns each task's row (``owner`` equal to the one given: this call created it), or
     None where the database cannot do it in one statement (SQLite, MariaDB: claim one by one).
     """
-    statement = sql.claim_many(dialect())
-    if statement is None:
+    params = {
+        "tasks": list(task_names),
+        "owners": list(owners),
+        "leases": list(leases),
+        "slot": slot_param(slot),
+    }
+    found = dialect().claim_many(connection(), params)
+    if found is None:
         return None
-    found = fetch_all(statement, [list(task_names), list(owners), list(leases), slot_param(slot)])
     rows = {}
     for values in found:
         row = to_row(values[1:])
@@ -105,10 +102,6 @@ def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
     """Record many running attempts ``succeeded`` in one statement, each fenced:
     ``(run id, fence, owner, reason)``; returns the ids recorded (an attempt missing was
     fenced out). None where the database cannot do it in one statement (SQLite, MariaDB)."""
-    d = dialect()
-    statement = sql.succeed_many(d)
-    if statement is None:
-        return None
     check_transition(RunState.RUNNING, RunState.SUCCEEDED)
     params = [
         [run_id for run_id, _, _, _ in items],
@@ -120,7 +113,8 @@ def succeed_many(items: Sequence[tuple[int, int, str, str]]) -> set[int] | None:
         RunState.RUNNING,
         RunState.SUCCEEDED,
     ]
-    return {int(run_id) for (run_id,) in fetch_all(statement, params)}
+    found = dialect().succeed_many(connection(), params)
+    return None if found is None else {int(run_id) for (run_id,) in found}
 
 
 # A keyed row's slot is its claim's time; two keys of one task claimed in the same
@@ -142,32 +136,17 @@ def _claim_key(
 ) -> Row:
     d = dialect()
     for _ in range(SLOT_COLLISION_ROUNDS):
-        params = [
-            task_name,
-            slot_param(slot),
-            key,
-            owner,
-            lease_seconds,
-            count_live,
-            abandon_is_final,
-        ]
+        params = {
+            "task": task_name,
+            "slot": slot_param(slot),
+            "key": key,
+            "owner": owner,
+            "lease": lease_seconds,
+            "count_live": count_live,
+            "abandon_is_final": abandon_is_final,
+        }
         try:
-            if d.one_statement:
-                row = to_row(one_prepared(sql.claim_key(d), [*params, owner]))
-            elif d.compound and in_autocommit():
-                found = one(sql.claim_block(d, keyed=True), [*params, owner])
-                _refuse_another_keys_row(found, key, task_name, slot)
-                row = block_row(found)
-            else:
-                with transaction.atomic(using=alias()):
-                    if d.fence_counter:
-                        bump_fence(d)
-                    found = one(sql.claim_key(d), params)
-                    if not d.update_returning:
-                        _refuse_another_keys_row(found, key, task_name, slot)
-                    row = to_row(found)
-                    if row is not None and row.owner == owner:
-                        one(sql.claimed_transition(d), [row.id])
+            row = to_row(d.claim_key(connection(), params))
         except IntegrityError:
             # Only the (task, slot) constraint can refuse it: (task, key) is the arbiter.
             slot = _next_free_slot(task_name, slot)
@@ -182,34 +161,23 @@ def _claim_key(
 
 def _next_free_slot(task_name: str, slot: datetime) -> datetime:
     """The microsecond after ``task_name``'s latest slot at or after ``slot``."""
-    found = one(sql.last_slot_from(dialect()), [task_name, slot_param(slot)])
+    found = one(dialect().last_slot_from, [task_name, slot_param(slot)])
     latest = aware(found[0]) if found is not None else None
     return max(slot, latest or slot) + timedelta(microseconds=1)
 
 
-def _refuse_another_keys_row(
-    found: Sequence[Any] | None, key: str, task_name: str, slot: datetime
-) -> None:
-    """MariaDB's upsert has no conflict target: one that met another key's row on
-    (task, slot) changed nothing and returned that row. Raised as the (task, slot)
-    conflict it is, so that the caller moves to the next microsecond."""
-    if found is not None and found[7] != key:
-        raise IntegrityError(f"slot {slot.isoformat()} of {task_name!r} taken")
-
-
 def read(task_name: str, slot: datetime, key: str | None = None) -> Row | None:
     if key is not None:
-        return to_row(one(sql.read_key(dialect()), [task_name, key]))
-    return to_row(one(sql.read_slot(dialect()), [task_name, slot_param(slot)]))
+        return to_row(one(dialect().read_key, [task_name, key]))
+    return to_row(one(dialect().read_slot, [task_name, slot_param(slot)]))
 
 
 def read_many(task_names: Sequence[str], slot: datetime) -> dict[str, Row] | None:
     """Each task's row of ``slot`` (tasks without one are left out), in one statement;
     None where the database cannot batch (see :func:`claim_many`)."""
-    statement = sql.read_slot_many(dialect())
-    if statement is None:
+    found = dialect().read_slot_many(connection(), [list(task_names), slot_param(slot)])
+    if found is None:
         return None
-    found = fetch_all(statement, [list(task_names), slot_param(slot)])
     rows = {}
     for values in found:
         row = to_row(values[1:])
@@ -221,14 +189,14 @@ def read_many(task_names: Sequence[str], slot: datetime) -> dict[str, Row] | Non
 def store_result(run_id: int, fence: int, result: str) -> bool:
     """Store a live keyed attempt's JSON result (fenced); False when it no longer owns the row."""
     with translated, connections[alias()].cursor() as cursor:
-        cursor.execute(sql.store_result(dialect()), [result, run_id, fence, RunState.RUNNING])
+        cursor.execute(dialect().store_result, [result, run_id, fence, RunState.RUNNING])
         return bool(cursor.rowcount)
 
 
 def result_of(task_name: str, key: str) -> str | None:
     """The JSON result a succeeded keyed run stored, or None."""
     with translated:
-        found = one(sql.read_result(dialect()), [task_name, key])
+        found = one(dialect().read_result, [task_name, key])
     if found is None or found[0] != RunState.SUCCEEDED:
         return None
     return None if found[1] is None else str(found[1])
@@ -242,17 +210,14 @@ def reopen_key(run_id: int, keep_seconds: float) -> bool:
     """
     d = dialect()
     with transaction.atomic(using=alias()):
-        deleted = one(sql.reopen_key(d), [run_id, keep_seconds, *PRUNABLE_STATES])
-        if deleted is None:
-            return False
-        one(sql.delete_transitions(d, 1), [run_id])
-        if d.immediate_foreign_keys:
-            one(sql.delete_runs(d, 1), [run_id])
-    return True
+        deleted, _ = d.delete_runs(
+            connection(), d.reopen_key, [run_id, keep_seconds, *PRUNABLE_STATES]
+        )
+    return deleted > 0
 
 
 def read_by_id(run_id: int) -> Row | None:
-    return to_row(one(sql.read_id(dialect()), [run_id]))
+    return to_row(one(dialect().read_id, [run_id]))
 
 
 def start_attempt(
@@ -270,7 +235,7 @@ def start_attempt(
         [Step(RunState.RUNNING, reason)],
         actor=owner,
         fenced=False,
-        sets=sql.START_ATTEMPT,
+        sets=fragments.START_ATTEMPT,
         values=(owner, lease_seconds),
         retry_by=(message_key(message_id),) if row.state == RunState.RETRYING else None,
     )
@@ -285,7 +250,7 @@ def take_refused_early(row: Row, owner: str, lease_seconds: float, reason: str) 
         actor=owner,
         fenced=False,
         lease="refused_early",
-        sets=sql.TAKE_REFUSED_EARLY,
+        sets=fragments.TAKE_REFUSED_EARLY,
         values=(owner, lease_seconds),
     )
 
@@ -306,7 +271,7 @@ def take_over(row: Row, owner: str, lease_seconds: float, why: str) -> Row | Non
         actor=owner,
         fenced=running,
         lease="expired" if running else "",
-        sets=sql.START_ATTEMPT,
+        sets=fragments.START_ATTEMPT,
         values=(owner, lease_seconds),
     )
 
@@ -325,7 +290,7 @@ def abandon(
         [Step(RunState.ABANDONED, reason)],
         actor=actor,
         lease=lease,
-        sets=sql.ABANDON,
+        sets=fragments.ABANDON,
         values=(clip(reason, ERROR_MAX_LENGTH), int(count_duplicate)),
     )
 
@@ -352,12 +317,15 @@ def finish(
     """
     row = Row(run_id, RunState.RUNNING, attempt, fence, owner, None)
     stored = clip(error, ERROR_MAX_LENGTH)
-    sets: tuple[str, ...]
+    sets: fragments.Sets
     values: tuple[Any, ...]
     if retry_within is None:
-        sets, values = sql.END_ATTEMPT, (stored, duplicates)
+        sets, values = fragments.END_ATTEMPT, (stored, duplicates)
     else:
-        sets, values = sql.PAUSE_ATTEMPT, (stored, retry_within, duplicates, message_key(retry_by))
+        sets, values = (
+            fragments.PAUSE_ATTEMPT,
+            (stored, retry_within, duplicates, message_key(retry_by)),
+        )
     return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
 
@@ -371,32 +339,15 @@ def renew(
     ``timeout_seconds`` bounds the renewal (its waits for locks and its run
     time); past it the database's error is raised, as for any failed renewal.
     """
-    d = dialect()
-    params = [lease_seconds, run_id, fence]
-    if not d.update_returning:
-        milliseconds = None if timeout_seconds is None else max(1, round(timeout_seconds * 1000))
-        with transaction.atomic(using=alias()):
-            with connections[alias()].cursor() as cursor:
-                cursor.execute(sql.renew(d, milliseconds), params)
-                renewed = cursor.rowcount > 0
-            values = one(sql.lease_of(d), [run_id]) if renewed else None
-    elif timeout_seconds is None:
-        values = one(sql.renew(d), params)
-    else:
-        own = sql.busy_timeout(d)
-        previous = one(own, []) if own else None
-        try:
-            with transaction.atomic(using=alias()):
-                one(sql.renew_timeout(d, max(1, round(timeout_seconds * 1000))), [])
-                values = one(sql.renew(d), params)
-        finally:
-            if previous:
-                one(sql.renew_timeout(d, int(previous[0])), [])
+    params = {"lease": lease_seconds, "id": run_id, "fence": fence, "running": RunState.RUNNING}
+    milliseconds = None if timeout_seconds is None else max(1, round(timeout_seconds * 1000))
+    values = dialect().renew(connection(), params, milliseconds)
     return aware(values[0]) if values else None
 
 
 @translated
 def earlier_slot_running(task_name: str, slot: datetime) -> datetime | None:
     """The slot of a live attempt of ``task_name`` before ``slot``, if any."""
-    values = one(sql.earlier_running(dialect()), [task_name, slot_param(slot)])
+    params = {"task": task_name, "slot": slot_param(slot), "running": RunState.RUNNING}
+    values = one(dialect().earlier_running, params)
     return aware(values[0]) if values else None

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ContextDecorator
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,13 +30,7 @@ from ..exceptions import BackendUnavailable, NotMigrated, TaskGuardError
 from ..models import Ledger, TaskRun, TaskRunQuerySet, TaskRunTransition
 from ..owner import token_of
 from ..states import check_transition
-from . import sql
-
-try:  # psycopg 3: the ledger's hot statements may be prepared (see :func:`one_prepared`)
-    from psycopg import Connection as Psycopg3Connection
-    from psycopg import Cursor as ServerBindingCursor
-except ImportError:  # psycopg2, or no PostgreSQL driver at all
-    Psycopg3Connection = ServerBindingCursor = None  # type: ignore[assignment,misc]
+from .backends import Backend, backend_for, fragments, of_vendor
 
 logger = logging.getLogger("taskguard.ledger")
 
@@ -124,18 +118,8 @@ def connection_lost(exc: Exception) -> bool:
     """
     if not isinstance(exc, CONNECTION_ERRORS):
         return False
-    vendor = connections[alias()].vendor
-    if vendor == "mysql":
-        number = exc.args[0] if exc.args else None
-        return isinstance(exc, InterfaceError) or number in MARIADB_CUT_OFF
-    return vendor != "sqlite"
-
-
-# MariaDB errors after which a write's outcome is unknown or was rolled back whole, so
-# reading the row back decides: server gone (2006), connection lost mid-query (2013,
-# 2055), connection killed (1927), cannot connect (2002, 2003), deadlock (1213: InnoDB
-# rolled the transaction back).
-MARIADB_CUT_OFF = frozenset({2002, 2003, 2006, 2013, 2055, 1927, 1213})
+    backend = of_vendor(connections[alias()].vendor)  # not the server: it may be gone
+    return backend is None or backend.connection_lost(exc)
 
 
 def settle_connection() -> None:
@@ -244,61 +228,23 @@ def ensure_autocommit() -> None:
         )
 
 
-def dialect() -> sql.Dialect:
-    return sql.dialect(alias())
+def dialect() -> Backend:
+    """The ledger database's backend (chosen once, see :func:`backends.backend_for`)."""
+    return backend_for(alias())
 
 
-def in_autocommit() -> bool:
-    """The ledger's connection is in autocommit, in no transaction: a statement may open
-    and commit one of its own (MariaDB's compound statements, :func:`sql.claim_block`)."""
-    connection = connections[alias()]
-    return not connection.in_atomic_block and connection.get_autocommit()
+def connection() -> Any:
+    """The ledger's connection (Django's, for this thread)."""
+    return connections[alias()]
 
 
-def block_row(values: Sequence[Any] | None) -> Row | None:
-    """The row a compound statement returned (all NULL: it wrote nothing)."""
-    return None if values is None or values[0] is None else to_row(values[:7])
-
-
-def one(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
+def one(statement: str, params: Sequence[Any] | Mapping[str, Any]) -> Sequence[Any] | None:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone() if cursor.description else None
 
 
-def one_prepared(statement: str, params: Sequence[Any]) -> Sequence[Any] | None:
-    """:func:`one` for the hot paths' statements (each returns rows): prepared by the server
-    where the project lets psycopg 3 prepare (``DATABASES[...]["OPTIONS"]["prepare_threshold"]``
-    not None; Django leaves it None so that connection poolers keep working), else :func:`one`.
-
-    Parsing and planning these statements cost as much as running them. Django's default
-    cursor binds parameters on the client, and psycopg never prepares what it sends that
-    way; so the statement goes through a server-binding cursor of psycopg's own on the same
-    connection, wrapped by Django as its cursors are (``execute_wrapper``, error
-    translation). psycopg prepares it once ``prepare_threshold`` runs have been seen,
-    per connection: a new connection prepares anew, nothing is shared between connections.
-    A connection that logs its queries (``DEBUG``, ``assertNumQueries``) runs them through
-    :func:`one`: Django can show a client-bound statement's SQL, not a server-bound one's.
-    """
-    connection = connections[alias()]
-    if (
-        connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
-        or connection.queries_logged
-    ):
-        return one(statement, params)
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    if Psycopg3Connection is None or not isinstance(connection.connection, Psycopg3Connection):
-        return one(statement, params)
-    connection.validate_thread_sharing()
-    raw: Any = ServerBindingCursor(connection.connection)  # django-stubs: a CursorWrapper
-    with connection.make_cursor(raw) as cursor:
-        cursor.execute(statement, params)
-        found: Sequence[Any] | None = cursor.fetchone()  # rows always: no ``description``
-        return found
-
-
-def fetch_all(statement: str, params: Sequence[Any]) -> list[Sequence[Any]]:
+def fetch_all(statement: str, params: Sequence[Any] | Mapping[str, Any]) -> list[Sequence[Any]]:
     with connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
         return list(cursor.fetchall())
@@ -360,7 +306,7 @@ def change(
     actor: str,
     fenced: bool = True,
     lease: str = "",
-    sets: tuple[str, ...] = (),
+    sets: fragments.Sets = fragments.NO_SETS,
     values: tuple[Any, ...] = (),
     retry_by: tuple[str | None] | None = None,
 ) -> Row | None:
@@ -375,48 +321,13 @@ def change(
         check_transition(state, step.to_state)
         steps.append((state, step.to_state, clip(step.reason, REASON_MAX_LENGTH)))
         state = step.to_state
-    d = dialect()
     params: list[Any] = [state, *values, row.id, row.state]
     if fenced:
         params.append(row.fence)
-    checked = retry_by is not None
     if retry_by is not None:
         params.append(retry_by[0])
-    assignments = sql.assignments(d, sets)
-    if d.one_statement:
-        statement = sql.change_logged(d, assignments, fenced, lease, len(steps), checked)
-        step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
-        return to_row(one_prepared(statement, [*params, actor, *step_params]))
-    if d.compound and in_autocommit():
-        statement = sql.change_block(d, assignments, fenced, lease, len(steps), checked)
-        step_params = [p for f, t, r in steps for p in (row.id, f, t, r, actor)]
-        return block_row(one(statement, [*params, row.id, *step_params]))
-    with transaction.atomic(using=alias()):
-        if d.fence_counter and (sets is sql.START_ATTEMPT or sets is sql.TAKE_REFUSED_EARLY):
-            bump_fence(d)
-        statement = sql.change(d, assignments, fenced, lease, checked)
-        updated = _update(d, statement, params, row.id)
-        if updated is not None:
-            with connections[alias()].cursor() as cursor:
-                cursor.executemany(
-                    sql.transition(d), [(row.id, f, t, r, actor) for f, t, r in steps]
-                )
-        return updated
-
-
-def _update(d: sql.Dialect, statement: str, params: Sequence[Any], run_id: int) -> Row | None:
-    """Run a compare-and-set ``UPDATE`` of run ``run_id``; the row as changed, or None.
-
-    Without ``UPDATE ... RETURNING`` (MariaDB) the row is read back in the same
-    transaction, under the lock the ``UPDATE`` took.
-    """
-    if d.update_returning:
-        return to_row(one(statement, params))
-    with connections[alias()].cursor() as cursor:
-        cursor.execute(statement, params)
-        if cursor.rowcount == 0:
-            return None
-    return to_row(one(sql.changed_row(d), [run_id]))
+    update = (sets, fenced, lease, retry_by is not None)
+    return to_row(dialect().change(connection(), update, params, row.id, steps, actor))
 
 
 # -- the ledger's own row: identity and fences ------------------------------------
@@ -436,7 +347,7 @@ def identity() -> str:
     except KeyError:
         pass
     with translated:
-        found = one(sql.identity(), [])
+        found = one(fragments.IDENTITY, [])
         if found is None:
             found = (ensure_ledger_row().identity,)
     value = _identities[name] = uuid.UUID(str(found[0])).hex
@@ -480,13 +391,10 @@ def ensure_ledger_row(using: str | None = None) -> Ledger:
     return row
 
 
-def bump_fence(d: sql.Dialect) -> None:
-    """SQLite: move the fence counter on, inside the caller's transaction."""
-    with connections[alias()].cursor() as cursor:
-        cursor.execute(sql.bump_fence(d))
-        if cursor.rowcount == 0:
-            ensure_ledger_row()
-            cursor.execute(sql.bump_fence(d))
+def bump_fence() -> None:
+    """Before a write that hands out a fence, inside its transaction (SQLite: the ledger
+    row's counter moves on; elsewhere nothing)."""
+    dialect().fence_moved_on(connection())
 
 
 def fence_at_least(value: int) -> None:
@@ -495,16 +403,12 @@ def fence_at_least(value: int) -> None:
     For rows that arrive with their fences (``loaddata``, a restore): the fence
     source must never hand out one of theirs again.
     """
-    d = dialect()
-    with transaction.atomic(using=alias()):
-        if d.fence_counter:
-            ensure_ledger_row()
-        one(sql.fence_at_least(d), [value])
+    dialect().fence_at_least(connection(), value)
 
 
 def database_now() -> datetime:
     """The database's clock (every instance judges deadlines against the same time)."""
     with translated:
-        value = aware(one(sql.now(dialect()), [])[0])  # type: ignore[index]
+        value = aware(one(dialect().read_now, [])[0])  # type: ignore[index]
     assert value is not None
     return value

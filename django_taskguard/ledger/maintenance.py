@@ -6,7 +6,6 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 
 from django.db import (
-    connections,
     transaction,
 )
 from django.db.models import Q, QuerySet
@@ -14,10 +13,10 @@ from django.db.models.lookups import LessThan
 
 from ..models import TaskRun, TaskRunQuerySet, TaskRunTransition
 from ..states import PRUNABLE_STATES, RunState
-from . import sql
 from .core import (
     RunRef,
     alias,
+    connection,
     database_now,
     dialect,
     fetch_all,
@@ -159,22 +158,9 @@ def delete_finished(ids: Sequence[int], before: datetime) -> tuple[int, int]:
     One short transaction; returns (runs, transitions) deleted.
     """
     d = dialect()
+    params = [*ids, *PRUNABLE_STATES, RunState.PENDING.value, *[slot_param(before)] * 2]
     with transaction.atomic(using=alias()):
-        deleted = [
-            run_id
-            for (run_id,) in fetch_all(
-                sql.delete_finished(d, len(ids)),
-                [*ids, *PRUNABLE_STATES, RunState.PENDING.value, *[slot_param(before)] * 2],
-            )
-        ]
-        if not deleted:
-            return 0, 0
-        with connections[alias()].cursor() as cursor:
-            cursor.execute(sql.delete_transitions(d, len(deleted)), deleted)
-            transitions_deleted = max(cursor.rowcount, 0)
-            if d.immediate_foreign_keys:
-                cursor.execute(sql.delete_runs(d, len(deleted)), deleted)
-            return len(deleted), transitions_deleted
+        return d.delete_runs(connection(), d.delete_finished(len(ids)), params)
 
 
 @translated
@@ -182,5 +168,5 @@ def task_names(limit: int | None) -> list[str]:
     """Distinct task names (the first ``limit``; None: all) by a loose index scan on
     (task_name, slot), not a DISTINCT scan."""
     if limit is None:
-        return [name for (name,) in fetch_all(sql.task_names(dialect(), limited=False), [])]
-    return [name for (name,) in fetch_all(sql.task_names(dialect()), [limit])]
+        return [name for (name,) in fetch_all(dialect().task_names(limited=False), [])]
+    return [name for (name,) in fetch_all(dialect().task_names(), [limit])]

@@ -10,7 +10,6 @@ from typing import Any
 from django.db.models import Min
 
 from ..states import ENDED_STATES, RunState
-from . import sql
 from .core import aware, dialect, fetch_all, runs, slot_param, translated
 
 # -- monitoring: health, metrics and the admin's overview ---------------------------
@@ -39,7 +38,7 @@ def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
     with translated:
         for start in range(0, len(names), chunk):
             part = names[start : start + chunk]
-            statement = sql.latest_in_state(d, len(part))
+            statement = d.latest_in_state(len(part))
             for name, slot, finished in fetch_all(statement, [*part, state, state]):
                 slot_at = aware(slot)
                 if slot_at is not None:
@@ -62,7 +61,7 @@ class StateSummary:
 def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, str], StateSummary]:
     """Per (task, state), the runs whose slot is at or after ``since``: one statement,
     a range scan of the slot index (its cost is the window's row count)."""
-    statement = sql.window_summary(dialect(), len(bounds))
+    statement = dialect().window_summary(len(bounds))
     with translated:
         rows = fetch_all(statement, [*bounds, slot_param(since)])
     return {
@@ -107,10 +106,10 @@ def task_facts(
             for name, due in part:
                 params += [name, None if due is None else slot_param(due)]
             params += [RunState.MISSED, slot_param(since), *[RunState.RUNNING] * 3]
-            recent = sql.last_ended_params(d, ENDED_STATES, last)
+            recent = d.last_ended_params(ENDED_STATES, last)
             params += [*recent, *recent, RunState.SUCCEEDED]
             params += ENDED_STATES
-            for values in fetch_all(sql.task_facts(d, len(part)), params):
+            for values in fetch_all(d.task_facts(len(part)), params):
                 name, due_state, missed, stale, stale_slot, stale_lease, ended, failed, latest = (
                     values
                 )
@@ -147,7 +146,7 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
         for start in range(0, len(names), FACTS_CHUNK):
             part = names[start : start + FACTS_CHUNK]
             for name, run_id, slot, state in fetch_all(
-                sql.recent_runs(d, len(part)), [*part, sql.recent_limit(d, limit)]
+                d.recent_runs(len(part)), [*part, d.recent_limit(limit)]
             ):
                 slot_at = aware(slot)
                 assert slot_at is not None

@@ -18,7 +18,7 @@ from django.db.models.lookups import GreaterThanOrEqual, LessThan, LessThanOrEqu
 
 from ..models import TaskRun
 from ..states import GIVEN_BACK_TO, RunState
-from . import sql
+from .backends import fragments
 from .core import (
     ERROR_MAX_LENGTH,
     Row,
@@ -43,9 +43,7 @@ HANDED_OUT = Coalesce("finished_at", "created_at")
 def insert_pending(task_name: str, slot: datetime) -> int | None:
     """Record ``slot`` as handed out (``pending``); None when it has a row already."""
     with translated:
-        found = one(
-            sql.insert_pending(dialect()), [task_name, slot_param(slot), RunState.PENDING.value]
-        )
+        found = one(dialect().insert_pending, [task_name, slot_param(slot), RunState.PENDING.value])
     return int(found[0]) if found else None
 
 
@@ -54,7 +52,7 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
     ahead of the clock; None when it has no such row (compare-and-set)."""
     d = dialect()
     with translated:
-        row = to_row(one(sql.read_slot(d), [task_name, slot_param(slot)]))
+        row = to_row(one(d.read_slot, [task_name, slot_param(slot)]))
         if row is None or row.state != RunState.SKIPPED or row.attempt != 0:
             return None
         reason = "handed out on time: the skipped row only recorded a call ahead of the clock"
@@ -64,7 +62,7 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
             actor=actor,
             fenced=False,
             lease="refused_early",
-            sets=sql.PEND_REFUSED_EARLY,
+            sets=fragments.PEND_REFUSED_EARLY,
         )
     return None if pending is None else pending.id
 
@@ -96,7 +94,7 @@ def give_back_pending(
                 limit=1,
             )
             return "missed" if ended else None
-        deleted = one(sql.give_back_pending(dialect()), [run_id, RunState.PENDING.value])
+        deleted = one(dialect().give_back_pending, [run_id, RunState.PENDING.value])
     return None if deleted is None else "given back"
 
 
@@ -135,10 +133,10 @@ def give_back(
     """
     to_state = GIVEN_BACK_TO[claimed_from]
     row = Row(run_id, RunState.RUNNING, 0, fence, owner, None)
-    sets: tuple[str, ...] = sql.GIVE_BACK
+    sets: fragments.Sets = fragments.GIVE_BACK
     values: tuple[float, str | None] | tuple[()] = ()
     if to_state == RunState.RETRYING:
-        sets, values = sql.GIVE_BACK_RETRY, (retry_within, retry_by)
+        sets, values = fragments.GIVE_BACK_RETRY, (retry_within, retry_by)
     with translated:
         return change(row, [Step(to_state, reason)], actor=owner, sets=sets, values=values)
 
@@ -215,7 +213,7 @@ def _end(
                 [Step(state, reason)],
                 actor=actor,
                 fenced=False,
-                sets=sql.END_ATTEMPT,
+                sets=fragments.END_ATTEMPT,
                 values=(stored, 0),
             )
             if changed is not None:

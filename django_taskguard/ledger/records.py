@@ -12,7 +12,7 @@ from django.db import (
 )
 
 from ..states import ATTEMPT_STATES, ENDED_STATES, RunState, check_transition
-from . import sql
+from .backends import fragments
 from .core import (
     ERROR_MAX_LENGTH,
     REASON_MAX_LENGTH,
@@ -22,6 +22,7 @@ from .core import (
     aware,
     change,
     clip,
+    connection,
     dialect,
     fetch_all,
     message_key,
@@ -38,9 +39,9 @@ def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None =
     """Add ``count`` duplicate calls to the slot's (or key's) row; False when there is no row."""
     params: list[Any]
     if key is not None:
-        statement, params = sql.add_duplicates_key(dialect()), [count, task_name, key]
+        statement, params = dialect().add_duplicates_key, [count, task_name, key]
     else:
-        statement, params = sql.add_duplicates(dialect()), [count, task_name, slot_param(slot)]
+        statement, params = dialect().add_duplicates, [count, task_name, slot_param(slot)]
     with translated, connections[alias()].cursor() as cursor:
         cursor.execute(statement, params)
         return bool(cursor.rowcount)
@@ -50,7 +51,12 @@ def count_other_copy(run_id: int, message_id: str | None) -> bool:
     """A call that found run ``run_id`` retrying: True (and counted as a duplicate) when
     the row waits for the retry another message carries, not ``message_id``'s."""
     with translated, connections[alias()].cursor() as cursor:
-        cursor.execute(sql.count_other_copy(dialect()), [run_id, message_key(message_id)])
+        params = {
+            "id": run_id,
+            "message": message_key(message_id),
+            "retrying": RunState.RETRYING,
+        }
+        cursor.execute(dialect().count_other_copy, params)
         return bool(cursor.rowcount)
 
 
@@ -84,11 +90,6 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
     check_transition(RunState.PENDING, state)
     if not rows:
         return 0
-    d = dialect()
-    if not d.one_statement:  # a row and its transition at a time, one commit for them all
-        with translated, transaction.atomic(using=alias()):
-            inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
-        return sum(1 for run_id in inserted if run_id is not None)
     params = [
         [task for task, _, _ in rows],
         [slot_param(slot) for _, slot, _ in rows],
@@ -99,8 +100,13 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
         actor,
     ]
     with translated:
-        found = one(sql.insert_unheld_many(d), params)
-    return int(found[0]) if found else 0
+        count = dialect().insert_unheld_many(connection(), params)
+        if count is not None:
+            return count
+        # Not in one statement: a row and its transition at a time, one commit for them all.
+        with transaction.atomic(using=alias()):
+            inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
+    return sum(1 for run_id in inserted if run_id is not None)
 
 
 def miss_refused_early(
@@ -110,10 +116,16 @@ def miss_refused_early(
     refusal (no on-time call took them) become ``missed``, each by compare-and-set (a
     claim that got there first keeps its row); returns how many."""
     d = dialect()
-    params = [task_name, slot_param(after), slot_param(until), limit]
+    params = {
+        "task": task_name,
+        "after": slot_param(after),
+        "until": slot_param(until),
+        "skipped": RunState.SKIPPED,
+        "limit": limit,
+    }
     changed = 0
     with translated:
-        for run_id, fence, owner, lease_until in fetch_all(sql.refused_early_in(d), params):
+        for run_id, fence, owner, lease_until in fetch_all(d.refused_early_in, params):
             row = Row(run_id, RunState.SKIPPED, 0, fence, owner, lease_until)
             missed = change(
                 row,
@@ -121,7 +133,7 @@ def miss_refused_early(
                 actor=actor,
                 fenced=False,
                 lease="refused_early",
-                sets=sql.MISS_REFUSED_EARLY,
+                sets=fragments.MISS_REFUSED_EARLY,
                 values=(clip(reason, ERROR_MAX_LENGTH),),
             )
             changed += missed is not None
@@ -132,16 +144,20 @@ def latest_slot(task_name: str) -> datetime | None:
     """The newest slot of ``task_name`` that has a row other than ``missed`` (a missed
     slot is one a catch-up still runs)."""
     with translated:
-        found = one(sql.latest_slot(dialect()), [task_name, RunState.MISSED])
+        found = one(dialect().latest_slot, [task_name, RunState.MISSED])
     return aware(found[0]) if found else None
 
 
 def slots_in(task_name: str, after: datetime, until: datetime) -> set[datetime]:
     """The slots of ``task_name`` in ``(after, until]`` that have a row."""
     with translated:
-        found = fetch_all(
-            sql.slots_in(dialect()), [task_name, slot_param(after), slot_param(until)]
-        )
+        params = {
+            "task": task_name,
+            "after": slot_param(after),
+            "until": slot_param(until),
+            "skipped": RunState.SKIPPED,
+        }
+        found = fetch_all(dialect().slots_in, params)
     return {slot for (value,) in found if (slot := aware(value)) is not None}
 
 
@@ -154,14 +170,19 @@ def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
     other rows lie between them."""
     found: dict[datetime, str] = {}
     d = dialect()
-    # The task name is one parameter too; SQLite may be built with a limit of 999.
+    # The task name and the skipped state are parameters too; SQLite may be built with a
+    # limit of 999.
     most = connections[alias()].features.max_query_params
-    chunk = STATES_AT_CHUNK if most is None else min(STATES_AT_CHUNK, most - 1)
+    chunk = STATES_AT_CHUNK if most is None else min(STATES_AT_CHUNK, most - 2)
     with translated:
         for start in range(0, len(slots), chunk):
             part = slots[start : start + chunk]
-            params = [task_name, *(slot_param(slot) for slot in part)]
-            for value, state in fetch_all(sql.states_at(d, len(part)), params):
+            params = {
+                "task": task_name,
+                "skipped": RunState.SKIPPED,
+                **{f"slot_{n}": slot_param(slot) for n, slot in enumerate(part)},
+            }
+            for value, state in fetch_all(d.states_at(len(part)), params):
                 if (slot := aware(value)) is not None:
                     found[slot] = state
     return found
@@ -176,7 +197,7 @@ def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetim
 def failed_streak(task_name: str, length: int) -> bool:
     """True when the newest ``length`` finished runs of ``task_name`` all failed."""
     with translated:
-        found = fetch_all(sql.last_states(dialect()), [task_name, *ENDED_STATES, length])
+        found = fetch_all(dialect().last_states, [task_name, *ENDED_STATES, length])
     return len(found) == length and all(state == RunState.FAILED for (state,) in found)
 
 
@@ -195,15 +216,15 @@ def insert_unheld(
     reason = clip(reason, REASON_MAX_LENGTH)
     with translated, transaction.atomic(using=alias()):
         if key is None:
-            statement = sql.insert_unheld(d)
+            statement = d.insert_unheld
             params = [task_name, slot_param(slot), state, reason, duplicates]
         else:
-            statement = sql.insert_unheld_key(d)
+            statement = d.insert_unheld_key
             params = [task_name, slot_param(slot), key, state, reason, duplicates]
         inserted = one(statement, params)
         if inserted is None:
             return None
-        one(sql.transition(d), [inserted[0], RunState.PENDING, state, reason, actor])
+        one(d.transition, [inserted[0], RunState.PENDING, state, reason, actor])
     return int(inserted[0])
 
 

@@ -1,0 +1,254 @@
+"""The ledger on PostgreSQL: a state change and its transition rows are one statement (a
+data-modifying CTE), and so are the batch writes (arrays as parameters). Fences come
+from a sequence (migration 0002)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cached_property, lru_cache
+from typing import Any
+
+from .base import Backend, Params, Values, fetch_all, one
+from .fragments import (
+    CLAIM_STATES,
+    CLAIMED,
+    CLAIMED_COLUMNS,
+    FENCE_SEQUENCE,
+    TRANSITION,
+    TRANSITION_COLUMNS,
+    Sets,
+    counts_duplicate,
+)
+
+try:  # psycopg 3: the hot statements may be prepared (see :func:`one_prepared`)
+    from psycopg import Connection as Psycopg3Connection
+    from psycopg import Cursor as ServerBindingCursor
+except ImportError:  # psycopg2, or no PostgreSQL driver at all
+    Psycopg3Connection = ServerBindingCursor = None  # type: ignore[assignment,misc]
+
+
+def one_prepared(connection: Any, statement: str, params: Params) -> Values | None:
+    """:func:`.base.one` for the hot statements (each returns rows): prepared by the server
+    where the project lets psycopg 3 prepare (``DATABASES[...]["OPTIONS"]["prepare_threshold"]``
+    not None; Django leaves it None so that connection poolers keep working).
+
+    Parsing and planning these statements cost as much as running them. Django's default
+    cursor binds parameters on the client, and psycopg never prepares what it sends that
+    way; so the statement goes through a server-binding cursor of psycopg's own on the same
+    connection, wrapped by Django as its cursors are (``execute_wrapper``, error
+    translation). psycopg prepares it once ``prepare_threshold`` runs have been seen, per
+    connection: a new connection prepares anew, nothing is shared between connections. A
+    connection that logs its queries (``DEBUG``, ``assertNumQueries``) runs them unprepared:
+    Django can show a client-bound statement's SQL, not a server-bound one's.
+    """
+    if (
+        connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
+        or connection.queries_logged
+    ):
+        return one(connection, statement, params)
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    if Psycopg3Connection is None or not isinstance(connection.connection, Psycopg3Connection):
+        return one(connection, statement, params)
+    connection.validate_thread_sharing()
+    raw: Any = ServerBindingCursor(connection.connection)  # django-stubs: a CursorWrapper
+    with connection.make_cursor(raw) as cursor:
+        cursor.execute(statement, params)
+        found: Values | None = cursor.fetchone()  # rows always: no ``description``
+        return found
+
+
+# Many tasks' rows for one slot at once, with the ``claimed`` transitions of the rows this
+# statement created. Named parameters: tasks (text[]), owners (text[]), leases (seconds,
+# float8[]), the slot, and CLAIM_STATES. A plainly taken slot (finished, abandoned, live)
+# counts a duplicate, as a claim does for ``on_stale="abandon"`` (``abandon_is_final``:
+# an abandoned row always counts, so ``abandoned`` is in the rule here). Rows go in task
+# order, so two schedulers claiming the same batch wait on each other instead of
+# deadlocking.
+CLAIM_MANY = (
+    "WITH c AS (SELECT * FROM unnest(%(tasks)s::text[], %(owners)s::text[], "
+    "%(leases)s::float8[]) AS c(task_name, owner, lease)), "
+    f"u AS (INSERT INTO {{run}} AS r (task_name, slot, {CLAIMED_COLUMNS}) "
+    "SELECT c.task_name, %(slot)s, %(running)s, 1, {fence}, c.owner, {now}, {now}, "
+    "{now} + make_interval(secs => c.lease), '', 0 FROM c ORDER BY c.task_name "
+    "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
+    f"CASE WHEN {counts_duplicate(live='TRUE', abandoned='TRUE')} THEN 1 ELSE 0 END "
+    "RETURNING r.task_name, {row}, {left}), "
+    "t AS (INSERT INTO {transition} ({columns}) "
+    "SELECT u.id, %(pending)s, %(running)s, {now}, 'claimed', u.owner FROM u JOIN c USING (owner)) "
+    "SELECT * FROM u"
+)
+# Many attempts recorded ``succeeded`` at once, each fenced like a change, with their
+# transitions. Parameters: ids (bigint[]), fences (bigint[]), owners (text[]), reasons
+# (text[]), the new state, the old state, the old state again, the new state again. The rows
+# are locked first in (task, slot) order, the order :data:`CLAIM_MANY` locks them in: a
+# batch finish and a batch claim on the same rows never deadlock.
+SUCCEED_MANY = (
+    "WITH c AS (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[]) "
+    "AS c(id, fence, owner, reason)), "
+    "l AS (SELECT r.id FROM {run} AS r JOIN c USING (id) ORDER BY r.task_name, r.slot "
+    "FOR UPDATE OF r), "
+    "u AS (UPDATE {run} AS r SET state = %s, error = '', finished_at = {now} FROM c "
+    "WHERE r.id = c.id AND r.id IN (SELECT id FROM l) AND r.state = %s AND r.fence = c.fence "
+    "RETURNING r.id), "
+    "t AS (INSERT INTO {transition} ({columns}) "
+    "SELECT c.id, %s, %s, {now}, c.reason, c.owner FROM c JOIN u USING (id)) "
+    "SELECT id FROM u"
+)
+# Many rows no attempt ever held, with their transitions. Parameters: tasks (text[]),
+# slots (timestamptz[]), reasons (text[]), state, from state, state again, actor. Returns
+# the number of rows inserted.
+INSERT_UNHELD_MANY = (
+    "WITH c(task_name, slot, reason) AS "
+    "(SELECT * FROM unnest(%s::text[], %s::timestamptz[], %s::text[])), "
+    "i AS (INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
+    "finished_at, error, duplicates) SELECT task_name, slot, %s, 0, NULL, '', {now}, {now}, "
+    "reason, 0 FROM c ON CONFLICT (task_name, slot) DO NOTHING RETURNING id, error), "
+    "t AS (INSERT INTO {transition} ({columns}) SELECT id, %s, %s, {now}, error, %s FROM i) "
+    "SELECT count(*) FROM i"
+)
+# Tasks (text[]), a slot: each task's row of that slot (the batch claim's read-back after
+# a lost reply).
+READ_SLOT_MANY = (
+    "SELECT task_name, {row}, {left} FROM {run} WHERE task_name = ANY(%s::text[]) AND slot = %s"
+)
+
+
+class PostgreSQLBackend(Backend):
+    vendor = "postgresql"
+    writes_transitions_in_statement = True
+    writes_in_batches = True
+
+    now = "statement_timestamp()"
+    lease_after = "statement_timestamp() + make_interval(secs => {seconds})"
+    seconds_ago = "statement_timestamp() - make_interval(secs => %s)"
+    lease_left = "EXTRACT(EPOCH FROM lease_until - statement_timestamp())"
+    next_fence = f"nextval('{FENCE_SEQUENCE}')"
+    duration = "EXTRACT(EPOCH FROM (finished_at - started_at))"
+    # PostgreSQL cannot infer a parameter's type in a VALUES row.
+    name_row = "(CAST(%s AS varchar))"
+    task_row = "(CAST(%s AS varchar), CAST(%s AS timestamp with time zone))"
+
+    def connection_lost(self, exc: Exception) -> bool:
+        return True
+
+    # -- claiming: the upsert and its ``claimed`` transition, one statement ------------
+
+    def logged_claim(self, upsert: str) -> str:
+        """``upsert`` and the ``claimed`` transition of a row it made (the transition is
+        written only when this call created the row: the row's owner is the claim's)."""
+        claimed = self.format(CLAIMED)
+        return (
+            f"WITH u AS ({upsert}), t AS ({claimed} FROM u WHERE owner = %(owner)s) SELECT * FROM u"
+        )
+
+    @cached_property
+    def claim_logged(self) -> str:
+        return self.logged_claim(self.claim_statement)
+
+    @cached_property
+    def claim_key_logged(self) -> str:
+        return self.logged_claim(self.claim_key_statement)
+
+    def claim(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
+        return one_prepared(connection, self.claim_logged, {**params, **CLAIM_STATES})
+
+    def claim_key(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
+        return one_prepared(connection, self.claim_key_logged, {**params, **CLAIM_STATES})
+
+    def claim_many(self, connection: Any, params: Mapping[str, Any]) -> list[Values] | None:
+        return fetch_all(connection, self.claim_many_statement, {**params, **CLAIM_STATES})
+
+    @cached_property
+    def claim_many_statement(self) -> str:
+        return self.format(CLAIM_MANY)
+
+    def succeed_many(self, connection: Any, params: Sequence[Any]) -> list[Values] | None:
+        return fetch_all(connection, self.succeed_many_statement, params)
+
+    @cached_property
+    def succeed_many_statement(self) -> str:
+        return self.format(SUCCEED_MANY)
+
+    def read_slot_many(self, connection: Any, params: Sequence[Any]) -> list[Values] | None:
+        return fetch_all(connection, self.read_slot_many_statement, params)
+
+    @cached_property
+    def read_slot_many_statement(self) -> str:
+        return self.format(READ_SLOT_MANY)
+
+    def insert_unheld_many(self, connection: Any, params: Sequence[Any]) -> int | None:
+        found = one(connection, self.insert_unheld_many_statement, params)
+        return int(found[0]) if found else 0
+
+    @cached_property
+    def insert_unheld_many_statement(self) -> str:
+        return self.format(INSERT_UNHELD_MANY)
+
+    # -- changing a row: the update and its transitions, one statement -----------------
+
+    @lru_cache  # noqa: B019 (one backend per database, for the process's life)
+    def change_logged(
+        self, sets: Sets, fenced: bool, lease: str, retry_by: bool, steps: int
+    ) -> str:
+        """:meth:`update` and its ``steps`` transition rows in one statement.
+
+        Parameters: the update's, the actor, then (from, to, reason, order) per step.
+        """
+        update = self.update(sets, fenced, lease, retry_by)
+        values = ", ".join(["(%s, %s, %s, %s)"] * steps)
+        return (
+            f"WITH u AS ({update}), t AS (INSERT INTO {TRANSITION} ({TRANSITION_COLUMNS}) "
+            f"SELECT u.id, v.f, v.t, {self.now}, v.r, %s FROM u, (VALUES {values}) "
+            f"AS v(f, t, r, n) ORDER BY v.n) SELECT * FROM u"
+        )
+
+    def change(
+        self,
+        connection: Any,
+        update: tuple[Sets, bool, str, bool],
+        params: Sequence[Any],
+        run_id: int,
+        steps: Sequence[tuple[str, str, str]],
+        actor: str,
+    ) -> Values | None:
+        statement = self.change_logged(*update, len(steps))
+        step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
+        return one_prepared(connection, statement, [*params, actor, *step_params])
+
+    # -- renewing ----------------------------------------------------------------------
+
+    def bound_transaction(self, connection: Any, milliseconds: int) -> None:
+        """``SET LOCAL`` (``set_config(..., true)``) of ``statement_timeout`` and
+        ``lock_timeout``, for the renewal's own transaction only."""
+        ms = int(milliseconds)  # a number, never text: safe to write into the statement
+        one(
+            connection,
+            f"SELECT set_config('statement_timeout', '{ms}', true), "
+            f"set_config('lock_timeout', '{ms}', true)",
+            [],
+        )
+
+    # -- the ledger's own row ----------------------------------------------------------
+
+    fence_at_least_statement = (
+        f"SELECT setval('{FENCE_SEQUENCE}', GREATEST(%s, "
+        f"(SELECT last_value FROM {FENCE_SEQUENCE})))"
+    )
+
+    # -- monitoring --------------------------------------------------------------------
+
+    def recent_limit(self, limit: int) -> int:
+        return limit
+
+    @lru_cache  # noqa: B019
+    def recent_runs(self, tasks: int) -> str:
+        """A LATERAL join says it with a LIMIT the planner sees (a plan that looks cheap, so
+        no JIT compilation on a big table). Parameter after the VALUES: the limit."""
+        rows = ", ".join([self.name_row] * tasks)
+        return self.format(
+            f"WITH t(name) AS (VALUES {rows}) "
+            "SELECT t.name, r.id, r.slot, r.state FROM t CROSS JOIN LATERAL "
+            "(SELECT q.id, q.slot, q.state FROM {run} q WHERE q.task_name = t.name "
+            "ORDER BY q.slot DESC LIMIT %s) AS r"
+        )
