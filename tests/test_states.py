@@ -470,12 +470,6 @@ def test_every_state__redis_answers_later_calls_alone_exactly_on_terminal_states
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("early", [False, True], ids=["skipped-behind", "refused-early"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="ledger/sql.py _CLAIM_MANY counts a skipped row at attempt 0 a duplicate, which "
-    "the one-task path it hands the row to counts (or, taking over an early refusal, "
-    "takes back) again",
-)
 def test_every_state__the_batch_claim_and_its_one_task_fallback_count_a_call_once(early):
     # A skipped row at attempt 0 (a slot skipped behind a live run, or an early call's
     # refusal): the batch claim leaves it to the one-task path (None), which decides it as

@@ -70,6 +70,7 @@ CLAIM_STATES: dict[str, str] = {
     "pending": RunState.PENDING.value,
     "running": RunState.RUNNING.value,
     "abandoned": RunState.ABANDONED.value,
+    "skipped": RunState.SKIPPED.value,
 }
 # Those of a claim's ``claimed`` transition alone.
 CLAIMED_STATES: dict[str, str] = {

@@ -62,7 +62,9 @@ def one_prepared(connection: Any, statement: str, params: Params) -> Values | No
 # statement created. Named parameters: tasks (text[]), owners (text[]), leases (seconds,
 # float8[]), the slot, and CLAIM_STATES. A plainly taken slot (finished, abandoned, live)
 # counts a duplicate, as a claim does for ``on_stale="abandon"`` (``abandon_is_final``:
-# an abandoned row always counts, so ``abandoned`` is in the rule here). Rows go in task
+# an abandoned row always counts, so ``abandoned`` is in the rule here). Not a skipped row
+# at attempt 0 (skipped behind a live run, or an early call's refusal): the claim hands it
+# to the one-task path, which counts it, or takes it over, as a single call would. Rows go in task
 # order, so two schedulers claiming the same batch wait on each other instead of
 # deadlocking.
 CLAIM_MANY = (
@@ -72,7 +74,8 @@ CLAIM_MANY = (
     "SELECT c.task_name, %(slot)s, %(running)s, 1, {fence}, c.owner, {now}, {now}, "
     "{now} + make_interval(secs => c.lease), '', 0 FROM c ORDER BY c.task_name "
     "ON CONFLICT (task_name, slot) DO UPDATE SET duplicates = r.duplicates + "
-    f"CASE WHEN {counts_duplicate(live='TRUE', abandoned='TRUE')} THEN 1 ELSE 0 END "
+    f"CASE WHEN ({counts_duplicate(live='TRUE', abandoned='TRUE')}) "
+    "AND NOT (r.state = %(skipped)s AND r.attempt = 0) THEN 1 ELSE 0 END "
     "RETURNING r.task_name, {row}, {left}), "
     "t AS (INSERT INTO {transition} ({columns}) "
     "SELECT u.id, %(pending)s, %(running)s, {now}, 'claimed', u.owner FROM u JOIN c USING (owner)) "
