@@ -45,7 +45,7 @@ TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-20}" \
   TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
 # MariaDB: the guarantee tests and a smoke set, not the whole suite (about 6.5 minutes there,
 # over CI's budget; about 2 minutes this way). The session starts a private mariadbd in a
-# temporary directory on a free port (tests/mariadb_server.py). test_mariadb.py races 8
+# temporary directory on a free port (tests/support/mariadb_server.py). test_mariadb.py races 8
 # processes for 200 slots at READ COMMITTED and at REPEATABLE READ (test_race.py's race, plus
 # InnoDB's deadlock count); test_guard.py and test_keyed.py hold the SIGKILL and SIGSTOP
 # takeovers; the Redis flush mid-slot, a SIGKILL and a SIGSTOP on the Redis backend; cleanup,

@@ -14,7 +14,7 @@ import pytest
 
 from django_taskguard.models import RunState, TaskRun
 
-from .slots import BASE_SLOT
+from .support.slots import BASE_SLOT
 from .test_celery_e2e import (  # noqa: F401 (fixtures)
     PERSISTENT,
     backend,
@@ -27,8 +27,8 @@ from .test_celery_e2e import (  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.once
 
-FLAKY = "tests.celery_tasks.ha_flaky"
-HOPELESS = "tests.celery_tasks.ha_hopeless"
+FLAKY = "tests.support.celery_tasks.ha_flaky"
+HOPELESS = "tests.support.celery_tasks.ha_hopeless"
 
 
 @pytest.mark.parametrize("backend", ["database", "redis"])
@@ -42,7 +42,7 @@ def test_retry__a_second_copy_that_meets_the_retrying_row_is_a_duplicate(
     attempt 2 and then retried on its own, 5 executions where max_retries=2 allows 3.
     With the Redis lock backend too: a retrying slot holds no lock key, so the copy
     reaches the row and is counted there."""
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log = scratch / "executions.log"
     name = f"{celery_tasks.always_fails.name}[twice]"
@@ -88,7 +88,7 @@ def test_retry__a_stale_copy_of_the_message_that_asked_for_the_retry_is_a_duplic
     row ``retrying`` for that message's retry. Before, ``retry_by`` was the task id alone:
     the stale copy started attempt 2 early and began a second retry chain (more than 3
     executions where max_retries=2 allows 3)."""
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log = scratch / "executions.log"
     name = f"{celery_tasks.always_fails.name}[stale]"

@@ -6,7 +6,6 @@ import copy
 import sys
 import time
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -29,10 +28,11 @@ from django_taskguard.contrib.celery import (
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.testing import freeze_now
-from tests import celery_tasks
-from tests.celery_app import app
+from tests.support import celery_tasks
+from tests.support.celery_app import app
 
-from .slots import BASE_SLOT
+from .support.children import executions
+from .support.slots import BASE_SLOT
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
@@ -40,10 +40,6 @@ PARIS = ZoneInfo("Europe/Paris")
 
 def utc(*args: int) -> datetime:
     return datetime(*args, tzinfo=UTC)
-
-
-def executions(log: Path) -> list[list[str]]:
-    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
 
 
 # --- slots ---------------------------------------------------------------------------
@@ -129,7 +125,7 @@ def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
     beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat"), lazy=True)
     entry = TaskguardEntry(
         name="tick-2s",
-        task="tests.celery_tasks.tick",
+        task="tests.support.celery_tasks.tick",
         schedule=timedelta(seconds=2),
         app=app,
         options={"headers": {"mine": 1}},
@@ -197,7 +193,7 @@ def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transact
         )
     run = TaskRun.objects.get()
     assert (run.task_name, run.slot, run.state) == (
-        "tests.celery_tasks.tick[nine]",
+        "tests.support.celery_tasks.tick[nine]",
         slot,
         RunState.SUCCEEDED,
     )
@@ -226,7 +222,7 @@ def test_eager__no_slot_and_no_schedule_is_recorded_and_raised(eager, transactio
     with pytest.raises(TaskGuardError, match="no slot"):
         celery_tasks.unscheduled.delay(log=str(tmp_path / "log")).get()
     run = TaskRun.objects.get()
-    assert run.task_name == "tests.celery_tasks.unscheduled"
+    assert run.task_name == "tests.support.celery_tasks.unscheduled"
     assert run.state == RunState.SKIPPED
     assert "no slot" in run.error
     assert run.transitions.last().to_state == RunState.SKIPPED
@@ -273,7 +269,10 @@ def test_eager__guarded_function_called_from_a_task_keeps_its_own_identity(
     log = tmp_path / "log"
     celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT))
     names = dict(TaskRun.objects.values_list("task_name", "state"))
-    assert names == {"tests.celery_tasks.outer[entry]": "succeeded", "tests.inner": "succeeded"}
+    assert names == {
+        "tests.support.celery_tasks.outer[entry]": "succeeded",
+        "tests.inner": "succeeded",
+    }
 
 
 def test_eager__beat_claim_lets_one_beat_publish_a_slot(
@@ -286,7 +285,7 @@ def test_eager__beat_claim_lets_one_beat_publish_a_slot(
     log = tmp_path / "log"
     entry_options = {
         "name": "tick-2s",
-        "task": "tests.celery_tasks.tick",
+        "task": "tests.support.celery_tasks.tick",
         "schedule": timedelta(seconds=2),
         "kwargs": {"log": str(log), "seconds": 0},
         "app": app,
@@ -320,7 +319,7 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
     ]
     entry = TaskguardEntry(
         name="tick-60s-down",
-        task="tests.celery_tasks.tick",
+        task="tests.support.celery_tasks.tick",
         schedule=timedelta(seconds=60),
         kwargs={"log": str(log), "seconds": 0},
         app=app,
@@ -351,7 +350,7 @@ def test_eager__beat_claim_is_given_back_when_the_publish_fails(
     log = tmp_path / "log"
     entry = TaskguardEntry(
         name="tick-2s-broker-down",
-        task="tests.celery_tasks.tick",
+        task="tests.support.celery_tasks.tick",
         schedule=timedelta(seconds=2),
         kwargs={"log": str(log), "seconds": 0},
         app=app,
@@ -363,7 +362,7 @@ def test_eager__beat_claim_is_given_back_when_the_publish_fails(
     def broken_publish(*args: object, **kwargs: object) -> None:
         raise ConnectionError("broker down")
 
-    task = app.tasks["tests.celery_tasks.tick"]
+    task = app.tasks["tests.support.celery_tasks.tick"]
     with override_settings(CACHES=caches, TASKGUARD=settings):
         task.apply_async = broken_publish  # an instance attribute: the publish fails
         try:

@@ -29,8 +29,9 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.registry import Entry, entries, unregister
 from django_taskguard.scheduler import Scheduler
 
-from .conftest import python, wait_for
-from .tcp_proxy import TcpProxy
+from .support.children import python
+from .support.tcp_proxy import TcpProxy
+from .support.waiting import wait_for
 from .test_run_schedules import executions, schedule_env
 
 PATHS = [pytest.param([], id="batch"), pytest.param(["--no-batch"], id="one-by-one")]
@@ -45,7 +46,7 @@ def once(env: dict[str, str], out: Path, *args: str, timeout: float = 240) -> in
     """``run_schedules --once``: fire the latest slot of each schedule, wait, exit."""
     with out.open("ab") as sink:
         done = subprocess.run(
-            [python(), "-m", "tests.scheduler_child", "--once", *args],
+            [python(), "-m", "tests.support.scheduler_child", "--once", *args],
             env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, check=False,
         )  # fmt: skip
     return done.returncode
@@ -127,8 +128,8 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
     copy = start(
-        [python(), "-m", "tests.scheduler_child", "--max-workers", "2", "--stop-timeout", "20",
-         *path],
+        [python(), "-m", "tests.support.scheduler_child", "--max-workers", "2",
+         "--stop-timeout", "20", *path],
         _moved_on(env),
         scratch / "a.out",
     )  # fmt: skip
@@ -167,7 +168,7 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
     shifted = _moved_on(env)
-    command = [python(), "-m", "tests.scheduler_child", "--max-workers", "2", *path]
+    command = [python(), "-m", "tests.support.scheduler_child", "--max-workers", "2", *path]
     copies = {}
     for name in ("a", "b"):
         copy = start(command, shifted, scratch / f"{name}.out")
@@ -386,7 +387,7 @@ def test_run_schedules__a_burst_of_signals_always_ends_the_process(child_env, sc
     the main thread held it deadlocked the copy)."""
     env = schedule_env(child_env, scratch / "log", "tests.burst")
     outs = [scratch / f"{n}.out" for n in range(4)]
-    command = [python(), "-m", "tests.scheduler_child", "--sweep-every", "1"]
+    command = [python(), "-m", "tests.support.scheduler_child", "--sweep-every", "1"]
     copies = [start(command, env, out) for out in outs]
     try:
         for out in outs:
@@ -425,7 +426,9 @@ def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
     log = scratch / "executions.log"
     env = schedule_env(child_env, log, "tests.twice", TASKGUARD_TEST_BODY_SECONDS="60")
     out = scratch / "a.out"
-    copy = start([python(), "-m", "tests.scheduler_child", "--stop-timeout", "120"], env, out)
+    copy = start(
+        [python(), "-m", "tests.support.scheduler_child", "--stop-timeout", "120"], env, out
+    )
     try:
         wait_for(lambda: executions(log), 60, "the body started")
         copy.send_signal(signal.SIGTERM)

@@ -20,7 +20,7 @@ from django_taskguard.ledger import Row, Step
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.states import TRANSITIONS, check_transition
 
-from .slots import BASE_SLOT
+from .support.slots import BASE_SLOT
 
 S = RunState
 # The contract, spelled out independently of states.TRANSITIONS.
