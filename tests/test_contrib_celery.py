@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
@@ -324,11 +323,14 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
         kwargs={"log": str(log), "seconds": 0},
         app=app,
     )
-    # Both sends must fall in one slot: never start within 20 s of a slot boundary.
-    if time.time() % 60 > 40:
-        time.sleep(60.5 - time.time() % 60)
-    with override_settings(
-        CACHES=caches, TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+    # Both sends fall in one slot: the clock the beats stamp with stands mid-minute.
+    mid_minute = datetime.now(UTC).replace(second=30, microsecond=0)
+    with (
+        freeze_now(mid_minute),
+        override_settings(
+            CACHES=caches,
+            TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True},
+        ),
     ):
         sent = [beat.apply_async(entry, advance=False) for beat in beats]
     assert all(result is not None for result in sent)

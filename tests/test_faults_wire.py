@@ -342,13 +342,16 @@ def test_database_hangs__the_caller_gets_a_clear_error_in_bounded_time(child_env
     locker = threading.Thread(target=_hold_table_lock, args=(held, release), daemon=True)
     locker.start()
     assert held.wait(30)
+    lease = 5
     child = subprocess.Popen(
         [python(), "-m", "tests.support.proc", "hold", "--task", "tests.wire.hang", "--log",
-         str(scratch / "log"), "--seconds", "0", "--lease", "5"],
+         str(scratch / "log"), "--seconds", "0", "--lease", str(lease)],
         env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _, err = child.communicate(timeout=30)
+        # Bounded: a claim that outlasts two of its leases hangs its caller (a renewal is
+        # bounded by its lease the same way).
+        _, err = child.communicate(timeout=2 * lease)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate(timeout=10)
