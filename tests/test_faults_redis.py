@@ -311,7 +311,9 @@ postgres_only = pytest.mark.skipif(
 
 
 def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
-    """Kill the server backend that waits on a lock running a statement like ``pattern``."""
+    """Kill the server backend that waits on a lock running a statement like ``pattern``.
+
+    Of this test database only: the version matrix's pass runs beside this one."""
     from django.db import connections
 
     deadline = time.monotonic() + timeout
@@ -319,7 +321,7 @@ def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
         while time.monotonic() < deadline:
             cursor.execute(
                 "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE %s AND pid <> pg_backend_pid()",
+                "AND datname = current_database() AND query LIKE %s AND pid <> pg_backend_pid()",
                 [pattern],
             )
             pids = [row[0] for row in cursor.fetchall()]
@@ -337,7 +339,7 @@ def _waiting(pattern: str) -> bool:
     with connections["default"].cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query LIKE %s AND pid <> pg_backend_pid()",
+            "AND datname = current_database() AND query LIKE %s AND pid <> pg_backend_pid()",
             [pattern],
         )
         return bool(cursor.fetchone()[0])
