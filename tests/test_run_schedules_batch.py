@@ -32,7 +32,7 @@ from django_taskguard.scheduler import Scheduler
 from .support.children import python
 from .support.tcp_proxy import TcpProxy
 from .support.waiting import wait_for
-from .test_run_schedules import executions, schedule_env
+from .test_run_schedules import schedule_env, slots_run
 
 PATHS = [pytest.param([], id="batch"), pytest.param(["--no-batch"], id="one-by-one")]
 
@@ -84,7 +84,7 @@ def test_run_schedules__more_due_than_workers__every_body_starts_within_its_leas
     assert Counter(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED: 30}, [
         (run.task_name, run.state, run.error) for run in runs if run.state != "succeeded"
     ]
-    ran = Counter(task for task, at in executions(log) if at == slot)
+    ran = Counter(task for task, at in slots_run(log) if at == slot)
     assert ran == {f"tests.busy.{n}": 1 for n in range(30)}
 
 
@@ -134,7 +134,7 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
         scratch / "a.out",
     )  # fmt: skip
     try:
-        wait_for(lambda: executions(log), 60, "the first bodies")
+        wait_for(lambda: slots_run(log), 60, "the first bodies")
         copy.send_signal(signal.SIGTERM)
         signalled = time.time()
         assert copy.wait(timeout=60) == 0, (scratch / "a.out").read_text()
@@ -142,7 +142,7 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
         if copy.poll() is None:
             copy.kill()
             copy.wait(10)
-    ran = Counter(task for task, _slot in executions(log))
+    ran = Counter(task for task, _slot in slots_run(log))
     runs = TaskRun.objects.filter(task_name__startswith="tests.queued.")
     assert not runs.filter(state=RunState.RUNNING).exists()
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
@@ -186,7 +186,7 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
             if copy.poll() is None:
                 copy.kill()
                 copy.wait(10)
-    ran = Counter(task for task, _slot in executions(log))
+    ran = Counter(task for task, _slot in slots_run(log))
     assert max(ran.values()) == 1
     lost = 30 - len(ran)
     in_flight = 2 + 2  # the killed copy's workers, and as many claims queued at most
@@ -368,7 +368,7 @@ def test_run_schedules__claim_reply_lost__read_back_and_run(child_env, scratch, 
     slot = max(TaskRun.objects.values_list("slot", flat=True))
     runs = TaskRun.objects.filter(task_name__startswith="tests.lost.", slot=slot)
     assert Counter(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED: 4}
-    assert Counter(task for task, at in executions(log) if at == slot) == {
+    assert Counter(task for task, at in slots_run(log) if at == slot) == {
         f"tests.lost.{n}": 1 for n in range(4)
     }
 
@@ -430,7 +430,7 @@ def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
         [python(), "-m", "tests.support.scheduler_child", "--stop-timeout", "120"], env, out
     )
     try:
-        wait_for(lambda: executions(log), 60, "the body started")
+        wait_for(lambda: slots_run(log), 60, "the body started")
         copy.send_signal(signal.SIGTERM)
         wait_for(lambda: "SIGTERM, no new fires" in out.read_text(), 30, "the stop logged")
         assert copy.poll() is None  # waiting for the 60 s body
@@ -452,7 +452,7 @@ def test_run_schedules_once__a_hung_body_is_waited_for_once_timeout_only(child_e
     assert once(env, out) == 0  # registers the schedule
     time.sleep(1.5)
     assert once(env, out, "--once-timeout", "3", timeout=120) == 1
-    assert executions(log), "the body never started"
+    assert slots_run(log), "the body never started"
     assert "calls still running after 3s" in out.read_text()
 
 

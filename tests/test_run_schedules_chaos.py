@@ -25,7 +25,7 @@ from django_taskguard.owner import Owner
 
 from .support.children import python
 from .support.waiting import wait_for
-from .test_run_schedules import executions, schedule_env
+from .test_run_schedules import schedule_env, slots_run
 from .test_run_schedules_batch import postgres_only, start
 
 
@@ -65,7 +65,7 @@ def test_run_schedules__chaos__every_due_slot_once_or_recorded_none_left_running
     )
     copies = [killed, stopped, cut]
     try:
-        wait_for(lambda: len(executions(log)) >= 200, 120, "the copies firing")
+        wait_for(lambda: len(slots_run(log)) >= 200, 120, "the copies firing")
         began = datetime.now().astimezone()
         at = time.monotonic()
 
