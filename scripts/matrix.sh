@@ -6,7 +6,7 @@
 # releases require Django below 6.1, and the package must work without it); "full" entries
 # add what the rest of the suite needs (prometheus-client, django-tasks-db). A venv is rebuilt only when pyproject.toml or its entry below changes (a stamp
 # file inside it); uv's cache (~/.cache/uv) makes a rebuild take seconds. Called by
-# scripts/test.sh; runs on its own too: `bash scripts/matrix.sh [NAME...]` (e.g. django61),
+# scripts/test.sh (django61 beside its PostgreSQL pass, django60 after); runs on its own too: `bash scripts/matrix.sh [NAME...]` (e.g. django61),
 # with PostgreSQL up (scripts/ensure-services.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."

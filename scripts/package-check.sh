@@ -54,7 +54,7 @@ for need in [
     "tests/__init__.py",
     "tests/conftest.py",
     "tests/settings.py",
-    "tests/urls.py",
+    "tests/support/urls.py",
     "django_taskguard/migrations/0001_initial.py",
 ]:
     if need not in sdist:

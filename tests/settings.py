@@ -2,7 +2,7 @@
 
 ``TASKGUARD_TEST_DB=postgres`` runs it on PostgreSQL (``TASKGUARD_PG_*`` to
 point elsewhere), ``TASKGUARD_TEST_DB=mariadb`` on a private MariaDB server the
-session starts (``tests/mariadb_server.py``); the default is an SQLite file, so
+session starts (``tests/support/mariadb_server.py``); the default is an SQLite file, so
 that the real processes the race tests start share one database. Child processes get the test
 database's name through ``TASKGUARD_TEST_DB_NAME``.
 """
@@ -55,7 +55,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
 ]
-ROOT_URLCONF = "tests.urls"
+ROOT_URLCONF = "tests.support.urls"
 STATIC_URL = "/static/"
 TEMPLATES = [
     {
@@ -93,7 +93,7 @@ if DB_KIND == "postgres":
         threshold = int(os.environ["TASKGUARD_TEST_PG_PREPARE"])
         DATABASES["default"]["OPTIONS"] = {"prepare_threshold": threshold}
 elif DB_KIND == "mariadb":
-    from tests import mariadb_server
+    from tests.support import mariadb_server
 
     # The session's private server (started here, once; children inherit its port).
     # TASKGUARD_TEST_MARIADB_ISOLATION: Django's default, "read committed", or
@@ -173,7 +173,7 @@ DATABASES["down"] = {
 DATABASES["unsupported"] = {"ENGINE": "django.db.backends.dummy"}
 # The same database under another alias: proves DATABASE_ALIAS is honoured everywhere.
 DATABASES["mirror"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
-DATABASE_ROUTERS = ["tests.routers.MigrateDefaultOnly"]
+DATABASE_ROUTERS = ["tests.support.routers.MigrateDefaultOnly"]
 
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
@@ -185,7 +185,7 @@ if os.environ.get("TASKGUARD_TEST_REDIS_URL"):
 TASKGUARD: dict[str, object] = {
     "BACKEND": os.environ.get("TASKGUARD_TEST_BACKEND", "database"),
     "REDIS_ALIAS": "redis",
-    # run_schedules children import the schedules of tests/schedule_jobs.py through it.
+    # run_schedules children import the schedules of tests/support/schedule_jobs.py through it.
     "SCHEDULE_MODULES": [
         module
         for module in os.environ.get("TASKGUARD_TEST_SCHEDULE_MODULES", "").split(",")

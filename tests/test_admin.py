@@ -16,7 +16,7 @@ from django.utils import timezone as dj_timezone
 
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
-from .runs import make_run
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHANGELIST = reverse("admin:taskguard_taskrun_changelist")
@@ -239,7 +239,7 @@ def overview_rows(client: Client) -> dict[str, str]:
 def test_overview__one_row_per_task_with_health_strip_and_links(operator):
     from datetime import timedelta
 
-    from .monitoring import due_slot, finished, schedule
+    from .support.monitoring import due_slot, finished, schedule
 
     minute = timedelta(minutes=1)
     slot = due_slot(minute)
@@ -273,7 +273,7 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
 
     from django_taskguard.models import TaskSchedule
 
-    from .monitoring import schedule
+    from .support.monitoring import schedule
 
     operator_user = User.objects.get(username="operator")
     operator_user.user_permissions.add(Permission.objects.get(codename="pause_taskschedule"))
@@ -308,7 +308,7 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
 def test_overview__pause_needs_its_permission_and_a_post(operator, viewer):
     from django_taskguard.models import TaskSchedule
 
-    from .monitoring import schedule
+    from .support.monitoring import schedule
 
     schedule("tests.nightly")
     assert 'value="pause"' not in overview_rows(operator)["tests.nightly"]  # no permission
@@ -326,7 +326,7 @@ def test_overview__query_count_does_not_grow_with_runs_or_tasks(
 ):
     from datetime import timedelta
 
-    from .monitoring import due_slot, finished, schedule
+    from .support.monitoring import due_slot, finished, schedule
 
     schedule("tests.sync", every=timedelta(minutes=1))
     slot = due_slot(timedelta(minutes=1))
@@ -350,7 +350,7 @@ def test_overview__unhealthy_first_then_a_page_of_healthy_tasks_and_a_link(opera
 
     from django_taskguard import overview
 
-    from .monitoring import due_slot, finished, schedule
+    from .support.monitoring import due_slot, finished, schedule
 
     monkeypatch.setattr(overview, "OVERVIEW_PAGE", 5)
     minute = timedelta(minutes=1)
@@ -409,7 +409,7 @@ def breadcrumbs_markup(html: str) -> str:
 
 
 def test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do(operator):
-    from .monitoring import schedule
+    from .support.monitoring import schedule
 
     User.objects.filter(username="operator").get().user_permissions.add(
         Permission.objects.get(codename="pause_taskschedule")

@@ -18,8 +18,8 @@ from django.contrib.auth.models import User
 
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import ROOT
-from .runs import make_run
+from .support import ROOT
+from .support.runs import make_run
 
 # "once": scripts/test.sh runs it in the PostgreSQL pass only.
 pytestmark = [pytest.mark.browser, pytest.mark.once, pytest.mark.django_db(transaction=True)]
@@ -205,7 +205,7 @@ def seed_overview() -> dict[str, TaskRun]:
     """Four tasks an operator would meet: healthy, failing, paused, and one with gaps."""
     from datetime import timedelta
 
-    from .monitoring import due_slot, finished, schedule
+    from .support.monitoring import due_slot, finished, schedule
 
     minute, five = timedelta(minutes=1), timedelta(minutes=5)
     schedule("billing.sync", every=minute, first_seen=due_slot(minute) - 40 * minute)

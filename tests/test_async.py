@@ -35,9 +35,11 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.registry import entries, unregister
 from django_taskguard.signals import duplicate_suppressed, run_started, run_succeeded
 
-from .conftest import counted_duplicates, python, wait_for
-from .redis_support import child_redis_env
-from .slots import BASE_SLOT
+from .support.children import python
+from .support.redis_support import child_redis_env
+from .support.runs import counted_duplicates
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 from .test_race import assert_raced, go_file, release
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -481,7 +483,7 @@ def test_async_race__processes_each_with_a_loop_of_tasks_run_each_slot_once(
     if backend == "redis":
         env = child_redis_env(child_env, request.getfixturevalue("redis_server"))
     log, task = scratch / "executions.log", f"tests.async_race.{backend}"
-    argv = [python(), "-m", "tests.proc", "async_race", "--task", task, "--log", str(log),
+    argv = [python(), "-m", "tests.support.proc", "async_race", "--task", task, "--log", str(log),
             "--slots", str(SLOTS), "--tasks", str(TASKS), "--go", str(go_file(log))]  # fmt: skip
     racers = [
         subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -509,7 +511,7 @@ def test_async_race__processes_each_with_a_loop_of_tasks_run_each_slot_once(
 
 @contextmanager
 def _redis(request: pytest.FixtureRequest) -> Iterator[None]:
-    from .redis_support import redis_backend
+    from .support.redis_support import redis_backend
 
     with redis_backend(request.getfixturevalue("redis_server")):
         yield

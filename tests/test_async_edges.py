@@ -23,7 +23,7 @@ from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.signals import run_started, run_succeeded
 
-from .conftest import wait_for
+from .support.waiting import wait_for
 from .test_async import SLOT, WAIT, in_thread, receiving
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -17,22 +17,24 @@ import pytest
 from django_taskguard.locks.keys import enqueue_key
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import RedisServer, python, wait_for
-from .redis_support import child_redis_env, command, redis_backend
+from .support.children import python
+from .support.redis_server import RedisServer
+from .support.redis_support import child_redis_env, command, redis_backend
+from .support.waiting import wait_for
 from .test_celery_e2e import Cluster, rabbitmq_url  # noqa: F401 (a fixture)
 
 # Enqueue de-duplication is decided in Redis before any row exists; the keyed claim the workers
 # make is proven on both databases by test_keyed.py. One pass (PostgreSQL) is enough here.
 pytestmark = pytest.mark.once
 
-CHARGE = "tests.celery_keyed_tasks.charge"
+CHARGE = "tests.support.celery_keyed_tasks.charge"
 QUEUE = "celery"  # the Redis broker's default queue: a list of messages
 
 
 def enqueue_from(env: dict[str, str], log: Path, processes: int, keys: int, ttl: float = 3600):
     """``processes`` real processes ``apply_once`` keys 0..keys-1 at the same moment."""
     start_at = time.time() + 3.0
-    argv = [python(), "-m", "tests.proc_keyed", "enqueue", "--log", str(log), "--keys",
+    argv = [python(), "-m", "tests.support.proc_keyed", "enqueue", "--log", str(log), "--keys",
             str(keys), "--start-at", str(start_at), "--ttl", str(ttl)]  # fmt: skip
     procs = [
         subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -149,8 +151,8 @@ def test_apply_once__real_workers_run_each_key_once_and_free_it(
 def test_apply_once__a_lost_message_blocks_its_key_no_longer_than_ttl(
     transactional_db, scratch, redis_server, tmp_path
 ):
-    from tests.celery_app import app
-    from tests.celery_keyed_tasks import charge
+    from tests.support.celery_app import app
+    from tests.support.celery_keyed_tasks import charge
 
     lock = RedisServer(tmp_path / "lock")
     lock.start()
@@ -170,7 +172,9 @@ def test_apply_once__a_lost_message_blocks_its_key_no_longer_than_ttl(
             assert json.loads(raw)["headers"]["expires"] is not None  # it lapses with it
             command(redis_server, "delete", QUEUE)  # the broker lost the message
             assert send() == first and queued_ids(redis_server) == []  # still blocked
-            wait_for(lambda: send() != first, 60, "the lost message's key to be free", every=1.0)
+            # The record's TTL runs out (Redis's expiry, brought forward: the bound is above).
+            command(lock, "pexpire", record, 1)
+            wait_for(lambda: send() != first, 60, "the lost message's key to be free", every=0.1)
             assert len(queued_ids(redis_server)) == 1
     finally:
         lock.stop()
@@ -193,7 +197,7 @@ def lock_redis(tmp_path) -> Iterator[RedisServer]:
 def publishing(broker: RedisServer, lock: RedisServer) -> Iterator[tuple[Any, str]]:
     """This process sends through ``broker`` with ``lock`` as the lock Redis: (a broker
     connection, the ledger's key prefix there)."""
-    from tests.celery_app import app
+    from tests.support.celery_app import app
 
     app.conf.broker_url = broker.url
     with redis_backend(lock) as backend, app.connection_for_write() as connection:
@@ -205,7 +209,7 @@ def test_apply_once__a_caller_chosen_task_id_does_not_defeat_the_de_duplication(
 ):
     # Before (item 3): the record held the chosen id, so a second call with the same id
     # read itself back as the holder, believed it had won, and published again.
-    from tests.celery_keyed_tasks import charge
+    from tests.support.celery_keyed_tasks import charge
 
     log = str(scratch / "x.log")
     with publishing(redis_server, lock_redis) as (connection, _):
@@ -225,7 +229,7 @@ def test_apply_once__a_delay_beyond_ttl_is_refused_at_the_call(
     from django.utils import timezone
 
     from django_taskguard.exceptions import TaskGuardError
-    from tests.celery_keyed_tasks import charge
+    from tests.support.celery_keyed_tasks import charge
 
     beyond = timedelta(hours=1, seconds=1)  # the default ttl is one hour
     delay = {"countdown": beyond.total_seconds()} if kind == "countdown" else {
@@ -245,10 +249,10 @@ def test_apply_once__a_message_that_expired_in_the_queue_is_recorded_and_frees_i
     child_env, scratch, redis_server, lock_redis
 ):
     # Before (item 2): the worker discarded it (expires=ttl): no row, no signal, no log.
-    from tests.celery_keyed_tasks import plain
+    from tests.support.celery_keyed_tasks import plain
 
     log = str(scratch / "x.log")
-    name = "tests.celery_keyed_tasks.plain"
+    name = "tests.support.celery_keyed_tasks.plain"
     cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
     try:
         with publishing(redis_server, lock_redis) as (connection, prefix):
@@ -278,10 +282,10 @@ def test_apply_once__a_retry_beyond_the_messages_expiry_is_refused_where_it_is_d
     # Before (review of issue 19): a retry keeps its message's expiry (apply_once's ttl,
     # from the first publish); a retry countdown beyond it was sent, expired in the queue
     # and was recorded "expired ... the workers were down or busy", which was untrue.
-    from tests.celery_keyed_tasks import once_retry_late
+    from tests.support.celery_keyed_tasks import once_retry_late
 
     log = scratch / "x.log"
-    name = "tests.celery_keyed_tasks.once_retry_late"
+    name = "tests.support.celery_keyed_tasks.once_retry_late"
     cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
     try:
         cluster.worker("w1")
@@ -304,10 +308,10 @@ def test_apply_once__a_refused_autoretry_ends_the_guarded_run_failed(
     # The guard records how the body ended before Celery's autoretry asks for the retry:
     # it asks OnceTask's rule too, so a retry that will be refused ends the run failed,
     # not retrying for a retry that never comes (which held the key until its deadline).
-    from tests.celery_keyed_tasks import guarded_retry_late
+    from tests.support.celery_keyed_tasks import guarded_retry_late
 
     log = scratch / "x.log"
-    name = "tests.celery_keyed_tasks.guarded_retry_late"
+    name = "tests.support.celery_keyed_tasks.guarded_retry_late"
     cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
     try:
         cluster.worker("w1")
@@ -329,10 +333,10 @@ def test_apply_once__a_retry_that_expired_says_so(child_env, scratch, redis_serv
     # Before (review of issue 19): an expired retry was recorded "the workers were down or
     # busy" (a plain Task has no retry hook to refuse the countdown; it is recorded true).
     from django_taskguard.contrib.celery import apply_once
-    from tests.celery_keyed_tasks import plain_retry_late
+    from tests.support.celery_keyed_tasks import plain_retry_late
 
     log = scratch / "x.log"
-    name = "tests.celery_keyed_tasks.plain_retry_late"
+    name = "tests.support.celery_keyed_tasks.plain_retry_late"
     cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
     try:
         cluster.worker("w1")
@@ -358,7 +362,7 @@ def test_apply_once__reject_requeue_keeps_the_key_taken_while_the_message_is_req
 ):
     # Before (item 4): task_postrun freed the record on Reject(requeue=True), so while the
     # requeued message ran a second apply_once published, and an unguarded body ran twice.
-    from tests.celery_keyed_tasks import requeued
+    from tests.support.celery_keyed_tasks import requeued
 
     log, gate = scratch / "r.log", scratch / "gate"
     cluster = Cluster(child_env, scratch, redis_server.url, lock_redis)
@@ -372,7 +376,7 @@ def test_apply_once__reject_requeue_keeps_the_key_taken_while_the_message_is_req
             again = requeued.apply_once(args, key="r:1", connection=connection).id
             assert again == first, "a second message was published while the first ran"
             gate.touch()
-            record = enqueue_key(prefix, "tests.celery_keyed_tasks.requeued", "r:1")
+            record = enqueue_key(prefix, "tests.support.celery_keyed_tasks.requeued", "r:1")
             wait_for(lambda: command(lock_redis, "exists", record) == 0, 30, "the key freed")
         assert [line.split()[0] for line in log.read_text().splitlines()] == ["reject", "run"]
     finally:
@@ -393,7 +397,7 @@ def test_apply_once__an_expiry_is_recorded_on_a_connection_the_server_closed(
 
     from django_taskguard.contrib.celery import enqueue
     from django_taskguard.contrib.celery.headers import ENQUEUE_HEADER
-    from tests.celery_keyed_tasks import plain
+    from tests.support.celery_keyed_tasks import plain
 
     if connection.vendor != "postgresql":
         pytest.skip("ends a server-side session with pg_terminate_backend")

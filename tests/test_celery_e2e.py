@@ -21,7 +21,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -34,16 +34,17 @@ from django_taskguard.guard import FINISHED
 from django_taskguard.locks.keys import claim_key
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
-from tests.conftest import RedisServer, python
-from tests.conftest import wait_for as poll
-from tests.redis_support import child_redis_env, guard_key, redis_backend
 
-from .slots import BASE_SLOT
+from .support.children import executions, python
+from .support.redis_server import RedisServer
+from .support.redis_support import child_redis_env, guard_key, redis_backend
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 
 # Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
 pytestmark = pytest.mark.once
 
-TICK = "tests.celery_tasks.tick"
+TICK = "tests.support.celery_tasks.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 PERSISTENT = "django_taskguard.contrib.celery:TaskguardScheduler"
 DATABASE = "django_taskguard.contrib.celery:TaskguardDatabaseScheduler"
@@ -74,7 +75,7 @@ class Cluster:
     def start(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen[bytes]:
         out = open(self.scratch / f"{name}.out", "ab")  # noqa: SIM115
         process = subprocess.Popen(
-            [python(), "-m", "celery", "-A", "tests.celery_app", *args],
+            [python(), "-m", "celery", "-A", "tests.support.celery_app", *args],
             env={**self.env, **extra_env, "TASKGUARD_TEST_ROLE": name},
             cwd=self.scratch,
             stdout=out,
@@ -158,7 +159,7 @@ class Cluster:
     ) -> str:
         """Send ``task`` for ``slot`` the way a taskguard beat does; return the task id
         (``task_id``: send it under this id, as a copy of an earlier message)."""
-        from tests.celery_app import app
+        from tests.support.celery_app import app
 
         app.conf.broker_url = self.broker_url
         headers = {SLOT_HEADER: slot.isoformat(), SCHEDULE_HEADER: schedule}
@@ -170,8 +171,8 @@ class Cluster:
 
     def events(self, kind: str) -> list[list[str]]:
         """Worker events of ``kind``, each ``[EVENT, TASK_ID, SLOT, REDELIVERED, DEFERRED,
-        PID, DETAIL]`` (see tests/celery_app.py)."""
-        return [line for line in lines(self.scratch / "events.log") if line[0] == kind]
+        PID, DETAIL]`` (see tests/support/celery_app.py)."""
+        return [line for line in executions(self.scratch / "events.log") if line[0] == kind]
 
     def lock_keys(self) -> dict[str, object]:
         """Every taskguard key left in the lock Redis, with its value."""
@@ -205,7 +206,7 @@ class Cluster:
 
     def describe(self) -> str:
         runs = list(TaskRun.objects.values_list("task_name", "state", "attempt", "duplicates"))
-        events = "\n".join(" ".join(line) for line in lines(self.scratch / "events.log"))
+        events = "\n".join(" ".join(line) for line in executions(self.scratch / "events.log"))
         outputs = "\n".join(f"--- {name}\n{self.output(name)[-12000:]}" for name in self.processes)
         return f"runs: {runs}\nevents:\n{events}\n{outputs}"
 
@@ -234,26 +235,10 @@ def cluster(child_env, scratch, redis_server, tmp_path, backend) -> Iterator[Clu
             lock.stop()
 
 
-def lines(path: Path) -> list[list[str]]:
-    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(
-    predicate: Callable[[], object], timeout: float, what: str, cluster: Cluster | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.25)
-    details = f"\n{cluster.describe()}" if cluster is not None else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{details}")
-
-
 def published(cluster: Cluster) -> list[tuple[str, datetime, str]]:
     return [
         (entry, datetime.fromisoformat(slot), role)
-        for entry, slot, role in lines(cluster.scratch / "published.log")
+        for entry, slot, role in executions(cluster.scratch / "published.log")
     ]
 
 
@@ -272,7 +257,9 @@ def assert_each_slot_ran_once(cluster: Cluster, log: Path, every: timedelta) -> 
     """Slots fired = slots succeeded, no gaps, 0 duplicate executions, duplicates counted."""
     cluster.fold_late_copies()  # copies that met a finished slot were counted in Redis
     sends = Counter((f"{TICK}[{entry}]", slot) for entry, slot, _ in published(cluster))
-    executed = Counter((name, datetime.fromisoformat(slot)) for _, name, slot, *_ in lines(log))
+    executed = Counter(
+        (name, datetime.fromisoformat(slot)) for _, name, slot, *_ in executions(log)
+    )
     assert executed, "nothing ran"
     assert max(executed.values()) == 1, f"duplicate executions: {executed.most_common(3)}"
     assert set(executed) == set(sends), "a fired slot did not run, or a run was never fired"
@@ -353,7 +340,7 @@ def test_e2e__two_workers_four_beats_every_slot_once(cluster, scratch, backend, 
         ),
         60,
         "every beat to publish",
-        cluster,
+        describe=cluster.describe,
     )
     time.sleep(window)
     for name in roles:
@@ -399,7 +386,12 @@ def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
     cluster.worker("w1")
     for name in beats:
         start(name)
-    wait_for(lambda: all(sent_by(n) >= 2 for n in beats), 60, "every beat to publish", cluster)
+    wait_for(
+        lambda: all(sent_by(n) >= 2 for n in beats),
+        60,
+        "every beat to publish",
+        describe=cluster.describe,
+    )
     for _ in range(2):
         for pair in (("file-beat1", "db-beat1"), ("file-beat2", "db-beat2")):
             before = {name: sent_by(name) for name in pair}
@@ -411,7 +403,7 @@ def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
                 lambda: all(sent_by(n) >= before[n] + 2 for n in pair),  # noqa: B023
                 60,
                 f"{pair} to publish after their restart",
-                cluster,
+                describe=cluster.describe,
             )
     for name in beats:
         cluster.stop(name)
@@ -422,8 +414,8 @@ def test_e2e__restarted_beats_do_not_resend_a_slot(cluster, scratch):
 
 
 def test_e2e__autoretry_twice_then_success_and_exhausted(cluster, scratch):
-    from tests import celery_tasks
-    from tests.celery_app import app
+    from tests.support import celery_tasks
+    from tests.support.celery_app import app
 
     log = scratch / "executions.log"
     cluster.worker("w1")
@@ -441,7 +433,9 @@ def test_e2e__autoretry_twice_then_success_and_exhausted(cluster, scratch):
         celery_tasks.explicit_retry.apply_async(
             kwargs={"log": str(log)}, headers=headers, connection=connection
         )
-    names = [f"tests.celery_tasks.{n}[ten]" for n in ("flaky", "hopeless", "explicit_retry")]
+    names = [
+        f"tests.support.celery_tasks.{n}[ten]" for n in ("flaky", "hopeless", "explicit_retry")
+    ]
     wait_for(lambda: TaskRun.objects.filter(task_name__in=names).count() == 3, 60, "the runs")
     drain(names, timeout=90)
     flaky, hopeless, explicit = (TaskRun.objects.get(task_name=n) for n in names)
@@ -449,9 +443,9 @@ def test_e2e__autoretry_twice_then_success_and_exhausted(cluster, scratch):
     assert (hopeless.state, hopeless.attempt) == (RunState.FAILED, 3)
     assert "attempt 3" in hopeless.error
     assert (explicit.state, explicit.attempt) == (RunState.SUCCEEDED, 2)
-    runs = Counter(name for _, name, *_ in lines(log))
+    runs = Counter(name for _, name, *_ in executions(log))
     assert runs == {names[0]: 3, names[1]: 3, names[2]: 2}
-    attempts = [line[3] for line in lines(log) if line[1] == names[0]]
+    attempts = [line[3] for line in executions(log) if line[1] == names[0]]
     assert attempts == ["1", "2", "3"]
 
 
@@ -461,7 +455,7 @@ def test_e2e__autoretry_twice_then_success_and_exhausted(cluster, scratch):
 def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
     cluster, scratch, on_stale, backend
 ):
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log = scratch / "executions.log"
     task = {"retry": celery_tasks.slow_retry, "abandon": celery_tasks.slow_abandon}[on_stale]
@@ -470,8 +464,8 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
     cluster.worker("w2")
     slot = BASE_SLOT + timedelta(hours=11)
     cluster.publish(task, slot, "slow", log=str(log), seconds=4)
-    wait_for(lambda: lines(log), 60, "the task to start")
-    started_pid = int(lines(log)[0][4])
+    wait_for(lambda: executions(log), 60, "the task to start")
+    started_pid = int(executions(log)[0][4])
     victim = cluster.owner_of(started_pid)
     assert victim is not None
     time.sleep(1.0)
@@ -486,10 +480,10 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{cluster.describe()}") from None
     run = TaskRun.objects.get(task_name=name)
-    events = [(line[0], int(line[4])) for line in lines(log)]
+    events = [(line[0], int(line[4])) for line in executions(log)]
     if on_stale == "retry":
-        wait_for(lambda: len(lines(log)) >= 3, 10, "the takeover to end")
-        events = [(line[0], int(line[4])) for line in lines(log)]
+        wait_for(lambda: len(executions(log)) >= 3, 10, "the takeover to end")
+        events = [(line[0], int(line[4])) for line in executions(log)]
         assert run.attempt == 2
         assert [e for e, _ in events] == ["start", "start", "end"]
         assert events[1][1] != started_pid
@@ -508,11 +502,11 @@ def test_e2e__worker_sigkilled_mid_task_is_redelivered_per_on_stale(
 # --- a redelivery that finds a live lease is put back, not acked ----------------------
 
 
-def executions(log: Path, name: str) -> list[tuple[str, int, int, int]]:
+def attempts_of(log: Path, name: str) -> list[tuple[str, int, int, int]]:
     """``(event, attempt, pid, fence)`` of every execution of ``name``, in order."""
     return [
         (event, int(attempt), int(pid), int(fence))
-        for event, task, _, attempt, pid, fence, _ in lines(log)
+        for event, task, _, attempt, pid, fence, _ in executions(log)
         if task == name
     ]
 
@@ -533,7 +527,7 @@ def test_e2e__redelivery_while_the_attempt_lives_is_put_back_then_counted_once(
     1 has succeeded it comes back and is the slot's one duplicate. With the Redis lock
     backend, the copy learns that the slot is busy from Redis alone (the database
     backend's path, from the row, runs in the next test)."""
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log, gate = scratch / "executions.log", scratch / "gate"
     name = f"{celery_tasks.gated.name}[gated]"
@@ -541,17 +535,27 @@ def test_e2e__redelivery_while_the_attempt_lives_is_put_back_then_counted_once(
     cluster.worker("w2")
     slot = BASE_SLOT + timedelta(hours=12)
     task_id = cluster.publish(celery_tasks.gated, slot, "gated", log=str(log), gate=str(gate))
-    wait_for(lambda: lines(log), 60, "attempt 1 to start", cluster)
-    wait_for(lambda: cluster.events("put-back"), 30, "the redelivered copy to be put back", cluster)
+    wait_for(lambda: executions(log), 60, "attempt 1 to start", describe=cluster.describe)
+    wait_for(
+        lambda: cluster.events("put-back"),
+        30,
+        "the redelivered copy to be put back",
+        describe=cluster.describe,
+    )
     # Attempt 1 still runs: nothing else ran, and the put-back copy is not a duplicate.
     run = TaskRun.objects.get(task_name=name)
     assert (run.state, run.attempt, run.duplicates) == (RunState.RUNNING, 1, 0)
     gate.touch()
-    wait_for(lambda: cluster.events("duplicate"), 30, "the put-back copy to return", cluster)
+    wait_for(
+        lambda: cluster.events("duplicate"),
+        30,
+        "the put-back copy to return",
+        describe=cluster.describe,
+    )
     drain([name])
 
-    ((_, owner_pid, fence),) = {(a, p, f) for _, a, p, f in executions(log, name)}
-    assert executions(log, name) == [("start", 1, owner_pid, fence), ("end", 1, owner_pid, fence)]
+    ((_, owner_pid, fence),) = {(a, p, f) for _, a, p, f in attempts_of(log, name)}
+    assert attempts_of(log, name) == [("start", 1, owner_pid, fence), ("end", 1, owner_pid, fence)]
     put_back = cluster.events("put-back")
     assert put_back[0][1:5] == [task_id, slot.isoformat(), "1", "0"], "not the redelivery"
     assert {int(e[5]) for e in put_back} & {owner_pid} == set()
@@ -580,7 +584,7 @@ def test_e2e__redelivery_of_a_killed_attempt_is_put_back_then_takes_over(cluster
     live. The redelivery is put back, and when it returns the lease has expired by the
     database clock: on_stale="retry" takes the slot over as attempt 2 with a new fence.
     (The Redis backend's put-back path runs in the test above.)"""
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log = scratch / "executions.log"
     name = f"{celery_tasks.gated_long_lease.name}[gated]"
@@ -592,19 +596,19 @@ def test_e2e__redelivery_of_a_killed_attempt_is_put_back_then_takes_over(cluster
     never = scratch / "never"  # attempt 1 waits for it until it is killed
     task = celery_tasks.gated_long_lease
     task_id = cluster.publish(task, slot, "gated", log=str(log), gate=str(never))
-    wait_for(lambda: lines(log), 60, "attempt 1 to start", cluster)
-    ((_, _, first_pid, first_fence),) = executions(log, name)
+    wait_for(lambda: executions(log), 60, "attempt 1 to start", describe=cluster.describe)
+    ((_, _, first_pid, first_fence),) = attempts_of(log, name)
     os.kill(first_pid, signal.SIGKILL)  # the pool child only: its worker lives on
     wait_for(
         lambda: TaskRun.objects.filter(task_name=name, state=RunState.SUCCEEDED).exists(),
         90,
         "the takeover to succeed",
-        cluster,
+        describe=cluster.describe,
     )
 
     run = TaskRun.objects.get(task_name=name)
-    (_, _, pid, fence), *_ = executions(log, name)[1:]
-    assert executions(log, name) == [
+    (_, _, pid, fence), *_ = attempts_of(log, name)[1:]
+    assert attempts_of(log, name) == [
         ("start", 1, first_pid, first_fence),
         ("start", 2, pid, fence),
         ("end", 2, pid, fence),
@@ -631,7 +635,7 @@ def test_e2e__redelivery_of_a_killed_attempt_is_put_back_then_takes_over(cluster
 # --- RabbitMQ ------------------------------------------------------------------------
 
 RABBITMQ = ("127.0.0.1", 5672)
-SLOW_RETRY = "tests.celery_tasks.slow_retry"
+SLOW_RETRY = "tests.support.celery_tasks.slow_retry"
 
 
 @pytest.fixture
@@ -694,15 +698,15 @@ def test_e2e__rabbitmq_worker_sigkilled_mid_slot_every_slot_once(rabbit_cluster,
     cluster.beat("beat2", PERSISTENT, schedule)
 
     def running_on_w1() -> str | None:
-        ended = {(line[2], line[3]) for line in lines(log) if line[0] == "end"}
-        for event, _, slot, attempt, pid, *_ in lines(log):
+        ended = {(line[2], line[3]) for line in executions(log) if line[0] == "end"}
+        for event, _, slot, attempt, pid, *_ in executions(log):
             live = event == "start" and (slot, attempt) not in ended
             if live and cluster.owner_of(int(pid)) == "w1":
                 return slot
         return None
 
     try:
-        victim = datetime.fromisoformat(poll(running_on_w1, 60, "w1 to run a slot", every=0.02))
+        victim = datetime.fromisoformat(wait_for(running_on_w1, 60, "w1 to run a slot", every=0.02))
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{cluster.describe()}") from None
     cluster.signal("w1", signal.SIGKILL)
@@ -712,7 +716,7 @@ def test_e2e__rabbitmq_worker_sigkilled_mid_slot_every_slot_once(rabbit_cluster,
         ).exists(),
         60,
         "the killed slot to be taken over",
-        cluster,
+        describe=cluster.describe,
     )
     time.sleep(2)  # one more slot on the surviving worker
     cluster.stop("beat1")
@@ -733,7 +737,7 @@ def test_e2e__rabbitmq_worker_sigkilled_mid_slot_every_slot_once(rabbit_cluster,
     assert set(runs) == set(sends) and len(sends) >= 4
     gaps = [b for a, b in itertools.pairwise(sorted(sends)) if b - a != timedelta(seconds=2)]
     assert not gaps, f"slots missing before {gaps}"
-    ran = [(e, datetime.fromisoformat(slot), int(a)) for e, _, slot, a, *_ in lines(log)]
+    ran = [(e, datetime.fromisoformat(slot), int(a)) for e, _, slot, a, *_ in executions(log)]
     ends = Counter(slot for e, slot, _ in ran if e == "end")
     assert ends == Counter(set(sends)), "a slot did not complete exactly once"
     for slot, run in runs.items():

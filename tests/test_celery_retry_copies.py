@@ -14,21 +14,21 @@ import pytest
 
 from django_taskguard.models import RunState, TaskRun
 
-from .slots import BASE_SLOT
+from .support.children import executions
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 from .test_celery_e2e import (  # noqa: F401 (fixtures)
     PERSISTENT,
     backend,
     cluster,
     drain,
-    lines,
     published,
-    wait_for,
 )
 
 pytestmark = pytest.mark.once
 
-FLAKY = "tests.celery_tasks.ha_flaky"
-HOPELESS = "tests.celery_tasks.ha_hopeless"
+FLAKY = "tests.support.celery_tasks.ha_flaky"
+HOPELESS = "tests.support.celery_tasks.ha_hopeless"
 
 
 @pytest.mark.parametrize("backend", ["database", "redis"])
@@ -42,7 +42,7 @@ def test_retry__a_second_copy_that_meets_the_retrying_row_is_a_duplicate(
     attempt 2 and then retried on its own, 5 executions where max_retries=2 allows 3.
     With the Redis lock backend too: a retrying slot holds no lock key, so the copy
     reaches the row and is counted there."""
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log = scratch / "executions.log"
     name = f"{celery_tasks.always_fails.name}[twice]"
@@ -55,7 +55,7 @@ def test_retry__a_second_copy_that_meets_the_retrying_row_is_a_duplicate(
         lambda: TaskRun.objects.filter(task_name=name, state=RunState.RETRYING).exists(),
         60,
         "attempt 1 to end retrying",
-        cluster,
+        describe=cluster.describe,
     )
     second = cluster.publish(celery_tasks.always_fails, slot, "twice", log=str(log))
     assert second != first
@@ -63,16 +63,16 @@ def test_retry__a_second_copy_that_meets_the_retrying_row_is_a_duplicate(
         lambda: TaskRun.objects.filter(task_name=name, duplicates=1).exists(),
         30,
         "the second copy to be counted",
-        cluster,
+        describe=cluster.describe,
     )
     wait_for(
         lambda: TaskRun.objects.filter(task_name=name, state=RunState.FAILED).exists(),
         60,
         "the retries to run out",
-        cluster,
+        describe=cluster.describe,
     )
     run = TaskRun.objects.get(task_name=name)
-    attempts = [line[3] for line in lines(log) if line[1] == name]
+    attempts = [line[3] for line in executions(log) if line[1] == name]
     assert attempts == ["1", "2", "3"], cluster.describe()
     assert (run.state, run.attempt, run.duplicates) == (RunState.FAILED, 3, 1)
     counted = run.transitions.filter(to_state=RunState.RUNNING).count()
@@ -88,7 +88,7 @@ def test_retry__a_stale_copy_of_the_message_that_asked_for_the_retry_is_a_duplic
     row ``retrying`` for that message's retry. Before, ``retry_by`` was the task id alone:
     the stale copy started attempt 2 early and began a second retry chain (more than 3
     executions where max_retries=2 allows 3)."""
-    from tests import celery_tasks
+    from tests.support import celery_tasks
 
     log = scratch / "executions.log"
     name = f"{celery_tasks.always_fails.name}[stale]"
@@ -101,7 +101,7 @@ def test_retry__a_stale_copy_of_the_message_that_asked_for_the_retry_is_a_duplic
         lambda: TaskRun.objects.filter(task_name=name, state=RunState.RETRYING).exists(),
         60,
         "attempt 1 to end retrying",
-        cluster,
+        describe=cluster.describe,
     )
     stale = cluster.publish(celery_tasks.always_fails, slot, "stale", first, log=str(log))
     assert stale == first
@@ -109,16 +109,16 @@ def test_retry__a_stale_copy_of_the_message_that_asked_for_the_retry_is_a_duplic
         lambda: TaskRun.objects.filter(task_name=name, state=RunState.FAILED).exists(),
         60,
         "the retries to run out",
-        cluster,
+        describe=cluster.describe,
     )
     wait_for(
         lambda: TaskRun.objects.filter(task_name=name, duplicates=1).exists(),
         30,
         "the stale copy to be counted",
-        cluster,
+        describe=cluster.describe,
     )
     run = TaskRun.objects.get(task_name=name)
-    attempts = [line[3] for line in lines(log) if line[1] == name]
+    attempts = [line[3] for line in executions(log) if line[1] == name]
     assert attempts == ["1", "2", "3"], cluster.describe()
     assert (run.state, run.attempt, run.duplicates) == (RunState.FAILED, 3, 1)
 
@@ -146,7 +146,12 @@ def test_retry__two_beats_two_workers_at_most_max_retries_plus_one_per_slot(clus
         sent = Counter((entry, role) for entry, _, role in published(cluster))
         return all(sent[(e, r)] >= times for e in schedule for r in ("beat1", "beat2"))
 
-    wait_for(lambda: both_sent(4), 120, "both beats to send four slots of each", cluster)
+    wait_for(
+        lambda: both_sent(4),
+        120,
+        "both beats to send four slots of each",
+        describe=cluster.describe,
+    )
     cluster.stop("beat1")
     cluster.stop("beat2")
     names = [f"{FLAKY}[ha-flaky]", f"{HOPELESS}[ha-hopeless]"]
@@ -161,8 +166,10 @@ def test_retry__two_beats_two_workers_at_most_max_retries_plus_one_per_slot(clus
             for task in (FLAKY if entry == "ha-flaky" else HOPELESS,)
         )
 
-    wait_for(counted, 60, "every copy the beats sent to be counted", cluster)
-    executed = Counter((name, datetime.fromisoformat(slot)) for _, name, slot, *_ in lines(log))
+    wait_for(counted, 60, "every copy the beats sent to be counted", describe=cluster.describe)
+    executed = Counter(
+        (name, datetime.fromisoformat(slot)) for _, name, slot, *_ in executions(log)
+    )
     runs = {(r.task_name, r.slot): r for r in TaskRun.objects.filter(task_name__in=names)}
     assert len(runs) >= 8 and len(sends) == len(runs)
     assert sum(n == 2 for n in sends.values()) >= 6, f"few slots had two copies: {sends}"
@@ -170,7 +177,7 @@ def test_retry__two_beats_two_workers_at_most_max_retries_plus_one_per_slot(clus
         assert executed[key] == 3, (key, executed[key], cluster.describe())
         final = RunState.SUCCEEDED if key[0] == names[0] else RunState.FAILED
         assert (run.state, run.attempt) == (final, 3), key
-        attempts = [int(line[3]) for line in lines(log) if (line[1], line[2]) == (
+        attempts = [int(line[3]) for line in executions(log) if (line[1], line[2]) == (
             key[0], key[1].isoformat())]  # fmt: skip
         assert attempts == [1, 2, 3], key
         entry = "ha-flaky" if key[0] == names[0] else "ha-hopeless"

@@ -16,8 +16,8 @@ from django_taskguard import once_per_schedule
 from django_taskguard.checks import check_settings
 from django_taskguard.models import TaskRun
 
-from .conftest import ROOT
-from .slots import BASE_SLOT
+from .support import ROOT
+from .support.slots import BASE_SLOT
 
 DJANGO_REDIS = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}
 LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}

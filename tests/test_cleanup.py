@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from io import StringIO
-from pathlib import Path
 
 import pytest
 from django.core.management import call_command
@@ -24,8 +21,10 @@ from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.owner import Owner, pid_space
 from django_taskguard.signals import run_abandoned
 
-from .conftest import free_port, python, wait_for
-from .runs import make_run
+from .support.children import hold, python
+from .support.redis_server import free_port
+from .support.runs import make_run
+from .support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 HOST = socket.gethostname()
@@ -164,28 +163,11 @@ def test_cleanup_locks__bad_arguments_are_refused():
         call_command("cleanup_locks", "--task", " ", stdout=StringIO())
 
 
-def hold(env: dict[str, str], log: Path, task: str, slot: int, seconds: float, lease: float):
-    proc = subprocess.Popen(
-        [python(), "-m", "tests.proc", "hold", "--task", task, "--log", str(log),
-         "--slot", str(slot), "--seconds", str(seconds), "--lease", str(lease)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60)  # a readline alone can hang
-    if not ready:
-        proc.kill()
-        _, err = proc.communicate(timeout=10)
-        raise AssertionError(f"the child did not start its body in 60 s: {err}")
-    line = proc.stdout.readline()
-    assert line, proc.stderr.read() if proc.stderr else "the child died"
-    return proc, json.loads(line)["started"]
-
-
 def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_env, scratch):
     log = scratch / "exec.log"
-    victim, run_id = hold(child_env, log, "tests.killed", 0, seconds=120, lease=2)
-    victim.send_signal(signal.SIGKILL)
-    victim.communicate(timeout=10)
+    victim = hold(child_env, log, "tests.killed", slot=0, seconds=120, lease=2)
+    run_id = victim.started()["started"]
+    victim.killed()
     wait_for(lambda: TaskRun.objects.stale().filter(pk=run_id).exists(), 30, "lease expiry")
 
     assert json.loads(command("--json"))["stale_runs"] == 1
@@ -194,10 +176,9 @@ def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_en
     (transition,) = abandon_transitions(run)
     assert "expired" in transition.reason
 
-    nxt, next_id = hold(child_env, log, "tests.killed", 1, seconds=0.2, lease=2)
-    out, err = nxt.communicate(timeout=60)
-    assert nxt.returncode == 0, err
-    assert json.loads(out.strip().splitlines()[-1]) == {"result": "done"}
+    nxt = hold(child_env, log, "tests.killed", slot=1, seconds=0.2, lease=2)
+    next_id = nxt.started()["started"]
+    assert nxt.outcome(timeout=60) == {"result": "done"}
     assert TaskRun.objects.get(pk=next_id).state == RunState.SUCCEEDED
     assert TaskRun.objects.get(pk=run_id).state == RunState.ABANDONED
 
@@ -205,7 +186,8 @@ def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_en
 def test_cleanup_locks__live_child_holding_its_lease_is_untouched(child_env, scratch):
     log = scratch / "exec.log"
     # A 4 s lease renewed every 1.3 s: a renewal may come 2.6 s late on a loaded machine.
-    owner, run_id = hold(child_env, log, "tests.alive", 0, seconds=10, lease=4)
+    owner = hold(child_env, log, "tests.alive", slot=0, seconds=10, lease=4)
+    run_id = owner.started()["started"]
     try:
         # Two lease lengths pass: the heartbeat keeps renewing, cleanup finds nothing.
         deadline = time.monotonic() + 8.5
@@ -213,12 +195,10 @@ def test_cleanup_locks__live_child_holding_its_lease_is_untouched(child_env, scr
             assert json.loads(command("--json"))["stale_runs"] == 0
             time.sleep(0.5)
         assert TaskRun.objects.get(pk=run_id).state == RunState.RUNNING
-        out, err = owner.communicate(timeout=60)
-        assert owner.returncode == 0, err
-        assert json.loads(out.strip().splitlines()[-1]) == {"result": "done"}
+        assert owner.outcome(timeout=60) == {"result": "done"}
     finally:
-        owner.kill()
-        owner.communicate(timeout=10)
+        if owner.process.poll() is None:
+            owner.killed()
     assert TaskRun.objects.get(pk=run_id).state == RunState.SUCCEEDED
     assert not abandon_transitions(TaskRun.objects.get(pk=run_id))
 

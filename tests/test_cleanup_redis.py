@@ -19,9 +19,10 @@ from django_taskguard.locks import Acquired, get_backend
 from django_taskguard.locks.redis import claim_key
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import python, wait_for
-from .redis_support import guard_key
-from .runs import BASE, make_run
+from .support.children import python
+from .support.redis_support import guard_key
+from .support.runs import BASE, make_run
+from .support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -149,7 +150,7 @@ def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
         # Between cleanup's UPDATE (no row yet) and its INSERT, a real caller on
         # the database path claims the slot, runs it and commits.
         if task_name == name and not children:
-            argv = [python(), "-m", "tests.proc", "hold", "--task", name, "--log",
+            argv = [python(), "-m", "tests.support.proc", "hold", "--task", name, "--log",
                     str(scratch / "x.log"), "--seconds", "0"]  # fmt: skip
             children.append(
                 subprocess.run(argv, env=child_env, capture_output=True, text=True, timeout=120)

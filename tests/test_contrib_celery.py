@@ -5,9 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import time
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -30,10 +28,11 @@ from django_taskguard.contrib.celery import (
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.testing import freeze_now
-from tests import celery_tasks
-from tests.celery_app import app
+from tests.support import celery_tasks
+from tests.support.celery_app import app
 
-from .slots import BASE_SLOT
+from .support.children import executions
+from .support.slots import BASE_SLOT
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
@@ -41,10 +40,6 @@ PARIS = ZoneInfo("Europe/Paris")
 
 def utc(*args: int) -> datetime:
     return datetime(*args, tzinfo=UTC)
-
-
-def executions(log: Path) -> list[list[str]]:
-    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
 
 
 # --- slots ---------------------------------------------------------------------------
@@ -130,7 +125,7 @@ def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
     beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat"), lazy=True)
     entry = TaskguardEntry(
         name="tick-2s",
-        task="tests.celery_tasks.tick",
+        task="tests.support.celery_tasks.tick",
         schedule=timedelta(seconds=2),
         app=app,
         options={"headers": {"mine": 1}},
@@ -198,7 +193,7 @@ def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transact
         )
     run = TaskRun.objects.get()
     assert (run.task_name, run.slot, run.state) == (
-        "tests.celery_tasks.tick[nine]",
+        "tests.support.celery_tasks.tick[nine]",
         slot,
         RunState.SUCCEEDED,
     )
@@ -227,7 +222,7 @@ def test_eager__no_slot_and_no_schedule_is_recorded_and_raised(eager, transactio
     with pytest.raises(TaskGuardError, match="no slot"):
         celery_tasks.unscheduled.delay(log=str(tmp_path / "log")).get()
     run = TaskRun.objects.get()
-    assert run.task_name == "tests.celery_tasks.unscheduled"
+    assert run.task_name == "tests.support.celery_tasks.unscheduled"
     assert run.state == RunState.SKIPPED
     assert "no slot" in run.error
     assert run.transitions.last().to_state == RunState.SKIPPED
@@ -274,7 +269,10 @@ def test_eager__guarded_function_called_from_a_task_keeps_its_own_identity(
     log = tmp_path / "log"
     celery_tasks.outer.apply_async(kwargs={"log": str(log)}, headers=slot_headers(BASE_SLOT))
     names = dict(TaskRun.objects.values_list("task_name", "state"))
-    assert names == {"tests.celery_tasks.outer[entry]": "succeeded", "tests.inner": "succeeded"}
+    assert names == {
+        "tests.support.celery_tasks.outer[entry]": "succeeded",
+        "tests.inner": "succeeded",
+    }
 
 
 def test_eager__beat_claim_lets_one_beat_publish_a_slot(
@@ -287,7 +285,7 @@ def test_eager__beat_claim_lets_one_beat_publish_a_slot(
     log = tmp_path / "log"
     entry_options = {
         "name": "tick-2s",
-        "task": "tests.celery_tasks.tick",
+        "task": "tests.support.celery_tasks.tick",
         "schedule": timedelta(seconds=2),
         "kwargs": {"log": str(log), "seconds": 0},
         "app": app,
@@ -320,9 +318,9 @@ def test_beat_claim__owner_and_key_are_the_ones_the_package_builds(transactional
     }
     taskguard = {"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
     with override_settings(CACHES=caches, TASKGUARD=taskguard):
-        claim = beat_claim("tests.celery_tasks.tick", "tick-2s", BASE_SLOT)
+        claim = beat_claim("tests.support.celery_tasks.tick", "tick-2s", BASE_SLOT)
         assert claim is not None and claim.key is not None
-        identity = task_identity("tests.celery_tasks.tick", "tick-2s")
+        identity = task_identity("tests.support.celery_tasks.tick", "tick-2s")
         assert claim.key == beat_key(redis_key_prefix(), identity, BASE_SLOT)
         owner = Owner.parse(claim.owner)
         assert owner is not None and owner.pid == os.getpid() and owner.same_pid_space()
@@ -345,16 +343,19 @@ def test_eager__beat_claim_sends_anyway_when_redis_is_down(
     ]
     entry = TaskguardEntry(
         name="tick-60s-down",
-        task="tests.celery_tasks.tick",
+        task="tests.support.celery_tasks.tick",
         schedule=timedelta(seconds=60),
         kwargs={"log": str(log), "seconds": 0},
         app=app,
     )
-    # Both sends must fall in one slot: never start within 20 s of a slot boundary.
-    if time.time() % 60 > 40:
-        time.sleep(60.5 - time.time() % 60)
-    with override_settings(
-        CACHES=caches, TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True}
+    # Both sends fall in one slot: the clock the beats stamp with stands mid-minute.
+    mid_minute = datetime.now(UTC).replace(second=30, microsecond=0)
+    with (
+        freeze_now(mid_minute),
+        override_settings(
+            CACHES=caches,
+            TASKGUARD={"BACKEND": "database", "REDIS_ALIAS": "redis", "BEAT_CLAIM": True},
+        ),
     ):
         sent = [beat.apply_async(entry, advance=False) for beat in beats]
     assert all(result is not None for result in sent)
@@ -376,7 +377,7 @@ def test_eager__beat_claim_is_given_back_when_the_publish_fails(
     log = tmp_path / "log"
     entry = TaskguardEntry(
         name="tick-2s-broker-down",
-        task="tests.celery_tasks.tick",
+        task="tests.support.celery_tasks.tick",
         schedule=timedelta(seconds=2),
         kwargs={"log": str(log), "seconds": 0},
         app=app,
@@ -388,7 +389,7 @@ def test_eager__beat_claim_is_given_back_when_the_publish_fails(
     def broken_publish(*args: object, **kwargs: object) -> None:
         raise ConnectionError("broker down")
 
-    task = app.tasks["tests.celery_tasks.tick"]
+    task = app.tasks["tests.support.celery_tasks.tick"]
     with override_settings(CACHES=caches, TASKGUARD=settings):
         task.apply_async = broken_publish  # an instance attribute: the publish fails
         try:

@@ -38,14 +38,14 @@ pytestmark = [
 ]
 SECOND = timedelta(seconds=1)
 MINUTE = timedelta(minutes=1)
-JOBS = {"TASKGUARD": {"BACKEND": "database", "SCHEDULE_MODULES": ["tests.djtasks_jobs"]}}
+JOBS = {"TASKGUARD": {"BACKEND": "database", "SCHEDULE_MODULES": ["tests.support.djtasks_jobs"]}}
 
 
 @pytest.fixture
 def jobs() -> Iterator[ModuleType]:
-    """tests/djtasks_jobs.py, freshly decorated; its schedules forgotten afterwards."""
+    """tests/support/djtasks_jobs.py, freshly decorated; its schedules forgotten afterwards."""
     before = set(registry.entries())
-    module = importlib.reload(importlib.import_module("tests.djtasks_jobs"))
+    module = importlib.reload(importlib.import_module("tests.support.djtasks_jobs"))
     module.executed.clear()
     yield module
     for name in set(registry.entries()) - before:

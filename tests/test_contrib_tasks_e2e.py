@@ -5,7 +5,7 @@ slot of the window runs exactly once, is enqueued exactly once, and has one succ
 Keyed tasks enqueued twice per key run once per key.
 
 Executions are counted outside the ledger: each appends a line to a log with O_APPEND
-(tests/djtasks_jobs.py).
+(tests/support/djtasks_jobs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from django.db import connections
 
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import python, wait_for
+from .support.children import executions, python
+from .support.waiting import wait_for
 
 if not find_spec("django_tasks_db") or connections["default"].vendor != "postgresql":
     pytest.skip("needs django-tasks-db and PostgreSQL", allow_module_level=True)
@@ -49,12 +50,6 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> list[int | None]:
     return [proc.wait(timeout=60) for proc in procs]
 
 
-def executions(log: Path) -> list[tuple[str, str]]:
-    if not log.exists():
-        return []
-    return [tuple(line.split()[:2]) for line in log.read_text().splitlines()]  # type: ignore[misc]
-
-
 def queue_left() -> int:
     from django_tasks_db.models import DBTaskResult
 
@@ -64,12 +59,12 @@ def queue_left() -> int:
 def test_run_schedules_enqueue__three_copies_two_db_workers_each_slot_once(child_env, scratch):
     from django_tasks_db.models import DBTaskResult
 
-    from tests import djtasks_jobs
+    from tests.support import djtasks_jobs
 
     log = scratch / "executions.log"
     env = {
         **child_env,
-        "TASKGUARD_TEST_SCHEDULE_MODULES": "tests.djtasks_jobs",
+        "TASKGUARD_TEST_SCHEDULE_MODULES": "tests.support.djtasks_jobs",
         "TASKGUARD_TEST_SCHEDULE_LOG": str(log),
         "TASKGUARD_TEST_TASKS_BACKEND": "db",
     }
@@ -82,7 +77,15 @@ def test_run_schedules_enqueue__three_copies_two_db_workers_each_slot_once(child
     for order_id in range(KEYS):
         for _ in range(2):
             djtasks_jobs.charge.using(backend="db").enqueue(order_id=order_id)
-    copy = ["-m", "tests.scheduler_child", "--enqueue", "--task", TICK, "--sweep-every", "1"]
+    copy = [
+        "-m",
+        "tests.support.scheduler_child",
+        "--enqueue",
+        "--task",
+        TICK,
+        "--sweep-every",
+        "1",
+    ]
     began = datetime.now(timezone.utc)
     copies = [start(env, scratch / f"copy{n}.out", *copy) for n in range(3)]
 
@@ -95,7 +98,7 @@ def test_run_schedules_enqueue__three_copies_two_db_workers_each_slot_once(child
     wait_for(lambda: queue_left() == 0, timeout=60, what="the workers to empty the queue")
     assert stop(workers) == [0, 0]
 
-    done = executions(log)
+    done = [(words[0], words[1]) for words in executions(log)]
     counts = Counter(done)
     assert set(counts.values()) == {1}, f"run twice: {[k for k, v in counts.items() if v > 1]}"
     assert sorted(key for task, key in done if task == CHARGE) == [
@@ -114,7 +117,7 @@ def test_run_schedules_enqueue__three_copies_two_db_workers_each_slot_once(child
     rows = TaskRun.objects.filter(task_name=TICK)
     assert {run.slot: run.state for run in rows} == dict.fromkeys(slots, RunState.SUCCEEDED)
     # One task per slot was enqueued, not one per copy: the pending row decided.
-    enqueued = DBTaskResult.objects.filter(task_path="tests.djtasks_jobs.tick")
+    enqueued = DBTaskResult.objects.filter(task_path="tests.support.djtasks_jobs.tick")
     assert enqueued.count() == len(slots)
     assert set(enqueued.values_list("status", flat=True)) == {"SUCCESSFUL"}
     keyed = TaskRun.objects.filter(task_name=CHARGE)

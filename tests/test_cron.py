@@ -207,6 +207,7 @@ def dst_day(rng: random.Random, zone: ZoneInfo) -> datetime:
     return at
 
 
+@pytest.mark.once  # computation alone, no database: the PostgreSQL pass runs it
 def test_cron__kept_walks_agree_with_a_fresh_computation():
     rng = random.Random(20)
     for _ in range(150):
@@ -241,6 +242,7 @@ def test_cron__a_walk_moved_past_the_start_by_another_question_still_gives_every
     assert walk.latest(now - timedelta(minutes=90)) == now - timedelta(minutes=90)
 
 
+@pytest.mark.once  # computation alone, no database: the PostgreSQL pass runs it
 def test_cron__two_threads_sharing_a_walk_get_the_fresh_answers():
     """The main loop (latest_slot, moving forward in jumps) and the sweeper (slots_between
     over long windows behind it) ask the same kept walk at once; every answer is the fresh
@@ -282,6 +284,7 @@ def test_cron__two_threads_sharing_a_walk_get_the_fresh_answers():
     assert wrong == [], wrong[:5]
 
 
+@pytest.mark.once  # computation alone, no database: the PostgreSQL pass runs it
 def test_cron__fresh_computation_matches_the_oracle_on_random_dst_days():
     rng = random.Random(9)
     for _ in range(40):

@@ -27,13 +27,13 @@ from django_taskguard.locks.redis import RedisLock
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.owner import Owner, host, pid_space
 
-from .redis_support import redis_caches
-from .runs import make_run
+from .support.redis_support import redis_caches
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "ledger"])
 
-ROUTED = ["tests.routers.LedgerRouter", "tests.routers.MigrateDefaultOnly"]
-UNROUTED = ["tests.routers.MigrateDefaultOnly"]
+ROUTED = ["tests.support.routers.LedgerRouter", "tests.support.routers.MigrateDefaultOnly"]
+UNROUTED = ["tests.support.routers.MigrateDefaultOnly"]
 
 
 @pytest.fixture(params=["no-router", "router"])

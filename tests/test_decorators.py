@@ -16,8 +16,8 @@ from django_taskguard.locks.base import run_key, task_digest
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.testing import freeze_now
 
-from .conftest import counted_duplicates
-from .slots import BASE_SLOT
+from .support.runs import counted_duplicates
+from .support.slots import BASE_SLOT
 
 SLOT = BASE_SLOT + timedelta(hours=21)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from .conftest import ROOT
+from .support import ROOT
 
 FAKE_REDIS = "#!/bin/sh\necho 'fake redis-server: cannot bind the port' >&2\nexit 1\n"
 

@@ -20,9 +20,12 @@ from django_taskguard.pauses import forget
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SECOND = timedelta(seconds=1)
-NEEDS_EXTRA = modify_settings(INSTALLED_APPS={"append": "tests.apps.needs_extra"})
-BROKEN = modify_settings(INSTALLED_APPS={"append": "tests.apps.broken"})
-MISSING = "tests.apps.needs_extra.tasks could not be imported (ModuleNotFoundError: No module named"
+NEEDS_EXTRA = modify_settings(INSTALLED_APPS={"append": "tests.support.apps.needs_extra"})
+BROKEN = modify_settings(INSTALLED_APPS={"append": "tests.support.apps.broken"})
+MISSING = (
+    "tests.support.apps.needs_extra.tasks could not be imported "
+    "(ModuleNotFoundError: No module named"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +53,7 @@ def test_discover__app_module_missing_dependency_named_and_skipped():
     found = registry.discover()
     assert "tests.discovery.job" in found
     [skipped] = registry.unimported()
-    assert skipped.module == "tests.apps.needs_extra.tasks"
+    assert skipped.module == "tests.support.apps.needs_extra.tasks"
     assert str(skipped).startswith(MISSING), str(skipped)
 
 
@@ -82,15 +85,17 @@ def test_commands__unknown_task_names_the_module_that_was_not_imported():
 def test_commands__app_module_that_raises_stops_the_scheduler_not_the_operator():
     for command in (("run_schedules", "--once"), ("backfill", "tests.discovery.job", "--from",
                     "2026-01-01T00:00Z", "--to", "2026-01-01T00:01Z")):  # fmt: skip
-        with pytest.raises(CommandError, match=r"tests\.apps\.broken\.jobs raised RuntimeError: "
-                           "this jobs module is broken"):  # fmt: skip
+        with pytest.raises(CommandError, match=r"tests\.support\.apps\.broken\.jobs raised "
+                           "RuntimeError: this jobs module is broken"):  # fmt: skip
             run(*command)
     _out, err = run("pause_task", "tests.discovery.job")
-    assert "tests.apps.broken.jobs raised RuntimeError: this jobs module is broken" in err
+    assert "tests.support.apps.broken.jobs raised RuntimeError: this jobs module is broken" in err
 
 
-TYPO = modify_settings(INSTALLED_APPS={"append": "tests.apps.typo"})
-TYPO_SAID = r"tests\.apps\.typo\.jobs could not be imported \(ImportError: cannot import name"
+TYPO = modify_settings(INSTALLED_APPS={"append": "tests.support.apps.typo"})
+TYPO_SAID = (
+    r"tests\.support\.apps\.typo\.jobs could not be imported \(ImportError: cannot import name"
+)
 RUNNERS = [
     ("run_schedules", "--once"),
     ("backfill", "tests.discovery.job", "--from", "2026-01-01T00:00Z", "--to", "2026-01-01T00:01Z"),
@@ -112,7 +117,7 @@ def test_runners__own_module_import_error_stops_and_forgets_what_it_half_registe
     command: tuple[str, ...],
 ):
     # The reviewer's reproduction: `first` registers, the import fails, `second` was saved.
-    store_schedule("tests.typo.second", "tests.apps.typo.jobs.second")
+    store_schedule("tests.typo.second", "tests.support.apps.typo.jobs.second")
     with pytest.raises(
         CommandError, match=TYPO_SAID + r".*tests\.typo\.first, tests\.typo\.second"
     ):
@@ -132,7 +137,7 @@ def test_runners__a_half_import_alone_says_the_module_declares_schedules():
 @NEEDS_EXTRA
 @pytest.mark.parametrize("command", RUNNERS, ids=["run_schedules", "backfill"])
 def test_runners__import_error_in_a_module_with_a_saved_schedule_stops(command: tuple[str, ...]):
-    store_schedule("tests.extra.job", "tests.apps.needs_extra.tasks.job")
+    store_schedule("tests.extra.job", "tests.support.apps.needs_extra.tasks.job")
     with pytest.raises(CommandError, match=r"needs_extra\.tasks could not be imported .*"
                        r"the schedules tests\.extra\.job,"):  # fmt: skip
         run(*command)
@@ -140,8 +145,10 @@ def test_runners__import_error_in_a_module_with_a_saved_schedule_stops(command: 
 
 @TYPO
 def test_operators__own_module_import_error_said_and_half_registered_entry_dropped():
-    store_schedule("tests.typo.second", "tests.apps.typo.jobs.second")
+    store_schedule("tests.typo.second", "tests.support.apps.typo.jobs.second")
     _out, err = run("pause_task", "tests.typo.second")
-    assert "tests.apps.typo.jobs could not be imported (ImportError: cannot import name" in err
+    assert (
+        "tests.support.apps.typo.jobs could not be imported (ImportError: cannot import name" in err
+    )
     assert "tests.typo.first" not in registry.entries()
     assert TaskSchedule.objects.get(task_name="tests.typo.second").paused

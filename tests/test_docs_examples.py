@@ -8,7 +8,7 @@ A fenced ``python`` block right after a ``<!-- docs-test: KIND -->`` line is run
   follows the page), inside a transactional test; names that stand for the user's own code
   come from the page's prelude below.
 
-Each page runs in a pytest session of its own (a child process, tests/inner_session.py),
+Each page runs in a pytest session of its own (a child process, tests/support/inner_session.py),
 on the database backend and on a private Redis: a user's project, with ``myapp.jobs`` as
 the docs describe it and ``TIME_ZONE = "Asia/Shanghai"``.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
-from .inner_session import run_session
+from .support import ROOT
+from .support.inner_session import run_session
 
 PAGES = ["docs/testing.md", "docs/decorators.md", "README.md"]
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)

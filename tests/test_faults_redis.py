@@ -1,6 +1,6 @@
 """Fault injection against the Redis backend: real processes, real signals, real servers.
 
-Every scenario counts executions with an unfenced O_APPEND log (``tests.proc.record``)
+Every scenario counts executions with an unfenced O_APPEND log (``tests.support.proc.record``)
 and checks the ledger; every child's stderr is checked for heartbeat crashes.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import statistics
 import subprocess
@@ -30,78 +29,27 @@ from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.signals import run_abandoned
 
-from .conftest import python
-from .proc import BASE_SLOT
-from .redis_support import child_redis_env, command, guard_key, redis_backend, unfinished_keys
+from .support.children import Child, executions, hold, python
+from .support.proc import BASE_SLOT
+from .support.redis_support import (
+    child_redis_env,
+    command,
+    guard_key,
+    redis_backend,
+    unfinished_keys,
+)
+from .support.waiting import wait_for
 from .test_race import assert_raced, release, start_racers, winners
 
 LEASE = 2.0
-
-
-class Child:
-    """One ``python -m tests.proc`` process."""
-
-    def __init__(self, env: dict[str, str], *args: str) -> None:
-        self.process = subprocess.Popen(
-            [python(), "-m", "tests.proc", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.stderr = ""
-
-    def started(self, timeout: float = 60.0) -> dict[str, object]:
-        """Wait for the first line the child prints (the body has started)."""
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        assert ready, "the child did not start its body in time"
-        line = self.process.stdout.readline()
-        assert line, f"the child exited early: {self.process.stderr.read()}"  # type: ignore[union-attr]
-        return dict(json.loads(line))
-
-    def signal(self, signum: int) -> None:
-        self.process.send_signal(signum)
-
-    def killed(self) -> None:
-        """SIGKILL the child (if it is still alive) and reap it."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        _, self.stderr = self.process.communicate(timeout=30)
-        assert self.process.returncode == -signal.SIGKILL
-
-    def outcome(self, timeout: float = 120.0) -> dict[str, object]:
-        out, self.stderr = self.process.communicate(timeout=timeout)
-        assert self.process.returncode == 0, self.stderr
-        assert_no_heartbeat_crash(self.stderr)
-        return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def assert_no_heartbeat_crash(stderr: str) -> None:
     assert "heartbeat crashed" not in stderr, stderr
 
 
-def hold(
-    env: dict[str, str],
-    log: Path,
-    task: str,
-    *,
-    lease: float,
-    seconds: float,
-    on_stale: str = "abandon",
-    slot: int = 0,
-) -> Child:
-    options = {"--task": task, "--log": str(log), "--lease": str(lease), "--seconds": str(seconds),
-               "--on-stale": on_stale, "--slot": str(slot)}  # fmt: skip
-    return Child(env, "hold", *[part for pair in options.items() for part in pair])
-
-
 def log_lines(log: Path) -> Counter[str]:
-    return (
-        Counter(line.split()[0] for line in log.read_text().splitlines())
-        if log.exists()
-        else Counter()
-    )
+    return Counter(words[0] for words in executions(log))
 
 
 def the_run(task: str) -> TaskRun:
@@ -110,13 +58,6 @@ def the_run(task: str) -> TaskRun:
 
 def states_path(run: TaskRun) -> list[str]:
     return [t.to_state for t in run.transitions.order_by("id")]
-
-
-def wait_for(predicate, timeout: float = 30.0, every: float = 0.05) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(every)
 
 
 def lease_over(task: str) -> bool:
@@ -370,7 +311,9 @@ postgres_only = pytest.mark.skipif(
 
 
 def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
-    """Kill the server backend that waits on a lock running a statement like ``pattern``."""
+    """Kill the server backend that waits on a lock running a statement like ``pattern``.
+
+    Of this test database only: the version matrix's pass runs beside this one."""
     from django.db import connections
 
     deadline = time.monotonic() + timeout
@@ -378,7 +321,7 @@ def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
         while time.monotonic() < deadline:
             cursor.execute(
                 "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE %s AND pid <> pg_backend_pid()",
+                "AND datname = current_database() AND query LIKE %s AND pid <> pg_backend_pid()",
                 [pattern],
             )
             pids = [row[0] for row in cursor.fetchall()]
@@ -396,7 +339,7 @@ def _waiting(pattern: str) -> bool:
     with connections["default"].cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query LIKE %s AND pid <> pg_backend_pid()",
+            "AND datname = current_database() AND query LIKE %s AND pid <> pg_backend_pid()",
             [pattern],
         )
         return bool(cursor.fetchone()[0])

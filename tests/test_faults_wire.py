@@ -1,6 +1,6 @@
 """Real faults on the wire and in the database, for the branches the guarantees rely on.
 
-- A reply that never comes back (``tests.tcp_proxy``): the acquire ran on Redis, or
+- A reply that never comes back (``tests.support.tcp_proxy``): the acquire ran on Redis, or
   never reached it, and the caller cannot tell. It reads the key back.
 - The database refuses, is lost mid-run, or refuses renewals (a real trigger
   raising in the server, ``pg_terminate_backend`` on the renewing connection).
@@ -26,10 +26,18 @@ from django_taskguard.exceptions import LeaseLost
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import counted_duplicates, python, wait_for
-from .redis_support import child_redis_env, command, guard_key, redis_backend, unfinished_keys
-from .slots import BASE_SLOT
-from .tcp_proxy import TcpProxy
+from .support.children import python
+from .support.redis_support import (
+    child_redis_env,
+    command,
+    guard_key,
+    redis_backend,
+    unfinished_keys,
+)
+from .support.runs import counted_duplicates
+from .support.slots import BASE_SLOT
+from .support.tcp_proxy import TcpProxy
+from .support.waiting import wait_for
 
 SLOT = BASE_SLOT + timedelta(hours=5)
 UNDECIDED = "deciding on the database"  # the warning of an acquire settled as BYPASSED
@@ -139,8 +147,8 @@ def test_database_down__redis_won_the_claim_fails_the_key_is_released(
     with TcpProxy(int(database["PORT"] or 5432)) as proxy:
         env = {**child_redis_env(child_env, redis_server), "TASKGUARD_PG_PORT": str(proxy.port)}
         child = subprocess.Popen(
-            [python(), "-m", "tests.proc", "database_lost", "--task", task, "--log", str(log),
-             "--go", str(go)],
+            [python(), "-m", "tests.support.proc", "database_lost", "--task", task,
+             "--log", str(log), "--go", str(go)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
@@ -334,13 +342,16 @@ def test_database_hangs__the_caller_gets_a_clear_error_in_bounded_time(child_env
     locker = threading.Thread(target=_hold_table_lock, args=(held, release), daemon=True)
     locker.start()
     assert held.wait(30)
+    lease = 5
     child = subprocess.Popen(
-        [python(), "-m", "tests.proc", "hold", "--task", "tests.wire.hang", "--log",
-         str(scratch / "log"), "--seconds", "0", "--lease", "5"],
+        [python(), "-m", "tests.support.proc", "hold", "--task", "tests.wire.hang", "--log",
+         str(scratch / "log"), "--seconds", "0", "--lease", str(lease)],
         env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _, err = child.communicate(timeout=30)
+        # Bounded: a claim that outlasts two of its leases hangs its caller (a renewal is
+        # bounded by its lease the same way).
+        _, err = child.communicate(timeout=2 * lease)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate(timeout=10)

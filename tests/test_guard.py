@@ -1,6 +1,6 @@
 """Guarded calls against real processes: takeover, fencing, on_stale, overlap, pauses.
 
-Children run ``python -m tests.proc tick`` (see ``tests/proc.py``): they log every
+Children run ``python -m tests.support.proc tick`` (see ``tests/support/proc.py``): they log every
 execution and every lease-checked tick to an O_APPEND file, which is the
 unfenced record of what really ran and when.
 """
@@ -43,9 +43,10 @@ from django_taskguard.signals import (
     run_succeeded,
 )
 
-from .conftest import counted_duplicates, python, wait_for
-from .proc import BASE_SLOT
-from .runs import PutBack, busy_call
+from .support.children import python
+from .support.proc import BASE_SLOT
+from .support.runs import PutBack, busy_call, counted_duplicates
+from .support.waiting import wait_for
 from .test_race import release
 
 LEASE = 3.0  # seconds; renewed every LEASE / 3 while the body runs
@@ -71,10 +72,10 @@ def read_log(log: Path) -> list[Line]:
 
 
 class Child:
-    """One ``tests.proc tick`` process."""
+    """One ``tests.support.proc tick`` process."""
 
     def __init__(self, env: dict[str, str], log: Path, task: str, **options: Any) -> None:
-        argv = [python(), "-m", "tests.proc", "tick", "--task", task, "--log", str(log)]
+        argv = [python(), "-m", "tests.support.proc", "tick", "--task", task, "--log", str(log)]
         for name, value in options.items():
             argv += [f"--{name.replace('_', '-')}", str(value)]
         self.proc = subprocess.Popen(
@@ -622,7 +623,16 @@ def test_database_down__backend_unavailable_and_the_body_does_not_run(child_env,
     """
     log = scratch / "log"
     done = subprocess.run(
-        [python(), "-m", "tests.proc", "down", "--task", "tests.guard.down", "--log", str(log)],
+        [
+            python(),
+            "-m",
+            "tests.support.proc",
+            "down",
+            "--task",
+            "tests.guard.down",
+            "--log",
+            str(log),
+        ],
         env=child_env,
         capture_output=True,
         text=True,

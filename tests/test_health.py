@@ -18,9 +18,10 @@ from django.utils import timezone
 from django_taskguard import health
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import ROOT, python
-from .monitoring import DAY, due_slot, finished, schedule
-from .runs import make_run
+from .support import ROOT
+from .support.children import python
+from .support.monitoring import DAY, due_slot, finished, schedule
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 HEALTH = reverse("taskguard:health")

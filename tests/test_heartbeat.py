@@ -32,9 +32,9 @@ from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.signals import lease_lost
 
-from .conftest import wait_for
-from .redis_support import command, redis_backend
-from .slots import BASE_SLOT
+from .support.redis_support import command, redis_backend
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

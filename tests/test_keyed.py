@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
 from collections import Counter
@@ -24,8 +23,9 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.signals import run_failed, run_succeeded
 from django_taskguard.testing import freeze_now
 
-from .conftest import python, wait_for
-from .redis_support import child_redis_env, command, redis_backend
+from .support.children import Child, python
+from .support.redis_support import child_redis_env, command, redis_backend
+from .support.waiting import wait_for
 
 PROCESSES = 8
 KEYS = 500
@@ -298,7 +298,7 @@ def test_once_per_key__redis_marker_lasts_no_longer_than_keep(redis_server):
 
 def _race(env: dict[str, str], log: Path, task: str) -> list[dict[str, int]]:
     start_at = time.time() + 3.0  # every process imported Django and is waiting by then
-    argv = [python(), "-m", "tests.proc_keyed", "race", "--task", task, "--log", str(log),
+    argv = [python(), "-m", "tests.support.proc_keyed", "race", "--task", task, "--log", str(log),
             "--keys", str(KEYS), "--start-at", str(start_at)]  # fmt: skip
     racers = [
         subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -344,16 +344,12 @@ def test_once_per_key__8_processes_500_keys_each_runs_once_on_redis(
 
 
 def _hold(env: dict[str, str], log: Path, task: str, key: str, seconds: float, **opts: str):
+    """A ``proc_keyed hold`` child, once its body has started, and its run's id."""
     extra = [arg for name, value in opts.items() for arg in (f"--{name}", value)]
-    proc = subprocess.Popen(
-        [python(), "-m", "tests.proc_keyed", "hold", "--task", task, "--log", str(log),
-         "--key", key, "--seconds", str(seconds), "--lease", "2", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, proc.stderr.read() if proc.stderr else "the child died"
-    return proc, json.loads(line)["started"]
+    child = Child(env, "hold", "--task", task, "--log", str(log), "--key", key,
+                  "--seconds", str(seconds), "--lease", "2", *extra,
+                  module="tests.support.proc_keyed")  # fmt: skip
+    return child, child.started()["started"]
 
 
 @pytest.mark.parametrize("backend", ["database", "redis"])
@@ -363,8 +359,7 @@ def test_once_per_key__sigkill_mid_run_then_cleanup_abandons_it(
     env = child_redis_env(child_env, redis_server) if backend == "redis" else child_env
     log = scratch / "exec.log"
     victim, run_id = _hold(env, log, "tests.keyed.killed", "k1", 120)
-    victim.send_signal(signal.SIGKILL)
-    victim.communicate(timeout=10)
+    victim.killed()
     wait_for(lambda: TaskRun.objects.stale().filter(pk=run_id).exists(), 30, "lease expiry")
     with redis_backend(redis_server, BACKEND=backend):
         out = StringIO()
@@ -382,7 +377,7 @@ def test_once_per_key__sigkill_mid_run_then_cleanup_abandons_it(
 def _hold_or_none(env: dict[str, str], log: Path, task: str, key: str, **opts: str):
     extra = [arg for name, value in opts.items() for arg in (f"--{name}", value)]
     out = subprocess.run(
-        [python(), "-m", "tests.proc_keyed", "hold", "--task", task, "--log", str(log),
+        [python(), "-m", "tests.support.proc_keyed", "hold", "--task", task, "--log", str(log),
          "--key", key, "--seconds", "0.2", "--lease", "2", *extra],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -393,8 +388,7 @@ def _hold_or_none(env: dict[str, str], log: Path, task: str, key: str, **opts: s
 def test_once_per_key__sigkill_mid_run_taken_over_once_under_retry(child_env, scratch):
     log = scratch / "exec.log"
     victim, run_id = _hold(child_env, log, "tests.keyed.retry", "k1", 120, **{"on-stale": "retry"})
-    victim.send_signal(signal.SIGKILL)
-    victim.communicate(timeout=10)
+    victim.killed()
     wait_for(lambda: TaskRun.objects.stale().filter(pk=run_id).exists(), 30, "lease expiry")
     first, _ = _hold_or_none(child_env, log, "tests.keyed.retry", "k1", **{"on-stale": "retry"})
     second, _ = _hold_or_none(child_env, log, "tests.keyed.retry", "k1", **{"on-stale": "retry"})
@@ -411,9 +405,9 @@ def test_once_per_key__redis_flushed_mid_run_no_second_run(child_env, redis_serv
     owner, run_id = _hold(env, log, "tests.keyed.flush", "k1", 8)
     command(redis_server, "flushall")  # mid-run: the body is sleeping
     late, _ = _hold_or_none(env, log, "tests.keyed.flush", "k1")
-    assert owner.poll() is None, "the flush and the late call did not land mid-run"
-    _, err = owner.communicate(timeout=60)
-    assert owner.returncode == 0, err
+    assert owner.process.poll() is None, "the flush and the late call did not land mid-run"
+    _, err = owner.process.communicate(timeout=60)
+    assert owner.process.returncode == 0, err
     assert late is None
     kinds = [line.split()[0] for line in log.read_text().splitlines()]
     assert kinds == ["start", "end"], "the key ran twice after the flush"

@@ -12,8 +12,8 @@ from django_taskguard import current_run, ledger, once_per_schedule
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
-from .conftest import wait_for
-from .slots import BASE_SLOT
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -25,8 +25,8 @@ from django_taskguard.locks.redis_scripts import FINISHED_MARKER, pack
 from django_taskguard.models import Ledger, RunState, TaskRun
 from django_taskguard.signals import duplicate_suppressed
 
-from .conftest import RedisServer, free_port, wait_for
-from .redis_support import (
+from .support.redis_server import RedisServer, free_port
+from .support.redis_support import (
     TlsRedisServer,
     checkout,
     command,
@@ -35,8 +35,9 @@ from .redis_support import (
     redis_caches,
     retries_of,
 )
-from .runs import PutBack, busy_call
-from .slots import BASE_SLOT
+from .support.runs import PutBack, busy_call
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 
 SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.lock", SLOT)

@@ -1,7 +1,7 @@
 """What is MariaDB's own: both isolation levels under the race, no deadlocks, the clock
 read as UTC, binary comparison of names and keys, the sequence of fences, the check.
 
-Runs with ``TASKGUARD_TEST_DB=mariadb`` (a private server, ``tests/mariadb_server.py``);
+Runs with ``TASKGUARD_TEST_DB=mariadb`` (a private server, ``tests/support/mariadb_server.py``);
 the check's version rule is tested everywhere.
 """
 
@@ -21,8 +21,9 @@ from django_taskguard import current_run, ledger, once_per_schedule
 from django_taskguard.ledger import backends
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import python, wait_for
-from .slots import BASE_SLOT
+from .support.children import python
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 from .test_race import race_each_slot_once
 
 mariadb_only = pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's own SQL")

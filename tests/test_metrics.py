@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import django_taskguard
 from django_taskguard.models import RunState
 
-from .monitoring import due_slot, finished, schedule
-from .runs import make_run
+from .support.monitoring import due_slot, finished, schedule
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 METRICS = reverse("taskguard:metrics")

@@ -25,8 +25,8 @@ from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
 from django_taskguard.schedules import IntervalSchedule
 
-from .conftest import wait_for
-from .monitoring import finished, schedule
+from .support.monitoring import finished, schedule
+from .support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SECOND = timedelta(seconds=1)

@@ -19,7 +19,7 @@ from django.utils import timezone
 from django_taskguard import health, ledger
 from django_taskguard.exceptions import NotMigrated
 
-from .conftest import ROOT
+from .support import ROOT
 
 # An existing database with no taskguard tables: a new SQLite file, or PostgreSQL's own
 # maintenance database "postgres" (only read: every query fails before touching anything).

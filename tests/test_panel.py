@@ -12,9 +12,9 @@ from django_taskguard.models import RunState, TaskRunTransition
 from django_taskguard.owner import token_of
 from django_taskguard.panel import why_not_running
 
-from .conftest import RedisServer
-from .redis_support import redis_backend
-from .runs import make_run
+from .support.redis_server import RedisServer
+from .support.redis_support import redis_backend
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MISSED_REASON = "missed: no instance claimed it within its grace (60s)"

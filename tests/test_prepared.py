@@ -12,7 +12,7 @@ from django.db import connection
 from django_taskguard import once_per_schedule
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
-from .proc import BASE_SLOT
+from .support.proc import BASE_SLOT
 
 pytestmark = pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL only")
 

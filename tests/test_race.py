@@ -10,7 +10,7 @@ from pathlib import Path
 
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import python
+from .support.children import python
 
 PROCESSES = 8
 SLOTS = 200
@@ -49,7 +49,7 @@ def start_racers(
 
     ``go=False``: the caller releases them (``release(racers, go_file(log))``).
     """
-    argv = [python(), "-m", "tests.proc", "race", "--task", task, "--log", str(log),
+    argv = [python(), "-m", "tests.support.proc", "race", "--task", task, "--log", str(log),
             "--slots", str(slots), "--go", str(go_file(log))]  # fmt: skip
     racers = [
         subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -16,8 +16,8 @@ from django_taskguard.endings import Ending
 from django_taskguard.guard import Policy
 from django_taskguard.models import DatabaseNow, RunState, TaskRun
 
-from .conftest import counted_duplicates
-from .slots import BASE_SLOT
+from .support.runs import counted_duplicates
+from .support.slots import BASE_SLOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -17,7 +17,7 @@ from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.retention import prune_runs
 
-from .runs import make_run
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

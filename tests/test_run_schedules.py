@@ -2,8 +2,8 @@
 disagree, copies killed and restarted under each catch-up policy.
 
 Executions are counted outside the ledger: every run of a body appends ``TASK SLOT PID
-TIME`` to a log file with O_APPEND (tests/schedule_jobs.py). A child's clock is moved
-with ``TASKGUARD_TEST_CLOCK_OFFSET`` (tests/scheduler_child.py replaces
+TIME`` to a log file with O_APPEND (tests/support/schedule_jobs.py). A child's clock is moved
+with ``TASKGUARD_TEST_CLOCK_OFFSET`` (tests/support/scheduler_child.py replaces
 ``django.utils.timezone.now`` in that process only; the database's clock is not moved).
 """
 
@@ -27,7 +27,8 @@ from django_taskguard import once_per_schedule, registry
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.registry import unregister
 
-from .conftest import python, wait_for
+from .support.children import executions, python
+from .support.waiting import wait_for
 
 SECOND = timedelta(seconds=1)
 
@@ -38,7 +39,7 @@ class Copy:
     def __init__(self, env: dict[str, str], out: Path, *args: str, **extra: str) -> None:
         self.out = out.open("ab")
         self.proc = subprocess.Popen(
-            [python(), "-m", "tests.scheduler_child", "--sweep-every", "1", *args],
+            [python(), "-m", "tests.support.scheduler_child", "--sweep-every", "1", *args],
             env={**env, **extra},
             stdout=self.out,
             stderr=subprocess.STDOUT,
@@ -59,18 +60,16 @@ class Copy:
 def schedule_env(child_env: dict[str, str], log: Path, prefix: str, **extra: str) -> dict[str, str]:
     return {
         **child_env,
-        "TASKGUARD_TEST_SCHEDULE_MODULES": "tests.schedule_jobs",
+        "TASKGUARD_TEST_SCHEDULE_MODULES": "tests.support.schedule_jobs",
         "TASKGUARD_TEST_SCHEDULE_LOG": str(log),
         "TASKGUARD_TEST_SCHEDULE_PREFIX": prefix,
         **extra,
     }
 
 
-def executions(log: Path) -> list[tuple[str, datetime]]:
-    if not log.exists():
-        return []
-    lines = [line.split() for line in log.read_text().splitlines()]
-    return [(task, datetime.fromisoformat(slot)) for task, slot, _pid, _at in lines]
+def slots_run(log: Path) -> list[tuple[str, datetime]]:
+    """``(task, slot)`` of every execution, in order (tests/support/schedule_jobs.py)."""
+    return [(task, datetime.fromisoformat(slot)) for task, slot, _pid, _at in executions(log)]
 
 
 def slots_between(first: datetime, last: datetime) -> list[datetime]:
@@ -89,10 +88,10 @@ def test_run_schedules__three_copies_two_clocks_apart_run_each_slot_once(child_e
         Copy(env, scratch / "c.out", TASKGUARD_TEST_CLOCK_OFFSET="-1.5"),
     ]
     seconds = float(os.environ.get("TASKGUARD_SCHEDULER_TEST_SECONDS", "30"))
-    wait_for(lambda: len(executions(log)) >= 2 * seconds, timeout=seconds + 60, what="slots")
+    wait_for(lambda: len(slots_run(log)) >= 2 * seconds, timeout=seconds + 60, what="slots")
     assert [copy.stop() for copy in copies] == [0, 0, 0]
 
-    done = executions(log)
+    done = slots_run(log)
     counts = Counter(done)
     assert set(counts.values()) == {1}, f"run twice: {[k for k, v in counts.items() if v > 1]}"
     for task in ("tests.three.0", "tests.three.1"):
@@ -121,15 +120,15 @@ def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch,
     task = f"tests.kill-{catchup}.0"
     env = schedule_env(child_env, log, f"tests.kill-{catchup}", TASKGUARD_TEST_CATCHUP=catchup)
     first = [Copy(env, scratch / "a.out"), Copy(env, scratch / "b.out")]
-    wait_for(lambda: len(executions(log)) >= 2, timeout=60, what="two slots before the kill")
+    wait_for(lambda: len(slots_run(log)) >= 2, timeout=60, what="two slots before the kill")
     for copy in first:
         copy.kill()
-    killed_after = max(slot for _, slot in executions(log))
+    killed_after = max(slot for _, slot in slots_run(log))
     # Nothing fires for a few slots (margin: at least 4 whole seconds).
     time.sleep(5)
     restarted = Copy(env, scratch / "c.out")
     wait_for(
-        lambda: max(slot for _, slot in executions(log)) > killed_after + 6 * SECOND,
+        lambda: max(slot for _, slot in slots_run(log)) > killed_after + 6 * SECOND,
         timeout=60,
         what="slots after the restart",
     )
@@ -141,7 +140,7 @@ def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch,
         )
     assert restarted.stop() == 0
 
-    done = sorted(slot for name, slot in executions(log) if name == task)
+    done = sorted(slot for name, slot in slots_run(log) if name == task)
     assert len(done) == len(set(done)), "a slot ran twice"
     after = [slot for slot in done if slot > killed_after]
     down = TaskRun.objects.filter(task_name=task, slot__gt=killed_after, slot__lt=after[0])
@@ -150,7 +149,7 @@ def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch,
         # Every slot of the gap runs once, in order (the log is in execution order).
         assert after == slots_between(after[0], after[-1])
         assert after[0] == killed_after + SECOND
-        in_order = [slot for name, slot in executions(log) if name == task]
+        in_order = [slot for name, slot in slots_run(log) if name == task]
         assert in_order == sorted(in_order)
         assert not [slot for slot, state in rows.items() if state == RunState.MISSED]
     else:
@@ -174,10 +173,10 @@ def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
         child_env, log, f"tests.term-{stop_timeout}", TASKGUARD_TEST_BODY_SECONDS="4"
     )
     copy = Copy(env, scratch / "a.out", "--stop-timeout", stop_timeout)
-    wait_for(lambda: len(executions(log)) >= 2, timeout=60, what="bodies started")
+    wait_for(lambda: len(slots_run(log)) >= 2, timeout=60, what="bodies started")
     signalled = datetime.now(timezone.utc)
     code = copy.stop()
-    done = executions(log)
+    done = slots_run(log)
     assert max(slot for _, slot in done) <= signalled, "a slot was fired after SIGTERM"
     states = set(TaskRun.objects.filter(task_name__startswith=f"tests.term-{stop_timeout}")
                  .values_list("state", flat=True))  # fmt: skip
@@ -205,7 +204,7 @@ def test_run_schedules__a_fast_copy_runs_no_slot_early_and_takes_none_from_on_ti
     refusals = TaskRun.objects.filter(task_name=task, transitions__to_state=RunState.SKIPPED)
     on_time = Copy(env, scratch / "on-time.out")
     try:
-        wait_for(lambda: len(executions(log)) >= 2, timeout=60, what="the on-time copy firing")
+        wait_for(lambda: len(slots_run(log)) >= 2, timeout=60, what="the on-time copy firing")
         fast = Copy(env, scratch / "fast.out", TASKGUARD_TEST_CLOCK_OFFSET="10")
         try:
             wait_for(lambda: refusals.count() >= 3, timeout=60, what="the fast copy's refusals")
@@ -213,7 +212,7 @@ def test_run_schedules__a_fast_copy_runs_no_slot_early_and_takes_none_from_on_ti
             assert fast.stop() == 0
         refused = set(refusals.values_list("slot", flat=True))
         wait_for(
-            lambda: refused <= {slot for _, slot in executions(log)},
+            lambda: refused <= {slot for _, slot in slots_run(log)},
             timeout=60,
             what="the refused slots run on time",
         )

@@ -29,9 +29,10 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.registry import Entry, entries, unregister
 from django_taskguard.scheduler import Scheduler
 
-from .conftest import python, wait_for
-from .tcp_proxy import TcpProxy
-from .test_run_schedules import executions, schedule_env
+from .support.children import python
+from .support.tcp_proxy import TcpProxy
+from .support.waiting import wait_for
+from .test_run_schedules import schedule_env, slots_run
 
 PATHS = [pytest.param([], id="batch"), pytest.param(["--no-batch"], id="one-by-one")]
 
@@ -45,7 +46,7 @@ def once(env: dict[str, str], out: Path, *args: str, timeout: float = 240) -> in
     """``run_schedules --once``: fire the latest slot of each schedule, wait, exit."""
     with out.open("ab") as sink:
         done = subprocess.run(
-            [python(), "-m", "tests.scheduler_child", "--once", *args],
+            [python(), "-m", "tests.support.scheduler_child", "--once", *args],
             env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, check=False,
         )  # fmt: skip
     return done.returncode
@@ -83,7 +84,7 @@ def test_run_schedules__more_due_than_workers__every_body_starts_within_its_leas
     assert Counter(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED: 30}, [
         (run.task_name, run.state, run.error) for run in runs if run.state != "succeeded"
     ]
-    ran = Counter(task for task, at in executions(log) if at == slot)
+    ran = Counter(task for task, at in slots_run(log) if at == slot)
     assert ran == {f"tests.busy.{n}": 1 for n in range(30)}
 
 
@@ -127,13 +128,13 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
     copy = start(
-        [python(), "-m", "tests.scheduler_child", "--max-workers", "2", "--stop-timeout", "20",
-         *path],
+        [python(), "-m", "tests.support.scheduler_child", "--max-workers", "2",
+         "--stop-timeout", "20", *path],
         _moved_on(env),
         scratch / "a.out",
     )  # fmt: skip
     try:
-        wait_for(lambda: executions(log), 60, "the first bodies")
+        wait_for(lambda: slots_run(log), 60, "the first bodies")
         copy.send_signal(signal.SIGTERM)
         signalled = time.time()
         assert copy.wait(timeout=60) == 0, (scratch / "a.out").read_text()
@@ -141,7 +142,7 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
         if copy.poll() is None:
             copy.kill()
             copy.wait(10)
-    ran = Counter(task for task, _slot in executions(log))
+    ran = Counter(task for task, _slot in slots_run(log))
     runs = TaskRun.objects.filter(task_name__startswith="tests.queued.")
     assert not runs.filter(state=RunState.RUNNING).exists()
     assert set(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED}
@@ -167,7 +168,7 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
     shifted = _moved_on(env)
-    command = [python(), "-m", "tests.scheduler_child", "--max-workers", "2", *path]
+    command = [python(), "-m", "tests.support.scheduler_child", "--max-workers", "2", *path]
     copies = {}
     for name in ("a", "b"):
         copy = start(command, shifted, scratch / f"{name}.out")
@@ -185,7 +186,7 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
             if copy.poll() is None:
                 copy.kill()
                 copy.wait(10)
-    ran = Counter(task for task, _slot in executions(log))
+    ran = Counter(task for task, _slot in slots_run(log))
     assert max(ran.values()) == 1
     lost = 30 - len(ran)
     in_flight = 2 + 2  # the killed copy's workers, and as many claims queued at most
@@ -367,7 +368,7 @@ def test_run_schedules__claim_reply_lost__read_back_and_run(child_env, scratch, 
     slot = max(TaskRun.objects.values_list("slot", flat=True))
     runs = TaskRun.objects.filter(task_name__startswith="tests.lost.", slot=slot)
     assert Counter(runs.values_list("state", flat=True)) == {RunState.SUCCEEDED: 4}
-    assert Counter(task for task, at in executions(log) if at == slot) == {
+    assert Counter(task for task, at in slots_run(log) if at == slot) == {
         f"tests.lost.{n}": 1 for n in range(4)
     }
 
@@ -386,7 +387,7 @@ def test_run_schedules__a_burst_of_signals_always_ends_the_process(child_env, sc
     the main thread held it deadlocked the copy)."""
     env = schedule_env(child_env, scratch / "log", "tests.burst")
     outs = [scratch / f"{n}.out" for n in range(4)]
-    command = [python(), "-m", "tests.scheduler_child", "--sweep-every", "1"]
+    command = [python(), "-m", "tests.support.scheduler_child", "--sweep-every", "1"]
     copies = [start(command, env, out) for out in outs]
     try:
         for out in outs:
@@ -425,9 +426,11 @@ def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
     log = scratch / "executions.log"
     env = schedule_env(child_env, log, "tests.twice", TASKGUARD_TEST_BODY_SECONDS="60")
     out = scratch / "a.out"
-    copy = start([python(), "-m", "tests.scheduler_child", "--stop-timeout", "120"], env, out)
+    copy = start(
+        [python(), "-m", "tests.support.scheduler_child", "--stop-timeout", "120"], env, out
+    )
     try:
-        wait_for(lambda: executions(log), 60, "the body started")
+        wait_for(lambda: slots_run(log), 60, "the body started")
         copy.send_signal(signal.SIGTERM)
         wait_for(lambda: "SIGTERM, no new fires" in out.read_text(), 30, "the stop logged")
         assert copy.poll() is None  # waiting for the 60 s body
@@ -449,7 +452,7 @@ def test_run_schedules_once__a_hung_body_is_waited_for_once_timeout_only(child_e
     assert once(env, out) == 0  # registers the schedule
     time.sleep(1.5)
     assert once(env, out, "--once-timeout", "3", timeout=120) == 1
-    assert executions(log), "the body never started"
+    assert slots_run(log), "the body never started"
     assert "calls still running after 3s" in out.read_text()
 
 

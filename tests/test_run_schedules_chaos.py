@@ -2,7 +2,7 @@
 one-second schedules with bodies of mixed length, one copy SIGKILLed, one SIGSTOPped past
 its lease, the database connections of the third terminated.
 
-Executions are counted outside the ledger (tests/schedule_jobs.py appends ``TASK SLOT PID
+Executions are counted outside the ledger (tests/support/schedule_jobs.py appends ``TASK SLOT PID
 TIME`` to a file with O_APPEND). ``TASKGUARD_SCHEDULER_CHAOS_SECONDS`` (default 60) is how
 long the chaos lasts; the test takes about 20 s more.
 """
@@ -23,8 +23,9 @@ from django.db import connection
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.owner import Owner
 
-from .conftest import python, wait_for
-from .test_run_schedules import executions, schedule_env
+from .support.children import python
+from .support.waiting import wait_for
+from .test_run_schedules import schedule_env, slots_run
 from .test_run_schedules_batch import postgres_only, start
 
 
@@ -49,14 +50,22 @@ def test_run_schedules__chaos__every_due_slot_once_or_recorded_none_left_running
         TASKGUARD_TEST_BODY_MIX=",".join(["1.5"] + ["0.3"] * 3 + ["0.05"] * 6 + ["0"] * 10),
         TASKGUARD_TEST_LEASE=str(lease),
     )  # fmt: skip
-    args = [python(), "-m", "tests.scheduler_child", "--sweep-every", "1", "--max-workers", "16"]
+    args = [
+        python(),
+        "-m",
+        "tests.support.scheduler_child",
+        "--sweep-every",
+        "1",
+        "--max-workers",
+        "16",
+    ]
     killed, stopped, cut = (
         start(args, {**env, "PGAPPNAME": f"{APP}-{name}"}, scratch / f"{name}.out")
         for name in ("killed", "stopped", "cut")
     )
     copies = [killed, stopped, cut]
     try:
-        wait_for(lambda: len(executions(log)) >= 200, 120, "the copies firing")
+        wait_for(lambda: len(slots_run(log)) >= 200, 120, "the copies firing")
         began = datetime.now().astimezone()
         at = time.monotonic()
 

@@ -153,7 +153,9 @@ def test_sync__cron_schedule_stored_and_rebuilt():
     assert (row.cron, row.every, row.cron_day_or) == ("30 2 * * 1", None, True)
 
 
-@override_settings(TASKGUARD={"BACKEND": "database", "SCHEDULE_MODULES": ["tests.schedule_jobs"]})
+@override_settings(
+    TASKGUARD={"BACKEND": "database", "SCHEDULE_MODULES": ["tests.support.schedule_jobs"]}
+)
 def test_discover__imports_schedule_modules():
     assert "tests.sched.0" in registry.discover()
 
@@ -164,7 +166,7 @@ def test_discover__missing_module_is_improperly_configured():
         registry.discover()
 
 
-@override_settings(TASKGUARD={"SCHEDULE_MODULES": "tests.schedule_jobs"})
+@override_settings(TASKGUARD={"SCHEDULE_MODULES": "tests.support.schedule_jobs"})
 def test_check_settings__schedule_modules_must_be_a_list():
     assert [e.id for e in check_settings()] == ["taskguard.E020"]
 

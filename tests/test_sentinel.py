@@ -22,8 +22,8 @@ from django_taskguard.locks import Acquired, run_key
 from django_taskguard.locks.redis import RedisLock, build_client, claim_key
 from django_taskguard.models import RunState, TaskRun
 
-from .conftest import RedisServer, wait_for
-from .redis_support import (
+from .support.redis_server import RedisServer
+from .support.redis_support import (
     SentinelSetup,
     checkout,
     guard_key,
@@ -32,7 +32,8 @@ from .redis_support import (
     sentinel_backend,
     unfinished_keys,
 )
-from .slots import BASE_SLOT
+from .support.slots import BASE_SLOT
+from .support.waiting import wait_for
 
 # Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
 pytestmark = pytest.mark.once

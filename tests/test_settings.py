@@ -21,7 +21,7 @@ from django_taskguard.checks import check_settings
 from django_taskguard.conf import DEFAULTS, taskguard_settings
 from django_taskguard.models import TaskRun
 
-from .slots import BASE_SLOT
+from .support.slots import BASE_SLOT
 
 LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 

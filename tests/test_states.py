@@ -31,10 +31,10 @@ from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from django_taskguard.signals import duplicate_suppressed
 from django_taskguard.states import GIVEN_BACK_TO, TRANSITIONS, check_transition
 
-from .monitoring import due_slot, finished, schedule
-from .redis_support import command, redis_backend
-from .runs import make_run
-from .slots import BASE_SLOT
+from .support.monitoring import due_slot, finished, schedule
+from .support.redis_support import command, redis_backend
+from .support.runs import make_run
+from .support.slots import BASE_SLOT
 
 S = RunState
 # The contract, spelled out independently of states.TRANSITIONS.

@@ -29,12 +29,12 @@ from django_taskguard.testing import (
     run_for_slot,
     runs_for,
 )
-from tests import celery_keyed_tasks, celery_tasks
+from tests.support import celery_keyed_tasks, celery_tasks
 
-from .conftest import ROOT
-from .inner_session import run_session
-from .redis_support import redis_backend
-from .slots import BASE_SLOT
+from .support import ROOT
+from .support.inner_session import run_session
+from .support.redis_support import redis_backend
+from .support.slots import BASE_SLOT
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")  # the tests' TIME_ZONE
@@ -117,9 +117,9 @@ def test_run_for_slot__a_celery_task_runs_as_a_worker_runs_its_message(taskguard
     assert run_for_slot(celery_tasks.tick, slot, str(log), seconds=0) == "ticked"
     assert run_for_slot(celery_tasks.tick, slot, str(log), seconds=0) is None
     run = assert_ran_once(celery_tasks.tick, slot)
-    assert (run.task_name, run.duplicates) == ("tests.celery_tasks.tick", 1)
+    assert (run.task_name, run.duplicates) == ("tests.support.celery_tasks.tick", 1)
     # The body saw the slot of the message, as current_run() tells it.
-    assert log.read_text().split()[1:3] == ["tests.celery_tasks.tick", slot.isoformat()]
+    assert log.read_text().split()[1:3] == ["tests.support.celery_tasks.tick", slot.isoformat()]
 
 
 def test_run_for_key__a_keyed_celery_task(taskguard, tmp_path):

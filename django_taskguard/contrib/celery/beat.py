@@ -20,6 +20,7 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedstate
 from celery.schedules import schedule as interval_schedule
 from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
 
 from ... import schedules
 from ...conf import taskguard_settings
@@ -156,7 +157,7 @@ class StampingMixin:
     ) -> Any:
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
-        stamped = self.stamp(entry, datetime.now(tz=UTC))
+        stamped = self.stamp(entry, timezone.now())  # the clock freeze_now moves
         slot = stamped.options["headers"].get(SLOT_HEADER)
         sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
         if slot is not None and sent.get(entry.name) == slot:

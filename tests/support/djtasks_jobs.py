@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 
 from django_taskguard import current_run, once_per_key, once_per_schedule
-from tests.proc import record
+from tests.support.proc import record
 
 try:
     from django.tasks import task

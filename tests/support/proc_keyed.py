@@ -1,6 +1,6 @@
-"""Child processes of the ``@once_per_key`` tests: ``python -m tests.proc_keyed SCENARIO``.
+"""Child processes of the ``@once_per_key`` tests: ``python -m tests.support.proc_keyed SCENARIO``.
 
-Like :mod:`tests.proc`: the database (and Redis) come from the environment
+Like :mod:`tests.support.proc`: the database (and Redis) come from the environment
 ``child_env`` builds, and every execution of a guarded body appends a line to
 ``--log`` with O_APPEND, counted outside the ledger.
 """
@@ -16,7 +16,7 @@ import time
 
 import django
 
-from tests.proc import record, wait_until
+from tests.support.proc import record, wait_until
 
 
 def race(args: argparse.Namespace) -> dict[str, int]:
@@ -61,12 +61,12 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
 
 
 def enqueue(args: argparse.Namespace) -> dict[str, object]:
-    """``apply_once`` keys 0..N-1 of ``tests.celery_keyed_tasks.charge`` in a shuffled
+    """``apply_once`` keys 0..N-1 of ``tests.support.celery_keyed_tasks.charge`` in a shuffled
     order (from ``--start-at``); report each key's task id."""
     from datetime import timedelta
 
-    from tests.celery_app import app
-    from tests.celery_keyed_tasks import charge
+    from tests.support.celery_app import app
+    from tests.support.celery_keyed_tasks import charge
 
     order = list(range(args.keys))
     random.Random(os.getpid()).shuffle(order)

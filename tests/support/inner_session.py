@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import ROOT, RedisServer
+from . import ROOT
+from .redis_server import RedisServer
 
 INI = """[pytest]
 DJANGO_SETTINGS_MODULE = {settings}

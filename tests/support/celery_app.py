@@ -1,6 +1,6 @@
 """The Celery app of the end-to-end tests, configured from the environment.
 
-``celery -A tests.celery_app worker|beat``; the tests set:
+``celery -A tests.support.celery_app worker|beat``; the tests set:
 TASKGUARD_TEST_BROKER_URL (a private redis-server, or an amqp:// URL with a
 private RabbitMQ vhost), TASKGUARD_TEST_VISIBILITY (the Redis broker's
 visibility_timeout), TASKGUARD_TEST_BEAT_SCHEDULE (JSON: {"entry": {"task":
@@ -24,7 +24,7 @@ from celery.signals import before_task_publish, task_retry
 from django.dispatch import receiver
 
 from django_taskguard.signals import duplicate_suppressed
-from tests.proc import record
+from tests.support.proc import record
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 django.setup()
@@ -43,7 +43,7 @@ REDIS_TRANSPORT_OPTIONS = {
     "unacked_restore_throttle": 1,
 }
 
-app = Celery("tests", include=["tests.celery_tasks", "tests.celery_keyed_tasks"])
+app = Celery("tests", include=["tests.support.celery_tasks", "tests.support.celery_keyed_tasks"])
 app.conf.update(
     broker_url=BROKER_URL,
     broker_transport_options=REDIS_TRANSPORT_OPTIONS if BROKER_URL.startswith("redis") else {},

@@ -13,7 +13,7 @@ from celery.exceptions import Reject
 
 from django_taskguard import current_run, once_per_key
 from django_taskguard.contrib.celery import OnceTask
-from tests.proc import record
+from tests.support.proc import record
 
 
 @shared_task(bind=True, base=OnceTask)

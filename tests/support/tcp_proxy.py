@@ -17,7 +17,7 @@ import socket
 import threading
 from typing import Any
 
-from .conftest import free_port
+from .redis_server import free_port
 
 
 class TcpProxy:

@@ -70,3 +70,22 @@ def busy_call(
 
     policy = guard.Policy(lease_seconds=lease)
     return guard.execute(task_name, slot, policy, lambda: "ran", (), {}, on_busy=on_busy)
+
+
+def counted_duplicates(task_name: str | None = None, slot: object = None) -> int:
+    """The duplicates of the (one) run, with those the lock Redis still holds folded in.
+
+    A call that loses in Redis is counted on a claim record (one round trip);
+    ``cleanup_locks`` folds those into the row. Under the database backend it
+    changes nothing.
+    """
+    from django_taskguard.cleanup import cleanup_locks
+    from django_taskguard.models import TaskRun
+
+    cleanup_locks()
+    runs = TaskRun.objects.all()
+    if task_name is not None:
+        runs = runs.filter(task_name=task_name)
+    if slot is not None:
+        runs = runs.filter(slot=slot)
+    return int(runs.get().duplicates)

@@ -1,6 +1,6 @@
 """Entry point of the real child processes the tests start.
 
-``python -m tests.proc SCENARIO [options]``; the database (and Redis, if any)
+``python -m tests.support.proc SCENARIO [options]``; the database (and Redis, if any)
 come from the environment that ``child_env`` builds. Every execution of a
 guarded body appends one line to ``--log`` with O_APPEND: an unfenced side
 effect that counts executions no matter what the ledger says.
@@ -18,7 +18,7 @@ from typing import Any
 
 import django
 
-from tests.slots import BASE_SLOT
+from tests.support.slots import BASE_SLOT
 
 
 def record(log: str, line: str) -> None:

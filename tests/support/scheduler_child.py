@@ -1,4 +1,4 @@
-"""``python -m tests.scheduler_child [run_schedules options]``: run_schedules in a child.
+"""``python -m tests.support.scheduler_child [run_schedules options]``: run_schedules in a child.
 
 ``TASKGUARD_TEST_CLOCK_OFFSET`` (seconds, may be negative) moves this process's clock:
 ``django.utils.timezone.now`` is replaced before the command starts, so the scheduler,

@@ -18,7 +18,8 @@ from django_taskguard.locks import get_backend
 from django_taskguard.locks.redis import RedisLock
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 
-from .conftest import RedisServer, free_port, wait_for, wait_until_serving
+from .redis_server import RedisServer, free_port, wait_until_serving
+from .waiting import wait_for
 
 
 def redis_caches(server: RedisServer, **options: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from django_taskguard import current_run, once_per_schedule
-from tests.proc import record
+from tests.support.proc import record
 
 LOG = os.environ.get("TASKGUARD_TEST_SCHEDULE_LOG", "")
 PREFIX = os.environ.get("TASKGUARD_TEST_SCHEDULE_PREFIX", "tests.sched")

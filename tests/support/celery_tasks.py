@@ -11,7 +11,7 @@ import time
 from celery import shared_task
 
 from django_taskguard import current_run, once_per_schedule
-from tests.proc import record
+from tests.support.proc import record
 
 
 def note(log: str, event: str) -> None:
