@@ -8,14 +8,12 @@ own query.
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.core.paginator import Paginator
-from django.db import connections
 from django.db.models import Min, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -68,10 +66,9 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
     @cached_property
     def count(self) -> int:
         queryset = self.object_list
-        if isinstance(queryset, QuerySet) and connections[queryset.db].vendor == "postgresql":
-            plan = json.loads(queryset.order_by().explain(format="json"))
-            estimate = int(plan[0]["Plan"]["Plan Rows"])
-            if estimate >= EXACT_COUNT_BELOW:
+        if isinstance(queryset, QuerySet):
+            estimate = ledger.estimated_count(queryset)
+            if estimate is not None and estimate >= EXACT_COUNT_BELOW:
                 return estimate
         return super().count
 

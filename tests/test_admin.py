@@ -437,3 +437,23 @@ def test_change_page__transition_times_have_seconds_zone_and_utc(operator):
 
     html = operator.get(change_url(run)).content.decode()
     assert timefmt.both(moment) in html  # e.g. 2026-11-26 20:03:07 CET (19:03:07 UTC)
+
+
+@pytest.mark.django_db
+def test_changelist_paginator__big_results_take_the_planners_estimate(monkeypatch):
+    from django_taskguard import admin as taskguard_admin
+    from django_taskguard import ledger
+
+    for n in range(3):
+        make_run("tests.paged", n)
+    queryset = TaskRun.objects.all()
+    estimate = ledger.estimated_count(queryset)
+    if connection.vendor == "postgresql":
+        assert isinstance(estimate, int)
+    else:  # no cheap estimate: the paginator counts
+        assert estimate is None
+    monkeypatch.setattr(taskguard_admin, "EXACT_COUNT_BELOW", 0)
+    paginator = taskguard_admin.EstimatedCountPaginator(queryset, 100)
+    assert paginator.count == (3 if estimate is None else estimate)
+    monkeypatch.setattr(taskguard_admin, "EXACT_COUNT_BELOW", 10**9)
+    assert taskguard_admin.EstimatedCountPaginator(queryset, 100).count == 3

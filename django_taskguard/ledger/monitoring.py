@@ -10,6 +10,7 @@ from typing import Any
 from django.db.models import Min
 
 from ..states import ENDED_STATES, RunState
+from .backends import backend_for
 from .core import aware, dialect, fetch_all, runs, slot_param, translated
 
 # -- monitoring: health, metrics and the admin's overview ---------------------------
@@ -154,3 +155,10 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
     for runs_of_task in found.values():
         runs_of_task.sort(key=lambda run: run.slot, reverse=True)
     return found
+
+
+@translated
+def estimated_count(queryset: Any) -> int | None:
+    """The planner's estimate of the rows of ``queryset`` (of ``TaskRun``, on any alias),
+    where its database gives one without counting them (PostgreSQL); None elsewhere."""
+    return backend_for(queryset.db).estimated_rows(queryset)

@@ -152,6 +152,11 @@ class Backend:
         the outcome is unknown, and reading the row back decides."""
         return True
 
+    def estimated_rows(self, queryset: Any) -> int | None:
+        """The planner's estimate of ``queryset``'s row count, where the database gives one
+        without counting (None: count them)."""
+        return None
+
     # -- claiming ----------------------------------------------------------------------
 
     @cached_property

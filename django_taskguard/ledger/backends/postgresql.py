@@ -4,6 +4,7 @@ from a sequence (migration 0002)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from functools import cached_property, lru_cache
 from typing import Any
@@ -134,6 +135,10 @@ class PostgreSQLBackend(Backend):
 
     def connection_lost(self, exc: Exception) -> bool:
         return True
+
+    def estimated_rows(self, queryset: Any) -> int | None:
+        plan = json.loads(queryset.order_by().explain(format="json"))
+        return int(plan[0]["Plan"]["Plan Rows"])
 
     # -- claiming: the upsert and its ``claimed`` transition, one statement ------------
 
