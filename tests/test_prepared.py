@@ -76,3 +76,40 @@ def test_django_default__nothing_prepared(prepare_threshold: None) -> None:
     """Django's default keeps connection poolers working: nothing prepared."""
     run_three_slots()
     assert prepared_statements() == []
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("prepare_threshold", [0, None], indirect=True)
+def test_prepared_claim__a_migration_retyping_a_returned_column_does_not_break_the_connection(
+    prepare_threshold: None,
+) -> None:
+    """A connection that prepared the claim, then a migration (another connection) that
+    changes the type of a column the claim returns: PostgreSQL refuses the prepared plan
+    ("cached plan must not change result type"); the ledger drops its prepared statements
+    and runs the claim again, on this call and on every later one."""
+    from django.db import connections
+
+    from django_taskguard import ledger
+
+    table = TaskRun._meta.db_table
+
+    def retype(length: int) -> None:
+        other = connections.create_connection("default")
+        try:
+            with other.cursor() as cursor:
+                cursor.execute(f"ALTER TABLE {table} ALTER COLUMN owner TYPE varchar({length})")
+        finally:
+            other.close()
+
+    first = ledger.claim("tests.retyped", SLOT, "o:1:a", 30.0, abandon_is_final=True)
+    assert first.owner == "o:1:a"
+    retype(300)
+    try:
+        for minute in (1, 2, 3):  # not once: every claim on this connection
+            slot = SLOT + timedelta(minutes=minute)
+            row = ledger.claim("tests.retyped", slot, f"o:1:{minute}", 30.0, abandon_is_final=True)
+            assert (row.owner, row.state) == (f"o:1:{minute}", RunState.RUNNING)
+    finally:
+        connection.close()
+        retype(TaskRun._meta.get_field("owner").max_length or 255)
+    assert TaskRun.objects.filter(task_name="tests.retyped").count() == 4

@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property, lru_cache
 from typing import Any
 
+from django.db import NotSupportedError
+
 from .base import Backend, Params, Values, fetch_all, one
 from .fragments import (
     CLAIM_STATES,
@@ -52,6 +54,21 @@ def one_prepared(connection: Any, statement: str, params: Params) -> Values | No
     if Psycopg3Connection is None or not isinstance(connection.connection, Psycopg3Connection):
         return one(connection, statement, params)
     connection.validate_thread_sharing()
+    try:
+        return _server_bound(connection, statement, params)
+    except NotSupportedError:
+        # "cached plan must not change result type": a migration retyped a column the
+        # statement returns since this connection prepared it. Nothing ran. In a
+        # transaction, its rollback drops psycopg's prepared statements; in autocommit
+        # nothing would, for the connection's life: drop them here and run it again.
+        if connection.in_atomic_block:
+            raise
+        with connection.cursor() as cursor:
+            cursor.execute("DEALLOCATE ALL")  # psycopg forgets its own names too
+        return _server_bound(connection, statement, params)
+
+
+def _server_bound(connection: Any, statement: str, params: Params) -> Values | None:
     raw: Any = ServerBindingCursor(connection.connection)  # django-stubs: a CursorWrapper
     with connection.make_cursor(raw) as cursor:
         cursor.execute(statement, params)
