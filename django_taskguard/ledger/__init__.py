@@ -1,11 +1,13 @@
 """The run ledger: the only code that reads or writes ``TaskRun`` and ``TaskRunTransition``.
 
 Every function takes values and uses the database named by
-``TASKGUARD["DATABASE_ALIAS"]``; the SQL is in :mod:`.sql`, named. State
+``TASKGUARD["DATABASE_ALIAS"]``; the SQL is in :mod:`.backends`, one module per
+database. State
 changes are checked against ``states.TRANSITIONS`` and compare-and-set on the
 row as it was read (its state, and its fence for an owner's write, and its
 lease by the database's clock where asked), so a stale writer changes
-nothing; each is written with its transition rows in one transaction.
+nothing; each is written with its transition rows in one atomic unit (one statement
+on PostgreSQL and MariaDB, one transaction on SQLite).
 
 Errors. Every maintenance read and write raises ``BackendUnavailable`` (``NotMigrated``
 when taskguard's tables are missing) through the one translator, :data:`translated`
