@@ -2,12 +2,12 @@
 
 Every function takes values and uses the database named by
 ``TASKGUARD["DATABASE_ALIAS"]``; the SQL is in :mod:`.backends`, one module per
-database. State
-changes are checked against ``states.TRANSITIONS`` and compare-and-set on the
-row as it was read (its state, and its fence for an owner's write, and its
-lease by the database's clock where asked), so a stale writer changes
+database. State changes are checked against ``states.TRANSITIONS`` and
+compare-and-set on the row as it was read (its state, and its fence for an owner's
+write, and its lease by the database's clock where asked), so a stale writer changes
 nothing; each is written with its transition rows in one atomic unit (one statement
-on PostgreSQL and MariaDB, one transaction on SQLite).
+on PostgreSQL; on MariaDB one compound statement, or the caller's transaction; one
+transaction on SQLite).
 
 Errors. Every maintenance read and write raises ``BackendUnavailable`` (``NotMigrated``
 when taskguard's tables are missing) through the one translator, :data:`translated`
