@@ -117,6 +117,30 @@ def test_keyed_call__older_migration_says_run_migrate_not_unreachable(kind, tmp_
     assert "run: manage.py migrate taskguard --database default" in done.stderr
 
 
+SLOT_CALL = """
+from datetime import timedelta
+from django.utils import timezone
+from django_taskguard import once_per_schedule
+
+@once_per_schedule(name="tests.old.report")
+def report():
+    return 1
+
+report.run_for_slot(timezone.now().replace(second=0, microsecond=0) - timedelta(hours=1))
+"""
+
+
+@pytest.mark.parametrize("kind", ["postgres"])
+def test_call__database_before_the_functions_says_run_migrate(kind, tmp_path, old_database):
+    """PostgreSQL migrated to 0012: no ``taskguard_claim_v1`` (ledger/functions.py) yet."""
+    migrated = manage(kind, tmp_path, "migrate", "taskguard", "0012", name=old_database)
+    assert migrated.returncode == 0, migrated.stderr
+    done = manage(kind, tmp_path, "shell", "-c", SLOT_CALL, name=old_database)
+    assert done.returncode != 0
+    said = "NotMigrated: 'tests.old.report' did not run: taskguard's tables are not in database"
+    assert said in done.stderr, done.stderr
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "statement",

@@ -63,8 +63,8 @@ def test_prepare_threshold__claim_and_finish_prepared_once_per_connection(
 ) -> None:
     run_three_slots()
     prepared = prepared_statements()
-    assert any(s.startswith("WITH u AS (INSERT INTO taskguard_taskrun") for s in prepared)
-    assert any(s.startswith("WITH u AS (UPDATE taskguard_taskrun") for s in prepared)
+    assert any(s.startswith("SELECT * FROM taskguard_claim_v1(") for s in prepared)
+    assert any(s.startswith("SELECT * FROM taskguard_end_attempt_v1(") for s in prepared)
     assert len(prepared) == len(set(prepared))  # three calls, each statement prepared once
     connection.close()  # a new connection has nothing prepared: none is shared
     assert prepared_statements() == []

@@ -131,7 +131,8 @@ def settle_connection() -> None:
 # its own statements, so such an error means taskguard's tables are missing or older than
 # this version (a database migrated to an earlier release): classified by the error's code,
 # not by the table's name in the message, which a column error or an alias (``AS r``) hides.
-NOT_MIGRATED_SQLSTATES = frozenset({"42P01", "42703"})  # PostgreSQL: undefined table, column
+# PostgreSQL: undefined table, column, function (the hot statements' functions, migration 0013)
+NOT_MIGRATED_SQLSTATES = frozenset({"42P01", "42703", "42883"})
 NOT_MIGRATED_ERRNOS = frozenset({1146, 1054})  # MariaDB/MySQL: no such table, unknown column
 NOT_MIGRATED_SQLITE = re.compile(r"no such table|no such column|has no column named")
 

@@ -4,8 +4,10 @@ from a sequence (migration 0002)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -16,6 +18,7 @@ from .fragments import (
     CLAIM_STATES,
     CLAIMED,
     CLAIMED_COLUMNS,
+    END_ATTEMPT,
     FENCE_SEQUENCE,
     TRANSITION,
     TRANSITION_COLUMNS,
@@ -31,23 +34,22 @@ except ImportError:  # psycopg2, or no PostgreSQL driver at all
 
 
 def one_prepared(connection: Any, statement: str, params: Params) -> Values | None:
-    """:func:`.base.one` for the hot statements (each returns rows): prepared by the server
-    where the project lets psycopg 3 prepare (``DATABASES[...]["OPTIONS"]["prepare_threshold"]``
-    not None; Django leaves it None so that connection poolers keep working).
+    """:func:`.base.one` for the hot statements (each returns rows), bound by the server
+    (psycopg 3), and prepared by it where the project lets psycopg prepare
+    (``DATABASES[...]["OPTIONS"]["prepare_threshold"]`` not None; Django leaves it None so
+    that connection poolers keep working).
 
-    Parsing and planning these statements cost as much as running them. Django's default
-    cursor binds parameters on the client, and psycopg never prepares what it sends that
-    way; so the statement goes through a server-binding cursor of psycopg's own on the same
+    The statement goes through a server-binding cursor of psycopg's own on the same
     connection, wrapped by Django as its cursors are (``execute_wrapper``, error
-    translation). psycopg prepares it once ``prepare_threshold`` runs have been seen, per
-    connection: a new connection prepares anew, nothing is shared between connections. A
-    connection that logs its queries (``DEBUG``, ``assertNumQueries``) runs them unprepared:
-    Django can show a client-bound statement's SQL, not a server-bound one's.
+    translation). With ``prepare_threshold`` None it is psycopg's unnamed statement (parse,
+    bind and execute in one batch of messages: nothing named is left on the connection,
+    safe through any pooler), its parameters apart from its text. With it set, psycopg
+    prepares the statement once that many runs have been seen, per connection: a new
+    connection prepares anew, nothing is shared between connections. A connection that
+    logs its queries (``DEBUG``, ``assertNumQueries``) binds on the client: Django can show
+    a client-bound statement's SQL, not a server-bound one's.
     """
-    if (
-        connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
-        or connection.queries_logged
-    ):
+    if connection.queries_logged:
         return one(connection, statement, params)
     connection.close_if_health_check_failed()
     connection.ensure_connection()
@@ -61,7 +63,8 @@ def one_prepared(connection: Any, statement: str, params: Params) -> Values | No
         # statement returns since this connection prepared it. Nothing ran. In a
         # transaction, its rollback drops psycopg's prepared statements; in autocommit
         # nothing would, for the connection's life: drop them here and run it again.
-        if connection.in_atomic_block:
+        prepares = connection.settings_dict["OPTIONS"].get("prepare_threshold") is not None
+        if connection.in_atomic_block or not prepares:
             raise
         with connection.cursor() as cursor:
             cursor.execute("DEALLOCATE ALL")  # psycopg forgets its own names too
@@ -135,6 +138,108 @@ READ_SLOT_MANY = (
 )
 
 
+@dataclass(frozen=True)
+class Function:
+    """A hot statement of the backend's as a PL/pgSQL function (migration 0013).
+
+    With Django's default ``OPTIONS`` every claim and finish sent as a data-modifying CTE
+    is parsed, analysed and planned anew, about as long as running it. A PL/pgSQL
+    function's statement is planned once per session and its plan kept (SPI's plan
+    cache), while its call is a plain ``SELECT * FROM name(...)``: nothing named is left on
+    the connection, so it is safe through any pooler. Its body is the backend's own
+    statement (``RETURN QUERY``), the statement's parameters made the function's
+    arguments and its states the names in ``states.py``: the SQL is written once.
+
+    Names carry a version, and a body is never changed in place: :data:`DIGESTS` holds
+    each version's, and ``tests/test_functions.py`` fails when the backend's statement
+    changes under a version that exists. A change adds ``_v2`` beside ``_v1`` in a new
+    migration (a rolling deploy's old code keeps calling its own), and a later release
+    drops ``_v1``. A database migrated to an earlier release has no function: the call
+    fails with ``undefined_function``, which the ledger reports as ``NotMigrated``.
+    """
+
+    name: str
+    arguments: tuple[tuple[str, str], ...]  # (name, type), in the call's order
+    returns: str
+    body: str
+
+    @property
+    def call(self) -> str:
+        """The statement that calls it: one ``%s`` per argument."""
+        return f"SELECT * FROM {self.name}({', '.join(['%s'] * len(self.arguments))})"
+
+    @property
+    def signature(self) -> str:
+        return ", ".join(f"{name} {kind}" for name, kind in self.arguments)
+
+    @property
+    def create(self) -> str:
+        return (
+            f"CREATE OR REPLACE FUNCTION {self.name}({self.signature}) RETURNS {self.returns} "
+            f"LANGUAGE plpgsql VOLATILE AS $taskguard${self.body}$taskguard$"
+        )
+
+    @property
+    def drop(self) -> str:
+        return f"DROP FUNCTION IF EXISTS {self.name}({self.signature})"
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.body.encode()).hexdigest()
+
+
+def quoted_states(states: Mapping[str, str]) -> dict[str, str]:
+    """States as SQL literals, for a function body (each a plain lowercase word)."""
+    assert all(state.isidentifier() and state.islower() for state in states.values())
+    return {name: f"'{state}'" for name, state in states.items()}
+
+
+# What a function returns: the hot paths' row (``ROW``), and for a claim its lease's
+# seconds left. Output names of their own: a body's column names must not meet them.
+RETURNED_ROW = (
+    "o_id bigint, o_state varchar, o_attempt integer, o_fence bigint, o_owner varchar, "
+    "o_lease_until timestamptz"
+)
+CLAIM_ARGUMENTS = (
+    ("p_task", "varchar"),
+    ("p_slot", "timestamptz"),
+    ("p_owner", "varchar"),
+    ("p_lease", "float8"),
+    ("p_count_live", "boolean"),
+    ("p_abandon_final", "boolean"),
+)
+# The argument each of a claim's named parameters becomes.
+CLAIM_NAMES = {
+    "task": "p_task",
+    "slot": "p_slot",
+    "key": "p_key",
+    "owner": "p_owner",
+    "lease": "p_lease",
+    "count_live": "p_count_live",
+    "abandon_is_final": "p_abandon_final",
+    **quoted_states(CLAIM_STATES),
+}
+# The end of a running attempt (``fragments.END_ATTEMPT``, fenced, one step): the
+# arguments in the order of :meth:`PostgreSQLBackend.change_logged`'s parameters.
+END_ATTEMPT_ARGUMENTS = (
+    ("p_state", "varchar"),
+    ("p_error", "text"),
+    ("p_duplicates", "integer"),
+    ("p_id", "bigint"),
+    ("p_expected", "varchar"),
+    ("p_fence", "bigint"),
+    ("p_actor", "varchar"),
+    ("p_reason", "text"),
+)
+END_ATTEMPT_UPDATE = (END_ATTEMPT, True, "", False)
+# Each function's body's digest, per version: a version's body never changes.
+DIGESTS = {
+    "taskguard_claim_v1": "013c467c46072e97aed3773ef8fd3b3dfda8d0cf4ddf971f1b618cfca3e72e2d",
+    "taskguard_claim_key_v1": "d1400934f5a0e8bfa7155454594db516b0e99b8cf285708c5b7acc3e5ec7656b",
+    "taskguard_end_attempt_v1": "bf149a537df5ef1d9faa395a266f0a56049e194983304fcdc6e2da5e3f05f57c",
+}
+
+
 class PostgreSQLBackend(Backend):
     vendor = "postgresql"
     writes_transitions_in_statement = True
@@ -176,10 +281,52 @@ class PostgreSQLBackend(Backend):
         return self.logged_claim(self.claim_key_statement)
 
     def claim(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
-        return one_prepared(connection, self.claim_logged, {**params, **CLAIM_STATES})
+        names = ("task", "slot", "owner", "lease", "count_live", "abandon_is_final")
+        arguments = [params[name] for name in names]
+        return one_prepared(connection, self.claim_function.call, arguments)
 
     def claim_key(self, connection: Any, params: Mapping[str, Any]) -> Values | None:
-        return one_prepared(connection, self.claim_key_logged, {**params, **CLAIM_STATES})
+        names = ("task", "slot", "key", "owner", "lease", "count_live", "abandon_is_final")
+        arguments = [params[name] for name in names]
+        return one_prepared(connection, self.claim_key_function.call, arguments)
+
+    # -- the hot statements as functions (:class:`Function`, migration 0013) ------------
+
+    @cached_property
+    def claim_function(self) -> Function:
+        return Function(
+            name="taskguard_claim_v1",
+            arguments=CLAIM_ARGUMENTS,
+            returns=f"TABLE ({RETURNED_ROW}, o_left numeric)",
+            body=f" BEGIN RETURN QUERY {self.claim_logged % CLAIM_NAMES}; END; ",
+        )
+
+    @cached_property
+    def claim_key_function(self) -> Function:
+        arguments = (*CLAIM_ARGUMENTS[:2], ("p_key", "varchar"), *CLAIM_ARGUMENTS[2:])
+        return Function(
+            name="taskguard_claim_key_v1",
+            arguments=arguments,
+            returns=f"TABLE ({RETURNED_ROW}, o_left numeric)",
+            body=f" BEGIN RETURN QUERY {self.claim_key_logged % CLAIM_NAMES}; END; ",
+        )
+
+    @cached_property
+    def end_attempt_function(self) -> Function:
+        # The one step's (from, to, reason, order): the expected state, the new one.
+        names = [name for name, _ in END_ATTEMPT_ARGUMENTS]
+        step = ("p_expected", "p_state", "p_reason", "0")
+        statement = self.change_logged(*END_ATTEMPT_UPDATE, 1) % (*names[:7], *step)
+        return Function(
+            name="taskguard_end_attempt_v1",
+            arguments=END_ATTEMPT_ARGUMENTS,
+            returns=f"TABLE ({RETURNED_ROW})",
+            body=f" BEGIN RETURN QUERY {statement}; END; ",
+        )
+
+    @cached_property
+    def functions(self) -> tuple[Function, ...]:
+        return (self.claim_function, self.claim_key_function, self.end_attempt_function)
 
     def claim_many(self, connection: Any, params: Mapping[str, Any]) -> list[Values] | None:
         return fetch_all(connection, self.claim_many_statement, {**params, **CLAIM_STATES})
@@ -237,6 +384,10 @@ class PostgreSQLBackend(Backend):
         steps: Sequence[tuple[str, str, str]],
         actor: str,
     ) -> Values | None:
+        if update == END_ATTEMPT_UPDATE and len(steps) == 1:  # a finish: its function
+            reason = steps[0][2]
+            arguments = [*params, actor, reason]
+            return one_prepared(connection, self.end_attempt_function.call, arguments)
         statement = self.change_logged(*update, len(steps))
         step_params = [p for n, step in enumerate(steps) for p in (*step, n)]
         return one_prepared(connection, statement, [*params, actor, *step_params])
