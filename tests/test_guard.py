@@ -655,8 +655,8 @@ def test_database_down__backend_unavailable_and_the_body_does_not_run(child_env,
 def test_duplicate_call__is_one_database_statement(lock_backend):
     """A call that finds its slot taken costs one statement: the upsert (none on Redis).
 
-    PostgreSQL: exactly one query (the ``INSERT .. ON CONFLICT DO UPDATE ..
-    RETURNING`` inside a data-modifying CTE, in autocommit): one round trip.
+    PostgreSQL: exactly one query (the claim's function, whose ``INSERT .. ON CONFLICT DO
+    UPDATE .. RETURNING`` is a data-modifying CTE, in autocommit): one round trip.
     SQLite: the same single upsert statement inside the short transaction
     that ``ledger.claim`` opens, after it moves the fence counter on (SQLite has
     no sequence; its one writer at a time makes the counter safe), so Django

@@ -348,7 +348,7 @@ def test_dispatch__a_claim_that_cannot_start_is_given_back(scheduled, why):
     ("path", "marker"),
     [
         pytest.param([], b"float8[]", id="batch"),  # only the batch claim has it
-        pytest.param(["--no-batch"], b"OR (r.state = 'abandoned' AND", id="one-by-one"),
+        pytest.param(["--no-batch"], b"taskguard_claim_v1(", id="one-by-one"),
     ],
 )
 def test_run_schedules__claim_reply_lost__read_back_and_run(child_env, scratch, path, marker):
