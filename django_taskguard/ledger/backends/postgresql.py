@@ -4,7 +4,6 @@ from a sequence (migration 0002)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -150,11 +149,11 @@ class Function:
     statement (``RETURN QUERY``), the statement's parameters made the function's
     arguments and its states the names in ``states.py``: the SQL is written once.
 
-    Names carry a version, and a body is never changed in place: :data:`DIGESTS` holds
-    each version's, and ``tests/test_functions.py`` fails when the backend's statement
-    changes under a version that exists. A change adds ``_v2`` beside ``_v1`` in a new
-    migration (a rolling deploy's old code keeps calling its own), and a later release
-    drops ``_v1``. A database migrated to an earlier release has no function: the call
+    Names carry a version, and a body is never changed in place: the migration that
+    creates a version holds its text, frozen, and ``tests/test_functions.py`` fails when
+    the backend renders another body under that name. A change adds ``_v2`` beside
+    ``_v1`` in a new migration (a rolling deploy's old code keeps calling its own), and a
+    later release drops ``_v1``. A database migrated to an earlier release has no function: the call
     fails with ``undefined_function``, which the ledger reports as ``NotMigrated``.
     """
 
@@ -182,10 +181,6 @@ class Function:
     @property
     def drop(self) -> str:
         return f"DROP FUNCTION IF EXISTS {self.name}({self.signature})"
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.body.encode()).hexdigest()
 
 
 def quoted_states(states: Mapping[str, str]) -> dict[str, str]:
@@ -232,12 +227,6 @@ END_ATTEMPT_ARGUMENTS = (
     ("p_reason", "text"),
 )
 END_ATTEMPT_UPDATE = (END_ATTEMPT, True, "", False)
-# Each function's body's digest, per version: a version's body never changes.
-DIGESTS = {
-    "taskguard_claim_v1": "013c467c46072e97aed3773ef8fd3b3dfda8d0cf4ddf971f1b618cfca3e72e2d",
-    "taskguard_claim_key_v1": "d1400934f5a0e8bfa7155454594db516b0e99b8cf285708c5b7acc3e5ec7656b",
-    "taskguard_end_attempt_v1": "bf149a537df5ef1d9faa395a266f0a56049e194983304fcdc6e2da5e3f05f57c",
-}
 
 
 class PostgreSQLBackend(Backend):
