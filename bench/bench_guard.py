@@ -81,7 +81,7 @@ def start_redis(directory: str) -> tuple[subprocess.Popen[bytes], int]:
 
 def database(kind: str, prepare_threshold: int | None = None) -> dict[str, object]:
     if kind == "mariadb":
-        from tests import mariadb_server  # a private server, stopped when this exits
+        from tests.support import mariadb_server  # a private server, stopped when this exits
 
         port = mariadb_server.port()
         with socket.create_connection(("127.0.0.1", port)):
