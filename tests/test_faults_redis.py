@@ -310,6 +310,12 @@ postgres_only = pytest.mark.skipif(
 )
 
 
+# What a claim and a finish send on PostgreSQL, as pg_stat_activity shows them: their
+# functions' calls (the values are bound apart from the text).
+CLAIM_SENT = "%taskguard_claim_v1(%"
+FINISH_SENT = "%taskguard_end_attempt_v1(%"
+
+
 def _terminate_waiting(pattern: str, timeout: float = 30.0) -> None:
     """Kill the server backend that waits on a lock running a statement like ``pattern``.
 
@@ -369,7 +375,7 @@ def test_redis_pg_kill__mid_claim_settled_by_reading_back(child_env, redis_serve
             [task, slot],
         )
         owner = hold(env, log, task, lease=5.0, seconds=0.5)
-        _terminate_waiting("%INSERT INTO taskguard_taskrun%")
+        _terminate_waiting(CLAIM_SENT)
         blocker.rollback()
     assert owner.outcome() == {"result": "done"}
     assert "reading back" in owner.stderr
@@ -395,7 +401,7 @@ def test_redis_pg_kill__mid_claim_read_back_finds_another_owner_counted_once(
             [task, BASE_SLOT],
         )
         owner = hold(env, log, task, lease=5.0, seconds=0.5)
-        _terminate_waiting("%INSERT INTO taskguard_taskrun%")
+        _terminate_waiting(CLAIM_SENT)
         blocker.commit()
     assert owner.outcome() == {"result": None}
     run = the_run(task)
@@ -417,7 +423,7 @@ def test_redis_pg_kill__a_claim_slower_than_its_lease_starts_lost(child_env, red
             [task, BASE_SLOT],
         )
         owner = hold(env, log, task, lease=LEASE, seconds=3 * LEASE)
-        wait_for(lambda: _waiting("%INSERT INTO taskguard_taskrun%"))
+        wait_for(lambda: _waiting(CLAIM_SENT))
         time.sleep(LEASE + 1.0)  # the claim waits past its whole lease
         blocker.rollback()
     late = owner.outcome()
@@ -435,7 +441,7 @@ def test_redis_pg_kill__mid_finish_settled_by_reading_back(child_env, redis_serv
         blocker.execute(
             "SELECT 1 FROM taskguard_taskrun WHERE id = %s FOR UPDATE", [started["started"]]
         )
-        _terminate_waiting("%UPDATE taskguard_taskrun%succeeded%")
+        _terminate_waiting(FINISH_SENT)
         time.sleep(0.3)
         blocker.commit()
     assert owner.outcome() == {"result": "done"}
@@ -471,7 +477,7 @@ def test_redis_pg_kill__mid_finish_of_a_taken_over_owner_is_refused(
             # a table lock does (SHARE blocks every writer, no reader).
             blocker.execute("LOCK TABLE taskguard_taskrun IN SHARE MODE")
             owner.signal(signal.SIGCONT)
-            _terminate_waiting("%UPDATE taskguard_taskrun%succeeded%")
+            _terminate_waiting(FINISH_SENT)
             blocker.commit()
     finally:
         owner.signal(signal.SIGCONT)
