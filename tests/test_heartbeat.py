@@ -169,7 +169,8 @@ def is_renewal(statement: str) -> bool:
 
 
 def is_finish(statement: str) -> bool:
-    return "SET state" in statement
+    # A change's UPDATE; a finish on PostgreSQL is its function's call.
+    return "SET state" in statement or "taskguard_end_attempt_v1(" in statement
 
 
 def renewal_failures(caplog: pytest.LogCaptureFixture, run_id: int) -> int:
