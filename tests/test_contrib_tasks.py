@@ -53,13 +53,15 @@ def jobs() -> Iterator[ModuleType]:
 
 
 @pytest.fixture
-def enqueued() -> Iterator[list[dict[str, Any]]]:
-    """The kwargs of every task enqueued, from any thread (the backends are per thread)."""
+def enqueued() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """The function's name and the kwargs of every task enqueued, from any thread (the
+    backends are per thread)."""
     signals = importlib.import_module(f"{TASKS_MODULE}.signals")
-    seen: list[dict[str, Any]] = []
+    seen: list[tuple[str, dict[str, Any]]] = []
 
     def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
-        seen.append(dict(task_result.kwargs))
+        path = getattr(task_result.task, "module_path", None) or repr(task_result.task)
+        seen.append((path.rpartition(".")[2], dict(task_result.kwargs)))
 
     signals.task_enqueued.connect(receiver, weak=False)
     yield seen
@@ -178,11 +180,13 @@ def test_run_schedules_enqueue__one_task_per_slot_across_copies(jobs, enqueued):
     for _ in range(2):
         call_command("run_schedules", *args, stdout=StringIO())
 
-    sent = Counter(kwargs[SLOT_KWARG] for kwargs in enqueued)
+    # By task and slot: tick's (every second) and parked's (every minute) share a slot at
+    # each minute's start.
+    sent = Counter((name, kwargs[SLOT_KWARG]) for name, kwargs in enqueued)
     assert set(sent.values()) == {1}, f"a slot was enqueued twice: {sent}"
     rows = TaskRun.objects.filter(task_name__startswith="tests.djtasks.")
     states = {(run.task_name, run.slot.isoformat()): run.state for run in rows}
-    assert sorted(slot for _, slot in states) == sorted(sent)
+    assert sorted((name.rpartition(".")[2], slot) for name, slot in states) == sorted(sent)
     assert {state for (name, _), state in states.items() if name.endswith("tick")} == {
         RunState.SUCCEEDED
     }
@@ -317,7 +321,7 @@ def test_backfill_enqueue__each_slot_without_a_row_once(jobs, enqueued):
     call_command("backfill", "tests.djtasks.parked", *span, "--enqueue", stdout=out)
     assert "Enqueued 4 slots" in out.getvalue()
     call_command("backfill", "tests.djtasks.parked", *span, "--enqueue", stdout=StringIO())
-    assert sorted(kwargs[SLOT_KWARG] for kwargs in enqueued) == [
+    assert sorted(kwargs[SLOT_KWARG] for _, kwargs in enqueued) == [
         (start + n * MINUTE).isoformat() for n in range(4)
     ]
     with pytest.raises(CommandError, match=r"not wrapped by a django\.tasks"):
