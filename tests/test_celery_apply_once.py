@@ -341,8 +341,10 @@ def test_apply_once__a_retry_that_expired_says_so(child_env, scratch, redis_serv
     try:
         cluster.worker("w1")
         with publishing(redis_server, lock_redis) as (connection, _):
-            ttl = timedelta(seconds=3)
-            apply_once(plain_retry_late, (str(log), 6), key="e:1", ttl=ttl, connection=connection)
+            # The first message has 10 s to be taken (3 s was too short on a loaded machine:
+            # it expired too, "down or busy"); its retry, 20 s later, cannot be in time.
+            ttl = timedelta(seconds=10)
+            apply_once(plain_retry_late, (str(log), 20), key="e:1", ttl=ttl, connection=connection)
             wait_for(
                 lambda: TaskRun.objects.filter(task_name=name, state=RunState.SKIPPED).exists(),
                 90,
