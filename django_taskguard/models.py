@@ -15,7 +15,16 @@ from ._compat import check_constraint
 from .owner import Owner
 from .states import ATTEMPT_STATES, PRUNABLE_STATES, RunState
 
-__all__ = ["DatabaseNow", "Ledger", "RunState", "TaskRun", "TaskRunTransition", "TaskSchedule"]
+__all__ = [
+    "DatabaseNow",
+    "Ledger",
+    "RunState",
+    "ScheduleEvent",
+    "TaskRun",
+    "TaskRunTransition",
+    "TaskSchedule",
+    "Upkeep",
+]
 
 TASK_NAME_MAX_LENGTH = 255
 # A key of ``@once_per_key`` is stored as given (sanitized); longer ones are refused.
@@ -297,6 +306,41 @@ class TaskSchedule(models.Model):
         blank=True,
         help_text=_("Slots at or before this were checked by the missed-slot sweep."),
     )
+    entry = models.CharField(
+        _("beat entry"),
+        max_length=200,
+        blank=True,
+        default="",
+        help_text=_("A beat entry's name (source celery): its runs are recorded as task[entry]."),
+    )
+    declared_in = models.CharField(
+        _("declared in"),
+        max_length=255,
+        blank=True,
+        default="",
+        help_text=_(
+            "Where it is declared: the function's module, CELERY_BEAT_SCHEDULE, or "
+            "django-celery-beat."
+        ),
+    )
+    removed_at = models.DateTimeField(
+        _("removed at"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When the code (or the beat) stopped declaring it; empty while declared. A removed "
+            "schedule is not swept nor judged; retire it to delete its row (its runs stay)."
+        ),
+    )
+    acknowledged_until = models.DateTimeField(
+        _("acknowledged until"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Problems of slots at or before this were acknowledged (see the schedule's events): "
+            "they no longer fail health; a later one does."
+        ),
+    )
 
     class Meta:
         verbose_name = _("task schedule")
@@ -314,3 +358,71 @@ class TaskSchedule(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name} ({self.cron or self.every})"
+
+
+class ScheduleEventKind(models.TextChoices):
+    PAUSED = "paused", _("paused")
+    RESUMED = "resumed", _("resumed")
+    ACKNOWLEDGED = "acknowledged", _("acknowledged")
+    RETIRED = "retired", _("retired")
+
+
+class ScheduleEventOrigin(models.TextChoices):
+    ADMIN = "admin", _("the admin")
+    COMMAND = "command", _("a management command")
+    POLICY = "pause_after_failures", _("pause_after_failures")
+    CODE = "code", _("a call in code")
+
+
+class ScheduleEvent(models.Model):
+    """What an operator (or a policy) did to a schedule: every pause, resume, acknowledgement
+    and retirement, kept (keyed by task name, so a retired schedule's history stays)."""
+
+    task_name = models.CharField(_("task"), max_length=TASK_NAME_MAX_LENGTH)
+    kind = models.CharField(_("event"), max_length=16, choices=ScheduleEventKind.choices)
+    at = models.DateTimeField(_("at"), default=timezone.now)
+    by = models.CharField(
+        _("by"), max_length=255, blank=True, default="", help_text=_("A user, or a process.")
+    )
+    origin = models.CharField(_("from"), max_length=24, choices=ScheduleEventOrigin.choices)
+    reason = models.TextField(_("reason"), blank=True, default="")
+    until = models.DateTimeField(
+        _("until"),
+        null=True,
+        blank=True,
+        help_text=_("An acknowledgement covers the problems of slots at or before this."),
+    )
+
+    class Meta:
+        verbose_name = _("schedule event")
+        verbose_name_plural = _("schedule events")
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["task_name", "at"], name="taskguard_event_task_at")]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} {self.kind} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class Upkeep(models.Model):
+    """The upkeep's lease and its latest run: one row (written by :mod:`django_taskguard.upkeep`).
+
+    ``held_until`` is a lease taken by compare-and-set, so that one process at a time across
+    the fleet runs it; ``finished_at`` is what the health verdict reads ("upkeep has not run").
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    holder = models.CharField(_("holder"), max_length=255, blank=True, default="")
+    held_until = models.DateTimeField(_("held until"), null=True, blank=True)
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    ran_by = models.CharField(_("ran by"), max_length=255, blank=True, default="")
+    error = models.TextField(_("error"), blank=True, default="")
+    result = models.JSONField(_("result"), default=dict, blank=True)
+
+    class Meta:
+        verbose_name = _("upkeep")
+        verbose_name_plural = _("upkeep")
+        constraints = [check_constraint(models.Q(id=1), "taskguard_upkeep_single_row")]
+
+    def __str__(self) -> str:
+        return f"upkeep (last finished {self.finished_at})"

@@ -15,7 +15,13 @@ from django.db import connections
 from django.db.models import Q
 from django.utils import timezone
 
-from ..models import ScheduleSource, TaskSchedule
+from ..models import (
+    ScheduleEvent,
+    ScheduleEventKind,
+    ScheduleEventOrigin,
+    ScheduleSource,
+    TaskSchedule,
+)
 from .core import alias, clip, translated
 
 PAUSED_REASON_MAX_LENGTH = 500
@@ -177,3 +183,82 @@ def mark_swept(task_name: str, until: datetime) -> None:
         queryset.filter(Q(swept_until__isnull=True) | Q(swept_until__lt=until)).update(
             swept_until=until
         )
+
+
+# -- the history: pauses, resumes, acknowledgements, retirements ---------------------------
+
+EVENT_BY_MAX_LENGTH = 255
+
+
+def record_event(
+    task_name: str,
+    kind: ScheduleEventKind,
+    *,
+    origin: ScheduleEventOrigin,
+    by: str = "",
+    reason: str = "",
+    until: datetime | None = None,
+    at: datetime | None = None,
+) -> ScheduleEvent:
+    """Keep one thing done to a schedule (who, from where, when, why)."""
+    event = ScheduleEvent(
+        task_name=task_name,
+        kind=kind,
+        origin=origin,
+        by=clip(by, EVENT_BY_MAX_LENGTH),
+        reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+        until=until,
+        at=at or timezone.now(),
+    )
+    with translated:
+        event.save(using=alias())
+    return event
+
+
+def events(task_name: str, limit: int = 100) -> list[ScheduleEvent]:
+    """``task_name``'s latest events, newest first."""
+    with translated:
+        found = ScheduleEvent.objects.using(alias()).filter(task_name=task_name)
+        return list(found.order_by("-at", "-id")[:limit])
+
+
+def acknowledge(task_name: str, until: datetime) -> bool:
+    """Mark the problems of ``task_name``'s slots at or before ``until`` acknowledged (never
+    moves back); False when the schedule is unknown. The caller records the event."""
+    queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
+    with translated:
+        if not queryset.exists():
+            return False
+        queryset.filter(
+            Q(acknowledged_until__isnull=True) | Q(acknowledged_until__lt=until)
+        ).update(acknowledged_until=until)
+    return True
+
+
+def mark_removed(declared: Collection[str], sources: Collection[str], now: datetime) -> list[str]:
+    """Schedules of ``sources`` not in ``declared`` are marked removed (from ``now``); those
+    in it are declared again. Returns the names newly marked."""
+    with translated:
+        rows = TaskSchedule.objects.using(alias()).filter(source__in=list(sources))
+        gone = [
+            name
+            for name in rows.filter(removed_at__isnull=True).values_list("task_name", flat=True)
+            if name not in declared
+        ]
+        for start in range(0, len(gone), 500):
+            rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
+        back = [
+            name
+            for name in rows.filter(removed_at__isnull=False).values_list("task_name", flat=True)
+            if name in declared
+        ]
+        for start in range(0, len(back), 500):
+            rows.filter(task_name__in=back[start : start + 500]).update(removed_at=None)
+    return gone
+
+
+def retire(task_name: str) -> bool:
+    """Delete a schedule's row (its runs and its events stay); False when unknown."""
+    with translated:
+        deleted, _ = TaskSchedule.objects.using(alias()).filter(task_name=task_name).delete()
+    return bool(deleted)

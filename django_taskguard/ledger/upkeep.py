@@ -1,0 +1,61 @@
+"""The upkeep's row: a fleet-wide lease (compare-and-set), and what the latest run did.
+
+:mod:`django_taskguard.upkeep` takes the lease before it runs and records the end; the
+health verdict reads :func:`latest`. Every query uses ``DATABASE_ALIAS``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Q
+
+from ..models import DatabaseNow, Upkeep
+from .core import alias, clip, translated
+
+ERROR_MAX_LENGTH = 2_000
+
+
+def take(holder: str, hold: timedelta, every: timedelta) -> bool:
+    """Take the lease for ``hold`` when it is free (lapsed or released) and the latest run
+    started at least ``every`` ago (by the database's clock); False: another process holds
+    it, or upkeep ran recently."""
+    with translated:
+        Upkeep.objects.using(alias()).bulk_create([Upkeep(id=1)], ignore_conflicts=True)
+        free = Q(held_until__isnull=True) | Q(held_until__lte=DatabaseNow())
+        due = Q(started_at__isnull=True) | Q(started_at__lte=DatabaseNow() - every)
+        taken = (
+            Upkeep.objects.using(alias())
+            .filter(free, due, id=1)
+            .update(holder=holder, held_until=DatabaseNow() + hold, started_at=DatabaseNow())
+        )
+    return bool(taken)
+
+
+def finish(holder: str, result: dict[str, Any], error: str = "") -> bool:
+    """Record the end of this holder's run and give the lease back; False when the lease
+    was lost (another process took it after it lapsed)."""
+    with translated:
+        return bool(
+            Upkeep.objects.using(alias())
+            .filter(id=1, holder=holder)
+            .update(
+                held_until=None,
+                finished_at=DatabaseNow(),
+                ran_by=holder,
+                error=clip(error, ERROR_MAX_LENGTH),
+                result=result,
+            )
+        )
+
+
+def latest() -> Upkeep | None:
+    """The upkeep row (None: upkeep never ran against this database)."""
+    with translated:
+        return Upkeep.objects.using(alias()).filter(id=1).first()
+
+
+def finished_since(when: datetime) -> bool:
+    with translated:
+        return Upkeep.objects.using(alias()).filter(id=1, finished_at__gte=when).exists()
