@@ -29,7 +29,7 @@ from . import overview, pauses, timefmt
 from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable
 from .ledger import schedules as schedule_store
-from .models import TaskRun
+from .models import ScheduleEventOrigin, TaskRun
 from .states import RunState
 
 if TYPE_CHECKING:
@@ -101,11 +101,11 @@ class OverviewMixin(AdminBase):
         if action == "pause":
             given = " ".join(request.POST.get("reason", "").split())[:200]
             reason = f"paused from the admin by {user}" + (f": {given}" if given else "")
-            changed = pauses.pause(name, reason)
+            changed = pauses.pause(name, reason, by=user, origin=ScheduleEventOrigin.ADMIN)
             done = _("Paused %(task)s.")
             same = _("%(task)s is not a known schedule, or is paused already.")
         elif action == "resume":
-            changed = pauses.resume(name)
+            changed = pauses.resume(name, by=user, origin=ScheduleEventOrigin.ADMIN)
             done = _("Resumed %(task)s.")
             same = _("%(task)s is not a known schedule, or is not paused.")
         else:

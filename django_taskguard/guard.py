@@ -20,6 +20,7 @@ from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from .heartbeat import Beat, heartbeats
 from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
+from .models import ScheduleEventOrigin
 from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
 from .policy import Policy
@@ -541,7 +542,7 @@ def _pause_after_failures(task_name: str, failures: int) -> None:
     try:
         if ledger.failed_streak(task_name, failures):
             reason = f"paused after {failures} failures in a row (pause_after_failures)"
-            if pause(task_name, reason):
+            if pause(task_name, reason, by=actor("guard"), origin=ScheduleEventOrigin.POLICY):
                 logger.warning("taskguard %s %s", task_name, reason)
     except Exception:
         logger.exception("taskguard could not check the failures of %s", task_name)

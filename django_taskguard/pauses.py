@@ -14,6 +14,7 @@ import time
 
 from .exceptions import BackendUnavailable
 from .ledger import schedules as store
+from .models import ScheduleEventKind, ScheduleEventOrigin
 
 logger = logging.getLogger("taskguard.pauses")
 
@@ -40,17 +41,37 @@ def paused_reason(task_name: str) -> str | None:
     return paused.get(task_name)
 
 
-def pause(task_name: str, reason: str) -> bool:
-    """Pause a known schedule; False when it is unknown or already paused."""
-    changed = store.set_paused(task_name, reason or "paused")
+def pause(
+    task_name: str,
+    reason: str,
+    *,
+    by: str = "",
+    origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
+) -> bool:
+    """Pause a known schedule and keep the event (who, from where, why); False when it is
+    unknown or already paused (nothing is kept then)."""
+    reason = reason or "paused"
+    changed = store.set_paused(task_name, reason)
     forget()
+    if changed:
+        store.record_event(task_name, ScheduleEventKind.PAUSED, origin=origin, by=by, reason=reason)
     return changed
 
 
-def resume(task_name: str) -> bool:
-    """Resume a paused schedule; False when it is unknown or not paused."""
+def resume(
+    task_name: str,
+    *,
+    by: str = "",
+    origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
+    reason: str = "",
+) -> bool:
+    """Resume a paused schedule and keep the event; False when it is unknown or not paused."""
     changed = store.set_paused(task_name, None)
     forget()
+    if changed:
+        store.record_event(
+            task_name, ScheduleEventKind.RESUMED, origin=origin, by=by, reason=reason
+        )
     return changed
 
 

@@ -43,6 +43,8 @@ class Record:
     grace: timedelta
     max_catchup: int
     pause_after_failures: int | None
+    entry: str = ""  # a beat entry's name (source celery)
+    declared_in: str = ""  # the function's module, CELERY_BEAT_SCHEDULE, django-celery-beat
 
 
 _CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_name"]

@@ -24,6 +24,9 @@ A module named in ``TASKGUARD["SCHEDULE_MODULES"]`` stops every command: it was 
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -68,3 +71,12 @@ def unimported_note() -> str:
     if not skipped:
         return ""
     return ". It may be declared in a module that was skipped: " + "; ".join(map(str, skipped))
+
+
+def operator() -> str:
+    """Who runs a management command, as the schedule's history names them: ``user@host``."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name for this uid (a container): the process says enough
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()}"

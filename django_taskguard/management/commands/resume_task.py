@@ -9,8 +9,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
+from ...models import ScheduleEventOrigin
 from ...pauses import resume
-from ..discovery import OPERATOR, sync_schedules, unknown_schedule
+from ..discovery import OPERATOR, operator, sync_schedules, unknown_schedule
 
 
 class Command(BaseCommand):
@@ -27,7 +28,7 @@ class Command(BaseCommand):
             sync_schedules(self, OPERATOR)
             if store.get(name) is None:
                 raise unknown_schedule(name, store.names())
-            if not resume(name):
+            if not resume(name, by=operator(), origin=ScheduleEventOrigin.COMMAND):
                 self.stdout.write(f"{name} was not paused.")
                 return
         except BackendUnavailable as exc:

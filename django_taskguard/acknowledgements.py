@@ -1,0 +1,54 @@
+"""Acknowledged problems: an operator says "we know" about a schedule's failed, abandoned or
+missed slots, so that they stop failing health; a later problem fails it again.
+
+Each acknowledgement is kept as a ``ScheduleEvent`` (who, from where, when, why, and the
+slot it covers up to); the schedule keeps the latest ``acknowledged_until``, which the
+health verdict reads.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.utils import timezone
+
+from .exceptions import TaskGuardError
+from .ledger import schedules as store
+from .models import ScheduleEventKind, ScheduleEventOrigin
+from .schedules import normalize_slot
+
+REASON_REQUIRED = "an acknowledgement needs a reason (who reads it later needs to know why)"
+
+
+def acknowledge(
+    task_name: str,
+    reason: str,
+    *,
+    until: datetime | None = None,
+    by: str = "",
+    origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
+) -> bool:
+    """Acknowledge the problems of ``task_name``'s slots at or before ``until`` (default:
+    now); False when the schedule is unknown. ``TaskGuardError`` without a reason, or with
+    an ``until`` in the future (it would hide problems that have not happened yet)."""
+    if not reason or not reason.strip():
+        raise TaskGuardError(REASON_REQUIRED)
+    now = timezone.now()
+    until = now if until is None else normalize_slot(until)
+    if until > now:
+        raise TaskGuardError(
+            f"until={until.isoformat()} is in the future: only problems that happened can be "
+            f"acknowledged"
+        )
+    if not store.acknowledge(task_name, until):
+        return False
+    store.record_event(
+        task_name,
+        ScheduleEventKind.ACKNOWLEDGED,
+        origin=origin,
+        by=by,
+        reason=reason.strip(),
+        until=until,
+        at=now,
+    )
+    return True
