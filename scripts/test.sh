@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The whole test run: lint, the package, the README's demos and the Celery quick start from a
-# fresh clone, types, the docs, the suite on SQLite and on PostgreSQL (and, beside the
-# PostgreSQL pass, the whole suite on Django 6.1), the guarantee tests on MariaDB, the smoke
-# set on Django 6.0, and a brief soak; each step's time at the end. What CI runs (.ci/run)
+# fresh clone, types, the docs, the suite on SQLite and on PostgreSQL, the guarantee tests on MariaDB, the wide
+# pass on Django 6.1 and the smoke set on Django 6.0, and a brief soak; each step's time at the end. What CI runs (.ci/run)
 # and what the README tells developers to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,11 +51,11 @@ TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-10}" \
   $PY -m pytest -m "not soak and not once" --ignore tests/test_faults_redis.py "$@"
 step "the example project's tests (written with django_taskguard.testing)"
 (cd example_project && "../$PY" -m pytest)
-# The whole suite on Django 6.1 (the version matrix's full pass, about as long as the
-# PostgreSQL pass), in a process group of its own, its output kept in a file: shown when it
-# ends, it fails this script if it failed, and it is stopped if this script stops first.
-# With TASKGUARD_MATRIX_BESIDE=1 it starts here, beside the PostgreSQL pass and the MariaDB
-# set (about 15 minutes less in all; the two passes share nothing but the PostgreSQL
+# The wide pass on Django 6.1 (scripts/matrix.sh: the suite on SQLite without the
+# process-heavy files, and the ledger's SQL on PostgreSQL), in a process group of its own,
+# its output kept in a file: shown when it ends, it fails this script if it failed, and it
+# is stopped if this script stops first. With TASKGUARD_MATRIX_BESIDE=1 it starts here,
+# beside the PostgreSQL pass and the MariaDB set (less time in all; the two passes share nothing but the PostgreSQL
 # server: their own test databases, Redis servers, RabbitMQ vhosts and application names).
 # Not by default: on this 2-core machine the two passes at once made three timing-sensitive
 # tests fail in one run of six (docs/development.md, "CI time").
@@ -71,7 +70,7 @@ start_matrix() {
 }
 if [ "${TASKGUARD_MATRIX_BESIDE:-0}" = 1 ]; then
   start_matrix
-  echo "== (started beside: the whole suite on Django 6.1, scripts/matrix.sh django61)"
+  echo "== (started beside: the wide pass on Django 6.1, scripts/matrix.sh django61)"
 fi
 
 step "tests on PostgreSQL"
@@ -107,7 +106,7 @@ MARIADB_TESTS=(
 )
 step "the guarantee tests and a smoke set on MariaDB (a private server)"
 TASKGUARD_TEST_DB=mariadb $PY -m pytest -m "not soak and not once" "${MARIADB_TESTS[@]}" "$@"
-step "version matrix: the whole suite on Django 6.1 (PostgreSQL)"
+step "version matrix: the wide pass on Django 6.1 (SQLite, and the ledger on PostgreSQL)"
 if [ -z "$matrix_pid" ]; then start_matrix; fi
 matrix_status=0
 wait "$matrix_pid" || matrix_status=$?
