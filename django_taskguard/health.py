@@ -150,9 +150,11 @@ def check(*, task: str | None = None) -> Verdict:
 
 
 def known_tasks() -> list[TaskHealth]:
-    """Every registered schedule, then every other task name the ledger has runs of."""
-    tasks = [from_schedule(row) for row in schedule_store.stored()]
-    seen = {t.task for t in tasks}
+    """Every registered schedule (not a removed one, :func:`ledger.schedules.watched`),
+    then every other task name the ledger has runs of."""
+    rows = schedule_store.stored()
+    tasks = [from_schedule(row) for row in schedule_store.watched(rows)]
+    seen = {row.task_name for row in rows}  # a removed schedule is not judged at all
     tasks += [TaskHealth(name) for name in ledger.task_names(None) if name not in seen]
     return tasks
 

@@ -7,9 +7,9 @@ one that nobody started within its grace of being handed out (or given back) is 
 the same way (a compare-and-set from ``pending``: a worker's claim and the sweep never both
 win). It needs no scheduler alive: ``cleanup_locks`` (from cron) and ``run_schedules``
 both run it, any number of copies at once (every write is an insert that does nothing
-when the slot has a row). It reads the schedules from ``TaskSchedule`` and checks,
-per schedule, the slots after the last sweep's mark (``swept_until``; the first time,
-after the schedule was first seen) up to ``now - grace``.
+when the slot has a row). It reads the schedules from ``TaskSchedule`` (not the removed
+ones: nothing fires them) and checks, per schedule, the slots after the last sweep's mark
+(``swept_until``; the first time, after the schedule was first seen) up to ``now - grace``.
 
 Every slot of the schedule in that window is judged by itself (is there a row at this
 slot?), never by counting rows: rows off the schedule's grid (an interval changed between
@@ -67,7 +67,7 @@ def sweep_missed(
         now = now or ledger.database_now()
         floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
         result = SweepResult()
-        for row in store.stored():
+        for row in store.watched(store.stored()):
             if task is not None and row.task_name != task:
                 continue
             try:

@@ -264,3 +264,48 @@ def retire(task_name: str) -> bool:
     with translated:
         deleted, _ = TaskSchedule.objects.using(alias()).filter(task_name=task_name).delete()
     return bool(deleted)
+
+
+# -- beat entries: kept in step by taskguard's beat schedulers ------------------------------
+
+
+def mark_entries_removed(declared_in: str, declared: Collection[str], now: datetime) -> list[str]:
+    """Beat entries of one scheduler kind (``declared_in``: ``CELERY_BEAT_SCHEDULE`` or
+    ``django-celery-beat``) not in ``declared`` are marked removed (from ``now``); those in
+    it are declared again. Function schedules are never touched. Returns the names newly
+    marked."""
+    rows = TaskSchedule.objects.using(alias()).filter(
+        source=ScheduleSource.CELERY, declared_in=declared_in
+    )
+    with translated:
+        gone = [
+            name
+            for name in rows.filter(removed_at__isnull=True)
+            .exclude(entry="")
+            .values_list("task_name", flat=True)
+            if name not in declared
+        ]
+        back = [
+            name
+            for name in rows.filter(removed_at__isnull=False).values_list("task_name", flat=True)
+            if name in declared
+        ]
+        for start in range(0, len(gone), 500):
+            rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
+        for start in range(0, len(back), 500):
+            rows.filter(task_name__in=back[start : start + 500]).update(removed_at=None)
+    return gone
+
+
+def watched(rows: Sequence[TaskSchedule]) -> list[TaskSchedule]:
+    """The schedules among ``rows`` that the sweep and health judge: not removed, and not
+    the own schedule of a Celery task that beat entries fire (a beat stamps every message
+    with its entry, so the runs are recorded as ``task[entry]``, never under the plain
+    Celery task name: that row has no slot of its own to miss)."""
+    live = [row for row in rows if row.removed_at is None]
+    beaten = {row.function for row in live if row.source == ScheduleSource.CELERY and row.entry}
+    return [
+        row
+        for row in live
+        if row.entry or row.source != ScheduleSource.CELERY or row.task_name not in beaten
+    ]

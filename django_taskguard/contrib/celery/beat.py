@@ -27,6 +27,7 @@ from ...conf import taskguard_settings
 from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.keys import beat_key
 from ...owner import new_owner
+from .entries import SETTINGS, BeatEntry, RegisteringMixin
 from .headers import (
     SCHEDULE_HEADER,
     SLOT_HEADER,
@@ -217,14 +218,25 @@ class StampingMixin:
             )
 
 
-class TaskguardScheduler(StampingMixin, PersistentScheduler):
-    """Celery's file-backed scheduler, stamping slots; run any number of them."""
+class TaskguardScheduler(RegisteringMixin, StampingMixin, PersistentScheduler):
+    """Celery's file-backed scheduler, stamping slots; run any number of them.
+
+    Its entries are registered schedules (:mod:`.entries`), saved when it starts.
+    """
 
     Entry = TaskguardEntry
+    declared_in = SETTINGS
 
     def setup_schedule(self) -> None:
         super().setup_schedule()
         warn_timezone(self.app)
+        self.register_entries()
+
+    def taskguard_entries(self) -> list[BeatEntry]:
+        entries: list[Any] = list(self.schedule.values())
+        return [
+            BeatEntry(e.name, e.task, e.schedule, e.options.get("headers") or {}) for e in entries
+        ]
 
 
 def warn_timezone(app: Any) -> None:

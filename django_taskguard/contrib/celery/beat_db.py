@@ -6,12 +6,17 @@ Import it as ``django_taskguard.contrib.celery.TaskguardDatabaseScheduler``
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 from django_celery_beat.tzcrontab import TzAwareCrontab
 
 from .beat import SlotDue, StampingMixin, aligned, slot_due, warn_timezone
+from .entries import DJANGO_CELERY_BEAT, BeatEntry, RegisteringMixin
+
+logger = logging.getLogger("taskguard.celery")
 
 
 class SlotTzCrontab(SlotDue, TzAwareCrontab):  # type: ignore[misc]
@@ -35,15 +40,42 @@ class TaskguardModelEntry(ModelEntry):  # type: ignore[misc]
         self.schedule = aligned_db(self.schedule)
 
 
-class TaskguardDatabaseScheduler(StampingMixin, DatabaseScheduler):  # type: ignore[misc]
+class TaskguardDatabaseScheduler(
+    RegisteringMixin,
+    StampingMixin,
+    DatabaseScheduler,  # type: ignore[misc]
+):
     """django-celery-beat's ``DatabaseScheduler``, stamping slots; run any number of them.
 
     Each message also keeps django-celery-beat's ``periodic_task_name`` header;
-    the periodic task's name is part of the run's identity.
+    the periodic task's name is part of the run's identity. Its enabled rows are
+    registered schedules (:mod:`.entries`), saved whenever it reads the rows again.
     """
 
     Entry = TaskguardModelEntry
+    declared_in = DJANGO_CELERY_BEAT
 
     def setup_schedule(self) -> None:
         super().setup_schedule()
         warn_timezone(self.app)
+
+    def all_as_schedule(self) -> dict[str, Any]:
+        found: dict[str, Any] = super().all_as_schedule()
+        self.register_entries()  # the rows changed (or were read the first time)
+        return found
+
+    def taskguard_entries(self) -> list[BeatEntry]:
+        """Every enabled row: django-celery-beat's own read leaves out the crontabs of
+        hours far from now, which are no less scheduled."""
+        return [entry for model in self.Model.objects.enabled() if (entry := row_entry(model))]
+
+
+def row_entry(model: Any) -> BeatEntry | None:
+    """A periodic task row as a :class:`.entries.BeatEntry` (None: its schedule is gone)."""
+    try:
+        schedule = aligned_db(model.schedule)
+        headers = json.loads(model.headers or "{}")
+    except Exception:
+        logger.warning("taskguard beat: periodic task %s cannot be read", model.name, exc_info=True)
+        return None
+    return BeatEntry(model.name, model.task, schedule, headers if isinstance(headers, dict) else {})
