@@ -4,7 +4,7 @@
 TASKGUARD_TEST_BROKER_URL (a private redis-server, or an amqp:// URL with a
 private RabbitMQ vhost), TASKGUARD_TEST_VISIBILITY (the Redis broker's
 visibility_timeout), TASKGUARD_TEST_BEAT_SCHEDULE (JSON: {"entry": {"task":
-..., "every": seconds, "kwargs": {...}}}), TASKGUARD_TEST_PUBLISH_LOG (set
+..., "every": seconds, "kwargs": {...}, "options": {...}}}), TASKGUARD_TEST_PUBLISH_LOG (set
 for beats: every message published is appended there) and TASKGUARD_TEST_EVENT_LOG
 (workers append a line there for every message taskguard puts back and every
 duplicate it suppresses).
@@ -67,6 +67,7 @@ def _beat_schedule() -> dict[str, dict[str, object]]:
             "task": entry["task"],
             "schedule": timedelta(seconds=entry["every"]),
             "kwargs": entry.get("kwargs", {}),
+            "options": entry.get("options", {}),
         }
         for name, entry in raw.items()
     }

@@ -117,6 +117,23 @@ def record_of(app: Any, entry: BeatEntry, declared_in: str) -> store.Record:
     )
 
 
+def rescheduled(records: list[store.Record]) -> list[str]:
+    """The saved schedules among ``records`` whose slots the record moves (an edited entry)."""
+    when = {
+        row.task_name: (row.cron, row.cron_day_or, row.every, row.time_zone)
+        for row in store.stored()
+    }
+    return [
+        record.task_name
+        for record in records
+        if when.get(record.task_name, _slots_of(record)) != _slots_of(record)
+    ]
+
+
+def _slots_of(record: store.Record) -> tuple[str, bool, timedelta | None, str]:
+    return (record.cron, record.cron_day_or, record.every, record.time_zone)
+
+
 class Registrar:
     """Keeps one scheduler's entries in ``TaskSchedule``, retrying a save that failed."""
 
@@ -150,9 +167,14 @@ class Registrar:
         if records is None:
             return
         try:
-            store.save(records)
+            now = timezone.now()
+            moved = rescheduled(records)
+            store.save(records, now)
+            for name in moved:
+                # The new schedule's slots before the edit were never due: judged from now.
+                store.mark_swept(name, now)
             gone = store.mark_entries_removed(
-                self.declared_in, {record.task_name for record in records}, timezone.now()
+                self.declared_in, {record.task_name for record in records}, now
             )
         except Exception:
             self.retry_at = time.monotonic() + RETRY_SECONDS

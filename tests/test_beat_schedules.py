@@ -1,0 +1,228 @@
+"""Beat entries are registered schedules: a dead beat is noticed, a paused entry is skipped.
+
+Real Celery beats (TaskguardScheduler on CELERY_BEAT_SCHEDULE, TaskguardDatabaseScheduler
+on django-celery-beat rows) and workers on a private Redis broker. The beats save their
+guarded entries in ``TaskSchedule``; once both beats are stopped, the missed-slot sweep
+(run here by hand: nothing else runs it in these tests) records the entry's slots
+``missed`` and ``check_schedules`` names it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from django_taskguard import health, ledger, missed
+from django_taskguard.contrib.celery.entries import DJANGO_CELERY_BEAT, SETTINGS
+from django_taskguard.models import (
+    RunState,
+    ScheduleSource,
+    TaskRun,
+    TaskRunTransition,
+    TaskSchedule,
+)
+
+from .support.children import executions
+from .support.waiting import wait_for
+from .test_celery_e2e import DATABASE, PERSISTENT, TICK, Cluster, drain, published
+
+pytestmark = pytest.mark.once
+
+GRACE = 3  # seconds: the entries' taskguard_grace header (the sweep waits that long)
+
+
+@pytest.fixture
+def beats(child_env, scratch, redis_server) -> Iterator[Cluster]:
+    running = Cluster(child_env, scratch, redis_server.url)
+    try:
+        yield running
+    finally:
+        running.kill_all()
+
+
+def run_check(*args: str) -> tuple[int, str]:
+    """``manage.py check_schedules ARGS``: (exit status, output)."""
+    out = io.StringIO()
+    try:
+        call_command("check_schedules", *args, stdout=out)
+    except CommandError as exc:
+        return exc.returncode, out.getvalue() + str(exc)
+    return 0, out.getvalue()
+
+
+def slots(task: str, state: str, after: datetime | None = None) -> list[datetime]:
+    found = TaskRun.objects.filter(task_name=task, state=state)
+    if after is not None:
+        found = found.filter(slot__gt=after)
+    return sorted(found.values_list("slot", flat=True))
+
+
+def swept_until(task: str, state: str, count: int, after: datetime) -> list[datetime]:
+    """Run the sweep until ``count`` slots of ``task`` after ``after`` are in ``state``."""
+
+    def enough() -> list[datetime]:
+        missed.sweep_missed()
+        found = slots(task, state, after)
+        return found if len(found) >= count else []
+
+    return wait_for(enough, 30, f"{count} {state} slots of {task}", every=0.5)
+
+
+def succeeded_after(cluster: Cluster, task: str, after: datetime) -> datetime:
+    return wait_for(
+        lambda: next(iter(slots(task, RunState.SUCCEEDED, after)), None),
+        40,
+        f"a slot of {task} after {after} to succeed",
+        describe=cluster.describe,
+    )
+
+
+def problems(task: str) -> list[str]:
+    verdict = health.check(task=task)
+    return [problem.kind for t in verdict.tasks for problem in t.problems]
+
+
+def last_sent(cluster: Cluster, entry: str) -> datetime:
+    return max(slot for name, slot, _ in published(cluster) if name == entry)
+
+
+@pytest.mark.timeout(180)
+def test_beat_schedules__settings_entry_missed_while_beats_are_down_and_paused_skipped(
+    beats, scratch
+):
+    log = scratch / "executions.log"
+    name = f"{TICK}[ping]"
+    schedule = {
+        "ping": {
+            "task": TICK,
+            "every": 2,
+            "kwargs": {"log": str(log)},
+            "options": {"headers": {"taskguard_grace": GRACE}},
+        }
+    }
+    beats.worker("w1")
+    beats.worker("w2")
+    for beat in ("b1", "b2"):
+        beats.beat(beat, PERSISTENT, schedule)
+    row = wait_for(
+        lambda: TaskSchedule.objects.filter(task_name=name).first(), 40, "the entry's row"
+    )
+    assert (row.source, row.entry, row.declared_in) == (ScheduleSource.CELERY, "ping", SETTINGS)
+    assert (row.function, row.every, row.cron, row.grace) == (
+        TICK,
+        timedelta(seconds=2),
+        "",
+        timedelta(seconds=GRACE),
+    )
+    assert row.removed_at is None
+    first = succeeded_after(beats, name, row.first_seen - timedelta(seconds=4))
+
+    # Both beats die: nothing sends the entry any more, the sweep records its slots missed.
+    for beat in ("b1", "b2"):
+        beats.stop(beat)
+    drain([name])
+    stopped = last_sent(beats, "ping")
+    assert first <= stopped
+    down = swept_until(name, RunState.MISSED, 2, stopped)
+    assert all(slot > stopped for slot in down)
+    assert all(slot > stopped for slot in slots(name, RunState.MISSED)), "a sent slot missed"
+    status, output = run_check()
+    assert status == 1 and name in output, output
+    assert "missed" in problems(name)
+
+    # Paused while the beats are down: the sweep records its slots skipped, not missed.
+    call_command("pause_task", name, reason="beat maintenance", stdout=io.StringIO())
+    paused_at = TaskSchedule.objects.get(task_name=name).paused_at
+    assert paused_at is not None
+    skipped = swept_until(name, RunState.SKIPPED, 2, paused_at)
+    assert not slots(name, RunState.MISSED, skipped[0])
+    # The beats come back, the entry still paused: they send, the worker records skipped.
+    for beat in ("b3", "b4"):
+        beats.beat(beat, PERSISTENT, schedule)
+
+    def skipped_by_worker() -> bool:
+        found = TaskRunTransition.objects.filter(
+            run__task_name=name, to_state=RunState.SKIPPED, reason__startswith="paused: "
+        ).exclude(reason__contains="sweep")
+        return found.exists()
+
+    wait_for(skipped_by_worker, 40, "the worker to skip a paused slot", describe=beats.describe)
+
+    # Resumed: a slot succeeds, and nothing is late any more.
+    call_command("resume_task", name, stdout=io.StringIO())
+    resumed_at = TaskSchedule.objects.get(task_name=name).resumed_at
+    assert resumed_at is not None
+    ran = [datetime.fromisoformat(line[2]) for line in executions(log)]
+    assert not [slot for slot in ran if paused_at <= slot < resumed_at], "a paused slot ran"
+    succeeded_after(beats, name, resumed_at)
+    missed.sweep_missed()
+    assert "late" not in problems(name)
+
+
+@pytest.mark.celery_beat
+@pytest.mark.timeout(180)
+def test_beat_schedules__django_celery_beat_rows_followed_and_missed(beats, scratch):
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    log = scratch / "executions.log"
+    name, later = f"{TICK}[ping-db]", f"{TICK}[later-db]"
+    every2, _ = IntervalSchedule.objects.get_or_create(every=2, period=IntervalSchedule.SECONDS)
+    every3, _ = IntervalSchedule.objects.get_or_create(every=3, period=IntervalSchedule.SECONDS)
+    options = {
+        "task": TICK,
+        "kwargs": json.dumps({"log": str(log)}),
+        "headers": json.dumps({"taskguard_grace": GRACE}),
+    }
+    ping = PeriodicTask.objects.create(name="ping-db", interval=every2, **options)
+    off = PeriodicTask.objects.create(name="later-db", interval=every3, enabled=False, **options)
+    beats.worker("w1")
+    for beat in ("b1", "b2"):
+        beats.beat(beat, DATABASE)
+
+    def row(task: str) -> TaskSchedule | None:
+        return TaskSchedule.objects.filter(task_name=task).first()
+
+    found = wait_for(lambda: row(name), 40, "the row's schedule", describe=beats.describe)
+    assert (found.source, found.entry, found.declared_in) == (
+        ScheduleSource.CELERY,
+        "ping-db",
+        DJANGO_CELERY_BEAT,
+    )
+    assert (found.every, found.grace) == (timedelta(seconds=2), timedelta(seconds=GRACE))
+    assert row(later) is None, "a disabled row is a schedule"
+
+    # Enabled, edited, disabled while the beats run: the schedule follows.
+    off.enabled = True
+    off.save()
+    wait_for(lambda: (r := row(later)) and r.removed_at is None, 20, "the enabled row")
+    ping.interval = every3
+    ping.save()
+    wait_for(lambda: row(name).every == timedelta(seconds=3), 20, "the edited interval")
+    off.enabled = False
+    off.save()
+    gone = wait_for(lambda: row(later).removed_at, 20, "the disabled row to be removed")
+    edited = ledger.database_now()
+    succeeded_after(beats, name, edited)
+
+    # Both beats die: the edited entry's slots are missed, the disabled one's are not.
+    for beat in ("b1", "b2"):
+        beats.stop(beat)
+    drain([name, later])
+    stopped = last_sent(beats, "ping-db")
+    down = swept_until(name, RunState.MISSED, 2, stopped)
+    assert all(slot > stopped and slot.timestamp() % 3 == 0 for slot in down)
+    assert not slots(later, RunState.MISSED, gone)
+    status, output = run_check()
+    assert status == 1 and name in output and later not in output, output
+
+    # Back up: a slot succeeds, nothing is late.
+    for beat in ("b3", "b4"):
+        beats.beat(beat, DATABASE)
+    succeeded_after(beats, name, down[-1])
+    missed.sweep_missed()
+    assert "late" not in problems(name)
