@@ -84,7 +84,7 @@ def succeeded_after(cluster: Cluster, task: str, after: datetime) -> datetime:
 
 def problems(task: str) -> list[str]:
     verdict = health.check(task=task)
-    return [problem.kind for t in verdict.tasks for problem in t.problems]
+    return [problem.code for t in verdict.tasks for problem in t.problems]
 
 
 def last_sent(cluster: Cluster, entry: str) -> datetime:
