@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import OperationalError
 
 from django_taskguard import health, ledger, missed
 from django_taskguard.contrib.celery.entries import DJANGO_CELERY_BEAT, SETTINGS
@@ -85,6 +86,21 @@ def succeeded_after(cluster: Cluster, task: str, after: datetime) -> datetime:
 def problems(task: str) -> list[str]:
     verdict = health.check(task=task)
     return [problem.code for t in verdict.tasks for problem in t.problems]
+
+
+def saved(model: object) -> None:
+    """``model.save()``, again while SQLite is locked by a beat (its own writes)."""
+
+    def save() -> bool:
+        try:
+            model.save()  # type: ignore[attr-defined]
+        except OperationalError as exc:
+            if "locked" not in str(exc):
+                raise
+            return False
+        return True
+
+    wait_for(save, 20, f"{model} to be saved", every=0.2)
 
 
 def last_sent(cluster: Cluster, entry: str) -> datetime:
@@ -198,13 +214,13 @@ def test_beat_schedules__django_celery_beat_rows_followed_and_missed(beats, scra
 
     # Enabled, edited, disabled while the beats run: the schedule follows.
     off.enabled = True
-    off.save()
+    saved(off)
     wait_for(lambda: (r := row(later)) and r.removed_at is None, 20, "the enabled row")
     ping.interval = every3
-    ping.save()
+    saved(ping)
     wait_for(lambda: row(name).every == timedelta(seconds=3), 20, "the edited interval")
     off.enabled = False
-    off.save()
+    saved(off)
     gone = wait_for(lambda: row(later).removed_at, 20, "the disabled row to be removed")
     edited = ledger.database_now()
     succeeded_after(beats, name, edited)
