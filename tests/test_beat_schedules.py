@@ -15,11 +15,22 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta
 
 import pytest
+from celery.schedules import BaseSchedule, crontab
+from celery.schedules import schedule as celery_schedule
 from django.core.management import CommandError, call_command
 from django.db import OperationalError
 
 from django_taskguard import health, ledger, missed
-from django_taskguard.contrib.celery.entries import DJANGO_CELERY_BEAT, SETTINGS
+from django_taskguard.contrib.celery.entries import (
+    DJANGO_CELERY_BEAT,
+    SETTINGS,
+    BeatEntry,
+    Registrar,
+    Unmonitored,
+    record_of,
+)
+from django_taskguard.ledger import schedules as store
+from django_taskguard.ledger.schedules import Record
 from django_taskguard.models import (
     RunState,
     ScheduleSource,
@@ -31,8 +42,6 @@ from django_taskguard.models import (
 from .support.children import executions
 from .support.waiting import wait_for
 from .test_celery_e2e import DATABASE, PERSISTENT, TICK, Cluster, drain, published
-
-pytestmark = pytest.mark.once
 
 GRACE = 3  # seconds: the entries' taskguard_grace header (the sweep waits that long)
 
@@ -107,6 +116,7 @@ def last_sent(cluster: Cluster, entry: str) -> datetime:
     return max(slot for name, slot, _ in published(cluster) if name == entry)
 
 
+@pytest.mark.once
 @pytest.mark.timeout(180)
 def test_beat_schedules__settings_entry_missed_while_beats_are_down_and_paused_skipped(
     beats, scratch
@@ -135,7 +145,7 @@ def test_beat_schedules__settings_entry_missed_while_beats_are_down_and_paused_s
         "",
         timedelta(seconds=GRACE),
     )
-    assert row.removed_at is None
+    assert (row.removed_at, row.catchup) == (None, "none")  # the header's grace: late is missed
     first = succeeded_after(beats, name, row.first_seen - timedelta(seconds=4))
 
     # Both beats die: nothing sends the entry any more, the sweep records its slots missed.
@@ -180,6 +190,7 @@ def test_beat_schedules__settings_entry_missed_while_beats_are_down_and_paused_s
     assert "late" not in problems(name)
 
 
+@pytest.mark.once
 @pytest.mark.celery_beat
 @pytest.mark.timeout(180)
 def test_beat_schedules__django_celery_beat_rows_followed_and_missed(beats, scratch):
@@ -242,3 +253,110 @@ def test_beat_schedules__django_celery_beat_rows_followed_and_missed(beats, scra
     succeeded_after(beats, name, down[-1])
     missed.sweep_missed()
     assert "late" not in problems(name)
+
+
+# -- what an entry is saved as (in process: no beat needed) ---------------------------------
+
+
+def entry(name: str, task: str, schedule: object, **headers: object) -> BeatEntry:
+    return BeatEntry(name, task, schedule, dict(headers))
+
+
+def test_beat_schedules__record_of_an_entry():
+    from tests.support.celery_app import app
+
+    record = record_of(app, entry("nightly", TICK, crontab(minute=5, hour=2)), SETTINGS)
+    assert (record.task_name, record.function, record.entry) == (
+        f"{TICK}[nightly]",
+        TICK,
+        "nightly",
+    )
+    assert (record.cron, record.cron_day_or, record.time_zone) == (
+        "5 2 * * *",
+        False,
+        "Europe/Paris",
+    )
+    assert (record.every, record.catchup, record.declared_in) == (None, "latest", SETTINGS)
+    graced = record_of(app, entry("e", TICK, celery_schedule(30), taskguard_grace=7), SETTINGS)
+    assert (graced.every, graced.grace, graced.catchup) == (
+        timedelta(seconds=30),
+        timedelta(seconds=7),
+        "none",  # what the worker does with a message later than the header's grace
+    )
+
+
+@pytest.mark.parametrize(
+    ("task", "schedule", "why"),
+    [
+        ("tests.support.celery_keyed_tasks.plain", celery_schedule(5), "is not guarded"),
+        ("celery.backend_cleanup", celery_schedule(5), "is not guarded"),
+        ("no.such.task", celery_schedule(5), "is unknown to this beat"),
+        (TICK, BaseSchedule(), "has no slots"),
+        (TICK, celery_schedule(0.5), "cannot be stored"),
+    ],
+    ids=["keyed", "builtin", "unknown", "no-slots", "sub-second"],
+)
+def test_beat_schedules__unmonitored_entries_say_why(task, schedule, why):
+    from tests.support.celery_app import app
+
+    with pytest.raises(Unmonitored, match=why):
+        record_of(app, entry("e", task, schedule), SETTINGS)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_beat_schedules__entries_saved_edited_removed_and_back(caplog):
+    from tests.support.celery_app import app
+
+    registrar = Registrar(app, SETTINGS)
+    dusk = entry("dusk", TICK, BaseSchedule())  # a schedule without slots (as solar)
+    registrar.declare([entry("a", TICK, celery_schedule(60)), dusk])
+    registrar.declare([entry("a", TICK, celery_schedule(60)), dusk])
+    warned = [r.getMessage() for r in caplog.records if "entry dusk" in r.getMessage()]
+    assert len(warned) == 1 and "not monitored" in warned[0], warned
+    row = TaskSchedule.objects.get(task_name=f"{TICK}[a]")
+    assert (row.every, row.swept_until, row.removed_at) == (timedelta(seconds=60), None, None)
+    # Edited: the new interval's slots are judged from the edit on, not before it.
+    registrar.declare([entry("a", TICK, celery_schedule(120))])
+    row.refresh_from_db()
+    assert row.every == timedelta(seconds=120) and row.swept_until is not None
+    # Gone from the settings: removed; the other scheduler kind's and functions' rows stay.
+    other = Registrar(app, DJANGO_CELERY_BEAT)
+    other.declare([entry("b", TICK, celery_schedule(60))])
+    registrar.declare([])
+    assert TaskSchedule.objects.get(task_name=f"{TICK}[a]").removed_at is not None
+    assert TaskSchedule.objects.get(task_name=f"{TICK}[b]").removed_at is None
+    registrar.declare([entry("a", TICK, celery_schedule(120))])
+    assert TaskSchedule.objects.get(task_name=f"{TICK}[a]").removed_at is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_beat_schedules__removed_and_beat_covered_rows_are_not_swept_nor_judged():
+    from tests.support.celery_app import app
+
+    now = ledger.database_now()
+    long_ago = now - timedelta(minutes=10)
+    own = Record(  # a Celery task's own every= (registry: source celery, no entry)
+        task_name=TICK,
+        source=ScheduleSource.CELERY,
+        function="tests.support.celery_tasks.tick",
+        cron="",
+        cron_day_or=True,
+        every=timedelta(seconds=60),
+        time_zone="",
+        default_zone="Europe/Paris",
+        catchup="latest",
+        grace=timedelta(seconds=1),
+        max_catchup=100,
+        pause_after_failures=None,
+    )
+    store.save([own], long_ago)
+    Registrar(app, SETTINGS).declare([entry("gone", TICK, celery_schedule(60))])
+    Registrar(app, SETTINGS).declare([entry("kept", TICK, celery_schedule(60))])
+    TaskSchedule.objects.update(first_seen=long_ago)
+    result = missed.sweep_missed()
+    assert set(result.tasks) == {f"{TICK}[kept]"}
+    judged = {t.task for t in health.check().tasks}
+    assert f"{TICK}[kept]" in judged and not judged & {TICK, f"{TICK}[gone]"}
+    # Without a beat entry for it, the task's own row is judged again.
+    Registrar(app, SETTINGS).declare([])
+    assert set(missed.sweep_missed().tasks) == {TICK}

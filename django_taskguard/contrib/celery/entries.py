@@ -102,12 +102,13 @@ def record_of(app: Any, entry: BeatEntry, declared_in: str) -> store.Record:
     except Exception as exc:  # a zone that cannot be named, an interval under a second
         raise Unmonitored(f"its schedule {entry.schedule!r} cannot be stored ({exc})") from exc
     policy = body.policy
+    grace = grace_of(entry.headers)
     return store.Record(
         task_name=task_identity(entry.task, entry.name),
         source=ScheduleSource.CELERY,
         function=entry.task,
-        catchup=policy.catchup,
-        grace=grace_of(entry.headers) or policy.grace,
+        catchup=beat_catchup(policy.catchup, grace),
+        grace=grace or policy.grace,
         max_catchup=policy.max_catchup,
         pause_after_failures=policy.pause_after_failures,
         default_zone=get_default_timezone_name(),
@@ -132,6 +133,16 @@ def rescheduled(records: list[store.Record]) -> list[str]:
 
 def _slots_of(record: store.Record) -> tuple[str, bool, timedelta | None, str]:
     return (record.cron, record.cron_day_or, record.every, record.time_zone)
+
+
+def beat_catchup(catchup: str, header_grace: timedelta | None) -> str:
+    """What a worker does with a late message of a beat entry: an entry's
+    ``taskguard_grace`` header makes it ``"none"`` (a message later than that is recorded
+    missed); ``"all"`` is run-schedules' (a beat sends the latest slot once, the worker runs
+    it: ``"latest"``; the sweep records the others missed, ``backfill`` runs them)."""
+    if header_grace is not None:
+        return "none"
+    return "latest" if catchup == "all" else catchup
 
 
 class Registrar:
