@@ -355,8 +355,11 @@ def test_beat_schedules__removed_and_beat_covered_rows_are_not_swept_nor_judged(
     TaskSchedule.objects.update(first_seen=long_ago)
     result = missed.sweep_missed()
     assert set(result.tasks) == {f"{TICK}[kept]"}
-    judged = {t.task for t in health.check().tasks}
-    assert f"{TICK}[kept]" in judged and not judged & {TICK, f"{TICK}[gone]"}
+    judged = {t.task: t for t in health.check().tasks}
+    assert f"{TICK}[kept]" in judged and not set(judged) & {TICK, f"{TICK}[gone]"}
+    kept = judged[f"{TICK}[kept]"]
+    assert kept.next_slot is not None and kept.next_slot > now  # the overview's next slot
+    assert "missed" in [problem.code for problem in kept.problems]
     # Without a beat entry for it, the task's own row is judged again.
     Registrar(app, SETTINGS).declare([])
     assert set(missed.sweep_missed().tasks) == {TICK}
