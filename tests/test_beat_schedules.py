@@ -17,8 +17,11 @@ from datetime import datetime, timedelta
 import pytest
 from celery.schedules import BaseSchedule, crontab
 from celery.schedules import schedule as celery_schedule
+from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 from django.db import OperationalError
+from django.test import Client
+from django.urls import reverse
 
 from django_taskguard import health, ledger, missed
 from django_taskguard.contrib.celery.entries import (
@@ -360,6 +363,14 @@ def test_beat_schedules__removed_and_beat_covered_rows_are_not_swept_nor_judged(
     kept = judged[f"{TICK}[kept]"]
     assert kept.next_slot is not None and kept.next_slot > now  # the overview's next slot
     assert "missed" in [problem.code for problem in kept.problems]
+    # The metrics and the admin's overview show the entry under its run name.
+    staff = Client()
+    staff.force_login(User.objects.create_superuser("ops", password="pw"))
+    metrics = staff.get(reverse("taskguard:metrics")).content.decode()
+    assert f'taskguard_task_healthy{{task="{TICK}[kept]"}} 0.0' in metrics
+    page = staff.get(reverse("admin:taskguard_taskrun_overview")).content.decode()
+    assert f"{TICK}[kept]" in page and "every minute" in page
+    assert "no schedule registered" not in page.split(f"{TICK}[kept]", 1)[1].split("</tr>")[0]
     # Without a beat entry for it, the task's own row is judged again.
     Registrar(app, SETTINGS).declare([])
     assert set(missed.sweep_missed().tasks) == {TICK}
