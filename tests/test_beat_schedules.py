@@ -23,7 +23,7 @@ from django.db import OperationalError
 from django.test import Client
 from django.urls import reverse
 
-from django_taskguard import health, ledger, missed
+from django_taskguard import health, ledger, missed, once_per_schedule
 from django_taskguard.contrib.celery.entries import (
     DJANGO_CELERY_BEAT,
     SETTINGS,
@@ -374,3 +374,15 @@ def test_beat_schedules__removed_and_beat_covered_rows_are_not_swept_nor_judged(
     # Without a beat entry for it, the task's own row is judged again.
     Registrar(app, SETTINGS).declare([])
     assert set(missed.sweep_missed().tasks) == {TICK}
+
+
+def test_beat_schedules__a_named_guarded_task_is_saved_under_its_name():
+    from tests.support.celery_app import app
+
+    @app.task(name="tests.beat_schedules.named", bind=True)
+    @once_per_schedule(name="tests.beat_schedules.named-run")
+    def named(self: object) -> None:
+        """name= is the whole identity: its runs are recorded under it, whatever the entry."""
+
+    record = record_of(app, entry("e", "tests.beat_schedules.named", celery_schedule(5)), SETTINGS)
+    assert (record.task_name, record.entry) == ("tests.beat_schedules.named-run", "e")

@@ -104,7 +104,8 @@ def record_of(app: Any, entry: BeatEntry, declared_in: str) -> store.Record:
     policy = body.policy
     grace = grace_of(entry.headers)
     return store.Record(
-        task_name=task_identity(entry.task, entry.name),
+        # name= on the decorator is the whole identity (docs/celery.md, "Task identity").
+        task_name=getattr(body, "task_name", None) or task_identity(entry.task, entry.name),
         source=ScheduleSource.CELERY,
         function=entry.task,
         catchup=beat_catchup(policy.catchup, grace),
