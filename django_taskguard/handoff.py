@@ -13,7 +13,9 @@ that no worker starts within its grace is ended by the missed-slot sweep.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from datetime import datetime
 
 from django.utils import timezone
@@ -39,15 +41,23 @@ def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
     ledger.ensure_autocommit()
     if scheduled and refused_late(entry.task_name, slot, entry.policy, timezone.now()):
         return "not enqueued: late (recorded missed, catchup='none')"
-    run_id = ledger.insert_pending(entry.task_name, slot)
+    return hand_out(entry.task_name, slot, functools.partial(entry.enqueue, slot))
+
+
+def hand_out(task_name: str, slot: datetime, enqueue: Callable[[], str]) -> str:
+    """Record ``slot`` ``pending`` and call ``enqueue`` (it says what it made), unless the
+    slot has a row; an ``enqueue`` that raises gives the row back. Any task queue's
+    hand-off: django.tasks' (:func:`hand_off`), a backfilled Celery beat entry's."""
+    ledger.ensure_autocommit()
+    run_id = ledger.insert_pending(task_name, slot)
     if run_id is None:  # a row that only refused an early call takes the slot from nobody
-        run_id = ledger.pend_refused_early(entry.task_name, slot, actor=actor("scheduler"))
+        run_id = ledger.pend_refused_early(task_name, slot, actor=actor("scheduler"))
     if run_id is None:
         return "not enqueued here (it has a row: another copy enqueued it, or it ran)"
     try:
-        made = entry.enqueue(slot)
+        made = enqueue()
     except BaseException as exc:
-        _give_back(entry.task_name, slot, run_id, exc)
+        _give_back(task_name, slot, run_id, exc)
         raise
     return f"enqueued ({made})"
 
