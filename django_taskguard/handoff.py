@@ -17,17 +17,39 @@ import functools
 import logging
 from collections.abc import Callable
 from datetime import datetime
+from typing import Protocol
 
 from django.utils import timezone
 
 from . import ledger
 from .exceptions import TaskGuardError
 from .guard import refused_late
+from .models import TaskSchedule
 from .owner import actor
 from .registry import Entry
 from .signals import run_missed
 
 logger = logging.getLogger("taskguard.scheduler")
+
+
+class SlotSender(Protocol):
+    """A schedule whose slots its task queue's workers run, handed out one by one: a Celery
+    beat entry's, for ``backfill``. Used as a context manager around the sends (one broker
+    connection for them all)."""
+
+    def __enter__(self) -> SlotSender: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def hand_out(self, slot: datetime, *, missed: bool) -> str:
+        """Hand ``slot`` out (its row recorded ``missed``, or none); say what happened."""
+        ...
+
+
+# Makers of a schedule's SlotSender by ``TaskSchedule.source`` (``contrib.celery`` registers
+# the beat entries'): given the schedule's row and who backfills (``user@host``); they raise
+# ``TaskGuardError`` when the schedule cannot be sent (its entry is gone).
+SENDERS: dict[str, Callable[[TaskSchedule, str], SlotSender]] = {}
 
 
 def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:

@@ -83,21 +83,21 @@ def app() -> Iterator[Any]:
         previous.set_current()
 
 
-def queued(cluster: Cluster) -> int:
+def queued(running: Cluster) -> int:
     """Messages waiting in the broker's default queue."""
     from redis import Redis
 
-    client = Redis.from_url(cluster.broker_url)
+    client = Redis.from_url(running.broker_url)
     try:
         return int(client.llen(DEFAULT_QUEUE))
     finally:
         client.close()
 
 
-def runs_on_worker(cluster: Cluster, log: Path, label: str) -> Counter[datetime]:
+def runs_on_worker(running: Cluster, log: Path, label: str) -> Counter[datetime]:
     """The executions of ``label``'s messages by slot; each must have been on worker w1."""
     found = [line for line in executions(log) if line[0] == f"run:{label}"]
-    assert all(cluster.owner_of(int(line[4])) == "w1" for line in found), found
+    assert all(running.owner_of(int(line[4])) == "w1" for line in found), found
     return Counter(datetime.fromisoformat(line[2]) for line in found)
 
 
@@ -111,7 +111,11 @@ def finished(name: str, slots: list[datetime]) -> bool:
 
 
 @pytest.mark.once
-def test_backfill_beat__settings_entry_runs_each_slot_once_on_the_worker(cluster, scratch, app):
+def test_backfill_beat__settings_entry_runs_each_slot_once_on_the_worker(
+    cluster,  # noqa: F811
+    scratch,
+    app,
+):
     from tests.support import celery_tasks
 
     log = scratch / "executions.log"
@@ -178,7 +182,11 @@ def test_backfill_beat__settings_entry_runs_each_slot_once_on_the_worker(cluster
 
 @pytest.mark.once
 @pytest.mark.celery_beat
-def test_backfill_beat__django_celery_beat_row_runs_each_slot_once(cluster, scratch, app):
+def test_backfill_beat__django_celery_beat_row_runs_each_slot_once(
+    cluster,  # noqa: F811
+    scratch,
+    app,
+):
     from django_celery_beat.models import IntervalSchedule as Every
     from django_celery_beat.models import PeriodicTask
 

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from celery import current_app
-from celery.beat import BeatLazyFunc
 
 from ...exceptions import TaskGuardError
-from ...handoff import hand_out
-from ...models import TaskSchedule
+from ...handoff import SENDERS, hand_out
+from ...models import ScheduleSource, TaskSchedule
 from .headers import (
     BACKFILL_HEADER,
     PERIODIC_TASK_HEADER,
@@ -105,6 +103,8 @@ def _settings_entry(name: str) -> BeatMessage:
 
 def _evaluated(value: Any) -> Any:
     """An entry argument as the beat sends it (a ``BeatLazyFunc`` is called at send time)."""
+    from celery.beat import BeatLazyFunc  # beat code is loaded where it is used
+
     return value() if isinstance(value, BeatLazyFunc) else value
 
 
@@ -144,45 +144,51 @@ def _json(name: str, what: str, text: str | None, empty: str, kind: type) -> Any
     return value
 
 
-@contextmanager
-def connection() -> Iterator[Any]:
-    """One broker connection of the current Celery app for every message of a backfill."""
-    app: Any = current_app
-    with app.connection_for_write() as opened:
-        yield opened
+class BeatSender:
+    """A beat entry's slots sent as stamped messages (a :class:`handoff.SlotSender`), over
+    one broker connection of the current Celery app."""
+
+    def __init__(self, schedule: TaskSchedule, by: str) -> None:
+        self.task_name = schedule.task_name
+        self.message = beat_message(schedule)
+        self.by = by or "backfill"
+        self._broker: Any = None
+
+    def __enter__(self) -> BeatSender:
+        app: Any = current_app
+        self._broker = app.connection_for_write()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            broker.release()
+
+    def hand_out(self, slot: datetime, *, missed: bool) -> str:
+        """Send the message of ``slot``: a missed row keeps its row (the worker takes it
+        over), a slot with no row gets a ``pending`` one first (``handoff.hand_out``)."""
+        if missed:
+            return f"enqueued ({self._send(slot)}); its missed row is taken over by the worker"
+        return hand_out(self.task_name, slot, functools.partial(self._send, slot))
+
+    def _send(self, slot: datetime) -> str:
+        message = self.message
+        headers = {
+            **(message.options.get("headers") or {}),
+            SLOT_HEADER: slot.astimezone(UTC).isoformat(),
+            SCHEDULE_HEADER: message.entry,
+            BACKFILL_HEADER: self.by,
+        }
+        options = {**message.options, "headers": headers}
+        app: Any = current_app
+        task = app.tasks.get(message.task)  # its own options apply, as when the beat sends it
+        publish: Callable[..., Any] = (
+            task.apply_async if task is not None else functools.partial(app.send_task, message.task)
+        )
+        result = publish(message.args, message.kwargs, connection=self._broker, **options)
+        return f"celery message {result.id}"
 
 
-def hand_out_slot(
-    task_name: str,
-    message: BeatMessage,
-    slot: datetime,
-    *,
-    missed: bool,
-    by: str,
-    broker: Any,
-) -> str:
-    """Send ``message`` for ``slot`` (its row ``missed`` or absent); say what happened.
-
-    ``by``: who backfills (the ``taskguard_backfill`` header). Raises what the send raised.
-    """
-    send = functools.partial(_send, message, slot, by, broker)
-    if missed:
-        return f"enqueued ({send()}); its missed row is taken over by the worker"
-    return hand_out(task_name, slot, send)
-
-
-def _send(message: BeatMessage, slot: datetime, by: str, broker: Any) -> str:
-    headers = {
-        **(message.options.get("headers") or {}),
-        SLOT_HEADER: slot.astimezone(UTC).isoformat(),
-        SCHEDULE_HEADER: message.entry,
-        BACKFILL_HEADER: by or "backfill",
-    }
-    options = {**message.options, "headers": headers}
-    app: Any = current_app
-    task = app.tasks.get(message.task)  # its own options apply, as when the beat sends it
-    publish: Callable[..., Any] = (
-        task.apply_async if task is not None else functools.partial(app.send_task, message.task)
-    )
-    result = publish(message.args, message.kwargs, connection=broker, **options)
-    return f"celery message {result.id}"
+def register() -> None:
+    """Let ``backfill`` send the slots of beat entries (idempotent)."""
+    SENDERS[ScheduleSource.CELERY] = BeatSender

@@ -20,7 +20,7 @@ from django.utils import timezone
 from ... import guard, ledger
 from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
-from ...handoff import hand_off
+from ...handoff import SENDERS, SlotSender, hand_off
 from ...ledger import schedules as schedule_store
 from ...models import RunState, ScheduleSource, TaskSchedule
 from ...registry import Entry
@@ -178,13 +178,14 @@ class Command(BaseCommand):
     def _backfill_beat(
         self, row: TaskSchedule, start: datetime, end: datetime, *, dry_run: bool
     ) -> None:
-        """Enqueue one stamped message per slot of a Celery beat entry (see
-        ``contrib.celery.backfill``): every slot with no row or recorded missed."""
-        from ...contrib.celery import backfill as beat  # the [celery] extra: imported here
-
+        """Hand each slot with no row or recorded missed to the task queue whose workers run
+        the schedule (a Celery beat entry: ``contrib.celery.backfill``)."""
         task = row.task_name
+        maker = SENDERS.get(row.source)
+        if maker is None:
+            raise CommandError(f"{task}: nothing can send its slots in this process")
         try:
-            message = beat.beat_message(row)
+            sender = maker(row, operator())
         except TaskGuardError as exc:
             raise CommandError(f"{task}: {exc}") from exc
         schedule = rebuild(row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every)
@@ -199,24 +200,24 @@ class Command(BaseCommand):
             for slot in plan.slots:
                 self.stdout.write(f"  {slot.isoformat()}{' (missed)' * (slot in plan.missed)}")
             return
-        sent, by = 0, operator()
-        with beat.connection() as broker:
-            for index, slot in enumerate(plan.slots):
-                try:
-                    said = beat.hand_out_slot(
-                        task, message, slot, missed=slot in plan.missed, by=by, broker=broker
-                    )
-                except Exception as exc:
-                    self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
-                    raise CommandError(
-                        f"enqueueing {task} stopped at {slot.isoformat()} ({exc}); "
-                        f"{len(plan.slots) - index - 1} later slots were not enqueued: "
-                        f"backfill again"
-                    ) from exc
-                self.stdout.write(f"  {slot.isoformat()}: {said}")
-                sent += said.startswith("enqueued")
+        with sender:
+            sent = sum(self._send(sender, plan, index) for index in range(len(plan.slots)))
         left = len(plan.slots) - sent
         self.stdout.write(f"Enqueued {sent} slots of {task}; {left} had a row meanwhile.")
+
+    def _send(self, sender: SlotSender, plan: Plan, index: int) -> bool:
+        """Send one slot; True when it was enqueued. The first error stops the backfill."""
+        slot = plan.slots[index]
+        try:
+            said = sender.hand_out(slot, missed=slot in plan.missed)
+        except Exception as exc:
+            self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
+            raise CommandError(
+                f"enqueueing stopped at {slot.isoformat()} ({exc}); "
+                f"{len(plan.slots) - index - 1} later slots were not enqueued: backfill again"
+            ) from exc
+        self.stdout.write(f"  {slot.isoformat()}: {said}")
+        return said.startswith("enqueued")
 
     def _plan(self, task: str, schedule: Schedule, start: datetime, end: datetime) -> Plan:
         """The slots to run: those with no row, and those the sweep recorded missed."""
