@@ -10,6 +10,8 @@ The entry's schedule row is written here as the beat schedulers register it (sou
 from __future__ import annotations
 
 import json
+import re
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -253,3 +255,31 @@ def test_backfill_beat__a_periodic_task_gone_or_unreadable_is_an_error(app):
     with pytest.raises(CommandError, match="periodic task 'db-bad': its args are not JSON"):
         backfill(name, s0, s1)
     assert states(name) == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_backfill_beat__a_broker_that_is_down_stops_it_and_records_the_slot(app):
+    name = register("nightly", SETTINGS)
+    app.conf.beat_schedule = {"nightly": {"task": STRICT, "schedule": EVERY, "args": ["-"]}}
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app.conf.broker_url = f"redis://127.0.0.1:{port}/0"
+    s0, s1 = past_slots(2)
+    with pytest.raises(CommandError, match=rf"stopped at {re.escape(s0.isoformat())}.*1 later"):
+        backfill(name, s0, s1)
+    # The pending row is given back; past its grace (the sweep will not judge it again) it
+    # is recorded missed with the reason, so the next backfill takes it over.
+    run = TaskRun.objects.get(task_name=name, slot=s0)
+    assert run.state == RunState.MISSED and run.error.startswith("missed: enqueue failed")
+    assert states(name) == {s0: RunState.MISSED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_backfill_beat__a_paused_entry_is_said(app):
+    name = register("nightly", SETTINGS)
+    app.conf.beat_schedule = {"nightly": {"task": STRICT, "schedule": EVERY}}
+    schedule_store.set_paused(name, "maintenance")
+    s0, s1 = past_slots(2)
+    said = backfill(name, s0, s1, "--dry-run")
+    assert f"{name} is paused (maintenance): the worker records each slot skipped" in said
