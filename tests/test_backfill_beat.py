@@ -113,10 +113,12 @@ def finished(name: str, slots: list[datetime]) -> bool:
 
 
 @pytest.mark.once
+@pytest.mark.parametrize("backend", ["database", "redis"])  # the workers' lock backend
 def test_backfill_beat__settings_entry_runs_each_slot_once_on_the_worker(
     cluster,  # noqa: F811
     scratch,
     app,
+    backend,  # noqa: F811
 ):
     from tests.support import celery_tasks
 
