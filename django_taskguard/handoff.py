@@ -9,6 +9,9 @@ guarded call claims that slot, however late it runs; the claim turns the row
 sweep records it ``missed`` after its grace, or ``backfill`` hands it out again); one
 handed out late, which the sweep will not judge again, is recorded ``missed`` instead. A row
 that no worker starts within its grace is ended by the missed-slot sweep.
+
+``backfill`` hands out slots the same way (:func:`hand_out`), a Celery beat entry's through
+the :class:`SlotSender` that ``contrib.celery`` registers in :data:`SENDERS`.
 """
 
 from __future__ import annotations

@@ -183,7 +183,10 @@ class Command(BaseCommand):
         task = row.task_name
         maker = SENDERS.get(row.source)
         if maker is None:
-            raise CommandError(f"{task}: nothing can send its slots in this process")
+            raise CommandError(
+                f"{task} is a {row.source} schedule, and nothing here can send its slots "
+                f'(a Celery beat entry needs Celery: pip install "django-taskguard[celery]")'
+            )
         try:
             sender = maker(row, operator())
         except TaskGuardError as exc:
