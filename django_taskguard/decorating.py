@@ -41,6 +41,9 @@ class CallContext:
     # A misfire grace for this call (a beat entry's ``taskguard_grace`` header): a call
     # later than it after its slot is recorded ``missed``, whatever the decorator says.
     grace: timedelta | None = None
+    # An operator's backfill (a Celery message with ``taskguard_backfill``): no lateness
+    # policy, like ``backfill``'s own calls; a slot the sweep recorded ``missed`` is run.
+    backfill: bool = False
 
 
 # Functions consulted at call time, in order, for the slot and task name of a

@@ -171,16 +171,19 @@ def _begin_call(
     """Claim the slot of a plain call: the one an enqueued task carried (``SLOT_KWARG``),
     else the slot source's, else the schedule's latest."""
     task_name, slot = spec.resolve(carried, context)
-    late = spec.policy
-    if context is not None and context.grace is not None:
-        late = dataclasses.replace(late, catchup="none", grace=context.grace)
+    hooks = context or CallContext()
+    policy = late = spec.policy
+    if hooks.backfill:  # no lateness policy; a missed row is taken over (see backfill)
+        if policy.catchup == "none":
+            policy = late = dataclasses.replace(policy, catchup="latest")
+    elif hooks.grace is not None:
+        late = dataclasses.replace(late, catchup="none", grace=hooks.grace)
     if late.catchup == "none" and guard.refused_late(task_name, slot, late, timezone.now()):
         return guard.REFUSED
-    hooks = context or CallContext()
     return guard.begin(
         task_name,
         slot,
-        spec.policy,
+        policy,
         classify_raise=hooks.classify_raise,
         instance=hooks.instance,
         on_busy=hooks.on_busy,

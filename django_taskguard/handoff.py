@@ -9,23 +9,50 @@ guarded call claims that slot, however late it runs; the claim turns the row
 sweep records it ``missed`` after its grace, or ``backfill`` hands it out again); one
 handed out late, which the sweep will not judge again, is recorded ``missed`` instead. A row
 that no worker starts within its grace is ended by the missed-slot sweep.
+
+``backfill`` hands out slots the same way (:func:`hand_out`), a Celery beat entry's through
+the :class:`SlotSender` that ``contrib.celery`` registers in :data:`SENDERS`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from datetime import datetime
+from typing import Protocol
 
 from django.utils import timezone
 
 from . import ledger
 from .exceptions import TaskGuardError
 from .guard import refused_late
+from .models import TaskSchedule
 from .owner import actor
 from .registry import Entry
 from .signals import run_missed
 
 logger = logging.getLogger("taskguard.scheduler")
+
+
+class SlotSender(Protocol):
+    """A schedule whose slots its task queue's workers run, handed out one by one: a Celery
+    beat entry's, for ``backfill``. Used as a context manager around the sends (one broker
+    connection for them all)."""
+
+    def __enter__(self) -> SlotSender: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def hand_out(self, slot: datetime, *, missed: bool) -> str:
+        """Hand ``slot`` out (its row recorded ``missed``, or none); say what happened."""
+        ...
+
+
+# Makers of a schedule's SlotSender by ``TaskSchedule.source`` (``contrib.celery`` registers
+# the beat entries'): given the schedule's row and who backfills (``user@host``); they raise
+# ``TaskGuardError`` when the schedule cannot be sent (its entry is gone).
+SENDERS: dict[str, Callable[[TaskSchedule, str], SlotSender]] = {}
 
 
 def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
@@ -39,15 +66,23 @@ def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:
     ledger.ensure_autocommit()
     if scheduled and refused_late(entry.task_name, slot, entry.policy, timezone.now()):
         return "not enqueued: late (recorded missed, catchup='none')"
-    run_id = ledger.insert_pending(entry.task_name, slot)
+    return hand_out(entry.task_name, slot, functools.partial(entry.enqueue, slot))
+
+
+def hand_out(task_name: str, slot: datetime, enqueue: Callable[[], str]) -> str:
+    """Record ``slot`` ``pending`` and call ``enqueue`` (it says what it made), unless the
+    slot has a row; an ``enqueue`` that raises gives the row back. Any task queue's
+    hand-off: django.tasks' (:func:`hand_off`), a backfilled Celery beat entry's."""
+    ledger.ensure_autocommit()
+    run_id = ledger.insert_pending(task_name, slot)
     if run_id is None:  # a row that only refused an early call takes the slot from nobody
-        run_id = ledger.pend_refused_early(entry.task_name, slot, actor=actor("scheduler"))
+        run_id = ledger.pend_refused_early(task_name, slot, actor=actor("scheduler"))
     if run_id is None:
         return "not enqueued here (it has a row: another copy enqueued it, or it ran)"
     try:
-        made = entry.enqueue(slot)
+        made = enqueue()
     except BaseException as exc:
-        _give_back(entry.task_name, slot, run_id, exc)
+        _give_back(task_name, slot, run_id, exc)
         raise
     return f"enqueued ({made})"
 

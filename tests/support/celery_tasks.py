@@ -152,3 +152,11 @@ def ha_hopeless(self, log: str) -> str:
 def always_fails(self, log: str) -> str:
     note(log, "run")
     raise OSError(f"always_fails on attempt {current_run().attempt}")
+
+
+@shared_task(bind=True)
+@once_per_schedule(catchup="none")
+def strict(self, log: str, label: str = "-") -> str:
+    """A late message is recorded missed and not run (tests/test_backfill_beat.py)."""
+    note(log, f"run:{label}")
+    return "strict"

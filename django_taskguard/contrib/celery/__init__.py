@@ -5,7 +5,8 @@ worker-side slot source that reads it.
 - :mod:`.worker`: the slot source of guarded tasks, retries, put-backs;
 - :mod:`.beat`: ``TaskguardScheduler`` (``beat_schedule`` in settings);
 - :mod:`.beat_db`: ``TaskguardDatabaseScheduler`` (django-celery-beat);
-- :mod:`.enqueue`: ``apply_once`` / ``OnceTask``, enqueue de-duplication by key.
+- :mod:`.enqueue`: ``apply_once`` / ``OnceTask``, enqueue de-duplication by key;
+- :mod:`.backfill`: ``manage.py backfill`` of a beat entry (stamped messages).
 
 The schedulers are loaded on first use (beat code has no place in a worker, and
 django-celery-beat's models can only be imported once apps are ready), so
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import enqueue
+from . import backfill, enqueue
 from .enqueue import OnceTask, apply_once
 from .headers import (
     DEFERRED_HEADER,
@@ -49,6 +50,7 @@ __all__ = [
 
 register()
 enqueue.register()
+backfill.register()
 
 _LAZY = {
     "EpochInterval": "beat",

@@ -3,7 +3,7 @@
 Beat stamps two headers on every message: ``taskguard_slot`` (ISO-8601 UTC, the
 fire time the entry was due for) and ``taskguard_schedule`` (the entry's
 name); the worker reads them back. A put-back message carries
-``taskguard_deferred``.
+``taskguard_deferred``, and a message ``manage.py backfill`` sent ``taskguard_backfill``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ DEFERRED_HEADER = "taskguard_deferred"  # how often a redelivery was put back
 GRACE_HEADER = "taskguard_grace"
 # apply_once: {"key": ..., "ttl": seconds, "keep": seconds or None} of the message
 ENQUEUE_HEADER = "taskguard_enqueue"
+# ``manage.py backfill``'s messages: who sent them (``user@host``). The worker applies no
+# lateness policy to them, as to any operator's call.
+BACKFILL_HEADER = "taskguard_backfill"
 HEADERS = (
     SLOT_HEADER,
     SCHEDULE_HEADER,
@@ -38,6 +41,7 @@ HEADERS = (
     DEFERRED_HEADER,
     GRACE_HEADER,
     ENQUEUE_HEADER,
+    BACKFILL_HEADER,
 )
 
 

@@ -28,6 +28,7 @@ from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
 from .enqueue import retry_refusal
 from .headers import (
+    BACKFILL_HEADER,
     DEFERRED_HEADER,
     PERIODIC_TASK_HEADER,
     SCHEDULE_HEADER,
@@ -72,6 +73,7 @@ def celery_call_context() -> CallContext | None:
         on_busy=partial(defer, task, request) if _may_be_stranded(request, headers) else None,
         message_id=_message_id(request),
         grace=grace_of(headers),
+        backfill=bool(headers.get(BACKFILL_HEADER)),
     )
 
 

@@ -1,11 +1,16 @@
 """``manage.py backfill TASK --from ISO --to ISO [--enqueue]``: run (or enqueue) each slot of
-a range that has no row, or whose row the sweep recorded ``missed`` (it never ran)."""
+a range that has no row, or whose row the sweep recorded ``missed`` (it never ran).
+
+A Celery beat entry (``task[entry]``, a ``TaskSchedule`` row of source ``celery``) has
+nothing to run here: each slot becomes a message stamped as the beat stamps it, for its
+workers (:mod:`django_taskguard.contrib.celery.backfill`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from argparse import ArgumentParser
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -14,12 +19,14 @@ from django.utils import timezone
 
 from ... import guard, ledger
 from ...conf import taskguard_settings
-from ...exceptions import BackendUnavailable, DuplicateRun
-from ...handoff import hand_off
-from ...models import RunState, ScheduleSource
+from ...exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
+from ...handoff import SENDERS, SlotSender, hand_off
+from ...ledger import schedules as schedule_store
+from ...models import RunState, ScheduleSource, TaskSchedule
 from ...registry import Entry
+from ...schedules import Schedule, rebuild
 from ..arguments import aware_datetime
-from ..discovery import RUNNER, sync_schedules, unknown_schedule
+from ..discovery import RUNNER, operator, sync_schedules, unknown_schedule
 
 BACKFILL_MAX_SLOTS = 10_000
 ONE_MICROSECOND = timedelta(microseconds=1)
@@ -28,13 +35,26 @@ ONE_MICROSECOND = timedelta(microseconds=1)
 HELD_RETRY_PAUSES = (0.0, 0.5, 1.0, 2.0)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A backfill's slots: ``slots`` to run (in order), how many are ``refused`` as too old,
+    how many are ``taken`` (a row that ran, or runs), and those recorded ``missed`` (among
+    ``slots``, unless left out)."""
+
+    slots: list[datetime]
+    refused: int
+    taken: int
+    missed: set[datetime]
+
+
 class Command(BaseCommand):
     help = (
         "Run, through the guard and in order, every slot of TASK's schedule from --from to "
         "--to (both included) that has no row in the ledger or that the sweep recorded "
         "missed (it never ran). Running it twice is harmless: a slot that ran is never run "
         f"again. At most {BACKFILL_MAX_SLOTS:,} slots; slots "
-        "older than PRUNE_AFTER_DAYS are refused (their rows may have been pruned)."
+        "older than PRUNE_AFTER_DAYS are refused (their rows may have been pruned). A Celery "
+        "beat entry (TASK[entry]) gets one stamped message per slot, for its workers."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -48,7 +68,8 @@ class Command(BaseCommand):
             "--enqueue",
             action="store_true",
             help="Enqueue each slot to the backend of the django.tasks task that wraps TASK "
-            "instead of running it here (its workers run it).",
+            "instead of running it here (its workers run it). A Celery beat entry's slots are "
+            "always enqueued, with or without it.",
         )
 
     def handle(
@@ -64,26 +85,37 @@ class Command(BaseCommand):
         if end < start:
             raise CommandError("--to is before --from")
         try:
-            entry = self._entry(task)
-            if enqueue and entry.enqueue is None:
-                raise CommandError(
-                    f"--enqueue: {task} is not wrapped by a django.tasks @task() (put @task() "
-                    f"above @once_per_schedule), so there is no backend to enqueue to"
-                )
-            slots, refused, taken, missed = self._plan(entry, start, end, enqueue)
+            found = sync_schedules(self, RUNNER)
+            entry = found.get(task)
+            if entry is None:
+                self._backfill_beat(self._beat_entry(task, found), start, end, dry_run=dry_run)
+                return
+            self._check(entry, enqueue)
+            plan = self._plan(entry.task_name, entry.schedule, start, end)
         except BackendUnavailable as exc:
             raise CommandError(f"backfill failed: {exc}") from exc
-        self._say_plan(task, len(slots), refused, taken, missed, dry_run=dry_run, enqueue=enqueue)
+        if enqueue:  # a missed row is taken over where it runs: not handed out
+            plan = dataclasses.replace(
+                plan, slots=[slot for slot in plan.slots if slot not in plan.missed]
+            )
+        self._say_plan(task, plan, dry_run=dry_run, mode="enqueue" if enqueue else "run")
         if dry_run:
-            for slot in slots:
+            for slot in plan.slots:
                 self.stdout.write(f"  {slot.isoformat()}")
-            return
-        if enqueue:
-            failed = sum(1 for slot in slots if not self._enqueue(entry, slot))
-            self.stdout.write(f"Enqueued {len(slots) - failed} slots of {task}; {failed} raised.")
-            if failed:
-                raise CommandError(f"{failed} slots of {task} could not be enqueued")
-            return
+        elif enqueue:
+            self._enqueue_all(entry, plan.slots)
+        else:
+            self._run_all(entry, plan.slots)
+
+    def _enqueue_all(self, entry: Entry, slots: list[datetime]) -> None:
+        task = entry.task_name
+        failed = sum(1 for slot in slots if not self._enqueue(entry, slot))
+        self.stdout.write(f"Enqueued {len(slots) - failed} slots of {task}; {failed} raised.")
+        if failed:
+            raise CommandError(f"{failed} slots of {task} could not be enqueued")
+
+    def _run_all(self, entry: Entry, slots: list[datetime]) -> None:
+        task = entry.task_name
         ends = [self._run(entry, slot) for slot in slots]
         raised, left = ends.count("raised"), ends.count("not run")
         self.stdout.write(
@@ -97,65 +129,117 @@ class Command(BaseCommand):
                 f"another call; backfill them again"
             )
 
-    def _say_plan(
-        self, task: str, slots: int, refused: int, taken: int, missed: int, *, dry_run: bool,
-        enqueue: bool,
-    ) -> None:  # fmt: skip
-        if refused:
+    def _say_plan(self, task: str, plan: Plan, *, dry_run: bool, mode: str) -> None:
+        """Say what will be done; ``mode``: "run" (here), "enqueue" (to django.tasks) or
+        "send" (a Celery beat entry's messages)."""
+        if plan.refused:
             self.stdout.write(
-                f"{refused} slots are older than PRUNE_AFTER_DAYS "
+                f"{plan.refused} slots are older than PRUNE_AFTER_DAYS "
                 f"({taskguard_settings.PRUNE_AFTER_DAYS} days): the guard refuses them (their "
                 f"rows may have been pruned), so they are not run."
             )
-        doing = "enqueue" if enqueue else "run"
-        verb = f"Would {doing}" if dry_run else ("Enqueueing" if enqueue else "Running")
-        self.stdout.write(f"{verb} {slots} slots of {task} ({taken} already have a row).")
-        if missed and enqueue:
+        doing = "run" if mode == "run" else "enqueue"
+        verb = f"Would {doing}" if dry_run else ("Running" if mode == "run" else "Enqueueing")
+        self.stdout.write(
+            f"{verb} {len(plan.slots)} slots of {task} ({plan.taken} already have a row)."
+        )
+        missed = len(plan.missed)
+        if missed and mode == "enqueue":
             self.stdout.write(
                 f"{missed} slots recorded missed by the sweep are not enqueued (a missed row is "
                 f"taken over where it runs): backfill them without --enqueue."
             )
         elif missed:
+            where = " by the worker that gets its message" if mode == "send" else ""
             self.stdout.write(
                 f"{missed} of them were recorded missed by the sweep (they never ran): each "
-                f"is taken over once (missed -> running)."
+                f"is taken over once{where} (missed -> running)."
             )
 
-    def _entry(self, task: str) -> Entry:
-        found = sync_schedules(self, RUNNER)
-        entry = found.get(task)
-        if entry is None:
-            raise unknown_schedule(task, found)
+    def _check(self, entry: Entry, enqueue: bool) -> None:
         if entry.source != ScheduleSource.FUNCTION:
             raise CommandError(
-                f"{task} is a Celery task; backfill runs plain functions only (enqueueing "
-                f"stamped messages is not supported yet)"
+                f"{entry.task_name} is a Celery task's own schedule (a beat sends it): "
+                f"backfill its beat entry instead, NAME[entry] as check_schedules lists it"
             )
-        return entry
+        if enqueue and entry.enqueue is None:
+            raise CommandError(
+                f"--enqueue: {entry.task_name} is not wrapped by a django.tasks @task() (put "
+                f"@task() above @once_per_schedule), so there is no backend to enqueue to"
+            )
 
-    def _plan(
-        self, entry: Entry, start: datetime, end: datetime, enqueue: bool
-    ) -> tuple[list[datetime], int, int, int]:
-        """The slots to run, how many are refused as too old, how many have a row that
-        ran (or runs), how many were recorded missed (to run; with ``enqueue``: left)."""
+    def _beat_entry(self, task: str, found: dict[str, Entry]) -> TaskSchedule:
+        """The registered Celery beat entry named ``task`` (``task[entry]``)."""
+        row = schedule_store.get(task)
+        if row is None or row.source != ScheduleSource.CELERY or not row.entry:
+            raise unknown_schedule(task, {*found, *schedule_store.names()})
+        return row
+
+    def _backfill_beat(
+        self, row: TaskSchedule, start: datetime, end: datetime, *, dry_run: bool
+    ) -> None:
+        """Hand each slot with no row or recorded missed to the task queue whose workers run
+        the schedule (a Celery beat entry: ``contrib.celery.backfill``)."""
+        task = row.task_name
+        maker = SENDERS.get(row.source)
+        if maker is None:
+            raise CommandError(
+                f"{task} is a {row.source} schedule, and nothing here can send its slots "
+                f'(a Celery beat entry needs Celery: pip install "django-taskguard[celery]")'
+            )
+        try:
+            sender = maker(row, operator())
+        except TaskGuardError as exc:
+            raise CommandError(f"{task}: {exc}") from exc
+        schedule = rebuild(row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every)
+        plan = self._plan(task, schedule, start, end)
+        self._say_plan(task, plan, dry_run=dry_run, mode="send")
+        if row.paused:
+            self.stdout.write(
+                f"{task} is paused ({row.paused_reason}): the worker records each slot skipped "
+                f"(paused) instead of running it; resume it first to run them."
+            )
+        if dry_run:
+            for slot in plan.slots:
+                self.stdout.write(f"  {slot.isoformat()}{' (missed)' * (slot in plan.missed)}")
+            return
+        with sender:
+            sent = sum(self._send(sender, plan, index) for index in range(len(plan.slots)))
+        left = len(plan.slots) - sent
+        self.stdout.write(f"Enqueued {sent} slots of {task}; {left} had a row meanwhile.")
+
+    def _send(self, sender: SlotSender, plan: Plan, index: int) -> bool:
+        """Send one slot; True when it was enqueued. The first error stops the backfill."""
+        slot = plan.slots[index]
+        try:
+            said = sender.hand_out(slot, missed=slot in plan.missed)
+        except Exception as exc:
+            self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
+            raise CommandError(
+                f"enqueueing stopped at {slot.isoformat()} ({exc}); "
+                f"{len(plan.slots) - index - 1} later slots were not enqueued: backfill again"
+            ) from exc
+        self.stdout.write(f"  {slot.isoformat()}: {said}")
+        return said.startswith("enqueued")
+
+    def _plan(self, task: str, schedule: Schedule, start: datetime, end: datetime) -> Plan:
+        """The slots to run: those with no row, and those the sweep recorded missed."""
         now = timezone.now()
         end = min(end, now)
         after = start - ONE_MICROSECOND
-        count = entry.schedule.count_between(after, end, BACKFILL_MAX_SLOTS + 1)
+        count = schedule.count_between(after, end, BACKFILL_MAX_SLOTS + 1)
         if count > BACKFILL_MAX_SLOTS:
             raise CommandError(
-                f"the range holds more than {BACKFILL_MAX_SLOTS:,} slots of {entry.task_name}; "
+                f"the range holds more than {BACKFILL_MAX_SLOTS:,} slots of {task}; "
                 f"backfill it in parts"
             )
-        every = entry.schedule.slots_between(after, end, count)
+        every = schedule.slots_between(after, end, count)
         floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS)
         recent = [slot for slot in every if slot >= floor]
-        rows = ledger.states_at(entry.task_name, recent)
-        missed = sum(1 for state in rows.values() if state == RunState.MISSED)
+        rows = ledger.states_at(task, recent)
+        missed = {slot for slot, state in rows.items() if state == RunState.MISSED}
         todo = [slot for slot in recent if rows.get(slot, RunState.MISSED) == RunState.MISSED]
-        if enqueue:
-            todo = [slot for slot in todo if slot not in rows]
-        return todo, len(every) - len(recent), len(rows) - missed, missed
+        return Plan(todo, len(every) - len(recent), len(rows) - len(missed), missed)
 
     def _run(self, entry: Entry, slot: datetime) -> str:
         """Run one slot: "ran" (here or elsewhere), "raised", or "not run" (still missed)."""

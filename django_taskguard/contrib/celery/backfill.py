@@ -1,0 +1,194 @@
+"""``manage.py backfill`` for a Celery beat entry: one stamped message per slot.
+
+The schedule is a ``TaskSchedule`` row of source ``celery`` (the beat schedulers register
+each entry), whose runs are recorded under ``task[entry]``. Each message is the one the
+beat sends for the entry, from where the entry is declared: the task, its arguments and
+its options (``CELERY_BEAT_SCHEDULE``, read as the current Celery app's
+``beat_schedule``; or the django-celery-beat ``PeriodicTask`` named after the entry). It
+carries the beat's headers (``taskguard_slot``, ``taskguard_schedule``) and
+``taskguard_backfill``: the worker applies no lateness policy to it, as to any operator's
+call, so ``catchup="none"`` does not record it ``missed``, and a slot the sweep recorded
+``missed`` is taken over once (``missed -> running``).
+
+A slot with no row is handed out like a django.tasks slot (:func:`handoff.hand_out`): a
+``pending`` row first, so that a message that is lost is recorded ``missed`` by the sweep,
+and a send that raises gives the row back. A missed slot keeps its row; the message is
+sent alone (lost, the row stays ``missed``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from celery import current_app
+
+from ...exceptions import TaskGuardError
+from ...handoff import SENDERS, hand_out
+from ...models import ScheduleSource, TaskSchedule
+from .headers import (
+    BACKFILL_HEADER,
+    PERIODIC_TASK_HEADER,
+    SCHEDULE_HEADER,
+    SLOT_HEADER,
+    UTC,
+    task_identity,
+)
+
+BEAT_SCHEDULE = "CELERY_BEAT_SCHEDULE"
+DJANGO_CELERY_BEAT = "django-celery-beat"
+# What a backfilled message does not take from its entry: ``expires`` bounds how long the
+# beat's message of a due slot may wait; a backfilled slot is past, and would be dropped.
+DROPPED_OPTIONS = ("expires",)
+PERIODIC_TASK_OPTIONS = ("queue", "exchange", "routing_key", "priority")
+
+
+@dataclass(frozen=True)
+class BeatMessage:
+    """What the beat sends for one entry (its slot headers aside)."""
+
+    task: str  # the Celery task name
+    entry: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def beat_message(schedule: TaskSchedule) -> BeatMessage:
+    """The message of ``schedule``'s beat entry, read where it is declared now.
+
+    Raises ``TaskGuardError`` naming the entry when it no longer exists, cannot be read,
+    or now sends another task than the one its runs are recorded under.
+    """
+    if schedule.declared_in == DJANGO_CELERY_BEAT:
+        message = _periodic_task(schedule.entry)
+    else:
+        message = _settings_entry(schedule.entry)
+    recorded_as = task_identity(message.task, message.entry)
+    if recorded_as != schedule.task_name:
+        raise TaskGuardError(
+            f"beat entry {schedule.entry!r} now sends {message.task}, whose runs are recorded "
+            f"as {recorded_as}, not {schedule.task_name}: backfill {recorded_as} instead"
+        )
+    return message
+
+
+def _settings_entry(name: str) -> BeatMessage:
+    app: Any = current_app
+    beat_schedule = app.conf.beat_schedule or {}
+    entry = beat_schedule.get(name)
+    if not isinstance(entry, dict) or not isinstance(entry.get("task"), str):
+        hint = (
+            f" (Celery app {app.main!r} has no beat schedule at all: is your Celery app "
+            f"imported by your project's __init__.py, as Celery's Django guide shows?)"
+            if not beat_schedule
+            else ""
+        )
+        raise TaskGuardError(
+            f"beat entry {name!r} is not in {BEAT_SCHEDULE} any more{hint}; nothing to backfill"
+        )
+    options = {k: v for k, v in (entry.get("options") or {}).items() if k not in DROPPED_OPTIONS}
+    return BeatMessage(
+        task=entry["task"],
+        entry=name,
+        args=tuple(_evaluated(value) for value in entry.get("args") or ()),
+        kwargs={key: _evaluated(value) for key, value in (entry.get("kwargs") or {}).items()},
+        options=options,
+    )
+
+
+def _evaluated(value: Any) -> Any:
+    """An entry argument as the beat sends it (a ``BeatLazyFunc`` is called at send time)."""
+    from celery.beat import BeatLazyFunc  # beat code is loaded where it is used
+
+    return value() if isinstance(value, BeatLazyFunc) else value
+
+
+def _periodic_task(name: str) -> BeatMessage:
+    try:
+        from django_celery_beat.models import PeriodicTask
+    except ImportError as exc:
+        raise TaskGuardError(
+            f"beat entry {name!r} is a django-celery-beat periodic task, and "
+            f"django-celery-beat cannot be imported here ({exc})"
+        ) from exc
+    row = PeriodicTask.objects.filter(name=name).first()
+    if row is None:
+        raise TaskGuardError(
+            f"beat entry {name!r} is not a django-celery-beat periodic task any more; "
+            f"nothing to backfill"
+        )
+    args, kwargs, headers = (
+        _json(name, "args", row.args, "[]", list),
+        _json(name, "kwargs", row.kwargs, "{}", dict),
+        _json(name, "headers", row.headers, "{}", dict),
+    )
+    options = {k: getattr(row, k) for k in PERIODIC_TASK_OPTIONS if getattr(row, k) is not None}
+    options["headers"] = {**headers, PERIODIC_TASK_HEADER: row.name}
+    return BeatMessage(task=row.task, entry=name, args=tuple(args), kwargs=kwargs, options=options)
+
+
+def _json(name: str, what: str, text: str | None, empty: str, kind: type) -> Any:
+    try:
+        value = json.loads(text or empty)
+    except ValueError as exc:
+        raise TaskGuardError(f"periodic task {name!r}: its {what} are not JSON ({exc})") from exc
+    if not isinstance(value, kind):
+        raise TaskGuardError(
+            f"periodic task {name!r}: its {what} must be a JSON {kind.__name__}, got {text!r}"
+        )
+    return value
+
+
+class BeatSender:
+    """A beat entry's slots sent as stamped messages (a :class:`handoff.SlotSender`), over
+    one broker connection of the current Celery app."""
+
+    def __init__(self, schedule: TaskSchedule, by: str) -> None:
+        self.task_name = schedule.task_name
+        self.message = beat_message(schedule)
+        self.by = by or "backfill"
+        self._broker: Any = None
+
+    def __enter__(self) -> BeatSender:
+        app: Any = current_app
+        self._broker = app.connection_for_write()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            broker.release()
+
+    def hand_out(self, slot: datetime, *, missed: bool) -> str:
+        """Send the message of ``slot``: a missed row keeps its row (the worker takes it
+        over), a slot with no row gets a ``pending`` one first (``handoff.hand_out``)."""
+        if missed:
+            return f"enqueued ({self._send(slot)}); its missed row is taken over by the worker"
+        return hand_out(self.task_name, slot, functools.partial(self._send, slot))
+
+    def _send(self, slot: datetime) -> str:
+        message = self.message
+        headers = {
+            **(message.options.get("headers") or {}),
+            SLOT_HEADER: slot.astimezone(UTC).isoformat(),
+            SCHEDULE_HEADER: message.entry,
+            BACKFILL_HEADER: self.by,
+        }
+        options = {**message.options, "headers": headers}
+        app: Any = current_app
+        task = app.tasks.get(message.task)  # its own options apply, as when the beat sends it
+        publish: Callable[..., Any] = (
+            task.apply_async if task is not None else functools.partial(app.send_task, message.task)
+        )
+        result = publish(message.args, message.kwargs, connection=self._broker, **options)
+        return f"celery message {result.id}"
+
+
+def register() -> None:
+    """Let ``backfill`` send the slots of beat entries (idempotent)."""
+    SENDERS[ScheduleSource.CELERY] = BeatSender
