@@ -10,11 +10,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.translation import ngettext
 
-from ... import ledger
+from ... import ledger, upkeep
 from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
 from ...locks import get_backend
 from ...missed import sweep_missed
+from ...owner import actor
 from ..arguments import whole_number
 from ..discovery import OPERATOR, sync_schedules
 
@@ -68,8 +69,13 @@ class Command(BaseCommand):
         batch_size: int,
         **options: Any,
     ) -> None:
+        # A whole run (no --task, no --dry-run) is an upkeep: recorded in the Upkeep row,
+        # for the health verdict, when no automatic upkeep holds the lease meanwhile.
+        holder = actor("cleanup_locks")
+        recording = False
         try:
             ledger.ensure_reachable()
+            recording = task is None and not dry_run and upkeep.take_now(holder)
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
             if task is not None and not touched(result):
                 refuse_unknown(task)
@@ -77,7 +83,16 @@ class Command(BaseCommand):
                 sync_schedules(self, OPERATOR)
             result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
         except BackendUnavailable as exc:
+            if recording:
+                upkeep.finish(holder, {}, [f"cleanup_locks: {exc}"])
             raise CommandError(f"cleanup_locks failed: {exc}") from exc
+        except BaseException:
+            if recording:
+                upkeep.finish(holder, {}, ["cleanup_locks did not finish"])
+            raise
+        if recording:
+            counts = result.as_dict()
+            upkeep.finish(holder, {k: v for k, v in counts.items() if isinstance(v, int)}, [])
         if as_json:
             self.stdout.write(json.dumps(result.as_dict()))
         else:
