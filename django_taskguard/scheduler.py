@@ -324,9 +324,8 @@ class Scheduler:
     def sweep(self, *, force: bool = False) -> None:
         """The upkeep when this process is due to attempt it (``force``: now; one process at
         a time across the fleet, see :mod:`.upkeep`), else this copy's missed-slot sweep."""
-        if (force and automatic()) or due_here():
-            if run_upkeep().get("taken"):
-                return
+        if ((force and automatic()) or due_here()) and run_upkeep().get("taken"):
+            return
         names = {entry.task_name for entry in self.entries}
         try:
             result = sweep_missed()

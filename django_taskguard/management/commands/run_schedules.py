@@ -32,8 +32,9 @@ class Command(BaseCommand):
         "bounded thread pool. Run any number of copies on any number of hosts: each slot "
         "runs once. SIGTERM stops firing and waits for running calls (--stop-timeout). "
         "It also runs the upkeep (stale runs, Redis duplicate counts, the missed-slot "
-        "sweep), one process at a time across the fleet. --enqueue hands each due slot to its django.tasks "
-        "backend instead (one task per slot across every copy); the backend's workers run it."
+        "sweep), one process at a time across the fleet. --enqueue hands each due slot to "
+        "its django.tasks backend instead (one task per slot across every copy); the "
+        "backend's workers run it."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
