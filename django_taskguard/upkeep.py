@@ -50,7 +50,7 @@ logger = logging.getLogger("taskguard.upkeep")
 
 # A lease outlives a run that takes this long (twice the interval, and at least this):
 # a holder that died is replaced after its lease lapses.
-HOLD_AT_LEAST = timedelta(seconds=30)
+HOLD_AT_LEAST = timedelta(seconds=10)
 # Fleet-wide, an upkeep may start this share of the interval early: a process whose
 # previous attempt started a little later than its own run (thread start, a slow query)
 # is not turned away for a whole interval.
@@ -238,6 +238,13 @@ def _in_thread() -> None:
         logger.exception("taskguard upkeep failed")
     finally:
         connections.close_all()  # this thread's own connections
+
+
+def join(timeout: float | None = None) -> None:
+    """Wait for this process's upkeep thread, if one runs (a graceful stop, tests)."""
+    thread = _gate.thread
+    if thread is not None:
+        thread.join(timeout)
 
 
 def forget(*, off: bool = False) -> None:
