@@ -6,6 +6,7 @@ at a time holds the lease; the health verdict says when no upkeep ran."""
 from __future__ import annotations
 
 import io
+import itertools
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -104,8 +105,8 @@ def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
         timeout=60,
         what="the killed caller's run abandoned by the upkeep",
     )
-    assert abandoned.transitions.filter(to_state=RunState.ABANDONED).get().owner.startswith(
-        "cleanup@"
+    assert (
+        abandoned.transitions.filter(to_state=RunState.ABANDONED).get().owner.startswith("cleanup@")
     )
 
 
@@ -139,7 +140,7 @@ def test_callers_only__a_gap_is_recorded_missed(
         describe=lambda: str([(r.slot, r.state) for r in runs(task)]),
     )
     slots = [run.slot for run in gap()]
-    assert all(b - a == timedelta(seconds=2) for a, b in zip(slots, slots[1:], strict=False))
+    assert all(b - a == timedelta(seconds=2) for a, b in itertools.pairwise(slots))
 
 
 def check(*args: str) -> tuple[int, str]:

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import django
@@ -304,7 +305,7 @@ def caller(args: argparse.Namespace) -> dict[str, object]:
     def body() -> str:
         slot = current_run().slot.isoformat()
         record(args.log, f"ran {os.getpid()} {slot}")
-        if args.go and os.path.exists(args.go) and open(args.go).read().strip() == slot:
+        if args.go and os.path.exists(args.go) and Path(args.go).read_text().strip() == slot:
             record(args.log, f"hang {os.getpid()} {slot}")
             print(json.dumps({"hang": slot}), flush=True)
             time.sleep(3600)
