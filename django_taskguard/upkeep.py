@@ -72,7 +72,7 @@ def run_upkeep(holder: str | None = None, interval: float | None = None) -> dict
     ``Upkeep`` row's ``error``), and the lease that could not be taken says why.
     """
     holder = holder or actor("upkeep")
-    seconds = interval or taskguard_settings.UPKEEP_INTERVAL_SECONDS or RECHECK_SECONDS
+    seconds = interval or _interval() or RECHECK_SECONDS
     every = timedelta(seconds=seconds * (1 - LEEWAY))
     try:
         taken = store.take(holder, hold_for(seconds), every)
@@ -104,7 +104,7 @@ def finish(holder: str, result: dict[str, Any], errors: list[str]) -> None:
 def take_now(holder: str, interval: float | None = None) -> bool:
     """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``);
     False: another process holds it (raises ``BackendUnavailable``)."""
-    seconds = interval or taskguard_settings.UPKEEP_INTERVAL_SECONDS or RECHECK_SECONDS
+    seconds = interval or _interval() or RECHECK_SECONDS
     return store.take(holder, hold_for(seconds), timedelta(0))
 
 
