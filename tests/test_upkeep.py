@@ -226,3 +226,30 @@ def test_maybe_upkeep__at_most_once_per_interval_per_process() -> None:
             assert upkeep.maybe_upkeep() is False  # off
     finally:
         upkeep.forget(off=True)
+
+
+def test_hooks__a_beat_tick_and_a_celery_task_end_start_the_upkeep(tmp_path: Path) -> None:
+    from celery.signals import task_postrun
+
+    from django_taskguard.contrib.celery import TaskguardScheduler
+    from django_taskguard.contrib.celery.worker import upkeep_after_task
+    from tests.support.celery_app import app
+
+    config = {"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 60}
+    beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat"), lazy=True)
+    beat.setup_schedule()
+    upkeep.forget()
+    try:
+        with override_settings(TASKGUARD=config):
+            assert beat.tick() <= 60  # a beat wakes for the upkeep at least once an interval
+            upkeep.join(timeout=60)
+            assert Upkeep.objects.get().finished_at is not None
+            Upkeep.objects.all().delete()
+            upkeep.forget()
+            assert [key for key, _ in task_postrun.receivers if key[0] == "taskguard.upkeep"]
+            upkeep_after_task(sender=None, task_id="t1")
+            upkeep.join(timeout=60)
+            assert Upkeep.objects.get().finished_at is not None
+    finally:
+        upkeep.forget(off=True)
+        beat.close()
