@@ -101,6 +101,15 @@ def finish(holder: str, result: dict[str, Any], errors: list[str]) -> None:
         _settle()
 
 
+def give_back(holder: str) -> None:
+    """Give the lease back without recording a run (it did not finish); never raises."""
+    try:
+        store.release(holder)
+    except Exception as exc:
+        logger.warning("taskguard upkeep by %s could not give its lease back (%s)", holder, exc)
+        _settle()
+
+
 def take_now(holder: str, interval: float | None = None) -> bool:
     """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``);
     False: another process holds it (raises ``BackendUnavailable``)."""

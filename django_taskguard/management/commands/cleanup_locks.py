@@ -82,17 +82,15 @@ class Command(BaseCommand):
             if not dry_run:  # save the schedules the code declares (a dry run changes nothing)
                 sync_schedules(self, OPERATOR)
             result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
-        except BackendUnavailable as exc:
-            if recording:
-                upkeep.finish(holder, {}, [f"cleanup_locks: {exc}"])
-            raise CommandError(f"cleanup_locks failed: {exc}") from exc
-        except BaseException:
-            if recording:
-                upkeep.finish(holder, {}, ["cleanup_locks did not finish"])
+        except BaseException as exc:
+            if recording:  # not a run the health verdict may count
+                upkeep.give_back(holder)
+            if isinstance(exc, BackendUnavailable):
+                raise CommandError(f"cleanup_locks failed: {exc}") from exc
             raise
         if recording:
-            counts = result.as_dict()
-            upkeep.finish(holder, {k: v for k, v in counts.items() if isinstance(v, int)}, [])
+            counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
+            upkeep.finish(holder, counts, [])
         if as_json:
             self.stdout.write(json.dumps(result.as_dict()))
         else:
