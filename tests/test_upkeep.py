@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import signal
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -253,3 +254,26 @@ def test_hooks__a_beat_tick_and_a_celery_task_end_start_the_upkeep(tmp_path: Pat
     finally:
         upkeep.forget(off=True)
         beat.close()
+
+
+def test_run_schedules__its_sweep_thread_runs_the_upkeep(
+    child_env: dict[str, str], started: list[Child]
+) -> None:
+    """``run_schedules`` (no schedule of its own here) runs the upkeep: a stale run of
+    another task is abandoned, and the Upkeep row names the command's process."""
+    from .support.runs import make_run
+
+    stale = make_run("tests.upkeep.stale")  # running, its lease expired an hour ago
+    env = {**child_env, "TASKGUARD_TEST_UPKEEP": str(INTERVAL)}
+    child = Child(env, "--sweep-every", "60", module="tests.support.scheduler_child")
+    started.append(child)
+    wait_for(
+        lambda: TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED,
+        timeout=60,
+        what="the stale run abandoned by run_schedules' upkeep",
+    )
+    kept = Upkeep.objects.get()
+    assert kept.ran_by.startswith("upkeep@") and kept.ran_by.endswith(f":{child.process.pid}")
+    child.signal(signal.SIGTERM)
+    child.process.communicate(timeout=60)
+    assert child.process.returncode == 0
