@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections
-from django.test import override_settings
+from django.test import Client, override_settings
+from django.urls import reverse
 from django.utils import timezone
 
 from django_taskguard import health, upkeep
@@ -30,6 +31,7 @@ from .support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 INTERVAL = 5  # UPKEEP_INTERVAL_SECONDS of the callers
+TOKEN = "probe-token-0123456789"
 
 
 @pytest.fixture
@@ -157,7 +159,11 @@ def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
     due = due_slot()
     schedule("tests.upkeep.health", first_seen=due)
     finished("tests.upkeep.health", due)
-    with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": INTERVAL}):
+    config = {"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": INTERVAL, "HEALTH_TOKEN": TOKEN}
+    with override_settings(TASKGUARD=config):
+        answer = Client().get(reverse("taskguard:health"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+        assert answer.status_code == 503
+        assert answer.json()["upkeep"]["problem"].startswith("upkeep has never run")
         verdict = health.check()
         assert not verdict.healthy
         assert [t.task for t in verdict.unhealthy] == []  # the task itself is fine
@@ -175,6 +181,8 @@ def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
         status, out = check("--task", "tests.upkeep.health")
         assert status == 0, out
         assert "UPKEEP" not in out and "never run" not in out
+        answer = Client().get(reverse("taskguard:health"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+        assert answer.json()["upkeep"]["healthy"] is True
 
 
 def test_health__cleanup_locks_counts_as_an_upkeep_with_the_automatic_one_off() -> None:
