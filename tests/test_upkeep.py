@@ -64,6 +64,10 @@ def caller(env: dict[str, str], log: Path, task: str, delay: float, **options: s
     return child
 
 
+def finished_upkeep() -> Upkeep | None:
+    return Upkeep.objects.filter(finished_at__isnull=False).first()
+
+
 def runs(task: str) -> list[TaskRun]:
     return list(TaskRun.objects.filter(task_name=task).order_by("slot"))
 
@@ -85,7 +89,7 @@ def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
         describe=lambda: str([(r.slot, r.state, r.duplicates) for r in runs(task)]),
     )
     assert all(run.duplicates <= 2 for run in runs(task))
-    kept = Upkeep.objects.get()
+    kept = wait_for(finished_upkeep, what="an upkeep's end recorded")
     pids = {str(child.process.pid) for child in started}
     assert kept.ran_by.startswith("upkeep@") and kept.ran_by.rsplit(":", 1)[1] in pids
     assert kept.finished_at is not None and not kept.error
@@ -280,7 +284,7 @@ def test_run_schedules__its_sweep_thread_runs_the_upkeep(
         timeout=60,
         what="the stale run abandoned by run_schedules' upkeep",
     )
-    kept = Upkeep.objects.get()
+    kept = wait_for(finished_upkeep, what="the upkeep's end recorded")  # after its parts
     assert kept.ran_by.startswith("upkeep@") and kept.ran_by.endswith(f":{child.process.pid}")
     child.signal(signal.SIGTERM)
     child.process.communicate(timeout=60)
