@@ -21,7 +21,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from django_taskguard import health, upkeep
+from django_taskguard import health, metrics, upkeep
 from django_taskguard.models import RunState, TaskRun, TaskSchedule, Upkeep
 
 from .support.children import Child
@@ -187,6 +187,8 @@ def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
         assert "UPKEEP" not in out and "never run" not in out
         answer = Client().get(reverse("taskguard:health"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
         assert answer.json()["upkeep"]["healthy"] is True
+        body, _ = metrics.exposition("")
+        assert b"\ntaskguard_upkeep_age_seconds " in body
 
 
 def test_health__cleanup_locks_counts_as_an_upkeep_with_the_automatic_one_off() -> None:
