@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "MONITOR_WINDOW_HOURS": 24,
     "HEALTH_TOKEN": None,
     "METRICS_TOKEN": None,
+    "UPKEEP_INTERVAL_SECONDS": 60,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read
@@ -51,6 +52,7 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "FINISHED_MARKER_SECONDS": (0, 604_800, "seconds"),
     "HEALTH_FAILURES": (1, 100, "runs"),
     "MONITOR_WINDOW_HOURS": (1, 720, "hours"),
+    "UPKEEP_INTERVAL_SECONDS": (5, 3_600, "seconds"),
 }
 
 BACKENDS = ("auto", "redis", "database")
@@ -151,6 +153,15 @@ def _number_or_token(name: str, value: Any) -> str | None:
     return token_problem(name, value) if name.endswith("_TOKEN") else number_problem(name, value)
 
 
+def upkeep_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``UPKEEP_INTERVAL_SECONDS`` (None: the automatic upkeep is
+    off, for those who run ``cleanup_locks`` from cron)."""
+    if value is None:
+        return None
+    problem = number_problem(name, value)
+    return f"{problem}, or None (no automatic upkeep)" if problem else None
+
+
 # Every key's validator: (name, value) -> why the value cannot be it, or None.
 VALIDATORS: dict[str, Callable[[str, Any], str | None]] = {
     **dict.fromkeys(("BACKEND", "ON_REDIS_ERROR"), choice_problem),
@@ -158,6 +169,7 @@ VALIDATORS: dict[str, Callable[[str, Any], str | None]] = {
     **dict.fromkeys(("REDIS_ALIAS", "KEY_PREFIX", "INSTANCE_NAME"), text_problem),
     **dict.fromkeys(("STARTUP_CLEANUP", "BEAT_CLAIM"), flag_problem),
     **dict.fromkeys((*BOUNDS, "HEALTH_TOKEN", "METRICS_TOKEN"), _number_or_token),
+    "UPKEEP_INTERVAL_SECONDS": upkeep_problem,
     "SCHEDULE_MODULES": lambda name, value: modules_problem(value),
 }
 
@@ -291,6 +303,12 @@ class Settings:
     def MONITOR_WINDOW_HOURS(self) -> int:
         """The recent window health (missed slots) and metrics (runs, durations) look at."""
         return int(self._number("MONITOR_WINDOW_HOURS"))
+
+    @property
+    def UPKEEP_INTERVAL_SECONDS(self) -> float | None:
+        """Seconds between two upkeeps across the fleet (None: no automatic upkeep)."""
+        value = self._get("UPKEEP_INTERVAL_SECONDS")
+        return None if value is None else float(value)
 
     @property
     def HEALTH_TOKEN(self) -> str | None:

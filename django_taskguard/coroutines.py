@@ -52,6 +52,7 @@ from . import ledger
 from .context import activate
 from .guard import REFUSED, Attempt, Refused, Started, not_started_reason
 from .process import per_process
+from .upkeep import maybe_upkeep
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -71,8 +72,21 @@ async def execute(
 
     ``begin`` is blocking (Redis, the database) and runs in a worker thread, like the
     attempt's end. Returns what the plain path returns: the result, or what a refused
-    call returns (``None``, a key's stored result).
+    call returns (``None``, a key's stored result). Afterwards, as a plain guarded call
+    does, :func:`upkeep.maybe_upkeep` (a clock read; at most once per interval a thread).
     """
+    try:
+        return await _execute(begin, func, args, kwargs)
+    finally:
+        maybe_upkeep()
+
+
+async def _execute(
+    begin: Begin,
+    func: Callable[..., Awaitable[R]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> R | None:
     await _refuse_in_callers_transaction()
     handoff = _Handoff(begin)
     try:

@@ -33,6 +33,7 @@ from .signals import (
     run_succeeded,
 )
 from .states import TERMINAL_STATES, RunState
+from .upkeep import maybe_upkeep
 
 logger = logging.getLogger("taskguard.guard")
 _ROW_LOCK = DatabaseLock()
@@ -94,10 +95,18 @@ def run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> R | None:
-    """Run ``func`` as the attempt :func:`begin` started, or return what a refused call returns."""
-    if isinstance(started, Refused):
-        return cast("R | None", started.result)
-    return started.run(func, args, kwargs)
+    """Run ``func`` as the attempt :func:`begin` started, or return what a refused call returns.
+
+    Afterwards, :func:`upkeep.maybe_upkeep`: a look at a clock, and at most once per
+    interval a thread that runs the upkeep (callers that have no other process for it:
+    APScheduler, cron, django.tasks workers).
+    """
+    try:
+        if isinstance(started, Refused):
+            return cast("R | None", started.result)
+        return started.run(func, args, kwargs)
+    finally:
+        maybe_upkeep()
 
 
 @dataclass(frozen=True)

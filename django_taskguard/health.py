@@ -17,6 +17,10 @@ A task is unhealthy when it is
   ``HEALTH_FAILURES`` intervals of its schedule and at least ``HUNG_AFTER`` ("running
   for 1h 10m: hung?"): a hung body and a long one look alike until then.
 
+Beside the tasks, the **upkeep** (:mod:`.upkeep`): when schedules are registered and no
+upkeep (automatic, or ``cleanup_locks``) finished within ``UPKEEP_INTERVALS`` intervals
+(a day and an hour with the automatic upkeep off), the verdict is unhealthy and says so.
+
 A paused task is healthy, and says it is paused. Every task is judged: every read
 is an index probe per task, in statements of ``ledger.FACTS_CHUNK`` tasks each, so
 the verdict costs the same on a million runs as on ten.
@@ -36,6 +40,7 @@ from django.utils.translation import ngettext
 from . import ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
+from .ledger import upkeep as upkeep_store
 from .models import TaskSchedule
 from .schedules import Schedule, StoredSchedule, rebuild
 from .states import LIVE_STATES, RunState
@@ -98,15 +103,42 @@ class TaskHealth:
         }
 
 
+@dataclass(frozen=True)
+class UpkeepHealth:
+    """When the upkeep last finished, and why that is a problem (``problem`` "" when not)."""
+
+    finished_at: datetime | None
+    ran_by: str
+    error: str
+    limit: timedelta  # no upkeep for longer than this is a problem
+    problem: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "healthy": not self.problem,
+            "finished_at": _iso(self.finished_at),
+            "ran_by": self.ran_by or None,
+            "error": self.error or None,
+            "limit_seconds": self.limit.total_seconds(),
+            "problem": self.problem or None,
+        }
+
+
 @dataclass
 class Verdict:
     checked_at: datetime
     tasks: list[TaskHealth]
     window: timedelta
+    upkeep: UpkeepHealth | None = None  # None: no schedule is registered, nothing to keep
 
     @property
     def healthy(self) -> bool:
-        return all(task.healthy for task in self.tasks)
+        return all(task.healthy for task in self.tasks) and not self.upkeep_problem
+
+    @property
+    def upkeep_problem(self) -> str:
+        """Why the upkeep is a problem ("" when it is not)."""
+        return self.upkeep.problem if self.upkeep is not None else ""
 
     @property
     def unhealthy(self) -> list[TaskHealth]:
@@ -118,6 +150,7 @@ class Verdict:
             "checked_at": _iso(self.checked_at),
             "window_hours": self.window / timedelta(hours=1),
             "unhealthy": [task.task for task in self.unhealthy],
+            "upkeep": self.upkeep.as_dict() if self.upkeep is not None else None,
             "tasks": [task.as_dict() for task in self.tasks],
         }
 
@@ -129,6 +162,7 @@ def check(*, task: str | None = None) -> Verdict:
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
     tasks = known_tasks()
+    kept = upkeep_health(now) if any(t.first_seen is not None for t in tasks) else None
     if task is not None:
         tasks = [t for t in tasks if t.task == task]
     names = [t.task for t in tasks]
@@ -146,7 +180,46 @@ def check(*, task: str | None = None) -> Verdict:
     for health in tasks:
         if health.task in facts:
             judge(health, facts[health.task], now, window, failures)
-    return Verdict(now, tasks, window)
+    return Verdict(now, tasks, window, kept)
+
+
+# With the automatic upkeep off, ``cleanup_locks`` from cron is the upkeep: a daily job
+# and an hour to spare.
+CRON_UPKEEP_LIMIT = timedelta(hours=25)
+# No upkeep for this many intervals is a problem.
+UPKEEP_INTERVALS = 3
+
+
+def upkeep_health(now: datetime) -> UpkeepHealth:
+    """When the upkeep last finished (automatic, or ``cleanup_locks``), judged against
+    ``UPKEEP_INTERVALS`` intervals (``CRON_UPKEEP_LIMIT`` with the automatic upkeep off)."""
+    interval = taskguard_settings.UPKEEP_INTERVAL_SECONDS
+    limit = (
+        CRON_UPKEEP_LIMIT if interval is None else UPKEEP_INTERVALS * timedelta(seconds=interval)
+    )
+    row = upkeep_store.latest()
+    finished = row.finished_at if row is not None else None
+    ran_by, error = (row.ran_by, row.error) if row is not None else ("", "")
+    if finished is not None and now - finished <= limit:
+        return UpkeepHealth(finished, ran_by, error, limit)
+    since = _("upkeep has not run since %(when)s") % {"when": _iso(finished)}
+    if finished is None:
+        since = _("upkeep has never run")
+    if interval is None:
+        how = _(
+            "the automatic upkeep is off (TASKGUARD['UPKEEP_INTERVAL_SECONDS'] = None): run "
+            "cleanup_locks from cron"
+        )
+    else:
+        how = _(
+            "run_schedules, a beat, a worker or a guarded call runs it every %(every)ss, or "
+            "run cleanup_locks from cron"
+        ) % {"every": f"{interval:g}"}
+    detail = _(
+        "%(since)s (limit %(limit)s): the duplicate counts, stale runs and missed slots are "
+        "not being recorded; %(how)s"
+    ) % {"since": since, "limit": _human(limit), "how": how}
+    return UpkeepHealth(finished, ran_by, error, limit, detail)
 
 
 def known_tasks() -> list[TaskHealth]:

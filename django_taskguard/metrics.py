@@ -50,6 +50,13 @@ class LedgerCollector(Collector):
             [([], window.total_seconds())],
         )
         yield _gauge(
+            "taskguard_upkeep_age_seconds",
+            "Seconds since the upkeep (automatic, or cleanup_locks) last finished; absent "
+            "when it never ran.",
+            [],
+            _upkeep_age(verdict),
+        )
+        yield _gauge(
             "taskguard_last_success_timestamp_seconds",
             "When the task's latest succeeded slot finished (Unix time).",
             ["task"],
@@ -106,6 +113,16 @@ def _gauge(
     for values, value in samples:
         family.add_metric(values, value)
     return family
+
+
+def _upkeep_age(verdict: health.Verdict) -> list[tuple[list[str], float]]:
+    """The age of the latest upkeep: the verdict read it (one query when it did not)."""
+    kept = (
+        verdict.upkeep if verdict.upkeep is not None else health.upkeep_health(verdict.checked_at)
+    )
+    if kept.finished_at is None:
+        return []
+    return [([], max((verdict.checked_at - kept.finished_at).total_seconds(), 0.0))]
 
 
 def _runs(summary: dict[tuple[str, str], ledger.StateSummary], name: str, state: str) -> int:

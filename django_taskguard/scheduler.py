@@ -39,6 +39,7 @@ from .handoff import hand_off
 from .missed import sweep_missed
 from .pool import Pool
 from .registry import Entry
+from .upkeep import automatic, due_here, run_upkeep, upkeep_wait
 
 logger = logging.getLogger("taskguard.scheduler")
 
@@ -265,7 +266,7 @@ class Scheduler:
         """Fire what is due now (and sweep), wait up to ``timeout`` for it to finish;
         return the fires, and False when some calls were still running."""
         self.fire(self.first_due(timezone.now()))
-        self.sweep()
+        self.sweep(force=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         settled = self.dispatcher.settle(timeout)
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -311,12 +312,20 @@ class Scheduler:
 
     def _sweep_loop(self, stop: threading.Event) -> None:
         try:
-            while not stop.wait(self.sweep_every):
+            while not stop.wait(self._sweep_wait()):
                 self.sweep()
         finally:
             connections.close_all()
 
-    def sweep(self) -> None:
+    def _sweep_wait(self) -> float:
+        """``sweep_every``, or less when this process is due to attempt the upkeep sooner."""
+        return min(self.sweep_every, upkeep_wait()) if automatic() else self.sweep_every
+
+    def sweep(self, *, force: bool = False) -> None:
+        """The upkeep when this process is due to attempt it (``force``: now; one process at
+        a time across the fleet, see :mod:`.upkeep`), else this copy's missed-slot sweep."""
+        if ((force and automatic()) or due_here()) and run_upkeep().get("taken"):
+            return
         names = {entry.task_name for entry in self.entries}
         try:
             result = sweep_missed()

@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_automatic_upkeep() -> None:
+    """No upkeep thread in the test process (tests that override TASKGUARD get the
+    default interval): tests/test_upkeep.py turns it on where it tests it."""
+    from django_taskguard import upkeep
+
+    upkeep.forget(off=True)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A fresh private Redis for one test."""

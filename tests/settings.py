@@ -192,6 +192,11 @@ TASKGUARD: dict[str, object] = {
         if module
     ],
 }
+# No automatic upkeep in the suite's processes (a thread writing to the ledger beside
+# unrelated tests), but where a test asks for it: TASKGUARD_TEST_UPKEEP=SECONDS (children).
+TASKGUARD["UPKEEP_INTERVAL_SECONDS"] = (
+    float(os.environ["TASKGUARD_TEST_UPKEEP"]) if os.environ.get("TASKGUARD_TEST_UPKEEP") else None
+)
 if os.environ.get("TASKGUARD_TEST_SLOT_TOLERANCE"):
     # A run_schedules child whose clock is moved on to fire a far slot now
     # (TASKGUARD_TEST_CLOCK_OFFSET) must not be refused as a fast clock.

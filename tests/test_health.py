@@ -20,12 +20,18 @@ from django_taskguard.models import RunState, TaskRun
 
 from .support import ROOT
 from .support.children import python
-from .support.monitoring import DAY, due_slot, finished, schedule
+from .support.monitoring import DAY, due_slot, finished, schedule, upkeep_ran
 from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 HEALTH = reverse("taskguard:health")
 TOKEN = "probe-token-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _upkeep_ran(transactional_db: None) -> None:
+    """These tests judge tasks: the upkeep ran (tests/test_upkeep.py judges it)."""
+    upkeep_ran()
 
 
 def run_check(*args: str) -> tuple[int, str]:

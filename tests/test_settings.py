@@ -47,6 +47,7 @@ INVALID = [
     ({"MONITOR_WINDOW_HOURS": 721}, "taskguard.E009"),
     ({"HEALTH_TOKEN": "short"}, "taskguard.E021"),
     ({"METRICS_TOKEN": 1234}, "taskguard.E021"),
+    ({"UPKEEP_INTERVAL_SECONDS": 1}, "taskguard.E009"),
 ]
 # What a guarded call reads (a worker's first task): refused before anything is recorded.
 READ_BY_A_GUARDED_CALL = {"BACKEND", "REDIS_ALIAS", "ON_REDIS_ERROR", "DATABASE_ALIAS"}

@@ -50,6 +50,14 @@ def finish(holder: str, result: dict[str, Any], error: str = "") -> bool:
         )
 
 
+def release(holder: str) -> bool:
+    """Give the lease back without recording a run (a run that did not finish)."""
+    with translated:
+        return bool(
+            Upkeep.objects.using(alias()).filter(id=1, holder=holder).update(held_until=None)
+        )
+
+
 def latest() -> Upkeep | None:
     """The upkeep row (None: upkeep never ran against this database)."""
     with translated:

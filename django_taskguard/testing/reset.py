@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .. import ledger, locks, pauses
+from .. import ledger, locks, pauses, upkeep
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
 
@@ -27,12 +27,14 @@ def reset_locks() -> int:
       --parallel``) do not share their Redis keys.
     - In this process: the cached settings, lock backend and Redis clients (so
       ``override_settings(TASKGUARD=...)``, ``CACHES`` included, applies afresh), and
-      the paused-tasks cache.
+      the paused-tasks cache; the automatic upkeep is turned off (a thread writing to the
+      test database beside the tests), until ``upkeep.forget()``.
 
     The database backend keeps nothing outside the database, whose rows the test
     framework removes (a transactional test flushes its tables).
     """
     taskguard_settings.reload()
+    upkeep.forget(off=True)
     if ledger.alias() not in _own_identity:
         ledger.new_identity()
         _own_identity.add(ledger.alias())

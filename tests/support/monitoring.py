@@ -6,6 +6,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
+from django_taskguard.ledger import upkeep as upkeep_store
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.schedules import IntervalSchedule
 
@@ -64,3 +65,11 @@ def finished(
         finished_at=started + timedelta(seconds=seconds),
         duplicates=duplicates,
     )
+
+
+def upkeep_ran() -> None:
+    """Record an upkeep that ran just now and found nothing to do (the test's rows come
+    after it), as ``cleanup_locks`` records its run: without it, the verdict of a database
+    with schedules says that upkeep has never run (tests/test_upkeep.py)."""
+    assert upkeep_store.take("tests", timedelta(seconds=60), timedelta(0))
+    assert upkeep_store.finish("tests", {"stale_runs": 0}, "")

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import django
@@ -289,6 +290,38 @@ def claim_then_die(args: argparse.Namespace) -> dict[str, object]:
     return {}
 
 
+def caller(args: argparse.Namespace) -> dict[str, object]:
+    """An APScheduler-style caller: call one guarded every-2-second function once per slot,
+    ``--delay`` seconds after the slot begins, until ``--seconds`` pass. The body of the
+    slot written in the ``--go`` file (ISO-8601) sleeps until the process is killed."""
+    from django_taskguard import current_run, once_per_schedule
+
+    every = 2.0
+
+    @once_per_schedule(
+        name=args.task, every=timedelta(seconds=every), grace=timedelta(seconds=1),
+        lease_seconds=args.lease,
+    )  # fmt: skip
+    def body() -> str:
+        slot = current_run().slot.isoformat()
+        record(args.log, f"ran {os.getpid()} {slot}")
+        if args.go and os.path.exists(args.go) and Path(args.go).read_text().strip() == slot:
+            record(args.log, f"hang {os.getpid()} {slot}")
+            print(json.dumps({"hang": slot}), flush=True)
+            time.sleep(3600)
+        return "ran"
+
+    print(json.dumps({"caller": os.getpid()}), flush=True)
+    deadline = time.monotonic() + args.seconds
+    calls = 0
+    while time.monotonic() < deadline:
+        now = time.time()
+        time.sleep((now // every + 1) * every - now + args.delay)
+        body()
+        calls += 1
+    return {"calls": calls}
+
+
 SCENARIOS = {
     "race": race,
     "async_race": async_race,
@@ -298,6 +331,7 @@ SCENARIOS = {
     "database_lost": database_lost,
     "swarm": swarm,
     "claim_then_die": claim_then_die,
+    "caller": caller,
 }
 
 
@@ -318,6 +352,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-check", action="store_true", help="`hold` never calls check()")
     parser.add_argument("--processes", type=int, default=100)
     parser.add_argument("--results", default="")
+    parser.add_argument("--delay", type=float, default=0.1, help="`caller`: after the slot")
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()

@@ -27,6 +27,7 @@ from ...conf import taskguard_settings
 from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.keys import beat_key
 from ...owner import new_owner
+from ...upkeep import maybe_upkeep, upkeep_wait
 from .entries import SETTINGS, BeatEntry, RegisteringMixin
 from .headers import (
     SCHEDULE_HEADER,
@@ -185,6 +186,13 @@ class StampingMixin:
         if slot is not None:
             sent[entry.name] = slot
         return result
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Celery's tick, then the upkeep when this beat is due to attempt it (a thread);
+        a beat whose entries are far apart still wakes for it."""
+        interval: float = super().tick(*args, **kwargs)  # type: ignore[misc]
+        maybe_upkeep()
+        return min(interval, upkeep_wait())
 
     def stamp(self, entry: Any, now: datetime) -> Any:
         """A copy of ``entry`` that carries the slot headers."""

@@ -15,7 +15,7 @@ from typing import Any, NoReturn, cast
 
 from celery import Task, current_app
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import worker_ready
+from celery.signals import task_postrun, worker_ready
 from django.utils import timezone
 
 from ... import ledger, schedules
@@ -26,6 +26,7 @@ from ...exceptions import TaskGuardError
 from ...owner import actor
 from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
+from ...upkeep import maybe_upkeep
 from .enqueue import retry_refusal
 from .headers import (
     BACKFILL_HEADER,
@@ -212,12 +213,19 @@ def record_no_slot(task_name: str, request: Any) -> NoReturn:
     raise TaskGuardError(f"{task_name!r} did not run: {reason} ({recorded})")
 
 
+def upkeep_after_task(**kwargs: Any) -> None:
+    """After a task ended (its result stored), in the process that ran it (a prefork child
+    too): the upkeep, in a thread, when this process is due to attempt it."""
+    maybe_upkeep()
+
+
 def register() -> None:
     """Wire Celery in (idempotent): guarded tasks find their slot in the message,
-    ``schedule=`` takes a celery ``crontab``/``schedule``, and a worker that is ready runs
-    the startup cleanup (``STARTUP_CLEANUP``)."""
+    ``schedule=`` takes a celery ``crontab``/``schedule``, a worker that is ready runs
+    the startup cleanup (``STARTUP_CLEANUP``), and a task that ended may start the upkeep."""
     if celery_call_context not in SLOT_SOURCES:
         SLOT_SOURCES.append(celery_call_context)
     if from_celery not in schedules.TRANSLATORS:
         schedules.TRANSLATORS.append(from_celery)
     worker_ready.connect(run_startup_cleanup, dispatch_uid="taskguard.startup_cleanup")
+    task_postrun.connect(upkeep_after_task, dispatch_uid="taskguard.upkeep", weak=False)

@@ -24,7 +24,8 @@ class Command(BaseCommand):
         "Judge every registered schedule and every task the ledger has runs of: late (its "
         "latest due slot has no run past its grace, or a run's owner is presumed dead), "
         "missed slots within MONITOR_WINDOW_HOURS, its last HEALTH_FAILURES runs failed, or a "
-        "run of it has been alive too long (hung?). "
+        "run of it has been alive too long (hung?); and whether the upkeep ran within "
+        "3 intervals (UPKEEP_INTERVAL_SECONDS; a day with it off: cleanup_locks from cron). "
         f"Exit {UNHEALTHY_EXIT} naming each unhealthy task and why; paused tasks are healthy "
         f"and said to be paused. Exit {UNREACHABLE_EXIT} when the database cannot be read, "
         f"{NOT_MIGRATED_EXIT} when taskguard's migrations were not applied there."
@@ -55,16 +56,25 @@ class Command(BaseCommand):
         else:
             self.stdout.write(report(verdict))
         if not verdict.healthy:
-            count = len(verdict.unhealthy)
-            raise CommandError(
-                ngettext(
-                    "%(n)d task is unhealthy: %(names)s",
-                    "%(n)d tasks are unhealthy: %(names)s",
-                    count,
-                )
-                % {"n": count, "names": health.names(verdict.unhealthy)},
-                returncode=UNHEALTHY_EXIT,
+            raise CommandError(verdict_error(verdict), returncode=UNHEALTHY_EXIT)
+
+
+def verdict_error(verdict: health.Verdict) -> str:
+    """The unhealthy tasks by name, and the upkeep's problem."""
+    said = []
+    count = len(verdict.unhealthy)
+    if count:
+        said.append(
+            ngettext(
+                "%(n)d task is unhealthy: %(names)s",
+                "%(n)d tasks are unhealthy: %(names)s",
+                count,
             )
+            % {"n": count, "names": health.names(verdict.unhealthy)}
+        )
+    if verdict.upkeep_problem:
+        said.append(verdict.upkeep_problem)
+    return "; ".join(said)
 
 
 def report(verdict: health.Verdict) -> str:
@@ -74,6 +84,8 @@ def report(verdict: health.Verdict) -> str:
     for task in verdict.tasks:
         lines.append(f"{_label(task):9} {task.task:{width}}  {_facts(task)}")
         lines.extend(f"{'':9} {'':{width}}  {p.code}: {p.detail}" for p in task.problems)
+    if verdict.upkeep_problem:
+        lines.append(f"{'UPKEEP':9} {verdict.upkeep_problem}")
     unhealthy = len(verdict.unhealthy)
     if not verdict.tasks:
         lines.append("No schedules registered and no runs recorded yet.")
@@ -93,6 +105,8 @@ def report(verdict: health.Verdict) -> str:
             )
             % {"total": len(verdict.tasks)}
         )
+    if verdict.upkeep_problem:
+        lines.append("The upkeep is unhealthy (see UPKEEP above).")
     return "\n".join(lines)
 
 

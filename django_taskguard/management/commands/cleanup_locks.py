@@ -10,11 +10,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.translation import ngettext
 
-from ... import ledger
+from ... import ledger, upkeep
 from ...cleanup import BATCH_SIZE, CleanupResult, cleanup_locks
 from ...exceptions import BackendUnavailable
 from ...locks import get_backend
 from ...missed import sweep_missed
+from ...owner import actor
 from ..arguments import whole_number
 from ..discovery import OPERATOR, sync_schedules
 
@@ -68,16 +69,28 @@ class Command(BaseCommand):
         batch_size: int,
         **options: Any,
     ) -> None:
+        # A whole run (no --task, no --dry-run) is an upkeep: recorded in the Upkeep row,
+        # for the health verdict, when no automatic upkeep holds the lease meanwhile.
+        holder = actor("cleanup_locks")
+        recording = False
         try:
             ledger.ensure_reachable()
+            recording = task is None and not dry_run and upkeep.take_now(holder)
             result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
             if task is not None and not touched(result):
                 refuse_unknown(task)
             if not dry_run:  # save the schedules the code declares (a dry run changes nothing)
                 sync_schedules(self, OPERATOR)
             result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
-        except BackendUnavailable as exc:
-            raise CommandError(f"cleanup_locks failed: {exc}") from exc
+        except BaseException as exc:
+            if recording:  # not a run the health verdict may count
+                upkeep.give_back(holder)
+            if isinstance(exc, BackendUnavailable):
+                raise CommandError(f"cleanup_locks failed: {exc}") from exc
+            raise
+        if recording:
+            counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
+            upkeep.finish(holder, counts, [])
         if as_json:
             self.stdout.write(json.dumps(result.as_dict()))
         else:

@@ -31,8 +31,10 @@ class Command(BaseCommand):
         "the installed apps' tasks and jobs modules) at its slots, in this process, on a "
         "bounded thread pool. Run any number of copies on any number of hosts: each slot "
         "runs once. SIGTERM stops firing and waits for running calls (--stop-timeout). "
-        "It also runs the missed-slot sweep. --enqueue hands each due slot to its django.tasks "
-        "backend instead (one task per slot across every copy); the backend's workers run it."
+        "It also runs the upkeep (stale runs, Redis duplicate counts, the missed-slot "
+        "sweep), one process at a time across the fleet. --enqueue hands each due slot to "
+        "its django.tasks backend instead (one task per slot across every copy); the "
+        "backend's workers run it."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -70,7 +72,9 @@ class Command(BaseCommand):
             "--sweep-every",
             type=whole_number(1, 86_400, "seconds"),
             default=60,
-            help="Seconds between missed-slot sweeps (default: 60).",
+            help="Seconds between this copy's missed-slot sweeps (default: 60). The whole "
+            "upkeep (stale runs, Redis duplicate counts, the missed-slot sweep) runs every "
+            "TASKGUARD['UPKEEP_INTERVAL_SECONDS'], one process at a time across the fleet.",
         )
         parser.add_argument(
             "--no-batch",

@@ -1,0 +1,265 @@
+"""The upkeep: what keeps the ledger true between runs, run by the processes a deployment has.
+
+One upkeep does, in order, each part on its own (a part that fails is recorded and the
+others still run):
+
+- ``stale``: runs whose lease lapsed (their owner died) and retries that never came are
+  recorded ``abandoned``, their locks released (:func:`cleanup.cleanup_locks`);
+- ``lock``: the lock backend's sweep (Redis: the duplicate counts that losing calls left
+  are folded into their rows, slots whose Redis winner died before its row are recorded,
+  orphan keys removed);
+- ``schedules``: the schedules this process declares are saved (``registry.sync``), so
+  that a schedule only ever called by guarded calls (APScheduler, cron) is known;
+- ``missed``: the missed-slot sweep, and pending slots nobody started
+  (:func:`missed.sweep_missed`).
+
+That is ``cleanup_locks`` without ``--dry-run``. One process at a time across the fleet
+runs it, and not again before ``UPKEEP_INTERVAL_SECONDS`` (within :data:`LEEWAY` of it):
+the lease on the one ``Upkeep`` row (:mod:`.ledger.upkeep`), which also records how the
+latest run ended, for the health verdict.
+
+:func:`maybe_upkeep` is what the processes call (``run_schedules``, the beat schedulers,
+Celery workers after each task, every guarded call after it ended): a look at a
+monotonic clock, and at most once per interval per process a daemon thread that takes the
+lease and runs the upkeep. The caller never waits for it, and nothing of it raises into
+the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.db import connections
+
+from . import ledger, registry
+from .cleanup import call_backend, cleanup_locks
+from .conf import taskguard_settings
+from .ledger import upkeep as store
+from .locks import get_backend
+from .missed import sweep_missed
+from .owner import actor
+
+logger = logging.getLogger("taskguard.upkeep")
+
+# A lease outlives a run that takes this long (twice the interval, and at least this):
+# a holder that died is replaced after its lease lapses.
+HOLD_AT_LEAST = timedelta(seconds=10)
+# Fleet-wide, an upkeep may start this share of the interval early: a process whose
+# previous attempt started a little later than its own run (thread start, a slow query)
+# is not turned away for a whole interval.
+LEEWAY = 0.1
+# With the automatic upkeep off (or a setting it cannot read), how often a process looks
+# at the setting again.
+RECHECK_SECONDS = 60.0
+
+
+def hold_for(interval: float) -> timedelta:
+    return max(timedelta(seconds=2 * interval), HOLD_AT_LEAST)
+
+
+def run_upkeep(holder: str | None = None, interval: float | None = None) -> dict[str, Any]:
+    """Take the fleet-wide lease and run the upkeep once; what it did.
+
+    ``{"taken": False}`` when another process holds the lease or ran it within the
+    interval. Never raises: a part that failed is named in ``errors`` (and in the
+    ``Upkeep`` row's ``error``), and the lease that could not be taken says why.
+    """
+    holder = holder or actor("upkeep")
+    seconds = interval or _interval() or RECHECK_SECONDS
+    every = timedelta(seconds=seconds * (1 - LEEWAY))
+    try:
+        taken = store.take(holder, hold_for(seconds), every)
+    except Exception as exc:
+        logger.warning("taskguard upkeep: the lease could not be taken (%s)", exc)
+        _settle()
+        return {"taken": False, "errors": [f"lease: {exc}"]}
+    if not taken:
+        return {"taken": False}
+    result, errors = work()
+    finish(holder, result, errors)
+    return {"taken": True, **result, "errors": errors}
+
+
+def finish(holder: str, result: dict[str, Any], errors: list[str]) -> None:
+    """Record the end of ``holder``'s upkeep (or cleanup) and give the lease back; never raises."""
+    try:
+        if not store.finish(holder, result, "\n".join(errors)):
+            logger.warning(
+                "taskguard upkeep by %s outlived its lease: another process took it; its "
+                "result is not recorded",
+                holder,
+            )
+    except Exception as exc:
+        logger.warning("taskguard upkeep by %s could not record its end (%s)", holder, exc)
+        _settle()
+
+
+def give_back(holder: str) -> None:
+    """Give the lease back without recording a run (it did not finish); never raises."""
+    try:
+        store.release(holder)
+    except Exception as exc:
+        logger.warning("taskguard upkeep by %s could not give its lease back (%s)", holder, exc)
+        _settle()
+
+
+def take_now(holder: str, interval: float | None = None) -> bool:
+    """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``);
+    False: another process holds it (raises ``BackendUnavailable``)."""
+    seconds = interval or _interval() or RECHECK_SECONDS
+    return store.take(holder, hold_for(seconds), timedelta(0))
+
+
+def work() -> tuple[dict[str, Any], list[str]]:
+    """Every part of the upkeep, each on its own; (what they did, what failed)."""
+    result: dict[str, Any] = {}
+    errors: list[str] = []
+    for name, part in PARTS:
+        try:
+            result.update(part())
+        except Exception as exc:
+            logger.exception("taskguard upkeep: %s failed; the other parts go on", name)
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            _settle()
+    return result, errors
+
+
+def _stale() -> dict[str, Any]:
+    done = cleanup_locks(scan_orphans=False)
+    return {"stale_runs": done.stale_runs, "released_locks": done.released_locks}
+
+
+def _lock_sweep() -> dict[str, Any]:
+    unrecorded, orphans = call_backend(get_backend().sweep, None, False)
+    return {"unrecorded_slots": unrecorded, "orphan_keys": orphans}
+
+
+def _schedules() -> dict[str, Any]:
+    return {"schedules": len(registry.sync(tolerate=(Exception,)))}
+
+
+def _missed() -> dict[str, Any]:
+    swept = sweep_missed()
+    return {"missed_slots": swept.missed_slots, "paused_slots": swept.paused_slots}
+
+
+PARTS: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+    ("stale", _stale),
+    ("lock", _lock_sweep),
+    ("schedules", _schedules),
+    ("missed", _missed),
+]
+
+
+def _settle() -> None:
+    try:
+        ledger.settle_connection()
+    except Exception:
+        logger.debug("taskguard upkeep: a failed connection could not be closed", exc_info=True)
+
+
+# -- the per-process gate ---------------------------------------------------------
+
+
+class _Gate:
+    """When this process may next attempt an upkeep (monotonic), and its thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next_at = 0.0
+        self.thread: threading.Thread | None = None
+
+
+_gate = _Gate()
+
+
+def _after_fork() -> None:
+    """A forked child starts afresh: its parent's thread is not its own, nor its lock."""
+    global _gate
+    _gate = _Gate()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def due_here() -> bool:
+    """Whether this process attempts an upkeep now (at most once per interval; never while
+    its previous attempt runs); moves the gate on when it does. Never blocks."""
+    gate = _gate
+    now = time.monotonic()
+    if now < gate.next_at or not gate.lock.acquire(blocking=False):
+        return False
+    try:
+        if now < gate.next_at or (gate.thread is not None and gate.thread.is_alive()):
+            return False
+        interval = _interval()
+        gate.next_at = now + (interval or RECHECK_SECONDS)
+        return interval is not None
+    finally:
+        gate.lock.release()
+
+
+def automatic() -> bool:
+    """Whether the automatic upkeep is on (``UPKEEP_INTERVAL_SECONDS`` is not None)."""
+    return _interval() is not None
+
+
+def _interval() -> float | None:
+    try:
+        return taskguard_settings.UPKEEP_INTERVAL_SECONDS
+    except Exception as exc:  # ImproperlyConfigured: said, never replaced by a default
+        logger.error("taskguard upkeep: not run (%s)", exc)
+        return None
+
+
+def maybe_upkeep() -> bool:
+    """Start the upkeep in a daemon thread when this process is due to attempt it; True
+    when a thread started. Never blocks, never raises: the caller's work is done."""
+    try:
+        if not due_here():
+            return False
+        thread = threading.Thread(target=_in_thread, name="taskguard-upkeep", daemon=True)
+        _gate.thread = thread
+        thread.start()
+        return True
+    except Exception:
+        logger.exception("taskguard upkeep: could not start its thread")
+        return False
+
+
+def upkeep_wait() -> float:
+    """Seconds until this process is next due to attempt an upkeep (at least 1): how long
+    a loop that calls :func:`maybe_upkeep` may sleep."""
+    return max(_gate.next_at - time.monotonic(), 1.0)
+
+
+def _in_thread() -> None:
+    try:
+        run_upkeep()
+    except BaseException:
+        logger.exception("taskguard upkeep failed")
+    finally:
+        connections.close_all()  # this thread's own connections
+
+
+def join(timeout: float | None = None) -> None:
+    """Wait for this process's upkeep thread, if one runs (a graceful stop, tests)."""
+    thread = _gate.thread
+    if thread is not None:
+        thread.join(timeout)
+
+
+def forget(*, off: bool = False) -> None:
+    """Reset this process's gate: the next call may attempt at once; ``off``: no automatic
+    upkeep in this process until the next ``forget()`` (a test process, where a thread
+    writing to the ledger beside unrelated tests would only get in the way)."""
+    _after_fork()
+    if off:
+        _gate.next_at = math.inf

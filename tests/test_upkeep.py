@@ -1,0 +1,293 @@
+"""The upkeep runs itself (issue 22): with APScheduler-style callers only (no
+``cleanup_locks``, no ``run_schedules``), the processes that call guarded functions fold
+the duplicate counts, abandon a killed run and record a gap's slots missed; one process
+at a time holds the lease; the health verdict says when no upkeep ran."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import signal
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections
+from django.test import Client, override_settings
+from django.urls import reverse
+from django.utils import timezone
+
+from django_taskguard import health, metrics, upkeep
+from django_taskguard.models import RunState, TaskRun, TaskSchedule, Upkeep
+
+from .support.children import Child
+from .support.monitoring import due_slot, finished, schedule
+from .support.redis_server import RedisServer
+from .support.waiting import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+INTERVAL = 5  # UPKEEP_INTERVAL_SECONDS of the callers
+TOKEN = "probe-token-0123456789"
+
+
+@pytest.fixture
+def callers_env(child_env: dict[str, str], redis_server: RedisServer) -> dict[str, str]:
+    """Children on the Redis lock backend (a private server) with the upkeep every 5 s."""
+    return {
+        **child_env,
+        "TASKGUARD_TEST_BACKEND": "redis",
+        "TASKGUARD_TEST_REDIS_URL": redis_server.url,
+        "TASKGUARD_TEST_UPKEEP": str(INTERVAL),
+    }
+
+
+@pytest.fixture
+def started() -> Iterator[list[Child]]:
+    """The callers a test starts; every one still alive is killed at its end."""
+    children: list[Child] = []
+    yield children
+    for child in children:
+        if child.process.poll() is None:
+            child.killed()
+
+
+def caller(env: dict[str, str], log: Path, task: str, delay: float, **options: str) -> Child:
+    argv = ["caller", "--task", task, "--log", str(log), "--delay", str(delay), "--seconds", "300"]
+    for name, value in options.items():
+        argv += [f"--{name}", value]
+    child = Child(env, *argv)
+    child.started()
+    return child
+
+
+def finished_upkeep() -> Upkeep | None:
+    return Upkeep.objects.filter(finished_at__isnull=False).first()
+
+
+def runs(task: str) -> list[TaskRun]:
+    return list(TaskRun.objects.filter(task_name=task).order_by("slot"))
+
+
+def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
+    callers_env: dict[str, str], scratch: Path, started: list[Child]
+) -> None:
+    """Three callers of each slot, 0.4 s apart: the first wins and finishes before the
+    others call, so their counts stay in Redis until an upkeep folds them (the winner's
+    release folds only what came while it ran). A caller SIGKILLed mid-run: its run is
+    abandoned by the upkeep of the others."""
+    task, log, hang = "tests.upkeep.callers", scratch / "log", scratch / "hang"
+    for index in range(3):
+        started.append(caller(callers_env, log, task, 0.1 + 0.4 * index, lease="3", go=str(hang)))
+    wait_for(
+        lambda: sum(run.duplicates == 2 for run in runs(task)) >= 3,
+        timeout=60,
+        what="three slots with their two duplicates folded",
+        describe=lambda: str([(r.slot, r.state, r.duplicates) for r in runs(task)]),
+    )
+    assert all(run.duplicates <= 2 for run in runs(task))
+    kept = wait_for(finished_upkeep, what="an upkeep's end recorded")
+    pids = {str(child.process.pid) for child in started}
+    assert kept.ran_by.startswith("upkeep@") and kept.ran_by.rsplit(":", 1)[1] in pids
+    assert kept.finished_at is not None and not kept.error
+
+    # The next slot but one hangs in whichever caller wins it; that caller is killed.
+    now = timezone.now()
+    slot = now.replace(microsecond=0) - timedelta(seconds=now.second % 2) + timedelta(seconds=4)
+    hang.write_text(slot.isoformat())
+    hung = wait_for(
+        lambda: [line for line in log.read_text().splitlines() if line.startswith("hang ")],
+        timeout=30,
+        what="a caller hanging in its body",
+    )
+    pid = int(hung[0].split()[1])
+    victim = next(child for child in started if child.process.pid == pid)
+    assert TaskRun.objects.get(task_name=task, slot=slot).state == RunState.RUNNING
+    victim.killed()
+    abandoned = wait_for(
+        lambda: TaskRun.objects.filter(task_name=task, slot=slot, state=RunState.ABANDONED).first(),
+        timeout=60,
+        what="the killed caller's run abandoned by the upkeep",
+    )
+    assert (
+        abandoned.transitions.filter(to_state=RunState.ABANDONED).get().owner.startswith("cleanup@")
+    )
+
+
+def test_callers_only__a_gap_is_recorded_missed(
+    callers_env: dict[str, str], scratch: Path, started: list[Child]
+) -> None:
+    """One caller registers the schedule (its upkeep saves what it declares); every caller
+    stops for some slots; one starts again: its upkeep records the gap's slots missed."""
+    task, log = "tests.upkeep.gap", scratch / "log"
+    first = caller(callers_env, log, task, 0.1)
+    started.append(first)
+    wait_for(lambda: TaskSchedule.objects.filter(task_name=task).exists(), timeout=60,
+             what="the schedule saved by the caller's upkeep")  # fmt: skip
+    wait_for(lambda: len(runs(task)) >= 2, timeout=30, what="two slots run")
+    first.killed()
+    last_before = runs(task)[-1].slot
+    # Four slots (8 s) with no caller at all.
+    wait_for(lambda: timezone.now() > last_before + timedelta(seconds=10), timeout=30,
+             what="a gap of four slots", every=0.5)  # fmt: skip
+    started.append(caller(callers_env, log, task, 0.1))
+
+    def gap() -> list[TaskRun]:
+        after = [run for run in runs(task) if run.slot > last_before]
+        ran = [run for run in after if run.state == RunState.SUCCEEDED]
+        return [run for run in after if ran and run.slot < ran[0].slot]
+
+    wait_for(
+        lambda: len(gap()) >= 4 and all(run.state == RunState.MISSED for run in gap()),
+        timeout=60,
+        what="the gap's slots recorded missed",
+        describe=lambda: str([(r.slot, r.state) for r in runs(task)]),
+    )
+    slots = [run.slot for run in gap()]
+    assert all(b - a == timedelta(seconds=2) for a, b in itertools.pairwise(slots))
+
+
+def check(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    try:
+        call_command("check_schedules", *args, stdout=out)
+    except CommandError as exc:
+        return exc.returncode, out.getvalue() + str(exc)
+    return 0, out.getvalue()
+
+
+def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
+    due = due_slot()
+    schedule("tests.upkeep.health", first_seen=due)
+    finished("tests.upkeep.health", due)
+    config = {"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": INTERVAL, "HEALTH_TOKEN": TOKEN}
+    with override_settings(TASKGUARD=config):
+        answer = Client().get(reverse("taskguard:health"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+        assert answer.status_code == 503
+        assert answer.json()["upkeep"]["problem"].startswith("upkeep has never run")
+        verdict = health.check()
+        assert not verdict.healthy
+        assert [t.task for t in verdict.unhealthy] == []  # the task itself is fine
+        assert verdict.upkeep_problem.startswith("upkeep has never run")
+        assert verdict.as_dict()["upkeep"]["healthy"] is False
+        status, out = check()
+        assert status == 1
+        assert "upkeep has never run" in out and "run cleanup_locks from cron" in out
+
+        done = upkeep.run_upkeep("tests-holder")
+        assert done["taken"] and done["errors"] == []
+        verdict = health.check()
+        assert verdict.upkeep_problem == ""
+        assert verdict.as_dict()["upkeep"]["ran_by"] == "tests-holder"
+        status, out = check("--task", "tests.upkeep.health")
+        assert status == 0, out
+        assert "UPKEEP" not in out and "never run" not in out
+        answer = Client().get(reverse("taskguard:health"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+        assert answer.json()["upkeep"]["healthy"] is True
+        body, _ = metrics.exposition("")
+        assert b"\ntaskguard_upkeep_age_seconds " in body
+
+
+def test_health__cleanup_locks_counts_as_an_upkeep_with_the_automatic_one_off() -> None:
+    due = due_slot()
+    schedule("tests.upkeep.cron", first_seen=due)
+    finished("tests.upkeep.cron", due)
+    verdict = health.check()  # the suite's settings: UPKEEP_INTERVAL_SECONDS = None
+    assert "the automatic upkeep is off" in verdict.upkeep_problem
+    call_command("cleanup_locks", stdout=io.StringIO())
+    kept = Upkeep.objects.get()
+    assert kept.ran_by.startswith("cleanup_locks@") and kept.held_until is None
+    assert health.check().upkeep_problem == ""
+
+
+def test_run_upkeep__two_processes_race_one_holds_the_lease_the_other_skips() -> None:
+    """Two threads (two connections: two processes, as far as the database is concerned)
+    start an upkeep at once: one takes the lease and is the row's ran_by; the other skips."""
+    barrier = threading.Barrier(2)
+    done: dict[str, dict[str, Any]] = {}
+
+    def attempt(holder: str) -> None:
+        try:
+            barrier.wait(timeout=30)
+            done[holder] = upkeep.run_upkeep(holder, interval=INTERVAL)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=attempt, args=(name,)) for name in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(result["taken"] for result in done.values()) == [False, True]
+    winner = next(holder for holder, result in done.items() if result["taken"])
+    kept = Upkeep.objects.get()
+    assert kept.ran_by == winner and kept.held_until is None
+    assert upkeep.run_upkeep("three", interval=INTERVAL) == {"taken": False}  # ran just now
+
+
+def test_maybe_upkeep__at_most_once_per_interval_per_process() -> None:
+    upkeep.forget()
+    try:
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 60}):
+            assert upkeep.maybe_upkeep() is True
+            assert upkeep.maybe_upkeep() is False  # within the interval: a clock read only
+            upkeep.join(timeout=60)
+            assert Upkeep.objects.get().finished_at is not None
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": None}):
+            upkeep.forget()
+            assert upkeep.maybe_upkeep() is False  # off
+    finally:
+        upkeep.forget(off=True)
+
+
+def test_hooks__a_beat_tick_and_a_celery_task_end_start_the_upkeep(tmp_path: Path) -> None:
+    from celery.signals import task_postrun
+
+    from django_taskguard.contrib.celery import TaskguardScheduler
+    from django_taskguard.contrib.celery.worker import upkeep_after_task
+    from tests.support.celery_app import app
+
+    config = {"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 60}
+    beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat"), lazy=True)
+    beat.setup_schedule()
+    upkeep.forget()
+    try:
+        with override_settings(TASKGUARD=config):
+            assert beat.tick() <= 60  # a beat wakes for the upkeep at least once an interval
+            upkeep.join(timeout=60)
+            assert Upkeep.objects.get().finished_at is not None
+            Upkeep.objects.all().delete()
+            upkeep.forget()
+            assert [key for key, _ in task_postrun.receivers if key[0] == "taskguard.upkeep"]
+            upkeep_after_task(sender=None, task_id="t1")
+            upkeep.join(timeout=60)
+            assert Upkeep.objects.get().finished_at is not None
+    finally:
+        upkeep.forget(off=True)
+        beat.close()
+
+
+def test_run_schedules__its_sweep_thread_runs_the_upkeep(
+    child_env: dict[str, str], started: list[Child]
+) -> None:
+    """``run_schedules`` (no schedule of its own here) runs the upkeep: a stale run of
+    another task is abandoned, and the Upkeep row names the command's process."""
+    from .support.runs import make_run
+
+    stale = make_run("tests.upkeep.stale")  # running, its lease expired an hour ago
+    env = {**child_env, "TASKGUARD_TEST_UPKEEP": str(INTERVAL)}
+    child = Child(env, "--sweep-every", "60", module="tests.support.scheduler_child")
+    started.append(child)
+    wait_for(
+        lambda: TaskRun.objects.get(pk=stale.pk).state == RunState.ABANDONED,
+        timeout=60,
+        what="the stale run abandoned by run_schedules' upkeep",
+    )
+    kept = wait_for(finished_upkeep, what="the upkeep's end recorded")  # after its parts
+    assert kept.ran_by.startswith("upkeep@") and kept.ran_by.endswith(f":{child.process.pid}")
+    child.signal(signal.SIGTERM)
+    child.process.communicate(timeout=60)
+    assert child.process.returncode == 0
