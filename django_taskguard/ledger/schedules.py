@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections
-from django.db.models import Q
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from ..models import (
@@ -222,6 +222,31 @@ def events(task_name: str, limit: int = 100) -> list[ScheduleEvent]:
     with translated:
         found = ScheduleEvent.objects.using(alias()).filter(task_name=task_name)
         return list(found.order_by("-at", "-id")[:limit])
+
+
+def latest_events(kind: ScheduleEventKind) -> dict[str, ScheduleEvent]:
+    """Each task's latest event of ``kind``: two statements, whatever the number of tasks."""
+    with translated:
+        found = ScheduleEvent.objects.using(alias()).filter(kind=kind)
+        ids = [row["latest"] for row in found.values("task_name").annotate(latest=Max("id"))]
+        rows: list[ScheduleEvent] = []
+        for start in range(0, len(ids), 500):
+            rows += found.filter(id__in=ids[start : start + 500])
+    return {event.task_name: event for event in rows}
+
+
+def histories(task_names: Sequence[str], per_task: int) -> dict[str, list[ScheduleEvent]]:
+    """Each named task's latest ``per_task`` events, newest first (one statement per 500
+    tasks: events are operators' acts, a handful per task)."""
+    found: dict[str, list[ScheduleEvent]] = {name: [] for name in task_names}
+    with translated:
+        for start in range(0, len(task_names), 500):
+            part = list(task_names[start : start + 500])
+            events_of = ScheduleEvent.objects.using(alias()).filter(task_name__in=part)
+            for event in events_of.order_by("-at", "-id"):
+                if len(found[event.task_name]) < per_task:
+                    found[event.task_name].append(event)
+    return found
 
 
 def acknowledge(task_name: str, until: datetime) -> bool:
