@@ -260,20 +260,27 @@ def judge(
             "age": _human(now - (facts.oldest_stale_lease or now)),
         }
         health.problems.append(Problem(LATE, detail))
-    if health.registered:
-        if (outcome := _outcome_problem(health, facts, failures)) is not None:
-            health.problems.append(outcome)
-    elif facts.ended == failures and facts.failed == failures:
-        detail = ngettext(
-            "its last run failed (slot %(slot)s)",
-            "its last %(n)d runs failed (latest slot %(slot)s)",
-            failures,
-        ) % {"n": failures, "slot": _iso(facts.latest_ended_slot)}
-        health.problems.append(Problem(FAILING, detail))
+    failed = _outcome_problem if health.registered else _streak_problem
+    if (problem := failed(health, facts, failures)) is not None:
+        health.problems.append(problem)
     elif _no_success(health, facts, failures):
         health.problems.append(_no_success_problem(health, facts, failures))
     if (hung := _running_too_long(health, now, failures)) is not None:
         health.problems.append(hung)
+
+
+def _streak_problem(
+    health: TaskHealth, facts: ledger.TaskFacts, failures: int
+) -> Problem | None:
+    """A task without a schedule: its last ``failures`` ended runs all failed."""
+    if not (facts.ended == failures and facts.failed == failures):
+        return None
+    detail = ngettext(
+        "its last run failed (slot %(slot)s)",
+        "its last %(n)d runs failed (latest slot %(slot)s)",
+        failures,
+    ) % {"n": failures, "slot": _iso(facts.latest_ended_slot)}
+    return Problem(FAILING, detail)
 
 
 _OUTCOME_WORDS: dict[str, Any] = {
