@@ -269,9 +269,7 @@ def judge(
         health.problems.append(hung)
 
 
-def _streak_problem(
-    health: TaskHealth, facts: ledger.TaskFacts, failures: int
-) -> Problem | None:
+def _streak_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:
     """A task without a schedule: its last ``failures`` ended runs all failed."""
     if not (facts.ended == failures and facts.failed == failures):
         return None
@@ -290,9 +288,7 @@ _OUTCOME_WORDS: dict[str, Any] = {
 }
 
 
-def _outcome_problem(
-    health: TaskHealth, facts: ledger.TaskFacts, failures: int
-) -> Problem | None:
+def _outcome_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:
     """Its latest slot that came out did not succeed, and no acknowledgement covers it."""
     slot, state = facts.outcome_slot, facts.outcome_state
     if slot is None or state is None or state == RunState.SUCCEEDED or health.acknowledged(slot):

@@ -85,7 +85,6 @@ def test_acknowledge__a_problem_slot_fails_health_until_acknowledged(state, code
     assert event.kind == ScheduleEventKind.ACKNOWLEDGED and event.reason.startswith("known")
 
 
-
 def test_acknowledge__a_new_problem_after_it_fails_health_again():
     slot = due_slot(EVERY)
     schedule(TASK, every=EVERY)
