@@ -301,7 +301,6 @@ def _outcome_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int)
         detail += f": {facts.outcome_error.strip().splitlines()[0][:200]}"
     if failures > 1 and facts.ended == failures and facts.failed == failures:
         detail += " " + _("(its last %(n)d runs failed)") % {"n": failures}
-    detail += " " + _("(a later success or an acknowledgement clears it)")
     return Problem(MISSED if state == RunState.MISSED else FAILING, detail)
 
 
