@@ -9,7 +9,10 @@ import json
 from datetime import datetime, timedelta
 
 import pytest
+from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
+from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 
 from django_taskguard.ledger import schedules as store
@@ -158,3 +161,41 @@ def test_acknowledge_command__bad_input_is_a_clear_error(args, message):
     with pytest.raises(CommandError, match=message.replace("?", r"\?")):
         acknowledge(*args)
     assert store.events(TASK) == []
+
+
+def admin_client(name: str, *perms: str) -> Client:
+    user = User.objects.create_user(name, password="pw", is_staff=True)
+    for codename in ("view_taskrun", *perms):
+        user.user_permissions.add(Permission.objects.get(codename=codename))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_overview_acknowledge__needs_the_permission_a_post_and_a_reason():
+    slot = problem_then(TASK, RunState.ABANDONED)
+    url = reverse("admin:taskguard_taskrun_pause")
+    overview = reverse("admin:taskguard_taskrun_overview")
+    viewer = admin_client("viewer")
+    assert 'value="acknowledge"' not in viewer.get(overview).content.decode()
+    assert viewer.post(url, {"task": TASK, "do": "acknowledge"}).status_code == 403
+
+    operator = admin_client("ops", "pause_taskschedule")
+    assert 'value="acknowledge"' in operator.get(overview).content.decode()
+    assert operator.get(url).status_code == 405
+    asked = operator.post(url, {"task": TASK, "do": "acknowledge"})
+    assert f"Acknowledge {TASK}?" in asked.content.decode()
+    again = operator.post(url, {"task": TASK, "do": "acknowledge", "confirm": "yes"})
+    assert "needs a reason" in again.content.decode()
+    assert store.events(TASK) == [] and run_check()[0] == 1
+
+    done = operator.post(
+        url, {"task": TASK, "do": "acknowledge", "confirm": "yes", "reason": "known"}, follow=True
+    )
+    page = done.content.decode()
+    assert f"Acknowledged the problems of {TASK}." in page
+    assert "acknowledged by ops from the admin" in page and ": known" in page
+    assert run_check()[0] == 0
+    [event] = store.events(TASK)
+    assert (event.by, event.origin, event.reason) == ("ops", ScheduleEventOrigin.ADMIN, "known")
+    assert event.until is not None and event.until >= slot
