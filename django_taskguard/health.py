@@ -40,8 +40,7 @@ from typing import Any
 
 from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy
-from django.utils.translation import ngettext
+from django.utils.translation import gettext_lazy, ngettext
 
 from . import ledger
 from .conf import taskguard_settings

@@ -37,7 +37,7 @@ def run_check(*args: str) -> tuple[int, str]:
 
 
 def verdict_of(task: str) -> dict[str, object]:
-    status, out = run_check("--json", "--task", task)
+    _, out = run_check("--json", "--task", task)
     [found] = json.loads(out.splitlines()[0])["tasks"]
     assert isinstance(found, dict)
     return found
