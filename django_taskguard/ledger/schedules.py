@@ -158,8 +158,8 @@ def set_paused(task_name: str, reason: str | None) -> bool:
 
 @dataclass(frozen=True)
 class PauseWindow:
-    """A schedule's latest pause: from ``start`` (None: since ever) until ``end`` (None:
-    still paused). Only the latest one is kept; earlier pauses are not."""
+    """A pause of a schedule: from ``start`` (None: since ever) until ``end`` (None: still
+    paused). The row keeps the latest; its history (:func:`pause_windows`) the earlier ones."""
 
     start: datetime | None
     end: datetime | None
@@ -176,6 +176,27 @@ def pause_window(row: TaskSchedule) -> PauseWindow | None:
     if row.paused_at is not None and row.resumed_at is not None:
         return PauseWindow(row.paused_at, row.resumed_at)
     return None
+
+
+def pause_windows(row: TaskSchedule) -> list[PauseWindow]:
+    """Every pause of ``row`` its history keeps (each ``paused`` event until the next
+    ``resumed``), and its latest from the row itself (a pause older than the history)."""
+    kinds = [ScheduleEventKind.PAUSED, ScheduleEventKind.RESUMED]
+    found = ScheduleEvent.objects.using(alias()).filter(task_name=row.task_name, kind__in=kinds)
+    with translated:
+        history = list(found.order_by("at", "id").values_list("kind", "at"))
+    windows: list[PauseWindow] = []
+    start: datetime | None = None
+    for kind, at in history:
+        if kind == ScheduleEventKind.PAUSED and start is None:
+            start = at
+        elif kind == ScheduleEventKind.RESUMED and start is not None:
+            windows.append(PauseWindow(start, at))
+            start = None
+    if start is not None and (row.paused or row.resumed_at is not None):
+        windows.append(PauseWindow(start, None if row.paused else row.resumed_at))
+    latest = pause_window(row)
+    return windows if latest is None else [*windows, latest]
 
 
 def mark_swept(task_name: str, until: datetime) -> None:
