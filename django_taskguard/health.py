@@ -181,7 +181,7 @@ def check(*, task: str | None = None) -> Verdict:
     facts = ledger.task_facts(asks, now - window, failures)
     for health in tasks:
         if health.task in facts:
-            judge(health, facts[health.task], now, window, failures)
+            judge(health, facts[health.task], now, failures)
     return Verdict(now, tasks, window)
 
 
@@ -223,9 +223,7 @@ def _expected(health: TaskHealth) -> bool:
     return due is not None and (health.first_seen is None or due >= health.first_seen)
 
 
-def judge(
-    health: TaskHealth, facts: ledger.TaskFacts, now: datetime, window: timedelta, failures: int
-) -> None:
+def judge(health: TaskHealth, facts: ledger.TaskFacts, now: datetime, failures: int) -> None:
     """Add ``health``'s problems from its facts (never called for a paused task)."""
     due = health.latest_due
     health.missed_in_window = facts.missed
