@@ -83,7 +83,7 @@ def test_acknowledge__a_problem_slot_fails_health_until_acknowledged(state, code
     ack = task["acknowledgement"]
     assert isinstance(ack, dict)
     assert ack["reason"] == "known: the host was rebooted"
-    assert ack["origin"] == ScheduleEventOrigin.COMMAND and "@" in ack["by"]
+    assert ack["origin"] == ScheduleEventOrigin.COMMAND and "@" in ack["by"] and ack["at"]
     [event] = store.events(TASK)
     assert event.kind == ScheduleEventKind.ACKNOWLEDGED and event.reason.startswith("known")
 
