@@ -195,7 +195,20 @@ def test_overview_acknowledge__needs_the_permission_a_post_and_a_reason():
     page = done.content.decode()
     assert f"Acknowledged the problems of {TASK}." in page
     assert "acknowledged by ops from the admin" in page and ": known" in page
+    assert page.count('class="taskguard-event"') == 1  # its history: the acknowledgement
     assert run_check()[0] == 0
     [event] = store.events(TASK)
     assert (event.by, event.origin, event.reason) == ("ops", ScheduleEventOrigin.ADMIN, "known")
     assert event.until is not None and event.until >= slot
+
+
+def test_histories__each_tasks_latest_events_newest_first():
+    now = timezone.now()
+    for n, kind in enumerate([ScheduleEventKind.PAUSED, ScheduleEventKind.RESUMED] * 2):
+        at = now - timedelta(minutes=10 - n)
+        store.record_event(TASK, kind, origin=ScheduleEventOrigin.COMMAND, reason=f"{n}", at=at)
+    store.record_event("tests.other", ScheduleEventKind.PAUSED, origin=ScheduleEventOrigin.ADMIN)
+    found = store.histories([TASK, "tests.other", "tests.none"], 3)
+    assert [event.reason for event in found[TASK]] == ["3", "2", "1"]
+    assert [event.kind for event in found["tests.other"]] == [ScheduleEventKind.PAUSED]
+    assert found["tests.none"] == []

@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections
-from django.db.models import Max, Q
+from django.db.models import F, Max, Q, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from ..models import (
@@ -254,16 +255,19 @@ def latest_events(kind: ScheduleEventKind) -> dict[str, ScheduleEvent]:
 
 
 def histories(task_names: Sequence[str], per_task: int) -> dict[str, list[ScheduleEvent]]:
-    """Each named task's latest ``per_task`` events, newest first (one statement per 500
-    tasks: events are operators' acts, a handful per task)."""
+    """Each named task's latest ``per_task`` events, newest first: one statement per 500
+    tasks, numbering each task's events newest first (a window function) so that a task
+    with a long history reads no more than ``per_task`` of them."""
     found: dict[str, list[ScheduleEvent]] = {name: [] for name in task_names}
+    newest_first = [F("at").desc(), F("id").desc()]
+    number = Window(RowNumber(), partition_by=[F("task_name")], order_by=newest_first)
     with translated:
         for start in range(0, len(task_names), 500):
             part = list(task_names[start : start + 500])
             events_of = ScheduleEvent.objects.using(alias()).filter(task_name__in=part)
-            for event in events_of.order_by("-at", "-id"):
-                if len(found[event.task_name]) < per_task:
-                    found[event.task_name].append(event)
+            latest = events_of.annotate(number=number).filter(number__lte=per_task)
+            for event in latest.order_by("task_name", "number"):
+                found[event.task_name].append(event)
     return found
 
 
