@@ -78,6 +78,7 @@ def test_acknowledge__a_problem_slot_fails_health_until_acknowledged(state, code
     assert f"Acknowledged {TASK} up to " in said and "1 problem slot " in said, said
     status, out = run_check()
     assert status == 0, out
+    assert "acknowledged by " in out and "(known: the host was rebooted)" in out, out
     task = verdict_of(TASK)
     assert task["acknowledged_until"] is not None
     ack = task["acknowledgement"]
