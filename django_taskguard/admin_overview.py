@@ -1,10 +1,13 @@
-"""The per-task overview page of the run admin, and its pause and resume buttons.
+"""The per-task overview page of the run admin, and its pause, resume and acknowledge
+buttons.
 
 ``admin/taskguard/taskrun/overview/``: one row per task (registered schedules,
-then the task names the ledger has runs of), unhealthy first. Pause and resume
-are POST forms, gated by the ``taskguard.pause_taskschedule`` permission, that
-call :mod:`.pauses` (the same API as ``manage.py pause_task``) and record the
-acting user in the pause's reason and in the admin's log.
+then the task names the ledger has runs of), unhealthy first, each schedule with its
+latest acknowledgement and its history (who paused, resumed or acknowledged it, from
+where, when, why). Pause, resume and acknowledge are POST forms, gated by the
+``taskguard.pause_taskschedule`` permission, that call :mod:`.pauses` and
+:mod:`.acknowledgements` (the same API as ``manage.py pause_task`` and ``acknowledge``)
+and record the acting user in the schedule's history and in the admin's log.
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from . import overview, pauses, timefmt
+from . import acknowledgements, overview, pauses, timefmt
 from ._compat import OL_BREADCRUMBS
-from .exceptions import BackendUnavailable
+from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import schedules as schedule_store
-from .models import ScheduleEventOrigin, TaskRun
+from .models import ScheduleEvent, ScheduleEventOrigin, TaskRun
 from .states import RunState
 
 if TYPE_CHECKING:
@@ -96,8 +99,10 @@ class OverviewMixin(AdminBase):
         name = request.POST.get("task", "")
         action = request.POST.get("do", "")
         user = request.user.get_username()
-        if action == "pause" and request.POST.get("confirm") != "yes":
-            return self._confirm_pause(request, name)
+        if action in ("pause", "acknowledge") and request.POST.get("confirm") != "yes":
+            return self._confirm_overview(request, name, action)
+        if action == "acknowledge":
+            return self._acknowledge(request, name, user)
         if action == "pause":
             given = " ".join(request.POST.get("reason", "").split())[:200]
             reason = f"paused from the admin by {user}" + (f": {given}" if given else "")
@@ -117,17 +122,43 @@ class OverviewMixin(AdminBase):
             self.message_user(request, same % {"task": name}, messages.WARNING)
         return HttpResponseRedirect(reverse("admin:taskguard_taskrun_overview"))
 
-    def _confirm_pause(self, request: HttpRequest, name: str) -> HttpResponse:
-        """What pausing does, a reason to give, and the button that does it (as the
-        cleanup action asks before it abandons runs)."""
+    def _confirm_overview(
+        self, request: HttpRequest, name: str, action: str, error: str = ""
+    ) -> HttpResponse:
+        """What pausing (acknowledging) does, a reason to give, and the button that does it
+        (as the cleanup action asks before it abandons runs)."""
+        title = _("Pause %(task)s?") if action == "pause" else _("Acknowledge %(task)s?")
         context = {
             **self.admin_site.each_context(request),
             "ol_breadcrumbs": OL_BREADCRUMBS,
-            "title": _("Pause %(task)s?") % {"task": name},
+            "title": title % {"task": name},
             "opts": self.opts,
             "task": name,
+            "error": error,
         }
-        return TemplateResponse(request, "admin/taskguard/taskrun/confirm_pause.html", context)
+        template = f"admin/taskguard/taskrun/confirm_{action}.html"
+        return TemplateResponse(request, template, context)
+
+    def _acknowledge(self, request: HttpRequest, name: str, user: str) -> HttpResponse:
+        """Acknowledge the schedule's problems up to now; without a reason, ask again."""
+        reason = " ".join(request.POST.get("reason", "").split())[:200]
+        try:
+            done = acknowledgements.acknowledge(
+                name, reason, by=user, origin=ScheduleEventOrigin.ADMIN
+            )
+        except BackendUnavailable as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            done = False
+        except TaskGuardError as exc:
+            return self._confirm_overview(request, name, "acknowledge", error=str(exc))
+        if done:
+            self._log(request, name, f"acknowledged from the task overview by {user}: {reason}")
+            self.message_user(request, _("Acknowledged the problems of %(task)s.") % {"task": name})
+        else:
+            self.message_user(
+                request, _("%(task)s is not a known schedule.") % {"task": name}, messages.WARNING
+            )
+        return HttpResponseRedirect(reverse("admin:taskguard_taskrun_overview"))
 
     def _log(self, request: HttpRequest, name: str, message: str) -> None:
         """Django's admin log, on the schedule's row (its History page)."""
@@ -151,6 +182,10 @@ class OverviewMixin(AdminBase):
             "paused": task.paused,
             "paused_reason": task.paused_reason,
             "scheduled": task.schedule is not None,
+            "can_acknowledge": task.registered and not task.healthy and not task.paused,
+            "acknowledgement": _event(task.acknowledgement),
+            "acknowledged_until": _stamp(task.acknowledged_until),
+            "history": [_event(event) for event in row.history],
             "strip": self._strip(row.cells),
             "runs_url": reverse("admin:taskguard_taskrun_changelist")
             + "?"
@@ -200,6 +235,26 @@ def _more(page: overview.Page | None) -> str:
         "%(n)d more tasks (%(bad)d of them unhealthy)",
         page.later,
     ) % {"n": page.later, "bad": page.later_unhealthy}
+
+
+def _event(event: ScheduleEvent | None) -> dict[str, Any] | None:
+    """A schedule event as the page says it: what, who, from where, when, why."""
+    if event is None:
+        return None
+    return {
+        "kind": event.get_kind_display(),
+        "by": event.by or _("someone unnamed"),
+        "origin": event.get_origin_display(),
+        "at": _stamp(event.at),
+        "at_utc": timefmt.utc(event.at),
+        "reason": event.reason,
+        "until": _stamp(event.until),
+    }
+
+
+def _stamp(moment: datetime | None) -> str:
+    """A moment as the page shows it (local time with seconds and zone)."""
+    return timefmt.local(moment) if moment is not None else ""
 
 
 def _when(moment: datetime | None) -> tuple[str, str, str] | None:

@@ -6,9 +6,13 @@ A task is unhealthy when it is
 - **late**: its latest slot due past its grace has no run, or one of its runs is
   still ``running`` with a lease that expired by the database's clock (its owner
   is presumed dead: running too long);
-- **missed**: slots of it were recorded ``missed`` within ``MONITOR_WINDOW_HOURS``;
-- **failing**: its last ``HEALTH_FAILURES`` finished runs all failed (or were
-  abandoned by a dead owner), or none of its last ``HEALTH_FAILURES`` due slots
+- **failing** or **missed**: a registered schedule's latest slot that came out (by slot:
+  succeeded, failed, abandoned or missed; skipped slots and slots in flight are passed
+  over) did not succeed ("the 21:00 slot was abandoned: ..."), until a later slot
+  succeeds or the problem is acknowledged. A task with no schedule (seen only in the
+  ledger) is failing when its last ``HEALTH_FAILURES`` finished runs all failed (or were
+  abandoned by a dead owner);
+- **failing** too: none of its last ``HEALTH_FAILURES`` due slots
   succeeded, whatever the reason (missed, failed, skipped), while the latest due slot
   is not running. Slots due while a run of it was alive are not counted (skipped behind
   a long run under ``overlap="skip"``: a long body is not a failing one): not while a
@@ -20,6 +24,11 @@ A task is unhealthy when it is
 Beside the tasks, the **upkeep** (:mod:`.upkeep`): when schedules are registered and no
 upkeep (automatic, or ``cleanup_locks``) finished within ``UPKEEP_INTERVALS`` intervals
 (a day and an hour with the automatic upkeep off), the verdict is unhealthy and says so.
+
+An acknowledgement (``manage.py acknowledge``, the admin) covers the slots at or before
+its ``until`` (``TaskSchedule.acknowledged_until``): none of them makes the task late,
+failing or missed; a problem in a later slot fails it again. The slots recorded missed
+within ``MONITOR_WINDOW_HOURS`` are counted and shown, not judged: the latest outcome is.
 
 A paused task is healthy, and says it is paused. Every task is judged: every read
 is an index probe per task, in statements of ``ledger.FACTS_CHUNK`` tasks each, so
@@ -35,13 +44,13 @@ from typing import Any
 
 from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
-from django.utils.translation import ngettext
+from django.utils.translation import gettext_lazy, ngettext
 
 from . import ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .ledger import upkeep as upkeep_store
-from .models import TaskSchedule
+from .models import ScheduleEvent, ScheduleEventKind, TaskSchedule
 from .schedules import Schedule, StoredSchedule, rebuild
 from .states import LIVE_STATES, RunState
 
@@ -74,6 +83,10 @@ class TaskHealth:
     alive_since: datetime | None = None  # when its oldest run alive now started
     latest_due: datetime | None = None
     next_slot: datetime | None = None
+    registered: bool = False  # it has a schedule row (it can be paused and acknowledged)
+    acknowledged_until: datetime | None = None
+    acknowledgement: ScheduleEvent | None = None  # the latest one
+    missed_in_window: int = 0  # slots recorded missed within MONITOR_WINDOW_HOURS
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -100,7 +113,27 @@ class TaskHealth:
             "last_success_slot": _iso(self.last_success.slot if self.last_success else None),
             "latest_slot_past_grace": _iso(self.latest_due),
             "next_slot": _iso(self.next_slot),
+            "missed_in_window": self.missed_in_window,
+            "acknowledged_until": _iso(self.acknowledged_until),
+            "acknowledgement": _event_dict(self.acknowledgement),
         }
+
+    def acknowledged(self, slot: datetime | None) -> bool:
+        """Whether an acknowledgement covers ``slot``."""
+        until = self.acknowledged_until
+        return slot is not None and until is not None and slot <= until
+
+
+def _event_dict(event: ScheduleEvent | None) -> dict[str, Any] | None:
+    if event is None:
+        return None
+    return {
+        "by": event.by or None,
+        "at": _iso(event.at),
+        "origin": event.origin,
+        "reason": event.reason,
+        "until": _iso(event.until),
+    }
 
 
 @dataclass(frozen=True)
@@ -165,6 +198,9 @@ def check(*, task: str | None = None) -> Verdict:
     kept = upkeep_health(now) if any(t.first_seen is not None for t in tasks) else None
     if task is not None:
         tasks = [t for t in tasks if t.task == task]
+    acknowledgements = schedule_store.latest_events(ScheduleEventKind.ACKNOWLEDGED)
+    for health in tasks:
+        health.acknowledgement = acknowledgements.get(health.task)
     names = [t.task for t in tasks]
     successes = ledger.latest_in_state(names, RunState.SUCCEEDED)
     alive = ledger.alive_since(now)
@@ -179,7 +215,7 @@ def check(*, task: str | None = None) -> Verdict:
     facts = ledger.task_facts(asks, now - window, failures)
     for health in tasks:
         if health.task in facts:
-            judge(health, facts[health.task], now, window, failures)
+            judge(health, facts[health.task], now, failures)
     return Verdict(now, tasks, window, kept)
 
 
@@ -244,6 +280,8 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
         grace=row.grace,
         first_seen=row.first_seen,
         resumed_at=None if row.paused else row.resumed_at,
+        registered=True,
+        acknowledged_until=row.acknowledged_until,
     )
 
 
@@ -260,12 +298,11 @@ def _expected(health: TaskHealth) -> bool:
     return due is not None and (health.first_seen is None or due >= health.first_seen)
 
 
-def judge(
-    health: TaskHealth, facts: ledger.TaskFacts, now: datetime, window: timedelta, failures: int
-) -> None:
+def judge(health: TaskHealth, facts: ledger.TaskFacts, now: datetime, failures: int) -> None:
     """Add ``health``'s problems from its facts (never called for a paused task)."""
     due = health.latest_due
-    if due is not None and _expected(health):
+    health.missed_in_window = facts.missed
+    if due is not None and _expected(health) and not health.acknowledged(due):
         if facts.due_state is None:
             detail = _("slot %(slot)s has no run %(age)s after it (grace %(grace)s)") % {
                 "slot": _iso(due),
@@ -295,24 +332,48 @@ def judge(
             "age": _human(now - (facts.oldest_stale_lease or now)),
         }
         health.problems.append(Problem(LATE, detail))
-    if facts.missed:
-        detail = ngettext(
-            "%(n)d slot recorded missed in the last %(h)g hours (no instance fired it)",
-            "%(n)d slots recorded missed in the last %(h)g hours (no instance fired them)",
-            facts.missed,
-        ) % {"n": facts.missed, "h": window / timedelta(hours=1)}
-        health.problems.append(Problem(MISSED, detail))
-    if facts.ended == failures and facts.failed == failures:
-        detail = ngettext(
-            "its last run failed (slot %(slot)s)",
-            "its last %(n)d runs failed (latest slot %(slot)s)",
-            failures,
-        ) % {"n": failures, "slot": _iso(facts.latest_ended_slot)}
-        health.problems.append(Problem(FAILING, detail))
+    failed = _outcome_problem if health.registered else _streak_problem
+    if (problem := failed(health, facts, failures)) is not None:
+        health.problems.append(problem)
     elif _no_success(health, facts, failures):
         health.problems.append(_no_success_problem(health, facts, failures))
     if (hung := _running_too_long(health, now, failures)) is not None:
         health.problems.append(hung)
+
+
+def _streak_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:
+    """A task without a schedule: its last ``failures`` ended runs all failed."""
+    if not (facts.ended == failures and facts.failed == failures):
+        return None
+    detail = ngettext(
+        "its last run failed (slot %(slot)s)",
+        "its last %(n)d runs failed (latest slot %(slot)s)",
+        failures,
+    ) % {"n": failures, "slot": _iso(facts.latest_ended_slot)}
+    return Problem(FAILING, detail)
+
+
+_OUTCOME_WORDS: dict[str, Any] = {
+    RunState.FAILED: gettext_lazy("failed"),
+    RunState.ABANDONED: gettext_lazy("was abandoned"),
+    RunState.MISSED: gettext_lazy("was missed"),
+}
+
+
+def _outcome_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:
+    """Its latest slot that came out did not succeed, and no acknowledgement covers it."""
+    slot, state = facts.outcome_slot, facts.outcome_state
+    if slot is None or state is None or state == RunState.SUCCEEDED or health.acknowledged(slot):
+        return None
+    detail = _("the %(slot)s slot %(outcome)s") % {
+        "slot": _iso(slot),
+        "outcome": str(_OUTCOME_WORDS.get(state, state)),
+    }
+    if facts.outcome_error:
+        detail += f": {facts.outcome_error.strip().splitlines()[0][:200]}"
+    if failures > 1 and facts.ended == failures and facts.failed == failures:
+        detail += " " + _("(its last %(n)d runs failed)") % {"n": failures}
+    return Problem(MISSED if state == RunState.MISSED else FAILING, detail)
 
 
 def _no_success_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem:
@@ -362,6 +423,8 @@ def _no_success(health: TaskHealth, facts: ledger.TaskFacts, count: int) -> bool
     oldest = expected_slots(schedule, due, count)[-1]
     since = max((t for t in (health.first_seen, health.resumed_at) if t is not None), default=None)
     if since is not None and oldest < since:
+        return False
+    if health.acknowledged(oldest):
         return False
     last = health.last_success
     if last is None:

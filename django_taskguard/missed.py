@@ -17,10 +17,10 @@ deploys, an explicit ``run_for_slot``) hide nothing. It goes in batches of
 ``SWEEP_BATCH`` slots (one read and one write each, memory bounded by the batch), at most
 ``MAX_BATCHES`` per schedule and sweep; ``swept_until`` moves after each batch over the
 slots that batch judged, so a long outage is recorded over a few sweeps, never skipped.
-Each slot is labelled by the pause state at its own time (the latest pause's start and
-end are kept on the schedule; earlier pauses are not). A schedule that raises (a stored zone
-this copy's tzdata lacks) is logged and skipped, its mark left where it was; the database's
-own errors end the sweep (the next one retries).
+Each slot is labelled by the pause state at its own time: every pause the schedule's
+history keeps (its ``paused``/``resumed`` events), and its latest pause kept on the row. A
+schedule that raises (a stored zone this copy's tzdata lacks) is logged and skipped, its
+mark left where it was; the database's own errors end the sweep (the next one retries).
 """
 
 from __future__ import annotations
@@ -132,18 +132,23 @@ class _Found:
 
     def __init__(self, row: TaskSchedule) -> None:
         self.row = row
-        self.window = store.pause_window(row)
+        self.windows = store.pause_windows(row)
         grace = row.grace.total_seconds()
         self.missed_reason = f"missed: no instance claimed it within its grace ({grace:g}s)"
-        self.paused_reason = _paused_reason(row, self.window)
         self.missed = self.paused = 0
         self.last_missed: datetime | None = None
 
     def record(self, slots: list[datetime], dry_run: bool) -> None:
-        window = self.window
-        paused = [slot for slot in slots if window is not None and window.covers(slot)]
-        missed = [slot for slot in slots if window is None or not window.covers(slot)]
-        self.paused += self._write(RunState.SKIPPED, paused, self.paused_reason, dry_run)
+        missed: list[datetime] = []
+        paused: dict[str, list[datetime]] = {}
+        for slot in slots:
+            window = next((w for w in self.windows if w.covers(slot)), None)
+            if window is None:
+                missed.append(slot)
+            else:
+                paused.setdefault(_paused_reason(self.row, window), []).append(slot)
+        for reason, skipped in paused.items():
+            self.paused += self._write(RunState.SKIPPED, skipped, reason, dry_run)
         self.missed += self._write(RunState.MISSED, missed, self.missed_reason, dry_run)
         if missed:
             self.last_missed = missed[-1]
@@ -168,7 +173,7 @@ class _Found:
 
 
 def _paused_reason(row: TaskSchedule, window: store.PauseWindow | None) -> str:
-    if row.paused:
+    if row.paused and (window is None or window.end is None):
         return f"paused: {row.paused_reason or 'paused'} (recorded by the missed-slot sweep)"
     if window is None or window.start is None or window.end is None:
         return "paused (recorded by the missed-slot sweep)"

@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from . import health, ledger
+from .ledger import schedules as schedule_store
+from .models import ScheduleEvent
 
 STRIP_LENGTH = 30
+# A schedule's history on the page: its latest pauses, resumes and acknowledgements.
+HISTORY_LENGTH = 10
 # Rows per page: every task is judged, but strips are read and drawn for one page.
 OVERVIEW_PAGE = 100
 # A strip cell with no run: "gap" (due past its grace, nothing recorded; the
@@ -33,6 +37,7 @@ class Cell:
 class TaskRow:
     health: health.TaskHealth
     cells: list[Cell] = field(default_factory=list)  # oldest first
+    history: list[ScheduleEvent] = field(default_factory=list)  # newest first
 
     @property
     def counts(self) -> dict[str, int]:
@@ -63,9 +68,14 @@ def overview(
     pages = max(1, -(-len(ordered) // size))
     number = min(max(page, 1), pages)
     shown, later = ordered[(number - 1) * size : number * size], ordered[number * size :]
-    recent = ledger.recent_runs_of([task.task for task in shown], length)
+    names = [task.task for task in shown]
+    recent = ledger.recent_runs_of(names, length)
+    histories = schedule_store.histories(names, HISTORY_LENGTH)
     rows = [
-        TaskRow(task, strip(task, recent[task.task], verdict.checked_at, length)) for task in shown
+        TaskRow(
+            task, strip(task, recent[task.task], verdict.checked_at, length), histories[task.task]
+        )
+        for task in shown
     ]
     unhealthy = sum(1 for task in later if not task.healthy)
     return verdict, rows, Page(number, pages, len(later), unhealthy)

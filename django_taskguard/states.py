@@ -102,6 +102,12 @@ ATTEMPT_STATES: tuple[str, ...] = (RunState.RUNNING, RunState.RETRYING)
 # Ended: an attempt ran and its run is over (it returned, it raised for good, or its owner
 # died): the runs a task's failure streak and health's "its last runs" count.
 ENDED_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED, RunState.ABANDONED)
+# Outcome: how a slot came out, for the health verdict: the latest slot in one of these is
+# the task's latest outcome, a problem unless it succeeded (skipped slots and slots in
+# flight are not outcomes).
+# (the problems: those that did not succeed, which an operator acknowledges).
+PROBLEM_STATES: tuple[str, ...] = (RunState.FAILED, RunState.ABANDONED, RunState.MISSED)
+OUTCOME_STATES: tuple[str, ...] = (RunState.SUCCEEDED, *PROBLEM_STATES)
 # Timed: the function ran to its end (returned or raised) and the attempt recorded when; the
 # runs whose durations the metrics report.
 TIMED_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED)

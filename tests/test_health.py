@@ -78,19 +78,28 @@ def test_check_schedules__a_dead_owner_is_late():
     assert "still running but its lease expired" in out
 
 
-def test_check_schedules__missed_slots_in_the_window():
+def test_check_schedules__a_missed_latest_slot_fails_until_a_later_success():
+    """The latest outcome decides; the slots missed within the window are counted."""
     schedule("tests.every_minute", every=timedelta(minutes=1))
     slot = due_slot(timedelta(minutes=1))
-    finished("tests.every_minute", slot)
-    finished("tests.every_minute", slot - timedelta(minutes=5), RunState.MISSED, attempt=0)
+    finished("tests.every_minute", slot - timedelta(minutes=5))
+    missed = finished("tests.every_minute", slot, RunState.MISSED, attempt=0)
     status, out = run_check()
     assert status == 1
     assert "MISSED" in out
-    assert "1 slot recorded missed in the last 24 hours" in out
+    assert f"the {slot.isoformat()} slot was missed" in out
+    missed.slot = slot - timedelta(minutes=2)
+    missed.save()
+    finished("tests.every_minute", slot)
+    status, out = run_check("--json")
+    assert status == 0, out
+    [task] = json.loads(out.splitlines()[0])["tasks"]
+    assert task["missed_in_window"] == 1
     with override_settings(TASKGUARD={"BACKEND": "database", "MONITOR_WINDOW_HOURS": 1}):
-        finished("tests.other", slot - timedelta(hours=2), RunState.MISSED, attempt=0)
-        status, out = run_check("--task", "tests.other")
-    assert status == 0, out  # outside the window
+        missed.slot = slot - timedelta(hours=2)
+        missed.save()
+        [task] = json.loads(run_check("--json")[1].splitlines()[0])["tasks"]
+    assert task["missed_in_window"] == 0  # outside the window
 
 
 def test_check_schedules__failing_when_the_last_n_runs_failed():
@@ -101,20 +110,22 @@ def test_check_schedules__failing_when_the_last_n_runs_failed():
     status, out = run_check()
     assert status == 1
     assert "FAILING" in out
-    assert f"its last 3 runs failed (latest slot {slot.isoformat()})" in out
+    assert f"the {slot.isoformat()} slot failed (its last 3 runs failed)" in out
 
 
-def test_check_schedules__one_success_among_the_last_n_is_not_failing():
+def test_check_schedules__the_latest_outcome_decides_not_the_streak():
+    """A schedule's latest failure fails health at once (one is enough); a failure before
+    the latest success does not."""
     slot = due_slot()
     schedule("tests.flaky")
     finished("tests.flaky", slot, RunState.FAILED)
     finished("tests.flaky", slot - DAY, RunState.SUCCEEDED)
     finished("tests.flaky", slot - 2 * DAY, RunState.FAILED)
-    assert run_check()[0] == 0
-    with override_settings(TASKGUARD={"BACKEND": "database", "HEALTH_FAILURES": 1}):
-        status, out = run_check()
+    status, out = run_check()
     assert status == 1
-    assert "its last run failed" in out
+    assert f"the {slot.isoformat()} slot failed" in out and "its last" not in out
+    TaskRun.objects.filter(task_name="tests.flaky", slot=slot).update(state=RunState.SUCCEEDED)
+    assert run_check()[0] == 0
 
 
 def test_check_schedules__a_paused_task_is_healthy_and_says_so():
@@ -252,12 +263,12 @@ def test_check_schedules__judges_every_task_past_the_200th():
     for name in names:
         schedule(name)
         finished(name, slot)
-    finished(names[-1], slot - timedelta(hours=1), RunState.MISSED, attempt=0)
+    TaskRun.objects.filter(task_name=names[-1]).update(state=RunState.MISSED, attempt=0)
     status, out = run_check()
     assert status == 1, out
     assert "tests.many.200" in out and "MISSED" in out
     status, out = run_check("--task", "tests.many.200")
-    assert status == 1 and "1 slot recorded missed" in out, out
+    assert status == 1 and f"the {slot.isoformat()} slot was missed" in out, out
     verdict = json.loads(run_check("--json")[1].splitlines()[0])
     assert len(verdict["tasks"]) == 201
     assert verdict["unhealthy"] == ["tests.many.200"]
@@ -269,7 +280,7 @@ def test_check_schedules__no_success_for_n_slots_whatever_the_reason():
     every = timedelta(minutes=1)
     slot = due_slot(every)
     schedule("tests.hung", every=every)
-    finished("tests.hung", slot - 19 * every, RunState.FAILED)
+    finished("tests.hung", slot - 19 * every)
     for n in range(19):
         finished("tests.hung", slot - n * every, RunState.SKIPPED, attempt=0)
     status, out = run_check()

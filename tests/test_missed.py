@@ -378,3 +378,26 @@ def test_sweep_missed__an_enqueued_slot_is_labelled_by_the_pause_at_hand_out():
     found = states("tests.sweep.pending")
     assert found[before] == RunState.MISSED
     assert found[during] == RunState.SKIPPED
+
+
+def test_sweep_missed__slots_in_an_earlier_pause_are_skipped_too():
+    """Two pauses, each kept in the schedule's history (pause_task, resume_task); the row
+    keeps only the latest: a slot inside either is skipped (paused), the rest missed."""
+    from django_taskguard.ledger import schedules as store
+    from django_taskguard.models import ScheduleEventKind, ScheduleEventOrigin
+
+    row = every_second("tests.sweep.twice", 30)
+    first = (row.first_seen + 4 * SECOND, row.first_seen + 9 * SECOND)
+    latest = (row.first_seen + 15 * SECOND, row.first_seen + 20 * SECOND)
+    for start, end in (first, latest):
+        for kind, at in ((ScheduleEventKind.PAUSED, start), (ScheduleEventKind.RESUMED, end)):
+            store.record_event(row.task_name, kind, origin=ScheduleEventOrigin.COMMAND, at=at)
+    TaskSchedule.objects.filter(pk=row.pk).update(paused_at=latest[0], resumed_at=latest[1])
+    sweep_missed(now=ledger.database_now())
+    found = states("tests.sweep.twice")
+    assert len(found) >= 25
+    for slot, state in found.items():
+        paused = any(start <= slot < end for start, end in (first, latest))
+        assert state == (RunState.SKIPPED if paused else RunState.MISSED), slot
+    earlier = TaskRun.objects.get(task_name="tests.sweep.twice", slot=first[0])
+    assert earlier.error.startswith(f"paused: due while the task was paused from {first[0]:%Y}")

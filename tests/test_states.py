@@ -274,13 +274,19 @@ MEANINGS: dict[str, Meaning] = {
     # (a running row here holds a live lease)
     S.RUNNING: meaning("LIVE ATTEMPT", "Running now", "", runs=False, counted=True),
     S.RETRYING: meaning("LIVE ATTEMPT", "Attempt 1 ended", "", runs=True, counted=False),
-    S.SUCCEEDED: meaning(f"{FOR_GOOD} ENDED TIMED", "Finished:", "", runs=False, counted=True),
-    S.FAILED: meaning(f"{FOR_GOOD} ENDED TIMED", "Failed:", "failing", runs=False, counted=True),
+    S.SUCCEEDED: meaning(
+        f"{FOR_GOOD} ENDED TIMED OUTCOME", "Finished:", "", runs=False, counted=True
+    ),
+    S.FAILED: meaning(
+        f"{FOR_GOOD} ENDED TIMED OUTCOME PROBLEM", "Failed:", "failing", runs=False, counted=True
+    ),
     S.SKIPPED: meaning(FOR_GOOD, "Skipped on purpose", "failing", runs=False, counted=True),
     # (counted under on_stale="abandon", the default; "retry" takes it over)
-    S.ABANDONED: meaning("ENDED PRUNABLE", "Abandoned:", "failing", runs=False, counted=True),
+    S.ABANDONED: meaning(
+        "ENDED PRUNABLE OUTCOME PROBLEM", "Abandoned:", "failing", runs=False, counted=True
+    ),
     # (a late call under catchup="latest", the default, still takes a missed slot)
-    S.MISSED: meaning("PRUNABLE", "Missed:", "missed failing", runs=True, counted=False),
+    S.MISSED: meaning("PRUNABLE OUTCOME PROBLEM", "Missed:", "missed", runs=True, counted=False),
 }
 NAMED_SETS = {
     "TERMINAL": states.TERMINAL_STATES,
@@ -290,6 +296,8 @@ NAMED_SETS = {
     "ENDED": states.ENDED_STATES,
     "TIMED": states.TIMED_STATES,
     "PRUNABLE": states.PRUNABLE_STATES,
+    "OUTCOME": states.OUTCOME_STATES,
+    "PROBLEM": states.PROBLEM_STATES,
 }
 EVERY_STATE = pytest.mark.parametrize("state", RunState.values)
 

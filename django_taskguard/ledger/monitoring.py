@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db.models import Min
 
-from ..states import ENDED_STATES, RunState
+from ..states import ENDED_STATES, OUTCOME_STATES, PROBLEM_STATES, RunState
 from .backends import backend_for
 from .core import aware, dialect, fetch_all, runs, slot_param, translated
 
@@ -89,6 +89,10 @@ class TaskFacts:
     ended: int  # of the task's last ``last`` ended runs (succeeded, failed, abandoned): how many
     failed: int  # ... and how many of those did not succeed
     latest_ended_slot: datetime | None
+    # Its latest run in an outcome state (succeeded, failed, abandoned, missed), by slot.
+    outcome_slot: datetime | None = None
+    outcome_state: str | None = None
+    outcome_error: str = ""
 
 
 FACTS_CHUNK = 200  # tasks per statement
@@ -109,11 +113,10 @@ def task_facts(
             params += [RunState.MISSED, slot_param(since), *[RunState.RUNNING] * 3]
             recent = d.last_ended_params(ENDED_STATES, last)
             params += [*recent, *recent, RunState.SUCCEEDED]
-            params += ENDED_STATES
+            params += [*ENDED_STATES, *OUTCOME_STATES * 3]
             for values in fetch_all(d.task_facts(len(part)), params):
-                name, due_state, missed, stale, stale_slot, stale_lease, ended, failed, latest = (
-                    values
-                )
+                name, due_state, missed, stale, stale_slot, stale_lease, ended, failed = values[:8]
+                latest, outcome_slot, outcome_state, outcome_error = values[8:]
                 found[name] = TaskFacts(
                     due_state,
                     int(missed),
@@ -123,6 +126,9 @@ def task_facts(
                     int(ended),
                     int(failed),
                     aware(latest),
+                    aware(outcome_slot),
+                    outcome_state,
+                    outcome_error or "",
                 )
     return found
 
@@ -155,6 +161,16 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
     for runs_of_task in found.values():
         runs_of_task.sort(key=lambda run: run.slot, reverse=True)
     return found
+
+
+def problem_slots(task_name: str, after: datetime | None, until: datetime) -> int:
+    """How many of ``task_name``'s slots after ``after`` (None: ever) and at or before
+    ``until`` did not succeed (failed, abandoned, missed): what an acknowledgement covers."""
+    found = runs().filter(task_name=task_name, state__in=PROBLEM_STATES, slot__lte=until)
+    if after is not None:
+        found = found.filter(slot__gt=after)
+    with translated:
+        return found.count()
 
 
 @translated

@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections
-from django.db.models import Q
+from django.db.models import F, Max, Q, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from ..models import (
@@ -158,8 +159,8 @@ def set_paused(task_name: str, reason: str | None) -> bool:
 
 @dataclass(frozen=True)
 class PauseWindow:
-    """A schedule's latest pause: from ``start`` (None: since ever) until ``end`` (None:
-    still paused). Only the latest one is kept; earlier pauses are not."""
+    """A pause of a schedule: from ``start`` (None: since ever) until ``end`` (None: still
+    paused). The row keeps the latest; its history (:func:`pause_windows`) the earlier ones."""
 
     start: datetime | None
     end: datetime | None
@@ -176,6 +177,27 @@ def pause_window(row: TaskSchedule) -> PauseWindow | None:
     if row.paused_at is not None and row.resumed_at is not None:
         return PauseWindow(row.paused_at, row.resumed_at)
     return None
+
+
+def pause_windows(row: TaskSchedule) -> list[PauseWindow]:
+    """Every pause of ``row`` its history keeps (each ``paused`` event until the next
+    ``resumed``), and its latest from the row itself (a pause older than the history)."""
+    kinds = [ScheduleEventKind.PAUSED, ScheduleEventKind.RESUMED]
+    found = ScheduleEvent.objects.using(alias()).filter(task_name=row.task_name, kind__in=kinds)
+    with translated:
+        history = list(found.order_by("at", "id").values_list("kind", "at"))
+    windows: list[PauseWindow] = []
+    start: datetime | None = None
+    for kind, at in history:
+        if kind == ScheduleEventKind.PAUSED and start is None:
+            start = at
+        elif kind == ScheduleEventKind.RESUMED and start is not None:
+            windows.append(PauseWindow(start, at))
+            start = None
+    if start is not None and (row.paused or row.resumed_at is not None):
+        windows.append(PauseWindow(start, None if row.paused else row.resumed_at))
+    latest = pause_window(row)
+    return windows if latest is None else [*windows, latest]
 
 
 def mark_swept(task_name: str, until: datetime) -> None:
@@ -222,6 +244,31 @@ def events(task_name: str, limit: int = 100) -> list[ScheduleEvent]:
     with translated:
         found = ScheduleEvent.objects.using(alias()).filter(task_name=task_name)
         return list(found.order_by("-at", "-id")[:limit])
+
+
+def latest_events(kind: ScheduleEventKind) -> dict[str, ScheduleEvent]:
+    """Each task's latest event of ``kind``: one statement, whatever the number of tasks."""
+    found = ScheduleEvent.objects.using(alias()).filter(kind=kind)
+    latest = found.values("task_name").annotate(latest=Max("id")).values("latest")
+    with translated:
+        return {event.task_name: event for event in found.filter(id__in=latest)}
+
+
+def histories(task_names: Sequence[str], per_task: int) -> dict[str, list[ScheduleEvent]]:
+    """Each named task's latest ``per_task`` events, newest first: one statement per 500
+    tasks, numbering each task's events newest first (a window function) so that a task
+    with a long history reads no more than ``per_task`` of them."""
+    found: dict[str, list[ScheduleEvent]] = {name: [] for name in task_names}
+    newest_first = [F("at").desc(), F("id").desc()]
+    number = Window(RowNumber(), partition_by=[F("task_name")], order_by=newest_first)
+    with translated:
+        for start in range(0, len(task_names), 500):
+            part = list(task_names[start : start + 500])
+            events_of = ScheduleEvent.objects.using(alias()).filter(task_name__in=part)
+            latest = events_of.annotate(number=number).filter(number__lte=per_task)
+            for event in latest.order_by("task_name", "number"):
+                found[event.task_name].append(event)
+    return found
 
 
 def acknowledge(task_name: str, until: datetime) -> bool:

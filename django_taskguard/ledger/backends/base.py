@@ -618,7 +618,8 @@ class Backend:
     # Per task, its health facts: the tasks are a VALUES list (name, due slot), the facts
     # correlated subqueries, planned once whatever the number of tasks. Parameters after
     # the VALUES: missed, since; running (x3); :meth:`last_ended_params` and the succeeded
-    # state (the last N ended runs, and those of them not succeeded); the ended states.
+    # state (the last N ended runs, and those of them not succeeded); the ended states; the
+    # outcome states three times (the latest outcome's slot, state and error).
     ENDED = "r.state IN (%s, %s, %s)"
 
     def last_ended(self, failed: bool) -> str:
@@ -656,7 +657,22 @@ class Backend:
             f"{self.last_ended(failed=False)}, {self.last_ended(failed=True)}, "
             "(SELECT r.slot FROM {run} r WHERE r.task_name = t.name AND "
             + self.ENDED
-            + " ORDER BY r.slot DESC LIMIT 1) FROM t"
+            + " ORDER BY r.slot DESC LIMIT 1), "
+            + ", ".join(self.latest_outcome(column) for column in ("slot", "state", "error"))
+            + " FROM t"
+        )
+
+    OUTCOME = "r.state IN (%s, %s, %s, %s)"
+
+    def latest_outcome(self, column: str) -> str:
+        """``column`` of the task's latest run in an outcome state (the states are its
+        parameters): one backward probe of (task_name, slot)."""
+        return (
+            "(SELECT r."
+            + column
+            + " FROM {run} r WHERE r.task_name = t.name AND "
+            + self.OUTCOME
+            + " ORDER BY r.slot DESC LIMIT 1)"
         )
 
     def recent_limit(self, limit: int) -> int:

@@ -128,4 +128,7 @@ def _facts(task: health.TaskHealth) -> str:
     parts.append(f"last success {finished.isoformat() if finished else 'never'}")
     if task.next_slot is not None and not task.paused:
         parts.append(f"next slot {task.next_slot.isoformat()}")
+    ack, until = task.acknowledgement, task.acknowledged_until
+    if ack is not None and until is not None:
+        parts.append(f"problems up to {until.isoformat()} acknowledged by {ack.by} ({ack.reason})")
     return "; ".join(parts)
