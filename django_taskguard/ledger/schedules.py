@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.utils import timezone
 
 from ..models import (
@@ -224,6 +224,18 @@ def events(task_name: str, limit: int = 100) -> list[ScheduleEvent]:
         return list(found.order_by("-at", "-id")[:limit])
 
 
+def latest_events(task_names: Collection[str], kind: ScheduleEventKind) -> dict[str, ScheduleEvent]:
+    """The newest ``kind`` event of each of ``task_names``, in one statement (an admin page's
+    rows, whatever their number)."""
+    if not task_names:
+        return {}
+    events = ScheduleEvent.objects.using(alias()).filter(kind=kind)
+    newest = events.filter(task_name=OuterRef("task_name")).order_by("-at", "-id").values("id")
+    found = events.filter(task_name__in=list(task_names)).filter(id=Subquery(newest[:1]))
+    with translated:
+        return {event.task_name: event for event in found}
+
+
 def acknowledge(task_name: str, until: datetime) -> bool:
     """Mark the problems of ``task_name``'s slots at or before ``until`` acknowledged (never
     moves back); False when the schedule is unknown. The caller records the event."""
@@ -237,11 +249,20 @@ def acknowledge(task_name: str, until: datetime) -> bool:
     return True
 
 
-def mark_removed(declared: Collection[str], sources: Collection[str], now: datetime) -> list[str]:
+def mark_removed(
+    declared: Collection[str],
+    sources: Collection[str],
+    now: datetime,
+    *,
+    entry: str | None = None,
+) -> list[str]:
     """Schedules of ``sources`` not in ``declared`` are marked removed (from ``now``); those
-    in it are declared again. Returns the names newly marked."""
+    in it are declared again. Returns the names newly marked. ``entry=""`` limits it to the
+    rows that are not beat entries (what the code declares, not what a beat does)."""
     with translated:
         rows = TaskSchedule.objects.using(alias()).filter(source__in=list(sources))
+        if entry is not None:
+            rows = rows.filter(entry=entry)
         gone = [
             name
             for name in rows.filter(removed_at__isnull=True).values_list("task_name", flat=True)

@@ -1,0 +1,495 @@
+"""The schedules in the Django admin: every ``TaskSchedule`` row, whatever declares it.
+
+Read-only: code, a beat or django-celery-beat declares a schedule, so no field is edited
+here. What an operator does goes through the library's own API, each a permission-gated
+POST that keeps its event (who, from where, when, why): pause, resume and acknowledge
+(``taskguard.pause_taskschedule``), and retire (``taskguard.delete_taskschedule``), which
+deletes the row of a schedule the code no longer declares; its runs and events stay.
+
+A page judges its rows with one ``health.check()`` and reads their pauses' events in one
+statement, so it costs the same with 5 rows as with ``list_per_page``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.utils.html import format_html
+from django.utils.http import urlencode
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
+
+from . import acknowledgements, health, ledger, pauses, timefmt
+from ._compat import OL_BREADCRUMBS
+from .exceptions import BackendUnavailable, TaskGuardError
+from .ledger import schedules as store
+from .models import ScheduleEvent, ScheduleEventKind, ScheduleEventOrigin, TaskSchedule
+
+if TYPE_CHECKING:
+    ScheduleAdminBase = admin.ModelAdmin[TaskSchedule]
+else:  # the admin classes are not subscriptable at runtime
+    ScheduleAdminBase = admin.ModelAdmin
+
+# Which permission each action needs (``has_<name>_permission``): asked before Django's own
+# dispatch, so that a user without it is refused (403) rather than told "no action selected".
+ACTION_PERMISSIONS = {
+    "pause_schedules": "pause",
+    "resume_schedules": "pause",
+    "acknowledge_schedules": "pause",
+    "retire_schedules": "retire",
+}
+HEALTH_COLOURS = {health.OK: "#198754", health.PAUSED: "#6c757d", health.UNHEALTHY: "#dc3545"}
+HISTORY_LENGTH = 100
+REASON_MAX_LENGTH = 200
+_VERDICT = "_taskguard_schedule_verdict"
+
+
+class RemovedFilter(admin.SimpleListFilter):
+    title = gettext_lazy("removed")
+    parameter_name = "removed"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [
+            ("yes", gettext_lazy("removed (no longer declared)")),
+            ("no", gettext_lazy("declared")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() in ("yes", "no"):
+            return queryset.filter(removed_at__isnull=self.value() == "no")
+        return queryset
+
+
+class ScheduleChangeList(ChangeList):
+    """Judges the page's rows once and reads their pauses' events in one statement."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        self.result_list = list(self.result_list)
+        self.model_admin.annotate(request, self.result_list)  # type: ignore[attr-defined]
+
+
+@admin.register(TaskSchedule)
+class TaskScheduleAdmin(ScheduleAdminBase):
+    list_display = (
+        "task_name",
+        "source_display",
+        "schedule_display",
+        "next_slot_display",
+        "last_success_display",
+        "health_display",
+        "paused_display",
+        "removed_display",
+    )
+    list_filter = ("source", "paused", RemovedFilter)
+    search_fields = ("task_name",)
+    ordering = ("task_name",)
+    list_per_page = 50
+    show_full_result_count = False
+    actions = ("pause_schedules", "resume_schedules", "acknowledge_schedules", "retire_schedules")
+    change_form_template = "admin/taskguard/taskschedule/change_form.html"
+    fields = (
+        "task_name",
+        ("source_display", "function"),
+        "schedule_display",
+        ("catchup", "grace", "max_catchup", "pause_after_failures"),
+        ("next_slot_display", "last_success_display"),
+        "health_display",
+        "paused_display",
+        "acknowledged_display",
+        ("first_seen_display", "removed_display"),
+    )
+    readonly_fields = (
+        "task_name",
+        "source_display",
+        "function",
+        "schedule_display",
+        "catchup",
+        "grace",
+        "max_catchup",
+        "pause_after_failures",
+        "next_slot_display",
+        "last_success_display",
+        "health_display",
+        "paused_display",
+        "acknowledged_display",
+        "first_seen_display",
+        "removed_display",
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[TaskSchedule]:
+        return super().get_queryset(request).using(ledger.alias())
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return ScheduleChangeList
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        found = super().get_object(request, object_id, from_field)
+        if found is not None:
+            self.annotate(request, [found])
+        return found
+
+    def annotate(self, request: HttpRequest, rows: list[TaskSchedule]) -> None:
+        """Give each row its verdict and its latest pause's event (who, from where)."""
+        verdict = self._verdict(request)
+        try:
+            paused = store.latest_events(
+                [row.task_name for row in rows if row.paused], ScheduleEventKind.PAUSED
+            )
+        except BackendUnavailable:
+            paused = {}
+        for row in rows:
+            row.taskguard_health = verdict.get(row.task_name)  # type: ignore[attr-defined]
+            row.taskguard_pause = paused.get(row.task_name)  # type: ignore[attr-defined]
+
+    def _verdict(self, request: HttpRequest) -> dict[str, health.TaskHealth]:
+        """Every task judged once per request, whatever the number of rows shown."""
+        verdict: dict[str, health.TaskHealth] | None = getattr(request, _VERDICT, None)
+        if verdict is None:
+            try:
+                verdict = {task.task: task for task in health.check().tasks}
+            except BackendUnavailable as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+                verdict = {}
+            setattr(request, _VERDICT, verdict)
+        return verdict
+
+    # Read-only: code declares schedules; the actions are the only writes.
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # a row goes only through "retire", and only once it is removed
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Whoever may view the runs may view their schedules."""
+        return super().has_view_permission(request, obj) or bool(
+            request.user.has_perm("taskguard.view_taskrun")
+        )
+
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("taskguard.pause_taskschedule"))
+
+    def has_retire_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("taskguard.delete_taskschedule"))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if request.method == "POST" and "index" in request.POST:
+            needed = ACTION_PERMISSIONS.get(request.POST.get("action", ""))
+            if needed is not None and not getattr(self, f"has_{needed}_permission")(request):
+                raise PermissionDenied
+        return super().changelist_view(request, extra_context)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        row = self.get_object(request, object_id)
+        context = dict(extra_context or {})
+        if row is not None:
+            context["history"] = [_event(event) for event in _events(request, self, row)]
+            context["runs_url"] = runs_url(row.task_name)
+            context["can_pause"] = self.has_pause_permission(request)
+            context["can_retire"] = self.has_retire_permission(request)
+        return super().change_view(request, object_id, form_url, context)
+
+    # -- columns ------------------------------------------------------------------------
+
+    @admin.display(description=gettext_lazy("source"), ordering="source")
+    def source_display(self, row: TaskSchedule) -> SafeString:
+        """The source, and under it where it is declared and the beat entry's name."""
+        where = " · ".join(part for part in (row.declared_in, row.entry) if part)
+        under = format_html('<br><span class="quiet">{}</span>', where) if where else ""
+        return format_html("{}{}", row.source, under)
+
+    @admin.display(description=gettext_lazy("schedule"))
+    def schedule_display(self, row: TaskSchedule) -> str:
+        return health.describe(row)
+
+    @admin.display(description=gettext_lazy("next slot"))
+    def next_slot_display(self, row: TaskSchedule) -> SafeString | str:
+        judged = _health(row)
+        if row.paused or row.removed_at is not None or judged is None:
+            return "—"
+        return _moment(judged.next_slot)
+
+    @admin.display(description=gettext_lazy("last success"))
+    def last_success_display(self, row: TaskSchedule) -> SafeString | str:
+        judged = _health(row)
+        success = judged.last_success if judged is not None else None
+        return _moment(success.finished_at if success else None)
+
+    @admin.display(description=gettext_lazy("health"))
+    def health_display(self, row: TaskSchedule) -> SafeString:
+        judged = _health(row)
+        if row.removed_at is not None or judged is None:
+            return format_html('<span class="quiet">{}</span>', _("not judged"))
+        label = {health.OK: _("healthy"), health.PAUSED: _("paused")}.get(judged.status, "")
+        label = label or " + ".join(sorted({problem.code for problem in judged.problems}))
+        return format_html(
+            '<span class="taskguard-health" data-status="{}" title="{}" style="background:{};'
+            "color:#fff;padding:2px 8px;border-radius:9px;font-size:11px;font-weight:600;"
+            'white-space:nowrap">{}</span>',
+            judged.status,
+            "; ".join(f"{problem.code}: {problem.detail}" for problem in judged.problems),
+            HEALTH_COLOURS[judged.status],
+            label,
+        )
+
+    @admin.display(description=gettext_lazy("paused"), ordering="paused")
+    def paused_display(self, row: TaskSchedule) -> SafeString | str:
+        """Why, by whom (from where), since when."""
+        if not row.paused:
+            return "—"
+        event: ScheduleEvent | None = getattr(row, "taskguard_pause", None)
+        who = (
+            _("by %(by)s from %(origin)s") % {"by": event.by or "?", "origin": event.origin}
+            if event is not None
+            else ""
+        )
+        since = timefmt.local(row.paused_at) if row.paused_at else ""
+        return format_html(
+            '<span class="taskguard-paused">{}<br><span class="quiet">{} {}</span></span>',
+            row.paused_reason or _("paused"),
+            who,
+            _("since %(at)s") % {"at": since} if since else "",
+        )
+
+    @admin.display(description=gettext_lazy("acknowledged until"))
+    def acknowledged_display(self, row: TaskSchedule) -> SafeString | str:
+        return _moment(row.acknowledged_until)
+
+    @admin.display(description=gettext_lazy("first seen"))
+    def first_seen_display(self, row: TaskSchedule) -> SafeString | str:
+        return _moment(row.first_seen)
+
+    @admin.display(description=gettext_lazy("removed"), ordering="removed_at")
+    def removed_display(self, row: TaskSchedule) -> SafeString | str:
+        if row.removed_at is None:
+            return "—"
+        return format_html('<span class="taskguard-removed">{}</span>', _moment(row.removed_at))
+
+    # -- actions ------------------------------------------------------------------------
+
+    @admin.action(description=gettext_lazy("Pause…"), permissions=["pause"])
+    def pause_schedules(
+        self, request: HttpRequest, queryset: QuerySet[TaskSchedule]
+    ) -> HttpResponse | None:
+        if request.POST.get("confirm") != "yes":
+            return self._ask(request, queryset, "pause_schedules", _("Pause these schedules?"))
+        user = request.user.get_username()
+        given = " ".join(request.POST.get("reason", "").split())[:REASON_MAX_LENGTH]
+        reason = f"paused from the admin by {user}" + (f": {given}" if given else "")
+        origin = ScheduleEventOrigin.ADMIN
+        done = self._each(
+            request, queryset, lambda name: pauses.pause(name, reason, by=user, origin=origin)
+        )
+        self._report(request, done, _("Paused %(names)s."), _("Already paused: %(names)s."))
+        return None
+
+    @admin.action(description=gettext_lazy("Resume"), permissions=["pause"])
+    def resume_schedules(self, request: HttpRequest, queryset: QuerySet[TaskSchedule]) -> None:
+        user = request.user.get_username()
+        origin = ScheduleEventOrigin.ADMIN
+        done = self._each(
+            request, queryset, lambda name: pauses.resume(name, by=user, origin=origin)
+        )
+        self._report(request, done, _("Resumed %(names)s."), _("Not paused: %(names)s."))
+
+    @admin.action(description=gettext_lazy("Acknowledge problems…"), permissions=["pause"])
+    def acknowledge_schedules(
+        self, request: HttpRequest, queryset: QuerySet[TaskSchedule]
+    ) -> HttpResponse | None:
+        title = _("Acknowledge the problems of these schedules?")
+        if request.POST.get("confirm") != "yes":
+            return self._ask(request, queryset, "acknowledge_schedules", title)
+        reason = " ".join(request.POST.get("reason", "").split())[:REASON_MAX_LENGTH]
+        try:
+            until = _parse_until(request.POST.get("until", ""))
+            if not reason:
+                raise TaskGuardError(acknowledgements.REASON_REQUIRED)
+            user, origin = request.user.get_username(), ScheduleEventOrigin.ADMIN
+            done = self._each(
+                request,
+                queryset,
+                lambda name: acknowledgements.acknowledge(
+                    name, reason, until=until, by=user, origin=origin
+                ),
+            )
+        except TaskGuardError as exc:  # asked again, with what was wrong
+            return self._ask(request, queryset, "acknowledge_schedules", title, error=str(exc))
+        self._report(request, done, _("Acknowledged %(names)s."), _("Unknown: %(names)s."))
+        return None
+
+    @admin.action(
+        description=gettext_lazy("Retire (removed schedules only)…"), permissions=["retire"]
+    )
+    def retire_schedules(
+        self, request: HttpRequest, queryset: QuerySet[TaskSchedule]
+    ) -> HttpResponse | None:
+        if request.POST.get("confirm") != "yes":
+            return self._ask(request, queryset, "retire_schedules", _("Retire these schedules?"))
+        still = queryset.filter(removed_at__isnull=True)
+        declared = list(still.values_list("task_name", flat=True))
+        user = request.user.get_username()
+        done = self._each(
+            request, queryset.filter(removed_at__isnull=False), lambda name: _retire(name, user)
+        )
+        self._report(
+            request, done, _("Retired %(names)s (their runs stay)."), _("Gone already: %(names)s.")
+        )
+        if declared:
+            self.message_user(
+                request,
+                _("Not retired, still declared by the code or a beat: %(names)s.")
+                % {"names": ", ".join(declared)},
+                messages.WARNING,
+            )
+        return None
+
+    def _each(
+        self, request: HttpRequest, queryset: QuerySet[TaskSchedule], do: Any
+    ) -> dict[bool, list[str]] | None:
+        """``do(name)`` for each selected schedule: the names it changed, and the others;
+        None (said) when the ledger could not be reached."""
+        done: dict[bool, list[str]] = {True: [], False: []}
+        try:
+            for row in queryset.order_by("task_name"):
+                changed = bool(do(row.task_name))
+                done[changed].append(row.task_name)
+                if changed and request.POST.get("action") != "retire_schedules":
+                    self.log_change(request, row, f"{request.POST['action']}: {row.task_name}")
+        except BackendUnavailable as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return None
+        return done
+
+    def _report(
+        self, request: HttpRequest, done: dict[bool, list[str]] | None, did: str, same: str
+    ) -> None:
+        if done is None:
+            return
+        if done[True]:
+            self.message_user(request, did % {"names": ", ".join(done[True])}, messages.SUCCESS)
+        if done[False]:
+            self.message_user(request, same % {"names": ", ".join(done[False])}, messages.WARNING)
+
+    def _ask(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[TaskSchedule],
+        action: str,
+        title: str,
+        error: str = "",
+    ) -> TemplateResponse:
+        """The intermediate page (as Django's delete confirmation): what the action does to
+        which schedules, and the reason (and ``until``) it asks."""
+        rows = list(queryset.order_by("task_name")[: self.list_per_page])
+        context = {
+            **self.admin_site.each_context(request),
+            "ol_breadcrumbs": OL_BREADCRUMBS,
+            "title": title,
+            "opts": self.opts,
+            "action": action,
+            "rows": rows,
+            "more": len(rows) == self.list_per_page,
+            "declared": [row.task_name for row in rows if row.removed_at is None],
+            "error": error,
+            "reason": request.POST.get("reason", ""),
+            "until": request.POST.get("until", ""),
+            "zone": timezone.get_current_timezone_name(),
+            "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across", "0"),
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(
+            request, "admin/taskguard/taskschedule/confirm_action.html", context
+        )
+
+
+def runs_url(task_name: str) -> str:
+    """The run changelist filtered to ``task_name``'s runs."""
+    changelist = reverse("admin:taskguard_taskrun_changelist")
+    return f"{changelist}?{urlencode({'task_name': task_name})}"
+
+
+def _retire(task_name: str, user: str) -> bool:
+    """Delete the row, then keep the event (a row already gone keeps no event)."""
+    if not store.retire(task_name):
+        return False
+    store.record_event(
+        task_name, ScheduleEventKind.RETIRED, origin=ScheduleEventOrigin.ADMIN, by=user
+    )
+    return True
+
+
+def _parse_until(given: str) -> datetime | None:
+    """An acknowledgement's ``until``: empty (now), or a date and time, in the current time
+    zone unless it says its own."""
+    given = given.strip()
+    if not given:
+        return None
+    try:
+        parsed = parse_datetime(given.replace("T", " "))
+    except ValueError:
+        parsed = None
+    if parsed is None:
+        raise TaskGuardError(
+            _("%(given)r is not a date and time (2026-11-26 21:00, or ISO 8601)") % {"given": given}
+        )
+    return timezone.make_aware(parsed) if timezone.is_naive(parsed) else parsed
+
+
+def _events(request: HttpRequest, admin_: TaskScheduleAdmin, row: TaskSchedule) -> list[Any]:
+    try:
+        return store.events(row.task_name, HISTORY_LENGTH)
+    except BackendUnavailable as exc:
+        admin_.message_user(request, str(exc), messages.ERROR)
+        return []
+
+
+def _event(event: ScheduleEvent) -> dict[str, Any]:
+    return {
+        "kind": event.kind,
+        "at": timefmt.both(event.at),
+        "by": event.by or "—",
+        "origin": event.get_origin_display(),
+        "reason": event.reason,
+        "until": timefmt.both(event.until) if event.until else "",
+    }
+
+
+def _health(row: TaskSchedule) -> health.TaskHealth | None:
+    judged: health.TaskHealth | None = getattr(row, "taskguard_health", None)
+    return judged
+
+
+def _moment(moment: datetime | None) -> SafeString | str:
+    """Local time with its zone and seconds; UTC on hover (as the run admin's slots)."""
+    if moment is None:
+        return "—"
+    return format_html(
+        '<span title="{}" style="white-space:nowrap">{}</span>',
+        timefmt.utc(moment),
+        timefmt.local(moment),
+    )
