@@ -263,7 +263,7 @@ class TaskScheduleAdmin(ScheduleAdminBase):
             return "—"
         event: ScheduleEvent | None = getattr(row, "taskguard_pause", None)
         who = (
-            _("by %(by)s from %(origin)s") % {"by": event.by or "?", "origin": event.origin}
+            _("by %(by)s from %(origin)s") % {"by": event.by or "?", "origin": event.get_origin_display()}
             if event is not None
             else ""
         )
