@@ -80,7 +80,7 @@ class Entry:
             max_catchup=policy.max_catchup,
             pause_after_failures=policy.pause_after_failures,
             default_zone=get_default_timezone_name(),
-            declared_in=self.function.rpartition(".")[0],
+            declared_in=getattr(self.func, "__module__", None) or "",
             **describe(self.schedule),
         )
 
