@@ -21,7 +21,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
@@ -70,16 +70,18 @@ class ScheduleChangeList(ChangeList):
 
 @admin.register(TaskSchedule)
 class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
+    # Narrow enough for a 1280 px screen beside the admin's two sidebars: a removed
+    # schedule says so under its name, a paused one why under its health, and a moment
+    # takes two lines (date, then time).
     list_display = (
-        "task_name",
+        "task_display",
         "source_display",
         "schedule_display",
-        "next_slot_display",
-        "last_success_display",
-        "health_display",
-        "paused_display",
-        "removed_display",
+        "next_slot_column",
+        "last_success_column",
+        "health_column",
     )
+    list_display_links = ("task_display",)
     list_filter = ("source", "paused", RemovedFilter)
     search_fields = ("task_name",)
     ordering = ("task_name",)
@@ -186,6 +188,39 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
 
     # -- columns ------------------------------------------------------------------------
 
+    @admin.display(description=gettext_lazy("task"), ordering="task_name")
+    def task_display(self, row: TaskSchedule) -> SafeString:
+        """The name (breaking after a dot rather than widen the table); a removed
+        schedule's "removed" and when under it."""
+        *packages, last = row.task_name.split(".")
+        name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
+        removed = ""
+        if row.removed_at is not None:
+            removed = format_html(
+                '<br><span class="taskguard-removed quiet" title="{}">{} {}</span>',
+                timefmt.utc(row.removed_at),
+                _("removed"),
+                timefmt.local(row.removed_at)[:10],
+            )
+        return format_html(
+            '<span style="overflow-wrap:anywhere">{}{}</span>{}', name, last, removed
+        )
+
+    @admin.display(description=gettext_lazy("next slot"))
+    def next_slot_column(self, row: TaskSchedule) -> SafeString | str:
+        return _moment(_next_slot(row), two_lines=True)
+
+    @admin.display(description=gettext_lazy("last success"))
+    def last_success_column(self, row: TaskSchedule) -> SafeString | str:
+        return _moment(_last_success(row), two_lines=True)
+
+    @admin.display(description=gettext_lazy("health"))
+    def health_column(self, row: TaskSchedule) -> SafeString:
+        """The verdict, and under it a paused schedule's why, by whom, since when."""
+        if not row.paused:
+            return self.health_display(row)
+        return format_html("{}<br>{}", self.health_display(row), self.paused_display(row))
+
     @admin.display(description=gettext_lazy("source"), ordering="source")
     def source_display(self, row: TaskSchedule) -> SafeString:
         """The source, and under it where it is declared and the beat entry's name."""
@@ -199,16 +234,11 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
 
     @admin.display(description=gettext_lazy("next slot"))
     def next_slot_display(self, row: TaskSchedule) -> SafeString | str:
-        judged = _health(row)
-        if row.paused or row.removed_at is not None or judged is None:
-            return "—"
-        return _moment(judged.next_slot)
+        return _moment(_next_slot(row))
 
     @admin.display(description=gettext_lazy("last success"))
     def last_success_display(self, row: TaskSchedule) -> SafeString | str:
-        judged = _health(row)
-        success = judged.last_success if judged is not None else None
-        return _moment(success.finished_at if success else None)
+        return _moment(_last_success(row))
 
     @admin.display(description=gettext_lazy("health"))
     def health_display(self, row: TaskSchedule) -> SafeString:
@@ -237,12 +267,14 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
         if event is not None:
             origin = event.get_origin_display()
             who = _("by %(by)s from %(origin)s") % {"by": event.by or "?", "origin": origin}
-        since = timefmt.local(row.paused_at) if row.paused_at else ""
+        since = _("since %(at)s") % {"at": ""} if row.paused_at else ""
         return format_html(
-            '<span class="taskguard-paused">{}<br><span class="quiet">{} {}</span></span>',
+            '<span class="taskguard-paused" style="overflow-wrap:anywhere">{}<br>'
+            '<span class="quiet">{} {}{}</span></span>',
             row.paused_reason or _("paused"),
             who,
-            _("since %(at)s") % {"at": since} if since else "",
+            since,
+            _moment(row.paused_at, two_lines=True) if row.paused_at else "",
         )
 
     @admin.display(description=gettext_lazy("acknowledged until"))
@@ -290,12 +322,29 @@ def _health(row: TaskSchedule) -> health.TaskHealth | None:
     return judged
 
 
-def _moment(moment: datetime | None) -> SafeString | str:
-    """Local time with its zone and seconds; UTC on hover (as the run admin's slots)."""
+def _next_slot(row: TaskSchedule) -> datetime | None:
+    judged = _health(row)
+    if row.paused or row.removed_at is not None or judged is None:
+        return None
+    return judged.next_slot
+
+
+def _last_success(row: TaskSchedule) -> datetime | None:
+    judged = _health(row)
+    success = judged.last_success if judged is not None else None
+    return success.finished_at if success is not None else None
+
+
+def _moment(moment: datetime | None, two_lines: bool = False) -> SafeString | str:
+    """Local time with its zone and seconds, UTC on hover; in two lines (the date, then the
+    time) in the list, as the run admin's slots."""
     if moment is None:
         return "—"
+    day, _space, time = timefmt.local(moment).partition(" ")
+    shown = "{}<br>{}" if two_lines else "{} {}"
     return format_html(
-        '<span title="{}" style="white-space:nowrap">{}</span>',
+        f'<span title="{{}}" style="white-space:nowrap">{shown}</span>',
         timefmt.utc(moment),
-        timefmt.local(moment),
+        day,
+        time,
     )

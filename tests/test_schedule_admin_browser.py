@@ -13,7 +13,7 @@ from django.utils import timezone
 from django_taskguard.models import ScheduleEvent, TaskRun, TaskSchedule
 
 from .support.monitoring import due_slot, finished, schedule
-from .test_admin_browser import browser
+from .test_admin_browser import browser, fits_laptops, keep_screenshot, shots_dir
 
 pytestmark = [pytest.mark.browser, pytest.mark.once, pytest.mark.django_db(transaction=True)]
 __all__ = ["browser"]  # the fixture
@@ -25,7 +25,7 @@ def choose(driver, task: str, action: str) -> None:  # type: ignore[no-untyped-d
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    row = driver.find_element(By.XPATH, f"//tr[.//a[normalize-space()='{task}']]")
+    row = driver.find_element(By.XPATH, f"//tr[.//a/span[normalize-space()='{task}']]")
     row.find_element(By.CSS_SELECTOR, "input.action-select").click()
     Select(driver.find_element(By.NAME, "action")).select_by_value(action)
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "button[name=index]"))
@@ -54,7 +54,9 @@ def message(driver) -> str:  # type: ignore[no-untyped-def]
     return str(driver.find_element(By.CSS_SELECTOR, "ul.messagelist").text)
 
 
-def test_schedule_admin_browser__pause_resume_acknowledge_retire_and_history(browser, live_server):
+def test_schedule_admin_browser__pause_resume_acknowledge_retire_and_history(
+    browser, live_server, tmp_path
+):
     from selenium.webdriver.common.by import By
 
     driver = browser
@@ -76,8 +78,11 @@ def test_schedule_admin_browser__pause_resume_acknowledge_retire_and_history(bro
     driver.find_element(By.ID, "id_reason").send_keys("vendor outage")
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit]"))
     assert "Paused reports.nightly." in message(driver)
-    paused = driver.find_element(By.CSS_SELECTOR, "td.field-paused_display").text
+    paused = driver.find_element(By.CSS_SELECTOR, "td.field-health_column").text
     assert "vendor outage" in paused and "by admin from the admin" in paused
+    # Every column fits a laptop screen (1280 and 1400 px); the docs' picture.
+    fits_laptops(driver, "#result_list thead th", shots_dir(tmp_path), "schedules")
+    keep_screenshot(driver, tmp_path, "schedules-screenshot.png")
 
     # Resume and acknowledge from the schedule's own page, whose history grows.
     driver.get(f"{changelist}{nightly.pk}/change/")
