@@ -209,7 +209,8 @@ def _stop_if_declared(path: str, error: Exception, left: list[str]) -> None:
         raise ImproperlyConfigured(
             f"{path} could not be imported ({type(error).__name__}: {error}); it declares "
             f"the schedules {', '.join(sorted(declared))}, so this command does not start "
-            "without it. Fix the import (or remove the schedules' rows in the admin)"
+            "without it. Fix the import (once it imports, a schedule it no longer declares is "
+            "marked removed, and can be retired in the admin)"
         ) from error
 
 
