@@ -98,6 +98,7 @@ def test_schedule_admin_browser__pause_resume_acknowledge_retire_and_history(
     history = driver.find_elements(By.CSS_SELECTOR, "tr.taskguard-event")
     kinds = [row.get_attribute("data-kind") for row in history]
     assert kinds == ["acknowledged", "resumed", "paused"]
+    driver.save_screenshot(str(shots_dir(tmp_path) / "schedule-change.png"))
     assert "vendor said sorry" in history[0].text and "2026-11-20 21:00:00 CET" in history[0].text
     assert "admin" in history[2].text and "vendor outage" in history[2].text
     navigate(driver, driver.find_element(By.CSS_SELECTOR, "a.taskguard-runs-link"))
