@@ -24,7 +24,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import ledger, timefmt
+from . import admin_schedules, ledger, timefmt
 from ._compat import OL_BREADCRUMBS
 from .admin_overview import OverviewMixin
 from .cleanup import cleanup_locks, release_lock
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 else:  # the admin classes are not subscriptable at runtime
     RunAdminBase = admin.ModelAdmin
     TransitionInlineBase = admin.TabularInline
+
+__all__ = ["TaskRunAdmin", "admin_schedules"]  # admin_schedules registers TaskSchedule's
 
 # Every state has its colour (tests/test_states.py checks that none is missing).
 STATE_COLOURS: dict[str, str] = {

@@ -10,8 +10,9 @@ the missed-slot sweep and the admin read it.
 An app's ``tasks``/``jobs`` module that cannot be imported (a third-party app whose
 Celery tasks need an extra nobody installed) does not stop discovery when its error is
 one the caller tolerates: it is skipped and named in :func:`unimported`. Nothing is
-lost by that: :func:`sync` only adds and updates rows, so a schedule the module
-declared keeps its row, its pause, and its missed-slot sweep. A module named in
+lost by that: :func:`sync` marks the schedules the code no longer declares removed only
+after a complete discovery, so a schedule the skipped module declared keeps its row, its
+pause, and its missed-slot sweep. A module named in
 ``SCHEDULE_MODULES`` is never skipped: the user asked for it.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
 from django.utils.module_loading import module_has_submodule
 from django.utils.timezone import get_default_timezone_name
 
@@ -78,6 +80,7 @@ class Entry:
             max_catchup=policy.max_catchup,
             pause_after_failures=policy.pause_after_failures,
             default_zone=get_default_timezone_name(),
+            declared_in=getattr(self.func, "__module__", None) or "",
             **describe(self.schedule),
         )
 
@@ -206,7 +209,8 @@ def _stop_if_declared(path: str, error: Exception, left: list[str]) -> None:
         raise ImproperlyConfigured(
             f"{path} could not be imported ({type(error).__name__}: {error}); it declares "
             f"the schedules {', '.join(sorted(declared))}, so this command does not start "
-            "without it. Fix the import (or remove the schedules' rows in the admin)"
+            "without it. Fix the import (once it imports, a schedule it no longer declares is "
+            "marked removed, and can be retired in the admin)"
         ) from error
 
 
@@ -222,8 +226,25 @@ def sync(
     """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
     found = discover(tolerate, stop_if_declared)
     _say_zone_conflicts(found.keys())
-    store.save([entry.record() for entry in found.values()])
+    now = timezone.now()
+    store.save([entry.record() for entry in found.values()], now)
+    _mark_removed(found.keys(), now)
     return found
+
+
+def _mark_removed(declared: Collection[str], now: datetime) -> None:
+    """Function schedules (a Celery task's too: no beat entry) the code no longer declares
+    are marked removed; declared again, they are not. Only after a complete discovery: a
+    skipped module's schedules are unknown to this process, not removed."""
+    if unimported():
+        return
+    sources = (ScheduleSource.FUNCTION, ScheduleSource.CELERY)
+    for name in store.mark_removed(declared, sources, now, entry=""):
+        logger.warning(
+            "taskguard: schedule %s is no longer declared by the code: marked removed (not "
+            "swept nor judged); retire it in the admin to delete its row, its runs stay",
+            name,
+        )
 
 
 def _say_zone_conflicts(registered: Collection[str]) -> None:

@@ -12,7 +12,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.test import override_settings
+from django.test import modify_settings, override_settings
 from django.utils import timezone
 
 from django_taskguard import ledger, once_per_schedule, registry
@@ -524,3 +524,43 @@ def test_scheduler__a_slot_another_copy_ran_before_the_pause_is_not_logged_pause
     assert TaskRun.objects.get(task_name="tests.once.ran_first").state == RunState.SUCCEEDED
     assert NOT_RUN_HERE in caplog.text, caplog.text
     assert "paused" not in caplog.text, caplog.text
+
+
+# -- schedules the code no longer declares -------------------------------------------------
+
+
+def test_sync__marks_removed_what_the_code_no_longer_declares_and_declared_again_not():
+    every_second("tests.reg.kept", [])
+    every_second("tests.reg.dropped", [])
+    registry.sync()
+    beat = TaskSchedule.objects.create(
+        task_name="tests.reg.ping[ping]", source="celery", entry="ping", every=SECOND,
+        grace=SECOND, max_catchup=1, declared_in="CELERY_BEAT_SCHEDULE",
+    )  # fmt: skip
+    decorated = TaskSchedule.objects.create(
+        task_name="tests.reg.celery_task", source="celery", every=SECOND, grace=SECOND,
+        max_catchup=1,
+    )  # fmt: skip
+    registry.unregister("tests.reg.dropped")
+    before = timezone.now()
+    registry.sync()
+    removed = dict(TaskSchedule.objects.values_list("task_name", "removed_at"))
+    assert removed["tests.reg.dropped"] is not None and removed["tests.reg.dropped"] >= before
+    assert removed["tests.reg.celery_task"] is not None  # a decorated function's Celery task
+    assert removed["tests.reg.kept"] is None
+    assert removed[beat.task_name] is None  # a beat entry: the beat says, not the code
+    assert TaskSchedule.objects.get(task_name="tests.reg.kept").declared_in == __name__
+    every_second("tests.reg.dropped", [])
+    registry.sync()
+    assert TaskSchedule.objects.get(task_name="tests.reg.dropped").removed_at is None
+    assert TaskSchedule.objects.get(pk=decorated.pk).removed_at is not None
+
+
+@modify_settings(INSTALLED_APPS={"append": "tests.support.apps.needs_extra"})
+def test_sync__marks_nothing_removed_when_a_module_was_skipped():
+    every_second("tests.reg.dropped", [])
+    registry.sync()
+    registry.unregister("tests.reg.dropped")
+    registry.sync()
+    assert registry.unimported(), "the app's tasks module was expected to be skipped"
+    assert TaskSchedule.objects.get(task_name="tests.reg.dropped").removed_at is None

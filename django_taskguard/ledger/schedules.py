@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections
-from django.db.models import F, Max, Q, Window
+from django.db.models import F, OuterRef, Q, Subquery, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
@@ -246,12 +246,20 @@ def events(task_name: str, limit: int = 100) -> list[ScheduleEvent]:
         return list(found.order_by("-at", "-id")[:limit])
 
 
-def latest_events(kind: ScheduleEventKind) -> dict[str, ScheduleEvent]:
-    """Each task's latest event of ``kind``: one statement, whatever the number of tasks."""
-    found = ScheduleEvent.objects.using(alias()).filter(kind=kind)
-    latest = found.values("task_name").annotate(latest=Max("id")).values("latest")
+def latest_events(
+    kind: ScheduleEventKind, task_names: Collection[str] | None = None
+) -> dict[str, ScheduleEvent]:
+    """Each task's newest ``kind`` event (of ``task_names`` only, when given: an admin page's
+    rows), in one statement whatever the number of tasks."""
+    if task_names is not None and not task_names:
+        return {}
+    events = ScheduleEvent.objects.using(alias()).filter(kind=kind)
+    newest = events.filter(task_name=OuterRef("task_name")).order_by("-at", "-id").values("id")
+    found = events.filter(id=Subquery(newest[:1]))
+    if task_names is not None:
+        found = found.filter(task_name__in=list(task_names))
     with translated:
-        return {event.task_name: event for event in found.filter(id__in=latest)}
+        return {event.task_name: event for event in found}
 
 
 def histories(task_names: Sequence[str], per_task: int) -> dict[str, list[ScheduleEvent]]:
@@ -284,11 +292,20 @@ def acknowledge(task_name: str, until: datetime) -> bool:
     return True
 
 
-def mark_removed(declared: Collection[str], sources: Collection[str], now: datetime) -> list[str]:
+def mark_removed(
+    declared: Collection[str],
+    sources: Collection[str],
+    now: datetime,
+    *,
+    entry: str | None = None,
+) -> list[str]:
     """Schedules of ``sources`` not in ``declared`` are marked removed (from ``now``); those
-    in it are declared again. Returns the names newly marked."""
+    in it are declared again. Returns the names newly marked. ``entry=""`` limits it to the
+    rows that are not beat entries (what the code declares, not what a beat does)."""
     with translated:
         rows = TaskSchedule.objects.using(alias()).filter(source__in=list(sources))
+        if entry is not None:
+            rows = rows.filter(entry=entry)
         gone = [
             name
             for name in rows.filter(removed_at__isnull=True).values_list("task_name", flat=True)
