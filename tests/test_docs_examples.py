@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,6 +116,13 @@ def session_files(page: str) -> dict[str, str]:
     return files
 
 
+def marked(page: str) -> Any:
+    """``page``, marked ``celery_beat`` when its examples need django-celery-beat."""
+    if page in NEEDS_CELERY_BEAT:
+        return pytest.param(page, marks=pytest.mark.celery_beat)
+    return page
+
+
 def test_docs__every_page_marks_its_runnable_examples():
     for page in PAGES:
         kinds = [kind for kind, _, _ in blocks(page)]
@@ -123,10 +131,7 @@ def test_docs__every_page_marks_its_runnable_examples():
 
 
 @pytest.mark.parametrize("backend", ["database", "redis"])
-@pytest.mark.parametrize(
-    "page",
-    [pytest.param(p, marks=pytest.mark.celery_beat) if p in NEEDS_CELERY_BEAT else p for p in PAGES],
-)
+@pytest.mark.parametrize("page", [marked(page) for page in PAGES])
 def test_docs__examples_run_as_written(page, backend, tmp_path, redis_server):
     redis = redis_server if backend == "redis" else None
     done = run_session(
