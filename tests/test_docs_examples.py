@@ -17,13 +17,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from .support import ROOT
 from .support.inner_session import run_session
 
-PAGES = ["docs/testing.md", "docs/decorators.md", "README.md"]
+DEPLOYMENTS = [
+    "docs/deployments/apscheduler.md",
+    "docs/deployments/celery-beat.md",
+    "docs/deployments/run-schedules.md",
+    "docs/deployments/django-tasks.md",
+]
+PAGES = ["docs/testing.md", "docs/decorators.md", "README.md", *DEPLOYMENTS]
+# Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
+NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md"}
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 MYAPP_JOBS = """
@@ -62,6 +71,7 @@ PRELUDES = {
         "def write(chunk, fence):\n    assert fence > 0\n"
     ),
     "README.md": "",
+    **dict.fromkeys(DEPLOYMENTS, ""),
 }
 
 RUN_TEST = """
@@ -106,6 +116,13 @@ def session_files(page: str) -> dict[str, str]:
     return files
 
 
+def marked(page: str) -> Any:
+    """``page``, marked ``celery_beat`` when its examples need django-celery-beat."""
+    if page in NEEDS_CELERY_BEAT:
+        return pytest.param(page, marks=pytest.mark.celery_beat)
+    return page
+
+
 def test_docs__every_page_marks_its_runnable_examples():
     for page in PAGES:
         kinds = [kind for kind, _, _ in blocks(page)]
@@ -114,7 +131,7 @@ def test_docs__every_page_marks_its_runnable_examples():
 
 
 @pytest.mark.parametrize("backend", ["database", "redis"])
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", [marked(page) for page in PAGES])
 def test_docs__examples_run_as_written(page, backend, tmp_path, redis_server):
     redis = redis_server if backend == "redis" else None
     done = run_session(
