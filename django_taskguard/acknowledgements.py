@@ -8,16 +8,27 @@ health verdict reads.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.utils import timezone
 
+from . import ledger
 from .exceptions import TaskGuardError
 from .ledger import schedules as store
 from .models import ScheduleEventKind, ScheduleEventOrigin
 from .schedules import normalize_slot
 
 REASON_REQUIRED = "an acknowledgement needs a reason (who reads it later needs to know why)"
+
+
+def default_until(task_name: str, now: datetime) -> datetime:
+    """What an acknowledgement covers when not told: the slots up to ``now``, but none still
+    in flight (pending, running, awaiting a retry): how those come out is not known yet, and
+    a failure among them is a new problem."""
+    live = ledger.earliest_live_slot(task_name)
+    if live is None or live > now:
+        return now
+    return live - timedelta(microseconds=1)
 
 
 def acknowledge(
@@ -29,12 +40,13 @@ def acknowledge(
     origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
 ) -> bool:
     """Acknowledge the problems of ``task_name``'s slots at or before ``until`` (default:
-    now); False when the schedule is unknown. ``TaskGuardError`` without a reason, or with
-    an ``until`` in the future (it would hide problems that have not happened yet)."""
+    :func:`default_until`); False when the schedule is unknown. ``TaskGuardError`` without
+    a reason, or with an ``until`` in the future (it would hide problems that have not
+    happened yet)."""
     if not reason or not reason.strip():
         raise TaskGuardError(REASON_REQUIRED)
     now = timezone.now()
-    until = now if until is None else normalize_slot(until)
+    until = default_until(task_name, now) if until is None else normalize_slot(until)
     if until > now:
         raise TaskGuardError(
             f"until={until.isoformat()} is in the future: only problems that happened can be "

@@ -195,7 +195,8 @@ def check(*, task: str | None = None) -> Verdict:
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
     tasks = known_tasks()
-    kept = upkeep_health(now) if any(t.first_seen is not None for t in tasks) else None
+    registered = [t for t in tasks if t.first_seen is not None]
+    kept = upkeep_health(now, shortest_gap(registered, now)) if registered else None
     if task is not None:
         tasks = [t for t in tasks if t.task == task]
     acknowledgements = schedule_store.latest_events(ScheduleEventKind.ACKNOWLEDGED)
@@ -226,17 +227,44 @@ CRON_UPKEEP_LIMIT = timedelta(hours=25)
 UPKEEP_INTERVALS = 3
 
 
-def upkeep_health(now: datetime) -> UpkeepHealth:
-    """When the upkeep last finished (automatic, or ``cleanup_locks``), judged against
-    ``UPKEEP_INTERVALS`` intervals (``CRON_UPKEEP_LIMIT`` with the automatic upkeep off)."""
+def shortest_gap(tasks: Sequence[TaskHealth], now: datetime) -> timedelta | None:
+    """The shortest time between two slots of the tasks' schedules, plus its grace (None:
+    none has a schedule). Where guarded calls start the upkeep (APScheduler, cron callers),
+    it runs as often as the most frequent schedule fires, however short its interval."""
+    gaps = []
+    for task in tasks:
+        if task.schedule is None or task.paused:
+            continue
+        try:
+            following = task.schedule.next_slot(now)
+            if following is not None:
+                gaps.append(following - task.schedule.latest_slot(now) + task.grace)
+        except Exception:  # a schedule that cannot be computed is judged on its own
+            continue
+    return min(gaps, default=None)
+
+
+def upkeep_health(now: datetime, gap: timedelta | None = None) -> UpkeepHealth:
+    """When the upkeep last finished (automatic, or ``cleanup_locks``), and whether its
+    parts all worked, judged against ``UPKEEP_INTERVALS`` intervals, or two of ``gap`` (the
+    shortest gap between slots, :func:`shortest_gap`) when that is longer, or
+    ``CRON_UPKEEP_LIMIT`` with the automatic upkeep off."""
     interval = taskguard_settings.UPKEEP_INTERVAL_SECONDS
     limit = (
         CRON_UPKEEP_LIMIT if interval is None else UPKEEP_INTERVALS * timedelta(seconds=interval)
     )
+    if interval is not None and gap is not None:
+        limit = max(limit, 2 * gap)
     row = upkeep_store.latest()
     finished = row.finished_at if row is not None else None
     ran_by, error = (row.ran_by, row.error) if row is not None else ("", "")
     if finished is not None and now - finished <= limit:
+        if error:
+            failed = _(
+                "the latest upkeep (%(by)s) failed in part, so what that part keeps true is not "
+                "being recorded: %(error)s"
+            ) % {"by": ran_by, "error": error}
+            return UpkeepHealth(finished, ran_by, error, limit, failed)
         return UpkeepHealth(finished, ran_by, error, limit)
     since = _("upkeep has not run since %(when)s") % {"when": _iso(finished)}
     if finished is None:

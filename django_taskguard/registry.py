@@ -221,14 +221,26 @@ def unimported() -> list[Unimported]:
 
 
 def sync(
-    tolerate: tuple[type[Exception], ...] = (ImportError,), stop_if_declared: bool = False
+    tolerate: tuple[type[Exception], ...] = (ImportError,),
+    stop_if_declared: bool = False,
+    *,
+    mark_removed: bool = False,
+    say_conflicts: bool = True,
 ) -> dict[str, Entry]:
-    """:func:`discover`, then save every schedule found in ``TaskSchedule``."""
+    """:func:`discover`, then save every schedule found in ``TaskSchedule``.
+
+    ``mark_removed``: also mark removed the function schedules this process does not
+    declare. Only the processes that fire them ask for it (``run_schedules``, ``backfill``):
+    an operator's command or the upkeep, in a process that may import less (another
+    service sharing the database, an old copy during a deploy), would flap them.
+    ``say_conflicts``: log the zone conflicts (the upkeep, every interval, does not)."""
     found = discover(tolerate, stop_if_declared)
-    _say_zone_conflicts(found.keys())
+    if say_conflicts:
+        _say_zone_conflicts(found.keys())
     now = timezone.now()
     store.save([entry.record() for entry in found.values()], now)
-    _mark_removed(found.keys(), now)
+    if mark_removed:
+        _mark_removed(found.keys(), now)
     return found
 
 

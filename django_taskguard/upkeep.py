@@ -9,7 +9,10 @@ others still run):
   are folded into their rows, slots whose Redis winner died before its row are recorded,
   orphan keys removed);
 - ``schedules``: the schedules this process declares are saved (``registry.sync``), so
-  that a schedule only ever called by guarded calls (APScheduler, cron) is known;
+  that a schedule only ever called by guarded calls (APScheduler, cron) is known: once per
+  process (the code does not change under it), never marking any removed (only the
+  processes that fire schedules do: ``run_schedules``), and without the zone-conflict log
+  that ``run_schedules`` and check ``taskguard.W020`` give;
 - ``missed``: the missed-slot sweep, and pending slots nobody started
   (:func:`missed.sweep_missed`).
 
@@ -27,6 +30,7 @@ the caller.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -44,7 +48,7 @@ from .conf import taskguard_settings
 from .ledger import upkeep as store
 from .locks import get_backend
 from .missed import sweep_missed
-from .owner import actor
+from .owner import actor, new_token
 
 logger = logging.getLogger("taskguard.upkeep")
 
@@ -60,6 +64,11 @@ LEEWAY = 0.1
 RECHECK_SECONDS = 60.0
 
 
+def unique(who: str) -> str:
+    """A lease holder: ``who`` and a token of this attempt (``ran_by`` shows ``who``)."""
+    return f"{who}{store.HOLDER_TAIL}{new_token()}"
+
+
 def hold_for(interval: float) -> timedelta:
     return max(timedelta(seconds=2 * interval), HOLD_AT_LEAST)
 
@@ -71,7 +80,7 @@ def run_upkeep(holder: str | None = None, interval: float | None = None) -> dict
     interval. Never raises: a part that failed is named in ``errors`` (and in the
     ``Upkeep`` row's ``error``), and the lease that could not be taken says why.
     """
-    holder = holder or actor("upkeep")
+    holder = holder or unique(actor("upkeep"))
     seconds = interval or _interval() or RECHECK_SECONDS
     every = timedelta(seconds=seconds * (1 - LEEWAY))
     try:
@@ -141,8 +150,15 @@ def _lock_sweep() -> dict[str, Any]:
     return {"unrecorded_slots": unrecorded, "orphan_keys": orphans}
 
 
+_saved_here = threading.Event()  # this process saved its schedules once
+
+
 def _schedules() -> dict[str, Any]:
-    return {"schedules": len(registry.sync(tolerate=(Exception,)))}
+    if _saved_here.is_set():
+        return {}
+    found = registry.sync(tolerate=(Exception,), say_conflicts=False)
+    _saved_here.set()
+    return {"schedules": len(found)}
 
 
 def _missed() -> dict[str, Any]:
@@ -187,6 +203,18 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+# A process that ends soon after a guarded call (a cron job) waits this long at exit for
+# its upkeep thread, so that the upkeep it started finishes and is recorded, instead of
+# dying with the lease held (the next one would wait for the lease to lapse).
+EXIT_WAIT_SECONDS = 30.0
+
+
+@atexit.register
+def _at_exit() -> None:
+    thread = _gate.thread
+    if thread is not None and thread.is_alive():
+        thread.join(EXIT_WAIT_SECONDS)
 
 
 def due_here() -> bool:

@@ -18,12 +18,18 @@ from django.utils import timezone
 from django_taskguard.ledger import schedules as store
 from django_taskguard.models import RunState, ScheduleEventKind, ScheduleEventOrigin, TaskRun
 
-from .support.monitoring import due_slot, finished, schedule
+from .support.monitoring import due_slot, finished, schedule, upkeep_ran
 from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 EVERY = timedelta(minutes=1)
 TASK = "tests.nightly"
+
+
+@pytest.fixture(autouse=True)
+def _upkeep_ran(transactional_db: None) -> None:
+    """These tests judge tasks: the upkeep ran (tests/test_upkeep.py judges it)."""
+    upkeep_ran()
 
 
 def run_check(*args: str) -> tuple[int, str]:

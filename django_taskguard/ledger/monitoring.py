@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db.models import Min
 
-from ..states import ENDED_STATES, OUTCOME_STATES, PROBLEM_STATES, RunState
+from ..states import ENDED_STATES, LIVE_STATES, OUTCOME_STATES, PROBLEM_STATES, RunState
 from .backends import backend_for
 from .core import aware, dialect, fetch_all, runs, slot_param, translated
 
@@ -171,6 +171,15 @@ def problem_slots(task_name: str, after: datetime | None, until: datetime) -> in
         found = found.filter(slot__gt=after)
     with translated:
         return found.count()
+
+
+def earliest_live_slot(task_name: str) -> datetime | None:
+    """The earliest slot of ``task_name`` still in flight (pending, running, retrying):
+    its outcome is not known yet, so no acknowledgement covers it."""
+    found = runs().filter(task_name=task_name, state__in=LIVE_STATES)
+    with translated:
+        earliest = found.aggregate(earliest=Min("slot"))["earliest"]
+    return aware(earliest) if earliest is not None else None
 
 
 @translated

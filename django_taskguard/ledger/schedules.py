@@ -324,9 +324,11 @@ def mark_removed(
 
 
 def retire(task_name: str) -> bool:
-    """Delete a schedule's row (its runs and its events stay); False when unknown."""
+    """Delete a removed schedule's row (its runs and its events stay); False when unknown
+    or declared again (a sync may have declared it since the admin's page was drawn)."""
+    rows = TaskSchedule.objects.using(alias()).filter(task_name=task_name, removed_at__isnull=False)
     with translated:
-        deleted, _ = TaskSchedule.objects.using(alias()).filter(task_name=task_name).delete()
+        deleted, _ = rows.delete()
     return bool(deleted)
 
 

@@ -15,6 +15,9 @@ from ..models import DatabaseNow, Upkeep
 from .core import alias, clip, translated
 
 ERROR_MAX_LENGTH = 2_000
+# A holder is ``who#token``: the token tells apart two processes that name themselves alike
+# (containers with the same host name and pid); ``ran_by`` keeps the ``who``.
+HOLDER_TAIL = "#"
 
 
 def take(holder: str, hold: timedelta, every: timedelta) -> bool:
@@ -43,7 +46,7 @@ def finish(holder: str, result: dict[str, Any], error: str = "") -> bool:
             .update(
                 held_until=None,
                 finished_at=DatabaseNow(),
-                ran_by=holder,
+                ran_by=holder.split(HOLDER_TAIL, 1)[0],
                 error=clip(error, ERROR_MAX_LENGTH),
                 result=result,
             )

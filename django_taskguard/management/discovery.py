@@ -43,16 +43,17 @@ class Tolerance:
 
     errors: tuple[type[Exception], ...]
     stop_if_declared: bool  # stop anyway when the module is known to declare schedules
+    mark_removed: bool  # mark removed the function schedules the code no longer declares
 
 
-RUNNER = Tolerance((ImportError,), stop_if_declared=True)
-OPERATOR = Tolerance((Exception,), stop_if_declared=False)
+RUNNER = Tolerance((ImportError,), stop_if_declared=True, mark_removed=True)
+OPERATOR = Tolerance((Exception,), stop_if_declared=False, mark_removed=False)
 
 
 def sync_schedules(command: BaseCommand, tolerate: Tolerance) -> dict[str, Entry]:
     """``registry.sync``; each skipped module said on the command's stderr."""
     try:
-        found = sync(tolerate.errors, tolerate.stop_if_declared)
+        found = sync(tolerate.errors, tolerate.stop_if_declared, mark_removed=tolerate.mark_removed)
     except ImproperlyConfigured as exc:
         raise CommandError(str(exc)) from exc
     for skipped in unimported():

@@ -154,19 +154,37 @@ class Registrar:
         self.declared_in = declared_in
         self.warned: set[str] = set()
         self.pending: list[store.Record] | None = None
+        self.present: set[str] = set()  # every entry's run name, monitored or not
         self.retry_at = 0.0
 
     def declare(self, entries: Iterable[BeatEntry]) -> None:
         """Save ``entries`` (the scheduler's whole set) and mark the others removed."""
-        records = []
+        records: dict[str, store.Record] = {}
+        present: set[str] = set()
         for entry in entries:
             if entry.task.startswith("celery."):
                 continue  # celery's own housekeeping (backend_cleanup): not the user's
+            # An entry this beat cannot monitor now (its task failed to import) is still
+            # there: its row is not marked removed, so its missed slots are still recorded.
+            present.add(task_identity(entry.task, entry.name))
             try:
-                records.append(record_of(self.app, entry, self.declared_in))
+                record = record_of(self.app, entry, self.declared_in)
             except Unmonitored as why:
                 self._warn_once(entry, str(why))
-        self.pending = records
+                continue
+            present.add(record.task_name)
+            if record.task_name in records:
+                # name= on the decorator names every entry of the task alike: one row.
+                self._warn_once(
+                    entry,
+                    f"its runs are recorded as {record.task_name}, like entry "
+                    f"{records[record.task_name].entry}'s (the task's name=): one schedule "
+                    f"is kept for them; give the task no name= to tell the entries apart",
+                )
+                continue
+            records[record.task_name] = record
+        self.pending = list(records.values())
+        self.present = present
         self.flush()
 
     def retry(self) -> None:
@@ -185,9 +203,7 @@ class Registrar:
             for name in moved:
                 # The new schedule's slots before the edit were never due: judged from now.
                 store.mark_swept(name, now)
-            gone = store.mark_entries_removed(
-                self.declared_in, {record.task_name for record in records}, now
-            )
+            gone = store.mark_entries_removed(self.declared_in, self.present, now)
         except Exception:
             self.retry_at = time.monotonic() + RETRY_SECONDS
             logger.exception(

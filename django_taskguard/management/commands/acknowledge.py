@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from ... import ledger
-from ...acknowledgements import acknowledge
+from ...acknowledgements import acknowledge, default_until
 from ...exceptions import BackendUnavailable, TaskGuardError
 from ...ledger import schedules as store
 from ...models import ScheduleEventOrigin
@@ -36,15 +36,16 @@ class Command(BaseCommand):
             type=aware_datetime,
             default=None,
             help="Acknowledge the slots at or before this ISO-8601 time with its UTC offset "
-            "(default: now; a time in the future is refused).",
+            "(default: now, but no slot still in flight; a time in the future is refused).",
         )
 
     def handle(
         self, *args: Any, name: str, reason: str, until: datetime | None, **options: Any
     ) -> None:
-        until = timezone.now() if until is None else until
         try:
             sync_schedules(self, OPERATOR)
+            if until is None:
+                until = default_until(name, timezone.now())
             row = store.get(name)
             if row is None:
                 raise unknown_schedule(name, store.names())

@@ -71,7 +71,7 @@ class Command(BaseCommand):
     ) -> None:
         # A whole run (no --task, no --dry-run) is an upkeep: recorded in the Upkeep row,
         # for the health verdict, when no automatic upkeep holds the lease meanwhile.
-        holder = actor("cleanup_locks")
+        holder = upkeep.unique(actor("cleanup_locks"))
         recording = False
         try:
             ledger.ensure_reachable()
