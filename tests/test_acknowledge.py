@@ -16,7 +16,13 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_taskguard.ledger import schedules as store
-from django_taskguard.models import RunState, ScheduleEventKind, ScheduleEventOrigin, TaskRun
+from django_taskguard.models import (
+    RunState,
+    ScheduleEventKind,
+    ScheduleEventOrigin,
+    TaskRun,
+    Upkeep,
+)
 
 from .support.monitoring import due_slot, finished, schedule, upkeep_ran
 from .support.runs import make_run
@@ -219,3 +225,40 @@ def test_histories__each_tasks_latest_events_newest_first():
     assert [event.reason for event in found[TASK]] == ["3", "2", "1"]
     assert [event.kind for event in found["tests.other"]] == [ScheduleEventKind.PAUSED]
     assert found["tests.none"] == []
+
+
+def test_acknowledge__covers_no_slot_still_in_flight():
+    # Review of issue 22: "until" defaulted to now, so a run in flight when the operator
+    # acknowledged, failing later, was acknowledged before it happened.
+    slot = due_slot(EVERY)
+    schedule(TASK, every=EVERY)
+    finished(TASK, slot - 2 * EVERY, RunState.ABANDONED)
+    make_run(TASK, slot=slot - EVERY, lease=600.0)  # running now
+    acknowledge(TASK, "--reason", "the abandoned one is known")
+    assert verdict_of(TASK)["acknowledged_until"] < (slot - EVERY).isoformat()
+    TaskRun.objects.filter(task_name=TASK, slot=slot - EVERY).update(
+        state=RunState.FAILED, lease_until=None, finished_at=timezone.now(), error="late boom"
+    )
+    status, out = run_check()
+    assert status == 1 and "failed: late boom" in out, out
+
+
+def test_upkeep_verdict__a_failed_part_is_a_problem_and_the_limit_follows_the_slots():
+    from django_taskguard import health
+    from django_taskguard.ledger import upkeep as upkeep_store
+
+    schedule(TASK, every=timedelta(hours=1))
+    now = timezone.now()
+    # An hourly schedule whose calls start the upkeep: an upkeep 10 minutes ago is in time
+    # (the limit is two of its gaps, not three minutes).
+    assert upkeep_store.take("tests#1", timedelta(seconds=60), timedelta(0))
+    assert upkeep_store.finish("tests#1", {}, "")
+    Upkeep.objects.filter(id=1).update(finished_at=now - timedelta(minutes=10))
+    kept = health.check().upkeep
+    assert kept is not None and not kept.problem, kept
+    assert kept.limit >= timedelta(hours=2)
+    assert upkeep_store.take("tests#2", timedelta(seconds=60), timedelta(0))
+    assert upkeep_store.finish("tests#2", {}, "lock: ConnectionError: Redis is down")
+    kept = health.check().upkeep
+    assert kept is not None and "failed in part" in kept.problem and "Redis is down" in kept.problem
+    assert kept.ran_by == "tests"  # the holder's token is not shown

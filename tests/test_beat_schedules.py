@@ -386,3 +386,56 @@ def test_beat_schedules__a_named_guarded_task_is_saved_under_its_name():
 
     record = record_of(app, entry("e", "tests.beat_schedules.named", celery_schedule(5)), SETTINGS)
     assert (record.task_name, record.entry) == ("tests.beat_schedules.named-run", "e")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_beat_schedules__an_entry_it_cannot_monitor_now_keeps_its_row_and_alarm(caplog):
+    # Review of issue 22: an entry whose task stopped importing (a broken deploy of the
+    # beat) was marked removed, which turned its missed-slot alarm off when it mattered.
+    from tests.support.celery_app import app
+
+    registrar = Registrar(app, SETTINGS)
+    registrar.declare([entry("a", TICK, celery_schedule(60))])
+    registrar.declare([entry("a", "tests.nowhere.gone", celery_schedule(60))])
+    assert TaskSchedule.objects.get(task_name=f"{TICK}[a]").removed_at is not None  # another task
+    registrar.declare([entry("a", TICK, celery_schedule(60))])
+    broken = entry("a", TICK, celery_schedule(60))
+    registrar.app = _NoTasks()  # the beat can no longer find the task
+    registrar.declare([broken])
+    assert TaskSchedule.objects.get(task_name=f"{TICK}[a]").removed_at is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_beat_schedules__entries_of_a_named_task_share_one_row_and_say_so(caplog):
+    # Review of issue 22: two entries of a name= task made two records under one name, and
+    # PostgreSQL refused the whole save (ON CONFLICT cannot affect a row twice), for ever.
+    from tests.support.celery_app import app
+
+    @app.task(name="tests.beat_schedules.shared", bind=True)
+    @once_per_schedule(name="tests.beat_schedules.shared-run")
+    def shared(self: object) -> None:
+        """Two beat entries send it."""
+
+    registrar = Registrar(app, SETTINGS)
+    registrar.declare(
+        [
+            entry("one", "tests.beat_schedules.shared", celery_schedule(5)),
+            entry("two", "tests.beat_schedules.shared", celery_schedule(7)),
+        ]
+    )
+    assert registrar.pending is None  # saved
+    row = TaskSchedule.objects.get(task_name="tests.beat_schedules.shared-run")
+    assert (row.entry, row.every) == ("one", timedelta(seconds=5))
+    said = [r.getMessage() for r in caplog.records if "entry two" in r.getMessage()]
+    assert said and "like entry one's" in said[0], said
+
+
+class _NoTasks:
+    """A Celery app that knows no task and cannot import any (a broken deploy)."""
+
+    tasks: dict[str, object] = {}
+
+    class loader:
+        @staticmethod
+        def import_default_modules() -> None:
+            raise ImportError("the tasks module is broken")
