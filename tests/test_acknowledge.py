@@ -166,7 +166,7 @@ def test_verdict__acknowledged_slots_are_not_late():
         ([TASK, "--reason", "x", "--until", "2999-01-01T00:00:00Z"], "in the future"),
         ([TASK, "--reason", "x", "--until", "yesterday"], "is not an ISO-8601 time"),
         ([TASK, "--reason", "x", "--until", "2024-01-01T00:00:00"], "has no UTC offset"),
-        (["tests.nightlx", "--reason", "x"], "did you mean tests.nightly?"),
+        (["tests.nightlx", "--reason", "x"], "did you mean tests.nightly"),
     ],
 )
 def test_acknowledge_command__bad_input_is_a_clear_error(args, message):
