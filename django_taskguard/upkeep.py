@@ -191,6 +191,7 @@ class _Gate:
         self.lock = threading.Lock()
         self.next_at = 0.0
         self.thread: threading.Thread | None = None
+        self.asked = False  # forget() was called: runs under Django's test environment too
 
 
 _gate = _Gate()
@@ -227,6 +228,9 @@ def due_here() -> bool:
     try:
         if now < gate.next_at or (gate.thread is not None and gate.thread.is_alive()):
             return False
+        if not gate.asked and _testing():
+            gate.next_at = now + RECHECK_SECONDS
+            return False
         interval = _interval()
         gate.next_at = now + (interval or RECHECK_SECONDS)
         return interval is not None
@@ -237,6 +241,16 @@ def due_here() -> bool:
 def automatic() -> bool:
     """Whether the automatic upkeep is on (``UPKEEP_INTERVAL_SECONDS`` is not None)."""
     return _interval() is not None
+
+
+def _testing() -> bool:
+    """Whether Django's test environment is set up (its test runner, pytest-django): no
+    automatic upkeep there unless a test asks (:func:`forget`). A thread writing to the test
+    database beside the tests would lock SQLite under them, and see none of their rows in
+    a test's transaction; ``setup_test_environment`` gives ``django.core.mail`` its outbox."""
+    from django.core import mail
+
+    return hasattr(mail, "outbox")
 
 
 def _interval() -> float | None:
@@ -284,10 +298,11 @@ def join(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
-def forget(*, off: bool = False) -> None:
-    """Reset this process's gate: the next call may attempt at once; ``off``: no automatic
-    upkeep in this process until the next ``forget()`` (a test process, where a thread
-    writing to the ledger beside unrelated tests would only get in the way)."""
+def forget(*, off: bool = False, asked: bool = True) -> None:
+    """Reset this process's gate: the next call may attempt at once, under Django's test
+    environment too (a test of the upkeep); ``off``: no automatic upkeep in this process
+    until the next ``forget()``; ``asked=False``: as a process that no test asked for."""
     _after_fork()
+    _gate.asked = asked
     if off:
         _gate.next_at = math.inf

@@ -243,6 +243,20 @@ def test_maybe_upkeep__at_most_once_per_interval_per_process() -> None:
         upkeep.forget(off=True)
 
 
+def test_maybe_upkeep__not_under_djangos_test_environment_unless_a_test_asks() -> None:
+    # A user's test process (Django's runner, pytest-django): a thread writing to the test
+    # database beside the tests would lock SQLite under them.
+    upkeep.forget(asked=False)
+    try:
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 60}):
+            assert upkeep.maybe_upkeep() is False
+            upkeep.forget()
+            assert upkeep.maybe_upkeep() is True
+            upkeep.join(timeout=60)
+    finally:
+        upkeep.forget(off=True)
+
+
 def test_hooks__a_beat_tick_and_a_celery_task_end_start_the_upkeep(tmp_path: Path) -> None:
     from celery.signals import task_postrun
 
