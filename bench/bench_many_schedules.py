@@ -110,7 +110,11 @@ def main() -> None:
         from django.test import Client
 
         from django_taskguard import health, metrics
+        from django_taskguard.ledger import upkeep
 
+        # An upkeep ran just now (else the verdict says it never did, whatever the tasks).
+        assert upkeep.take("bench", timedelta(seconds=60), timedelta(0))
+        assert upkeep.finish("bench", {}, "")
         User.objects.create_superuser("bench", "bench@example.com", "bench")
         client = Client()
         client.force_login(User.objects.get(username="bench"))
