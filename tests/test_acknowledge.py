@@ -24,7 +24,7 @@ from django_taskguard.models import (
     Upkeep,
 )
 
-from .support.monitoring import due_slot, finished, schedule, upkeep_ran
+from .support.monitoring import due_slot, finished, run_check, schedule, upkeep_ran
 from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,16 +36,6 @@ TASK = "tests.nightly"
 def _upkeep_ran(transactional_db: None) -> None:
     """These tests judge tasks: the upkeep ran (tests/test_upkeep.py judges it)."""
     upkeep_ran()
-
-
-def run_check(*args: str) -> tuple[int, str]:
-    """``manage.py check_schedules ARGS``: (exit status, stdout)."""
-    out = io.StringIO()
-    try:
-        call_command("check_schedules", *args, stdout=out)
-    except CommandError as exc:
-        return exc.returncode, out.getvalue() + str(exc)
-    return 0, out.getvalue()
 
 
 def verdict_of(task: str) -> dict[str, object]:

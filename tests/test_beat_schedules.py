@@ -18,7 +18,7 @@ import pytest
 from celery.schedules import BaseSchedule, crontab
 from celery.schedules import schedule as celery_schedule
 from django.contrib.auth.models import User
-from django.core.management import CommandError, call_command
+from django.core.management import call_command
 from django.db import OperationalError
 from django.test import Client
 from django.urls import reverse
@@ -43,6 +43,7 @@ from django_taskguard.models import (
 )
 
 from .support.children import executions
+from .support.monitoring import run_check
 from .support.waiting import wait_for
 from .test_celery_e2e import DATABASE, PERSISTENT, TICK, Cluster, drain, published
 
@@ -56,16 +57,6 @@ def beats(child_env, scratch, redis_server) -> Iterator[Cluster]:
         yield running
     finally:
         running.kill_all()
-
-
-def run_check(*args: str) -> tuple[int, str]:
-    """``manage.py check_schedules ARGS``: (exit status, output)."""
-    out = io.StringIO()
-    try:
-        call_command("check_schedules", *args, stdout=out)
-    except CommandError as exc:
-        return exc.returncode, out.getvalue() + str(exc)
-    return 0, out.getvalue()
 
 
 def slots(task: str, state: str, after: datetime | None = None) -> list[datetime]:

@@ -20,7 +20,7 @@ from django_taskguard.models import RunState, TaskRun
 
 from .support import ROOT
 from .support.children import python
-from .support.monitoring import DAY, due_slot, finished, schedule, upkeep_ran
+from .support.monitoring import DAY, due_slot, finished, run_check, schedule, upkeep_ran
 from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,16 +32,6 @@ TOKEN = "probe-token-0123456789"
 def _upkeep_ran(transactional_db: None) -> None:
     """These tests judge tasks: the upkeep ran (tests/test_upkeep.py judges it)."""
     upkeep_ran()
-
-
-def run_check(*args: str) -> tuple[int, str]:
-    """``manage.py check_schedules ARGS``: (exit status, stdout)."""
-    out = io.StringIO()
-    try:
-        call_command("check_schedules", *args, stdout=out)
-    except CommandError as exc:
-        return exc.returncode, out.getvalue() + str(exc)
-    return 0, out.getvalue()
 
 
 def test_check_schedules__healthy_when_the_latest_due_slot_ran():

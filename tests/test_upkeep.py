@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.management import CommandError, call_command
+from django.core.management import call_command
 from django.db import connections
 from django.test import Client, override_settings
 from django.urls import reverse
@@ -25,7 +25,7 @@ from django_taskguard import health, metrics, upkeep
 from django_taskguard.models import RunState, TaskRun, TaskSchedule, Upkeep
 
 from .support.children import Child
-from .support.monitoring import due_slot, finished, schedule
+from .support.monitoring import due_slot, finished, run_check, schedule
 from .support.redis_server import RedisServer
 from .support.waiting import wait_for
 
@@ -150,15 +150,6 @@ def test_callers_only__a_gap_is_recorded_missed(
     assert all(b - a == timedelta(seconds=2) for a, b in itertools.pairwise(slots))
 
 
-def check(*args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    try:
-        call_command("check_schedules", *args, stdout=out)
-    except CommandError as exc:
-        return exc.returncode, out.getvalue() + str(exc)
-    return 0, out.getvalue()
-
-
 def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
     due = due_slot()
     schedule("tests.upkeep.health", first_seen=due)
@@ -173,7 +164,7 @@ def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
         assert [t.task for t in verdict.unhealthy] == []  # the task itself is fine
         assert verdict.upkeep_problem.startswith("upkeep has never run")
         assert verdict.as_dict()["upkeep"]["healthy"] is False
-        status, out = check()
+        status, out = run_check()
         assert status == 1
         assert "upkeep has never run" in out and "run cleanup_locks from cron" in out
 
@@ -182,7 +173,7 @@ def test_health__says_when_no_upkeep_ran_then_not_after_one() -> None:
         verdict = health.check()
         assert verdict.upkeep_problem == ""
         assert verdict.as_dict()["upkeep"]["ran_by"] == "tests-holder"
-        status, out = check("--task", "tests.upkeep.health")
+        status, out = run_check("--task", "tests.upkeep.health")
         assert status == 0, out
         assert "UPKEEP" not in out and "never run" not in out
         answer = Client().get(reverse("taskguard:health"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")

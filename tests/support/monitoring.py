@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from datetime import datetime, timedelta
 
+from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from django_taskguard.ledger import upkeep as upkeep_store
@@ -73,3 +75,13 @@ def upkeep_ran() -> None:
     with schedules says that upkeep has never run (tests/test_upkeep.py)."""
     assert upkeep_store.take("tests", timedelta(seconds=60), timedelta(0))
     assert upkeep_store.finish("tests", {"stale_runs": 0}, "")
+
+
+def run_check(*args: str) -> tuple[int, str]:
+    """``manage.py check_schedules ARGS``: (exit status, output)."""
+    out = io.StringIO()
+    try:
+        call_command("check_schedules", *args, stdout=out)
+    except CommandError as exc:
+        return exc.returncode, out.getvalue() + str(exc)
+    return 0, out.getvalue()
