@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections
-from django.db.models import F, OuterRef, Q, Subquery, Window
+from django.db.models import F, OuterRef, Q, QuerySet, Subquery, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
@@ -302,22 +302,28 @@ def mark_removed(
     """Schedules of ``sources`` not in ``declared`` are marked removed (from ``now``); those
     in it are declared again. Returns the names newly marked. ``entry=""`` limits it to the
     rows that are not beat entries (what the code declares, not what a beat does)."""
+    rows = TaskSchedule.objects.using(alias()).filter(source__in=list(sources))
+    if entry is not None:
+        rows = rows.filter(entry=entry)
+    return _mark(rows, declared, now)
+
+
+def _mark(rows: QuerySet[TaskSchedule], declared: Collection[str], now: datetime) -> list[str]:
+    """Among ``rows``, mark removed those not in ``declared`` and declare again those in it;
+    the names newly marked."""
     with translated:
-        rows = TaskSchedule.objects.using(alias()).filter(source__in=list(sources))
-        if entry is not None:
-            rows = rows.filter(entry=entry)
         gone = [
             name
             for name in rows.filter(removed_at__isnull=True).values_list("task_name", flat=True)
             if name not in declared
         ]
-        for start in range(0, len(gone), 500):
-            rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
         back = [
             name
             for name in rows.filter(removed_at__isnull=False).values_list("task_name", flat=True)
             if name in declared
         ]
+        for start in range(0, len(gone), 500):
+            rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
         for start in range(0, len(back), 500):
             rows.filter(task_name__in=back[start : start + 500]).update(removed_at=None)
     return gone
@@ -343,24 +349,7 @@ def mark_entries_removed(declared_in: str, declared: Collection[str], now: datet
     rows = TaskSchedule.objects.using(alias()).filter(
         source=ScheduleSource.CELERY, declared_in=declared_in
     )
-    with translated:
-        gone = [
-            name
-            for name in rows.filter(removed_at__isnull=True)
-            .exclude(entry="")
-            .values_list("task_name", flat=True)
-            if name not in declared
-        ]
-        back = [
-            name
-            for name in rows.filter(removed_at__isnull=False).values_list("task_name", flat=True)
-            if name in declared
-        ]
-        for start in range(0, len(gone), 500):
-            rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
-        for start in range(0, len(back), 500):
-            rows.filter(task_name__in=back[start : start + 500]).update(removed_at=None)
-    return gone
+    return _mark(rows.exclude(entry=""), declared, now)
 
 
 def watched(rows: Sequence[TaskSchedule]) -> list[TaskSchedule]:
