@@ -5,10 +5,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["current_run", "once_per_key", "once_per_schedule"]
+__all__ = [
+    "current_run",
+    "define_schedule",
+    "delete_schedule",
+    "once_per_key",
+    "once_per_schedule",
+]
 
 if TYPE_CHECKING:
     from .context import current_run
+    from .data_schedules import define_schedule, delete_schedule
     from .decorators import once_per_schedule
     from .keyed import once_per_key
 
@@ -28,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from .context import current_run
 
         return current_run
+    if name in ("define_schedule", "delete_schedule"):
+        from . import data_schedules
+
+        return getattr(data_schedules, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

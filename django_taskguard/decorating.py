@@ -4,6 +4,7 @@ about the current call (``SLOT_SOURCES``, ``CallContext``)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -44,6 +45,10 @@ class CallContext:
     # An operator's backfill (a Celery message with ``taskguard_backfill``): no lateness
     # policy, like ``backfill``'s own calls; a slot the sweep recorded ``missed`` is run.
     backfill: bool = False
+    # A data schedule's call (its version, sent with the slot): ``task_name`` is then the
+    # schedule's identity (``target[name]``), whatever ``name=`` the decorator has, and the
+    # run records the version that fired it.
+    schedule_version: int | None = None
 
 
 # Functions consulted at call time, in order, for the slot and task name of a
@@ -84,6 +89,21 @@ def refuse_task_object(target: Any, decorator: str) -> None:
     raise InvalidSchedule(f"{decorator.partition('(')[0]} decorates a callable, not {target!r}")
 
 
+# Every ``@once_per_schedule`` function by its task name (its ``name=`` or dotted path), noted
+# at decoration time whatever its slot source: what a data schedule's target names
+# (:mod:`.data_schedules`). Memory only: a module not imported yet is not in it.
+_guarded: dict[str, Any] = {}
+
+
+def note_guarded(task_name: str, guarded: Any) -> None:
+    _guarded[task_name] = guarded
+
+
+def guarded_named(task_name: str) -> Any:
+    """The ``@once_per_schedule`` function named ``task_name`` in this process, or None."""
+    return _guarded.get(task_name)
+
+
 # Every decorated function's ``on_stale`` by task name, noted at decoration time whatever its
 # slot source (a schedule, a beat's stamp, a key): the admin's panel says what becomes of an
 # abandoned run of it. Memory only; a Celery task's own name is the function's dotted path
@@ -102,6 +122,24 @@ def on_stale_of(task_name: str) -> str | None:
 
 def dotted_name(func: Callable[..., Any]) -> str:
     return f"{func.__module__}.{func.__qualname__}"
+
+
+def task_identity(target: str, name: str | None) -> str:
+    """The ``TaskRun.task_name`` of a schedule named ``name`` that runs ``target``.
+
+    ``"app.tasks.report[nightly-eu]"``: the target (a Celery task's name, a function's) and
+    the schedule's name (a beat entry's, a data schedule's) in brackets, so that one task
+    backing several schedules runs once per slot *per schedule*. No name, or one equal to
+    the target: the target alone. Longer than 255 characters: cut, with ``~`` and 16 hex
+    digits of the full name's SHA-256 at the end (stable, and distinct in practice).
+    """
+    if not name or name == target:
+        return target
+    full = f"{target}[{name}]"
+    if len(full) <= TASK_NAME_MAX_LENGTH:
+        return full
+    digest = hashlib.sha256(full.encode("utf-8")).hexdigest()[:16]
+    return f"{full[: TASK_NAME_MAX_LENGTH - 17]}~{digest}"
 
 
 def validate_task_name(name: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -14,7 +15,7 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import coroutines, guard, registry, schedules
+from . import coroutines, guard, ledger, registry, schedules
 from .conf import lease_problem, taskguard_settings
 
 # A slot source's hooks stay importable from here too (docs/architecture.md).
@@ -24,6 +25,7 @@ from .decorating import (
     call_context,
     choose,
     dotted_name,
+    note_guarded,
     note_on_stale,
     refuse_task_object,
     validate_task_name,
@@ -53,7 +55,11 @@ PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 # The keyword argument that carries a slot with an enqueued call (django.tasks has no
 # message headers): ``contrib.tasks.enqueue_for_slot`` and ``run_schedules --enqueue`` add
 # it, the guarded function takes it off before calling the user's and claims that slot.
+logger = logging.getLogger("taskguard")
 SLOT_KWARG = "_taskguard_slot"
+# A data schedule's enqueued call (django.tasks): ``{"task_name": ..., "version": n}``, the
+# schedule's identity and version, popped like ``SLOT_KWARG``.
+SCHEDULE_KWARG = "_taskguard_schedule"
 
 
 class Guarded(Protocol[P, R]):
@@ -113,7 +119,10 @@ class _Spec(Generic[P, R]):
             raise ImproperlyConfigured(USE_TZ_NEEDED)
         now = timezone.now()  # Django's clock: what tests and time-travel libraries patch
         tolerance = _tolerance(taskguard_settings.SLOT_TOLERANCE_SECONDS)
-        name = self.name or (context.task_name if context else None) or dotted_name(self.func)
+        if context is not None and context.schedule_version is not None and context.task_name:
+            name = context.task_name  # a data schedule's run: its identity is the schedule's
+        else:
+            name = self.name or (context.task_name if context else None) or dotted_name(self.func)
         given = explicit if explicit is not None else context.slot if context is not None else None
         if given is not None:
             slot = schedules.normalize_slot(given)
@@ -180,7 +189,7 @@ def _begin_call(
         late = dataclasses.replace(late, catchup="none", grace=hooks.grace)
     if late.catchup == "none" and guard.refused_late(task_name, slot, late, timezone.now()):
         return guard.REFUSED
-    return guard.begin(
+    started = guard.begin(
         task_name,
         slot,
         policy,
@@ -188,6 +197,43 @@ def _begin_call(
         instance=hooks.instance,
         on_busy=hooks.on_busy,
         message_id=hooks.message_id,
+    )
+    if hooks.schedule_version is not None:
+        note_version(started, hooks.schedule_version)
+    return started
+
+
+def note_version(started: guard.Started, version: int) -> None:
+    """Record on a won claim's row the data schedule version that fired it; never raises
+    (the run goes on without it: the version is for people, the claim is what counts)."""
+    if not isinstance(started, guard.Attempt):
+        return
+    try:
+        ledger.note_schedule_version(started.active.id, version)
+    except Exception as exc:
+        logger.warning(
+            "taskguard %s slot %s: the schedule version %d could not be recorded (%s)",
+            started.active.task_name,
+            started.active.slot.isoformat(),
+            version,
+            exc,
+        )
+
+
+def _carried_schedule(kwargs: dict[str, Any], context: CallContext | None) -> CallContext | None:
+    """The call's context, with the data schedule an enqueued call carried
+    (``SCHEDULE_KWARG``, popped from ``kwargs``) when there is one."""
+    carried = kwargs.pop(SCHEDULE_KWARG, None)
+    if carried is None:
+        return context
+    try:
+        task_name, version = str(carried["task_name"]), int(carried["version"])
+    except (TypeError, KeyError, ValueError):
+        raise TaskGuardError(
+            f"{SCHEDULE_KWARG}= must be {{'task_name': ..., 'version': n}}, not {carried!r}"
+        ) from None
+    return dataclasses.replace(
+        context or CallContext(), task_name=task_name, schedule_version=version
     )
 
 
@@ -211,7 +257,8 @@ def _plain_forms(
     @functools.wraps(spec.func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         carried = kwargs.pop(SLOT_KWARG, None)
-        return guard.run(_begin_call(spec, carried, call_context()), func, args, kwargs)
+        context = _carried_schedule(kwargs, call_context())
+        return guard.run(_begin_call(spec, carried, context), func, args, kwargs)
 
     def run_for_slot(slot: datetime | str, /, *args: Any, **kwargs: Any) -> Any:
         return guard.run(_begin_for_slot(spec, slot), func, args, kwargs)
@@ -226,7 +273,8 @@ def _async_forms(spec: _Spec[Any, Any]) -> tuple[Callable[..., Any], Callable[..
     @functools.wraps(target)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         carried = kwargs.pop(SLOT_KWARG, None)
-        begin = functools.partial(_begin_call, spec, carried, call_context())  # caller's task
+        context = _carried_schedule(kwargs, call_context())  # the caller's task's
+        begin = functools.partial(_begin_call, spec, carried, context)
         return await coroutines.execute(begin, target, args, kwargs)
 
     async def run_for_slot(slot: datetime | str, /, *args: Any, **kwargs: Any) -> Any:
@@ -368,6 +416,8 @@ def once_per_schedule(
         guarded.schedule = built
         guarded.policy = policy
         guarded.run_for_slot = run_for_slot
+        guarded.body = plain  # the undecorated function, callable in a thread (data schedules)
+        note_guarded(name or dotted_name(target), guarded)
         if built is not None:
             entry = registry.Entry(
                 task_name=name or dotted_name(target),

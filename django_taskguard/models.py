@@ -20,6 +20,7 @@ __all__ = [
     "Ledger",
     "RunState",
     "ScheduleEvent",
+    "TargetKind",
     "TaskRun",
     "TaskRunTransition",
     "TaskSchedule",
@@ -118,6 +119,14 @@ class TaskRun(models.Model):
         _("duplicates"), default=0, help_text=_("Attempts that found the slot taken.")
     )
     # NULL: no retry is awaited from a particular message (any caller may start it).
+    schedule_version = models.PositiveIntegerField(
+        _("schedule version"),
+        null=True,
+        blank=True,
+        default=None,
+        editable=False,
+        help_text=_("A data schedule's run: the version of the schedule that fired it."),
+    )
     retry_by = models.CharField(  # noqa: DJ001
         _("retry by"),
         max_length=255,
@@ -234,6 +243,18 @@ class Catchup(models.TextChoices):
 class ScheduleSource(models.TextChoices):
     FUNCTION = "function", _("a decorated function (run_schedules fires it)")
     CELERY = "celery", _("a Celery task or beat entry (a beat fires it)")
+    DATA = "data", _("a data schedule (defined in the admin or by define_schedule)")
+
+
+class TargetKind(models.TextChoices):
+    """What a data schedule runs, which decides what fires it."""
+
+    FUNCTION = "function", _("a guarded function (run_schedules runs it in its process)")
+    CELERY = "celery", _("a Celery task (taskguard's beat sends it, a worker runs it)")
+    DJANGO_TASKS = (
+        "django_tasks",
+        _("a django.tasks task (run_schedules runs it, or enqueues it with --enqueue)"),
+    )
 
 
 class TaskSchedule(models.Model):
@@ -250,7 +271,13 @@ class TaskSchedule(models.Model):
         _("source"), max_length=16, choices=ScheduleSource.choices, default=ScheduleSource.FUNCTION
     )
     function = models.CharField(
-        _("function"), max_length=500, blank=True, default="", help_text=_("Its dotted path.")
+        _("function"),
+        max_length=500,
+        blank=True,
+        default="",
+        help_text=_(
+            "Its dotted path (a Celery task's name; a data schedule's target: what it runs)."
+        ),
     )
     cron = models.CharField(_("cron"), max_length=255, blank=True, default="")
     cron_day_or = models.BooleanField(
@@ -307,11 +334,14 @@ class TaskSchedule(models.Model):
         help_text=_("Slots at or before this were checked by the missed-slot sweep."),
     )
     entry = models.CharField(
-        _("beat entry"),
+        _("name"),
         max_length=200,
         blank=True,
         default="",
-        help_text=_("A beat entry's name (source celery): its runs are recorded as task[entry]."),
+        help_text=_(
+            "A beat entry's name (source celery) or a data schedule's: its runs are recorded "
+            "as task[name]."
+        ),
     )
     declared_in = models.CharField(
         _("declared in"),
@@ -342,6 +372,43 @@ class TaskSchedule(models.Model):
         ),
     )
 
+    # -- data schedules (source data): what the admin or define_schedule says ------------
+    target_kind = models.CharField(
+        _("target kind"), max_length=16, choices=TargetKind.choices, blank=True, default=""
+    )
+    args = models.JSONField(_("positional arguments"), default=list, blank=True)
+    kwargs = models.JSONField(_("keyword arguments"), default=dict, blank=True)
+    enabled = models.BooleanField(
+        _("enabled"),
+        default=True,
+        help_text=_("A disabled schedule fires nothing and is not judged (a pause records skips)."),
+    )
+    starts = models.DateTimeField(
+        _("starts"), null=True, blank=True, help_text=_("No slot before this fires.")
+    )
+    ends = models.DateTimeField(
+        _("ends"), null=True, blank=True, help_text=_("No slot after this fires.")
+    )
+    jitter = models.DurationField(
+        _("jitter"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Spread the start after each slot by up to this, by a stable hash of the schedule "
+            "(the slot itself stays the nominal time)."
+        ),
+    )
+    description = models.TextField(_("description"), blank=True, default="")
+    version = models.PositiveIntegerField(
+        _("version"), default=0, help_text=_("A data schedule's: grows with every change.")
+    )
+    changed_at = models.DateTimeField(
+        _("changed at"),
+        null=True,
+        blank=True,
+        help_text=_("A data schedule's latest change, by the database's clock."),
+    )
+
     class Meta:
         verbose_name = _("task schedule")
         verbose_name_plural = _("task schedules")
@@ -354,7 +421,12 @@ class TaskSchedule(models.Model):
             ),
             check_constraint(models.Q(catchup__in=Catchup.values), "taskguard_schedule_catchup"),
         ]
-        permissions = [("pause_taskschedule", _("Can pause and resume scheduled tasks"))]
+        indexes = [models.Index(fields=["changed_at"], name="taskguard_schedule_changed")]
+        permissions = [
+            ("pause_taskschedule", _("Can pause and resume scheduled tasks")),
+            ("run_taskschedule", _("Can run a schedule now")),
+            ("backfill_taskschedule", _("Can backfill a schedule's slots")),
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_name} ({self.cron or self.every})"
@@ -365,18 +437,26 @@ class ScheduleEventKind(models.TextChoices):
     RESUMED = "resumed", _("resumed")
     ACKNOWLEDGED = "acknowledged", _("acknowledged")
     RETIRED = "retired", _("retired")
+    CREATED = "created", _("created")
+    EDITED = "edited", _("edited")
+    ENABLED = "enabled", _("enabled")
+    DISABLED = "disabled", _("disabled")
+    DELETED = "deleted", _("deleted")
+    RAN_NOW = "run_now", _("run now")
+    BACKFILLED = "backfill", _("backfilled")
 
 
 class ScheduleEventOrigin(models.TextChoices):
     ADMIN = "admin", _("the admin")
     COMMAND = "command", _("a management command")
     POLICY = "pause_after_failures", _("pause_after_failures")
-    CODE = "code", _("a call in code")
+    CODE = "code", _("a call in code (API)")
 
 
 class ScheduleEvent(models.Model):
     """What an operator (or a policy) did to a schedule: every pause, resume, acknowledgement
-    and retirement, kept (keyed by task name, so a retired schedule's history stays)."""
+    and retirement, and every change to a data schedule (with what changed and the version
+    it made), kept (keyed by task name, so a retired schedule's history stays)."""
 
     task_name = models.CharField(_("task"), max_length=TASK_NAME_MAX_LENGTH)
     kind = models.CharField(_("event"), max_length=16, choices=ScheduleEventKind.choices)
@@ -391,6 +471,18 @@ class ScheduleEvent(models.Model):
         null=True,
         blank=True,
         help_text=_("An acknowledgement covers the problems of slots at or before this."),
+    )
+    version = models.PositiveIntegerField(
+        _("version"),
+        null=True,
+        blank=True,
+        help_text=_("A data schedule's version after this change."),
+    )
+    changes = models.JSONField(
+        _("changes"),
+        default=dict,
+        blank=True,
+        help_text=_("What changed: each field's value before and after."),
     )
 
     class Meta:

@@ -254,3 +254,10 @@ def keyed_token_holders(token: str) -> list[tuple[str, bool]]:
         )
         pairs = found.values_list("task_name", "lease_alive")  # type: ignore[misc]  # annotation
         return [(name, bool(alive)) for name, alive in pairs]
+
+
+def note_schedule_version(run_id: int, version: int) -> None:
+    """Record which version of its data schedule fired run ``run_id`` (its attempt claimed
+    it a moment ago; a later attempt of the same row writes its own)."""
+    with translated:
+        runs().filter(id=run_id).update(schedule_version=version)

@@ -11,12 +11,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
-from django.db import connections
+from django.db import connections, transaction
 from django.db.models import F, OuterRef, Q, QuerySet, Subquery, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from ..models import (
+    DatabaseNow,
     ScheduleEvent,
     ScheduleEventKind,
     ScheduleEventOrigin,
@@ -364,3 +365,199 @@ def watched(rows: Sequence[TaskSchedule]) -> list[TaskSchedule]:
         for row in live
         if row.entry or row.source != ScheduleSource.CELERY or row.task_name not in beaten
     ]
+
+
+# -- data schedules: defined in the admin or by define_schedule -----------------------------
+
+# What a data schedule's definition holds (``TaskSchedule`` fields), in the order its
+# history lists a change; the rest of a row is the sweep's and the pause's.
+DEFINITION_FIELDS = (
+    "entry",
+    "function",
+    "target_kind",
+    "cron",
+    "cron_day_or",
+    "every",
+    "time_zone",
+    "args",
+    "kwargs",
+    "enabled",
+    "starts",
+    "ends",
+    "catchup",
+    "grace",
+    "max_catchup",
+    "pause_after_failures",
+    "jitter",
+    "description",
+)
+# The fields that move a schedule's slots: an edit of one is judged from the edit on.
+SLOT_FIELDS = ("cron", "cron_day_or", "every", "time_zone", "starts", "ends")
+
+
+class NotDataSchedule(Exception):
+    """The task name belongs to a schedule declared elsewhere (code, a beat)."""
+
+    def __init__(self, row: TaskSchedule) -> None:
+        self.row = row
+        where = row.declared_in or row.source
+        super().__init__(f"{row.task_name} is already a {row.source} schedule ({where})")
+
+
+@dataclass(frozen=True)
+class Defined:
+    """What :func:`define` did: ``kind`` is ``created``, ``edited``, ``enabled``,
+    ``disabled`` or ``unchanged``; ``row`` the schedule as saved."""
+
+    kind: str
+    row: TaskSchedule
+    changes: dict[str, list[object]]
+
+
+def _jsonable(value: object) -> object:
+    """A definition's value as its history keeps it (JSON)."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+def define(
+    task_name: str,
+    values: dict[str, object],
+    *,
+    origin: ScheduleEventOrigin,
+    by: str = "",
+    reason: str = "",
+    first_seen: datetime | None = None,
+    adopt: Collection[str] = (),
+) -> Defined:
+    """Create or update the data schedule ``task_name`` with ``values`` (every field of
+    :data:`DEFINITION_FIELDS`) and keep the change in its history, in one transaction.
+
+    Each change bumps ``version`` and ``changed_at`` (the database's clock: what the
+    schedulers poll); a change of its slots (:data:`SLOT_FIELDS`) or a re-enable marks it
+    swept up to now, so that the slots the old definition (or the pause of a disabled one)
+    never fired are not recorded missed. A deleted schedule defined again is revived, its
+    version going on. ``first_seen``: no slot before it fires (an import keeps the last run
+    of the schedule it replaces). ``adopt``: the ``declared_in`` of other schedules this
+    one may take over (an imported django-celery-beat entry's row; its runs are the same).
+    Raises :class:`NotDataSchedule` when a schedule of another kind has the name."""
+    rows = TaskSchedule.objects.using(alias())
+    with translated, transaction.atomic(using=alias()):
+        row = rows.select_for_update().filter(task_name=task_name).first()
+        now = timezone.now()
+        if row is not None and row.source != ScheduleSource.DATA:
+            if row.declared_in not in adopt:
+                raise NotDataSchedule(row)
+            row.source = ScheduleSource.DATA
+            row.declared_in = ""
+            row.removed_at = None
+            row.version = 0
+            kind = ScheduleEventKind.CREATED
+            changes = {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+        elif row is None or row.removed_at is not None:
+            kind = ScheduleEventKind.CREATED
+            changes = {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+            if row is None:
+                row = TaskSchedule(
+                    task_name=task_name,
+                    source=ScheduleSource.DATA,
+                    first_seen=first_seen or now,
+                    last_seen=now,
+                    swept_until=None,
+                    **{name: values[name] for name in DEFINITION_FIELDS},
+                )
+            else:
+                row.removed_at = None
+                row.first_seen = first_seen or now
+                row.swept_until = now
+        else:
+            changes = {
+                name: [_jsonable(getattr(row, name)), _jsonable(values[name])]
+                for name in DEFINITION_FIELDS
+                if getattr(row, name) != values[name]
+            }
+            if not changes:
+                return Defined("unchanged", row, {})
+            if set(changes) == {"enabled"}:
+                kind = (
+                    ScheduleEventKind.ENABLED if values["enabled"] else ScheduleEventKind.DISABLED
+                )
+            else:
+                kind = ScheduleEventKind.EDITED
+            if any(name in changes for name in SLOT_FIELDS) or (
+                "enabled" in changes and values["enabled"]
+            ):
+                row.swept_until = now if row.swept_until is None else max(row.swept_until, now)
+        for name in DEFINITION_FIELDS:
+            setattr(row, name, values[name])
+        row.version += 1
+        row.last_seen = now
+        row.changed_at = DatabaseNow()
+        row.save(using=alias())
+        row.refresh_from_db(using=alias(), fields=["changed_at"])
+        ScheduleEvent(
+            task_name=task_name,
+            kind=kind,
+            origin=origin,
+            by=clip(by, EVENT_BY_MAX_LENGTH),
+            reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+            at=now,
+            version=row.version,
+            changes=changes,
+        ).save(using=alias())
+    return Defined(str(kind), row, changes)
+
+
+def delete_data(
+    task_name: str, *, origin: ScheduleEventOrigin, by: str = "", reason: str = ""
+) -> TaskSchedule | None:
+    """Delete a data schedule: it fires nothing from now on (every scheduler drops it at
+    its next poll) and its row stays as a tombstone (``removed_at``, disabled, a new version)
+    so that the schedulers see the deletion; its runs and history stay. Retiring the
+    removed schedule deletes the row. None: no such live data schedule."""
+    rows = TaskSchedule.objects.using(alias()).filter(
+        task_name=task_name, source=ScheduleSource.DATA, removed_at__isnull=True
+    )
+    with translated, transaction.atomic(using=alias()):
+        row = rows.select_for_update().first()
+        if row is None:
+            return None
+        now = timezone.now()
+        row.removed_at = now
+        row.enabled = False
+        row.version += 1
+        row.changed_at = DatabaseNow()
+        row.save(using=alias())
+        row.refresh_from_db(using=alias(), fields=["changed_at"])
+        ScheduleEvent(
+            task_name=task_name,
+            kind=ScheduleEventKind.DELETED,
+            origin=origin,
+            by=clip(by, EVENT_BY_MAX_LENGTH),
+            reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+            at=now,
+            version=row.version,
+        ).save(using=alias())
+    return row
+
+
+def data_schedules(target_kinds: Collection[str] | None = None) -> QuerySet[TaskSchedule]:
+    """The data schedules (deleted ones too: their tombstones), of ``target_kinds`` when
+    given; a queryset the caller narrows and runs under :data:`translated`."""
+    rows = TaskSchedule.objects.using(alias()).filter(source=ScheduleSource.DATA)
+    if target_kinds is not None:
+        rows = rows.filter(target_kind__in=list(target_kinds))
+    return rows
+
+
+def data_changed_since(
+    since: datetime, target_kinds: Collection[str] | None = None
+) -> list[TaskSchedule]:
+    """The data schedules changed (created, edited, deleted) at or after ``since`` by the
+    database's clock (indexed: the cost does not grow with the schedules that did not
+    change)."""
+    with translated:
+        return list(data_schedules(target_kinds).filter(changed_at__gte=since).order_by("id"))

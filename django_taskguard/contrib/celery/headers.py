@@ -8,7 +8,6 @@ name); the worker reads them back. A put-back message carries
 
 from __future__ import annotations
 
-import hashlib
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
@@ -18,8 +17,10 @@ from celery.schedules import schedule as interval_schedule
 from django.utils import timezone
 
 from ... import schedules
+from ...decorating import task_identity
 from ...exceptions import TaskGuardError
-from ...models import TASK_NAME_MAX_LENGTH
+
+__all__ = ["task_identity"]  # re-exported: the worker, the beat and backfill name runs with it
 
 UTC = dt_timezone.utc
 SLOT_HEADER = "taskguard_slot"
@@ -55,25 +56,6 @@ def grace_of(headers: dict[str, Any]) -> timedelta | None:
     if seconds is None or not 0 < seconds <= 7 * 86_400:
         return None
     return timedelta(seconds=seconds)
-
-
-def task_identity(task_name: str, schedule_name: str | None) -> str:
-    """The ``TaskRun.task_name`` of a Celery task sent for one schedule entry.
-
-    ``"app.tasks.report[nightly-eu]"``: the Celery task name, and the beat
-    entry's (or django-celery-beat periodic task's) name in brackets, so that
-    one Celery task backing several schedules runs once per slot *per
-    schedule*. No schedule name, or one equal to the task name: the task name
-    alone. Longer than 255 characters: cut, with ``~`` and 16 hex digits of
-    the full name's SHA-256 at the end (stable, and distinct in practice).
-    """
-    if not schedule_name or schedule_name == task_name:
-        return task_name
-    full = f"{task_name}[{schedule_name}]"
-    if len(full) <= TASK_NAME_MAX_LENGTH:
-        return full
-    digest = hashlib.sha256(full.encode("utf-8")).hexdigest()[:16]
-    return f"{full[: TASK_NAME_MAX_LENGTH - 17]}~{digest}"
 
 
 def message_headers(request: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A guarded Celery task (``@shared_task`` over ``@once_per_schedule()``) takes
 its slot from the ``taskguard_slot`` header and its identity from the Celery
-task name plus the schedule name (:func:`headers.task_identity`). Retries and
+task name plus the schedule name (:func:`decorating.task_identity`). Retries and
 redeliveries of the message are attempts on the same row.
 """
 

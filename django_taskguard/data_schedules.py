@@ -1,0 +1,531 @@
+"""Data schedules: schedules defined as rows (in the admin, or by :func:`define_schedule`).
+
+A data schedule names what it runs (its *target*): a guarded function (``@once_per_schedule``,
+by its task name), a Celery task (by its name; its body guarded) or a django.tasks task (by
+its dotted path; its function guarded). Its runs are recorded as ``target[name]``
+(:func:`decorating.task_identity`), so 5,000 tenants' schedules of one task are 5,000
+schedules, each once per slot. The target's kind decides what fires it (``TargetKind``):
+``run_schedules`` runs function and django.tasks targets (``--enqueue`` hands the latter to
+their backend), taskguard's Celery beat schedulers send Celery ones.
+
+Everything a definition says is checked here, the same for the admin's form and the API
+(:func:`validate`): the target exists here and is guarded, it takes the arguments, the cron
+parses, the zone exists, every bound holds. Every change is kept (``ScheduleEvent``, with
+what changed and the version it made); see :mod:`.ledger.schedules` for the write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import json
+import zoneinfo
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from . import registry, schedules
+from .cron import CronSchedule
+from .decorating import guarded_named, guarded_policy, task_identity
+from .exceptions import InvalidSchedule, TaskGuardError
+from .ledger import schedules as store
+from .models import (
+    TASK_NAME_MAX_LENGTH,
+    Catchup,
+    ScheduleEventKind,
+    ScheduleEventOrigin,
+    TargetKind,
+    TaskSchedule,
+)
+from .policy import DEFAULT_GRACE, DEFAULT_MAX_CATCHUP, Policy
+
+__all__ = [
+    "Target",
+    "define_schedule",
+    "delete_schedule",
+    "jitter_offset",
+    "resolve_target",
+    "validate",
+]
+
+NAME_MAX_LENGTH = 200
+# Bounds, checked where a definition is given (the admin's form, define_schedule).
+EVERY_BOUNDS = (timedelta(seconds=1), timedelta(days=366))
+GRACE_BOUNDS = (timedelta(seconds=1), timedelta(days=7))
+MAX_CATCHUP_BOUNDS = (1, 10_000)
+PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
+JITTER_MAX = timedelta(hours=1)
+ARGUMENTS_MAX_BYTES = 64 * 1024
+DESCRIPTION_MAX_LENGTH = 2_000
+
+
+class ScheduleDefinitionError(InvalidSchedule):
+    """A definition that cannot be saved; ``field`` names the part that is wrong (the
+    admin's form shows the message beside it), empty for the whole."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a data schedule runs, as found in this process.
+
+    ``guarded``: the ``@once_per_schedule`` function (its ``policy``, its ``body``);
+    ``task``: the Celery or django.tasks task object that wraps it (None for a function);
+    ``signature``: what the arguments are checked against.
+    """
+
+    name: str
+    kind: str  # TargetKind
+    guarded: Any
+    task: Any
+    signature: inspect.Signature | None
+
+    @property
+    def policy(self) -> Policy:
+        policy = guarded_policy(self.guarded)
+        assert policy is not None
+        return policy
+
+
+def _signature(func: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):  # a builtin, a C callable: nothing to check against
+        return None
+
+
+def _guarded(value: Any) -> bool:
+    return guarded_policy(value) is not None and callable(getattr(value, "run_for_slot", None))
+
+
+def _celery_task(name: str) -> Any:
+    """The Celery task named ``name`` in the current app (its modules imported), or None."""
+    try:
+        from celery import current_app
+    except ImportError:
+        return None
+    tasks = current_app.tasks
+    if name not in tasks:
+        try:
+            current_app.loader.import_default_modules()
+        except Exception:
+            return None
+    return tasks.get(name)
+
+
+def resolve_target(target: str) -> Target:
+    """Find ``target`` here: a Celery task of that name, a django.tasks task or a guarded
+    function at that dotted path, or a guarded function of that task name (in the modules
+    ``run_schedules`` imports). Raises :class:`ScheduleDefinitionError` saying what was
+    found instead."""
+    if not isinstance(target, str) or not target.strip() or len(target) > 500:
+        raise ScheduleDefinitionError(
+            "the target must be a task name or dotted path of at most 500 characters", "target"
+        )
+    celery_task = _celery_task(target)
+    if celery_task is not None:
+        body = getattr(celery_task, "__wrapped__", None)
+        if not _guarded(body):
+            raise ScheduleDefinitionError(
+                f"the Celery task {target} is not guarded: put @once_per_schedule() under "
+                "@shared_task (each slot then runs once, whatever the number of beats)",
+                "target",
+            )
+        return Target(target, TargetKind.CELERY, body, celery_task, _signature(celery_task.run))
+    found = guarded_named(target)
+    if found is None:
+        try:
+            found = import_string(target)
+        except ImportError:
+            registry.discover()  # the modules run_schedules imports: tasks, jobs, SCHEDULE_MODULES
+            found = guarded_named(target)
+    if found is None:
+        raise ScheduleDefinitionError(
+            f"no task or guarded function is named {target}: give a Celery task's name, a "
+            "django.tasks task's dotted path, or an @once_per_schedule function's task name "
+            "(its module must be importable here)",
+            "target",
+        )
+    from .contrib.tasks import task_classes
+
+    classes = task_classes()
+    if classes and isinstance(found, classes):
+        func = getattr(found, "func", None)
+        if not _guarded(func):
+            raise ScheduleDefinitionError(
+                f"the django.tasks task {target} is not guarded: put @once_per_schedule() "
+                "under @task()",
+                "target",
+            )
+        return Target(target, TargetKind.DJANGO_TASKS, func, found, _signature(func))
+    if not _guarded(found):
+        raise ScheduleDefinitionError(
+            f"{target} is not guarded: decorate it with @once_per_schedule() (a data "
+            "schedule runs it once per slot through the guard)",
+            "target",
+        )
+    return Target(target, TargetKind.FUNCTION, found, None, _signature(found))
+
+
+def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
+    if not isinstance(args, (list, tuple)):
+        raise ScheduleDefinitionError(
+            f"args must be a JSON list, not {type(args).__name__}", "args"
+        )
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise ScheduleDefinitionError("kwargs must be a JSON object (string keys)", "kwargs")
+    args, kwargs = list(args), dict(kwargs)
+    try:
+        text = json.dumps([args, kwargs], allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ScheduleDefinitionError(f"the arguments are not JSON: {exc}", "kwargs") from None
+    if len(text.encode()) > ARGUMENTS_MAX_BYTES:
+        raise ScheduleDefinitionError(
+            f"the arguments take {len(text.encode())} bytes as JSON; at most "
+            f"{ARGUMENTS_MAX_BYTES} are kept",
+            "kwargs",
+        )
+    if "\x00" in text or "\\u0000" in text:
+        raise ScheduleDefinitionError("the arguments must not contain NUL characters", "kwargs")
+    if target.signature is not None:
+        try:
+            target.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ScheduleDefinitionError(
+                f"{target.name} does not take these arguments: {exc}", "kwargs"
+            ) from None
+    return args, kwargs
+
+
+def _zone(name: str | None) -> str:
+    if not name:
+        return ""
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ScheduleDefinitionError(
+            f"unknown time zone {name!r}: give an IANA name such as Europe/Berlin", "time_zone"
+        ) from None
+    return name
+
+
+def _duration(
+    value: Any, field: str, bounds: tuple[timedelta, timedelta], *, zero: bool = False
+) -> timedelta:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta):
+        raise ScheduleDefinitionError(f"{field} must be a timedelta, not {value!r}", field)
+    low, high = bounds
+    if (zero and value == timedelta(0)) or low <= value <= high:
+        return value
+    raise ScheduleDefinitionError(f"{field} must be from {low} to {high}; got {value}", field)
+
+
+def _whole(value: Any, field: str, bounds: tuple[int, int]) -> int:
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ScheduleDefinitionError(
+            f"{field} must be a whole number from {low} to {high}; got {value!r}", field
+        )
+    return value
+
+
+def _moment(value: Any, field: str) -> datetime | None:
+    if value is None:
+        return None
+    if not isinstance(value, datetime) or timezone.is_naive(value):
+        raise ScheduleDefinitionError(f"{field} must be an aware datetime, not {value!r}", field)
+    return value
+
+
+def _schedule(
+    cron: str | None, every: timedelta | None, time_zone: str
+) -> schedules.StoredSchedule:
+    if (cron is None or cron == "") == (every is None):
+        raise ScheduleDefinitionError(
+            "give a cron expression or an interval (every), not both", "cron"
+        )
+    if every is not None:
+        if time_zone:
+            raise ScheduleDefinitionError(
+                "an interval's slots are aligned to the epoch (UTC): give a time zone with a "
+                "cron expression only",
+                "time_zone",
+            )
+        return schedules.IntervalSchedule(_duration(every, "every", EVERY_BOUNDS))
+    try:
+        return CronSchedule(str(cron), time_zone or None)
+    except InvalidSchedule as exc:
+        raise ScheduleDefinitionError(str(exc), "cron") from None
+
+
+def _shortest_gap(schedule: schedules.StoredSchedule) -> timedelta:
+    if isinstance(schedule, schedules.IntervalSchedule):
+        return schedule.every
+    now = timezone.now()
+    slots = schedule.slots_between(now, now + timedelta(days=400), 64)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(slots)]
+    return min(gaps) if gaps else timedelta(days=1)
+
+
+def validate(
+    name: str,
+    target: str,
+    *,
+    cron: str | None = None,
+    every: timedelta | None = None,
+    time_zone: str | None = None,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    enabled: bool = True,
+    starts: datetime | None = None,
+    ends: datetime | None = None,
+    catchup: str | None = None,
+    grace: timedelta | None = None,
+    max_catchup: int | None = None,
+    pause_after_failures: int | None = None,
+    jitter: timedelta | None = None,
+    description: str = "",
+) -> tuple[str, dict[str, Any]]:
+    """Check a definition; return its task name (``target[name]``) and the values
+    :func:`ledger.schedules.define` saves. Raises :class:`ScheduleDefinitionError`.
+
+    Unset ``catchup``/``grace``/``max_catchup``/``pause_after_failures`` take the target's
+    decorator's values."""
+    if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_LENGTH:
+        raise ScheduleDefinitionError(
+            f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
+            "name",
+        )
+    if "\x00" in name or name != name.strip():
+        raise ScheduleDefinitionError(
+            "the name must not contain NUL characters nor start or end with spaces", "name"
+        )
+    found = resolve_target(target)
+    policy = found.policy
+    zone = _zone(time_zone)
+    schedule = _schedule(cron, every, zone)
+    args, kwargs = _check_arguments(found, list(args), kwargs or {})
+    catchup = catchup or policy.catchup
+    if catchup not in Catchup.values:
+        raise ScheduleDefinitionError(
+            f"catchup must be one of {', '.join(Catchup.values)}; got {catchup!r}", "catchup"
+        )
+    if found.kind == TargetKind.CELERY and catchup == "all":
+        raise ScheduleDefinitionError(
+            "catchup='all' is run_schedules' (a beat sends the latest slot; backfill runs "
+            "the others): give latest or none to a Celery task",
+            "catchup",
+        )
+    grace = _duration(
+        grace if grace is not None else policy.grace or DEFAULT_GRACE, "grace", GRACE_BOUNDS
+    )
+    max_catchup = _whole(
+        max_catchup if max_catchup is not None else policy.max_catchup or DEFAULT_MAX_CATCHUP,
+        "max_catchup",
+        MAX_CATCHUP_BOUNDS,
+    )
+    if pause_after_failures is None:
+        pause_after_failures = policy.pause_after_failures
+    if pause_after_failures is not None:
+        _whole(pause_after_failures, "pause_after_failures", PAUSE_AFTER_FAILURES_BOUNDS)
+    starts, ends = _moment(starts, "starts"), _moment(ends, "ends")
+    if starts is not None and ends is not None and ends <= starts:
+        raise ScheduleDefinitionError("ends must be after starts", "ends")
+    if jitter is not None:
+        jitter = _duration(jitter, "jitter", (timedelta(seconds=1), JITTER_MAX), zero=True)
+        gap = _shortest_gap(schedule)
+        if jitter * 2 > gap:
+            raise ScheduleDefinitionError(
+                f"jitter ({jitter}) must be at most half the shortest gap between two slots "
+                f"({gap}): a start must come before the next slot",
+                "jitter",
+            )
+        if jitter >= grace:
+            raise ScheduleDefinitionError(
+                f"jitter ({jitter}) must be shorter than the grace ({grace}): a start that "
+                "late would be judged late",
+                "jitter",
+            )
+        jitter = jitter or None
+    if not isinstance(enabled, bool):
+        raise ScheduleDefinitionError(f"enabled must be True or False, not {enabled!r}", "enabled")
+    if not isinstance(description, str) or len(description) > DESCRIPTION_MAX_LENGTH:
+        raise ScheduleDefinitionError(
+            f"the description must be text of at most {DESCRIPTION_MAX_LENGTH} characters",
+            "description",
+        )
+    task_name = task_identity(found.name, name)
+    if len(task_name) > TASK_NAME_MAX_LENGTH:  # task_identity cuts; never longer
+        raise ScheduleDefinitionError("the target and name are too long", "name")
+    described = schedules.describe(schedule)
+    values: dict[str, Any] = {
+        "entry": name,
+        "function": found.name,
+        "target_kind": found.kind,
+        "cron": described["cron"],
+        "cron_day_or": described["cron_day_or"],
+        "every": described["every"],
+        "time_zone": described["time_zone"],
+        "args": args,
+        "kwargs": kwargs,
+        "enabled": enabled,
+        "starts": starts,
+        "ends": ends,
+        "catchup": catchup,
+        "grace": grace,
+        "max_catchup": max_catchup,
+        "pause_after_failures": pause_after_failures,
+        "jitter": jitter,
+        "description": description.replace("\x00", ""),
+    }
+    return task_name, values
+
+
+def define_schedule(
+    name: str,
+    target: str,
+    *,
+    cron: str | None = None,
+    every: timedelta | None = None,
+    time_zone: str | None = None,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    enabled: bool = True,
+    starts: datetime | None = None,
+    ends: datetime | None = None,
+    catchup: str | None = None,
+    grace: timedelta | None = None,
+    max_catchup: int | None = None,
+    pause_after_failures: int | None = None,
+    jitter: timedelta | None = None,
+    description: str = "",
+    by: str = "",
+    reason: str = "",
+    origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
+) -> TaskSchedule:
+    """Create the data schedule ``name`` of ``target``, or update it (same name and target);
+    return its row. Its runs are recorded as ``target[name]``.
+
+    Checked first (:func:`validate`): a bad definition raises ``InvalidSchedule`` naming
+    what is wrong, and nothing is saved. The change is kept in the schedule's history
+    (``by``: who, default this process; ``origin``: from where; ``reason``). An edit never
+    fires a slot early nor loses the one that is due (docs/schedules.md, "Editing")."""
+    from .owner import actor
+
+    task_name, values = validate(
+        name,
+        target,
+        cron=cron,
+        every=every,
+        time_zone=time_zone,
+        args=args,
+        kwargs=kwargs,
+        enabled=enabled,
+        starts=starts,
+        ends=ends,
+        catchup=catchup,
+        grace=grace,
+        max_catchup=max_catchup,
+        pause_after_failures=pause_after_failures,
+        jitter=jitter,
+        description=description,
+    )
+    try:
+        defined = store.define(
+            task_name, values, origin=origin, by=by or actor("api"), reason=reason
+        )
+    except store.NotDataSchedule as exc:
+        raise ScheduleDefinitionError(
+            f"{exc}: a data schedule cannot take its name; choose another name", "name"
+        ) from None
+    return defined.row
+
+
+def delete_schedule(
+    name: str,
+    target: str,
+    *,
+    by: str = "",
+    reason: str = "",
+    origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
+) -> bool:
+    """Delete the data schedule ``name`` of ``target``: nothing fires it any more; its runs
+    and its history stay. False when there is no such schedule."""
+    from .owner import actor
+
+    task_name = task_identity(target, name)
+    deleted = store.delete_data(task_name, origin=origin, by=by or actor("api"), reason=reason)
+    return deleted is not None
+
+
+def jitter_offset(task_name: str, jitter: timedelta | None) -> timedelta:
+    """How long after each slot the schedule ``task_name`` starts: a stable hash of its
+    name spread over ``[0, jitter)``, the same in every copy (the slot is unchanged)."""
+    if not jitter:
+        return timedelta(0)
+    digest = hashlib.sha256(task_name.encode("utf-8")).digest()
+    fraction = int.from_bytes(digest[:8], "big") / 2**64
+    return timedelta(microseconds=int(jitter / timedelta(microseconds=1) * fraction))
+
+
+def policy_of(row: TaskSchedule, target_policy: Policy) -> Policy:
+    """The policy a data schedule's runs follow: its target's, with the row's catch-up."""
+    return replace(
+        target_policy,
+        catchup=row.catchup,
+        grace=row.grace,
+        max_catchup=row.max_catchup,
+        pause_after_failures=row.pause_after_failures,
+    )
+
+
+def manual_slot(now: datetime | None = None) -> datetime:
+    """A slot for a run asked for now ("run now"): the current time to the microsecond, never
+    a whole second, so that it never takes a slot of the schedule itself (cron slots are
+    whole minutes, interval slots whole seconds)."""
+    now = (now or timezone.now()).astimezone(schedules.UTC)
+    return now if now.microsecond else now.replace(microsecond=1)
+
+
+# What runs a data schedule's slot now, by target kind: given the row, the slot and who
+# asked, hands the slot to the schedule's executor and says what it did (never runs the
+# body in the caller's process). Registered by what fires each kind: run_schedules'
+# (function, django_tasks) in :mod:`.data_firing`, the Celery glue's in contrib.celery.
+RUNNERS: dict[str, Callable[[TaskSchedule, datetime, str], str]] = {}
+
+
+def run_now(
+    row: TaskSchedule, *, by: str = "", origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE
+) -> str:
+    """Hand a manual slot of the data schedule ``row`` to its executor, through the guard;
+    keep who asked. Returns what was done."""
+    from .owner import actor
+
+    runner = RUNNERS.get(row.target_kind)
+    if row.removed_at is not None:
+        raise TaskGuardError(f"{row.task_name} was deleted: nothing runs it")
+    if runner is None:
+        raise TaskGuardError(
+            f"{row.task_name}: nothing here can hand out a {row.target_kind or 'code'} slot"
+        )
+    slot = manual_slot()
+    who = by or actor("api")
+    said = runner(row, slot, who)
+    store.record_event(
+        row.task_name,
+        ScheduleEventKind.RAN_NOW,
+        origin=origin,
+        by=who,
+        reason=f"slot {slot.isoformat()}: {said}",
+    )
+    return said

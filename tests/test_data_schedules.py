@@ -1,0 +1,164 @@
+"""define_schedule / delete_schedule: validation, identity, versions and history."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from django_taskguard import define_schedule, delete_schedule
+from django_taskguard.data_schedules import (
+    ScheduleDefinitionError,
+    jitter_offset,
+    manual_slot,
+)
+from django_taskguard.exceptions import InvalidSchedule
+from django_taskguard.ledger import schedules as store
+from django_taskguard.models import ScheduleEvent, ScheduleSource, TargetKind, TaskSchedule
+from tests.support import data_targets
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TARGET = "tests.support.data_targets.send_report"
+
+
+def test_define__creates_a_data_schedule_under_its_own_identity() -> None:
+    row = define_schedule(
+        "tenant-42", TARGET, cron="0 9 * * *", time_zone="Europe/Berlin", args=[42]
+    )
+    assert row.task_name == f"{TARGET}[tenant-42]"
+    assert row.source == ScheduleSource.DATA
+    assert row.target_kind == TargetKind.FUNCTION
+    assert (row.entry, row.function, row.version) == ("tenant-42", TARGET, 1)
+    assert row.args == [42] and row.kwargs == {}
+    assert row.changed_at is not None
+    (event,) = ScheduleEvent.objects.filter(task_name=row.task_name)
+    assert (event.kind, event.version, event.origin) == ("created", 1, "code")
+    assert event.changes["cron"] == [None, "0 9 * * *"]
+
+
+def test_define__same_name_updates_and_keeps_what_changed() -> None:
+    define_schedule("t1", TARGET, cron="0 9 * * *", args=[1])
+    row = define_schedule("t1", TARGET, cron="0 10 * * *", args=[1], by="alice")
+    assert row.version == 2 and row.cron == "0 10 * * *"
+    assert TaskSchedule.objects.filter(task_name=row.task_name).count() == 1
+    edited = ScheduleEvent.objects.filter(task_name=row.task_name, kind="edited").get()
+    assert edited.changes == {"cron": ["0 9 * * *", "0 10 * * *"]}
+    assert (edited.by, edited.version) == ("alice", 2)
+    assert row.swept_until is not None  # the slots the old cron fired are not missed
+
+
+def test_define__an_unchanged_definition_writes_nothing() -> None:
+    first = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    again = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    assert again.version == first.version == 1
+    assert ScheduleEvent.objects.filter(task_name=first.task_name).count() == 1
+
+
+def test_define__disable_and_enable_are_their_own_events() -> None:
+    define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1], enabled=False)
+    row = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    kinds = list(
+        ScheduleEvent.objects.filter(task_name=row.task_name).order_by("id").values_list("kind", flat=True)
+    )
+    assert kinds == ["created", "disabled", "enabled"]
+    assert row.version == 3
+
+
+def test_delete__leaves_a_tombstone_and_redefining_revives_it() -> None:
+    define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    assert delete_schedule("t1", TARGET, by="bob")
+    row = store.get(f"{TARGET}[t1]")
+    assert row is not None and row.removed_at is not None and not row.enabled
+    assert row.version == 2
+    assert not delete_schedule("t1", TARGET)  # already deleted
+    revived = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[2])
+    assert revived.removed_at is None and revived.enabled and revived.version == 3
+
+
+def test_define__a_name_taken_by_a_code_schedule_is_refused() -> None:
+    TaskSchedule.objects.create(
+        task_name=f"{TARGET}[beat]",
+        source=ScheduleSource.CELERY,
+        every=timedelta(minutes=1),
+        grace=timedelta(minutes=5),
+        max_catchup=100,
+        declared_in="CELERY_BEAT_SCHEDULE",
+    )
+    with pytest.raises(ScheduleDefinitionError, match="already a celery schedule"):
+        define_schedule("beat", TARGET, every=timedelta(minutes=5), args=[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "says"),
+    [
+        ({"target": "tests.support.data_targets.not_guarded"}, "target", "not guarded"),
+        ({"target": "no.such.thing"}, "target", "no task or guarded function"),
+        ({"cron": "61 * * * *"}, "cron", "61"),
+        ({"cron": "0 9 * * *", "time_zone": "Mars/Olympus"}, "time_zone", "unknown time zone"),
+        ({"args": []}, "kwargs", "does not take these arguments"),
+        ({"args": [1, 2, 3]}, "kwargs", "does not take these arguments"),
+        ({"kwargs": {"nope": 1}}, "kwargs", "does not take these arguments"),
+        ({"kwargs": {"when": object()}}, "kwargs", "not JSON"),
+        ({"every": timedelta(milliseconds=10)}, "every", "every must be"),
+        ({"every": timedelta(minutes=1), "time_zone": "UTC"}, "time_zone", "interval"),
+        ({"cron": None, "every": None}, "cron", "cron expression or an interval"),
+        ({"grace": timedelta(days=30)}, "grace", "grace must be"),
+        ({"max_catchup": 0}, "max_catchup", "max_catchup"),
+        ({"jitter": timedelta(minutes=10)}, "jitter", "half the shortest gap"),
+        ({"catchup": "sometimes"}, "catchup", "catchup must be"),
+        ({"name": ""}, "name", "name must be"),
+        ({"name": " padded"}, "name", "spaces"),
+    ],
+)
+def test_define__bad_input_is_refused_with_its_field(
+    kwargs: dict[str, object], field: str, says: str
+) -> None:
+    given: dict[str, object] = {
+        "name": "t1",
+        "target": TARGET,
+        "cron": "*/5 * * * *",
+        "args": [1],
+    }
+    if "every" in kwargs:
+        given["cron"] = None
+    given.update(kwargs)
+    name, target = given.pop("name"), given.pop("target")
+    with pytest.raises(ScheduleDefinitionError, match=says) as raised:
+        define_schedule(name, target, **given)  # type: ignore[arg-type]
+    assert raised.value.field == field
+    assert isinstance(raised.value, InvalidSchedule)
+    assert not TaskSchedule.objects.filter(source=ScheduleSource.DATA).exists()
+
+
+def test_define__a_target_with_name_is_recorded_under_the_schedules_identity() -> None:
+    row = define_schedule("nightly", "tests.data.named", cron="0 3 * * *")
+    assert row.task_name == "tests.data.named[nightly]"
+    assert row.target_kind == TargetKind.FUNCTION
+
+
+def test_define__defaults_come_from_the_targets_decorator() -> None:
+    row = define_schedule("t1", TARGET, cron="0 9 * * *", args=[1])
+    policy = data_targets.send_report.policy
+    assert (row.catchup, row.grace, row.max_catchup) == (
+        policy.catchup,
+        policy.grace,
+        policy.max_catchup,
+    )
+
+
+def test_jitter_offset__is_stable_and_within_the_jitter() -> None:
+    jitter = timedelta(seconds=30)
+    offsets = {jitter_offset(f"t[{n}]", jitter) for n in range(200)}
+    assert all(timedelta(0) <= offset < jitter for offset in offsets)
+    assert len(offsets) > 150  # spread, not one instant
+    assert jitter_offset("t[1]", jitter) == jitter_offset("t[1]", jitter)
+    assert jitter_offset("t[1]", None) == timedelta(0)
+
+
+def test_manual_slot__never_a_whole_second() -> None:
+    now = timezone.now().replace(microsecond=0)
+    assert manual_slot(now).microsecond == 1
+    assert manual_slot(now.replace(microsecond=5)).microsecond == 5
