@@ -333,6 +333,15 @@ class TaskSchedule(models.Model):
         blank=True,
         help_text=_("Slots at or before this were checked by the missed-slot sweep."),
     )
+    sweep_due_at = models.DateTimeField(
+        _("sweep due at"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When the missed-slot sweep next needs to look at it (its first slot after "
+            "swept until, plus its grace); empty: at the next sweep."
+        ),
+    )
     entry = models.CharField(
         _("name"),
         max_length=200,
@@ -421,7 +430,10 @@ class TaskSchedule(models.Model):
             ),
             check_constraint(models.Q(catchup__in=Catchup.values), "taskguard_schedule_catchup"),
         ]
-        indexes = [models.Index(fields=["changed_at"], name="taskguard_schedule_changed")]
+        indexes = [
+            models.Index(fields=["changed_at"], name="taskguard_schedule_changed"),
+            models.Index(fields=["sweep_due_at"], name="taskguard_schedule_sweep_due"),
+        ]
         permissions = [
             ("pause_taskschedule", _("Can pause and resume scheduled tasks")),
             ("run_taskschedule", _("Can run a schedule now")),
