@@ -248,7 +248,7 @@ def _moment(value: Any, field: str) -> datetime | None:
 
 
 def _schedule(
-    cron: str | None, every: timedelta | None, time_zone: str
+    cron: str | None, every: timedelta | None, time_zone: str, day_or: bool = True
 ) -> schedules.StoredSchedule:
     if (cron is None or cron == "") == (every is None):
         raise ScheduleDefinitionError(
@@ -263,7 +263,7 @@ def _schedule(
             )
         return schedules.IntervalSchedule(_duration(every, "every", EVERY_BOUNDS))
     try:
-        return CronSchedule(str(cron), time_zone or None)
+        return CronSchedule(str(cron), time_zone or None, day_or)
     except InvalidSchedule as exc:
         raise ScheduleDefinitionError(str(exc), "cron") from None
 
@@ -282,6 +282,7 @@ def validate(
     target: str,
     *,
     cron: str | None = None,
+    cron_day_or: bool = True,
     every: timedelta | None = None,
     time_zone: str | None = None,
     args: Sequence[Any] = (),
@@ -300,7 +301,8 @@ def validate(
     :func:`ledger.schedules.define` saves. Raises :class:`ScheduleDefinitionError`.
 
     Unset ``catchup``/``grace``/``max_catchup``/``pause_after_failures`` take the target's
-    decorator's values."""
+    decorator's values. ``cron_day_or=False``: a slot's day must match both the day of month
+    and the day of week when both are restricted (celery's crontab), not either (cron's)."""
     if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_LENGTH:
         raise ScheduleDefinitionError(
             f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
@@ -313,7 +315,11 @@ def validate(
     found = resolve_target(target)
     policy = found.policy
     zone = _zone(time_zone)
-    schedule = _schedule(cron, every, zone)
+    if not isinstance(cron_day_or, bool):
+        raise ScheduleDefinitionError(
+            f"cron_day_or must be True or False, not {cron_day_or!r}", "cron"
+        )
+    schedule = _schedule(cron, every, zone, cron_day_or)
     args, kwargs = _check_arguments(found, list(args), kwargs or {})
     catchup = catchup or policy.catchup
     if catchup not in Catchup.values:
@@ -396,6 +402,7 @@ def define_schedule(
     target: str,
     *,
     cron: str | None = None,
+    cron_day_or: bool = True,
     every: timedelta | None = None,
     time_zone: str | None = None,
     args: Sequence[Any] = (),
@@ -426,6 +433,7 @@ def define_schedule(
         name,
         target,
         cron=cron,
+        cron_day_or=cron_day_or,
         every=every,
         time_zone=time_zone,
         args=args,

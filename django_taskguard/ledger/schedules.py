@@ -456,10 +456,10 @@ def define(
             row.removed_at = None
             row.version = 0
             kind = ScheduleEventKind.CREATED
-            changes = {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+            changes = _created(values)
         elif row is None or row.removed_at is not None:
             kind = ScheduleEventKind.CREATED
-            changes = {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+            changes = _created(values)
             if row is None:
                 row = TaskSchedule(
                     task_name=task_name,
@@ -474,11 +474,7 @@ def define(
                 row.first_seen = first_seen or now
                 row.swept_until = now
         else:
-            changes = {
-                name: [_jsonable(getattr(row, name)), _jsonable(values[name])]
-                for name in DEFINITION_FIELDS
-                if getattr(row, name) != values[name]
-            }
+            changes = _edits(row, values)
             if not changes:
                 return Defined("unchanged", row, {})
             if set(changes) == {"enabled"}:
@@ -509,6 +505,40 @@ def define(
             changes=changes,
         ).save(using=alias())
     return Defined(str(kind), row, changes)
+
+
+def would_define(
+    task_name: str, values: dict[str, object], *, adopt: Collection[str] = ()
+) -> Defined:
+    """What :func:`define` would do with the same arguments, writing nothing (a dry run):
+    its ``kind`` (``adopted`` for a schedule of another kind it would take over), the row
+    as it is (unsaved when new) and the changes. Raises :class:`NotDataSchedule`."""
+    with translated:
+        row = TaskSchedule.objects.using(alias()).filter(task_name=task_name).first()
+    if row is not None and row.source != ScheduleSource.DATA:
+        if row.declared_in not in adopt:
+            raise NotDataSchedule(row)
+        return Defined("adopted", row, _created(values))
+    if row is None or row.removed_at is not None:
+        return Defined("created", row or TaskSchedule(task_name=task_name), _created(values))
+    changes = _edits(row, values)
+    if not changes:
+        return Defined("unchanged", row, {})
+    if set(changes) == {"enabled"}:
+        return Defined("enabled" if values["enabled"] else "disabled", row, changes)
+    return Defined("edited", row, changes)
+
+
+def _created(values: dict[str, object]) -> dict[str, list[object]]:
+    return {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+
+
+def _edits(row: TaskSchedule, values: dict[str, object]) -> dict[str, list[object]]:
+    return {
+        name: [_jsonable(getattr(row, name)), _jsonable(values[name])]
+        for name in DEFINITION_FIELDS
+        if getattr(row, name) != values[name]
+    }
 
 
 def delete_data(
