@@ -135,7 +135,9 @@ def test_import__interval_disabled_arguments_description_and_window() -> None:
     assert (row.starts, row.ends) == (starts, ends)
     assert schedule("every-2h").every == timedelta(hours=2)
     assert "[disabled]" in out
-    assert out.strip().endswith("Imported 2, updated 0, unchanged 0, refused 0 (of 2 periodic tasks).")
+    assert out.strip().endswith(
+        "Imported 2, updated 0, unchanged 0, refused 0 (of 2 periodic tasks)."
+    )
 
 
 def test_import__clocked_solar_one_off_and_unguarded_are_refused_with_reasons() -> None:
@@ -150,9 +152,7 @@ def test_import__clocked_solar_one_off_and_unguarded_are_refused_with_reasons() 
     periodic("bad-args", interval=interval(1, "hours"), kwargs=json.dumps({"nope": 1}))
     periodic("ok", interval=interval(1, "hours"))
     out = run()  # refusals are listed; the command succeeds (no CommandError)
-    refused = {
-        line.split("'")[1]: line for line in out.splitlines() if line.startswith("Refused")
-    }
+    refused = {line.split("'")[1]: line for line in out.splitlines() if line.startswith("Refused")}
     assert set(refused) == {"at-noon", "at-sunrise", "once", "plain", "bad-args"}
     assert "one-off" in refused["at-noon"] or "clocked" in refused["at-noon"]
     assert "solar schedule" in refused["at-sunrise"]
@@ -255,6 +255,6 @@ def test_import__options_not_carried_are_listed() -> None:
 
 
 def test_import__without_django_celery_beat_says_so() -> None:
-    with modify_settings(INSTALLED_APPS={"remove": ["django_celery_beat"]}):
-        with pytest.raises(CommandError, match="django-celery-beat is not installed"):
-            run()
+    without = modify_settings(INSTALLED_APPS={"remove": ["django_celery_beat"]})
+    with without, pytest.raises(CommandError, match="django-celery-beat is not installed"):
+        run()
