@@ -30,9 +30,10 @@ DEPLOYMENTS = [
     "docs/deployments/run-schedules.md",
     "docs/deployments/django-tasks.md",
 ]
-PAGES = ["docs/testing.md", "docs/decorators.md", "README.md", *DEPLOYMENTS]
+MIGRATING = "docs/migrating-from-django-celery-beat.md"
+PAGES = ["docs/testing.md", "docs/decorators.md", "README.md", *DEPLOYMENTS, MIGRATING]
 # Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
-NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md"}
+NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md", MIGRATING}
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 MYAPP_JOBS = """
@@ -71,7 +72,7 @@ PRELUDES = {
         "def write(chunk, fence):\n    assert fence > 0\n"
     ),
     "README.md": "",
-    **dict.fromkeys(DEPLOYMENTS, ""),
+    **dict.fromkeys([*DEPLOYMENTS, MIGRATING], ""),
 }
 
 RUN_TEST = """
