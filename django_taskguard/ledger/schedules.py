@@ -354,11 +354,12 @@ def mark_entries_removed(declared_in: str, declared: Collection[str], now: datet
 
 
 def watched(rows: Sequence[TaskSchedule]) -> list[TaskSchedule]:
-    """The schedules among ``rows`` that the sweep and health judge: not removed, and not
-    the own schedule of a Celery task that beat entries fire (a beat stamps every message
-    with its entry, so the runs are recorded as ``task[entry]``, never under the plain
-    Celery task name: that row has no slot of its own to miss)."""
-    live = [row for row in rows if row.removed_at is None]
+    """The schedules among ``rows`` that the sweep and health judge: not removed, not a
+    disabled data schedule (nothing fires it), and not the own schedule of a Celery task
+    that beat entries fire (a beat stamps every message with its entry, so the runs are
+    recorded as ``task[entry]``, never under the plain Celery task name: that row has no
+    slot of its own to miss)."""
+    live = [row for row in rows if row.removed_at is None and row.enabled]
     beaten = {row.function for row in live if row.source == ScheduleSource.CELERY and row.entry}
     return [
         row
