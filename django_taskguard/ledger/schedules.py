@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.db import connections, transaction
-from django.db.models import F, OuterRef, Q, QuerySet, Subquery, Window
+from django.db.models import Count, F, OuterRef, Q, QuerySet, Subquery, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
@@ -552,6 +552,18 @@ def data_schedules(target_kinds: Collection[str] | None = None) -> QuerySet[Task
     if target_kinds is not None:
         rows = rows.filter(target_kind__in=list(target_kinds))
     return rows
+
+
+def data_targets(limit: int) -> list[tuple[str, str, int]]:
+    """``(target, target_kind, schedules)`` of the live, enabled data schedules, one per
+    distinct target, at most ``limit`` (one grouped query, whatever the schedules)."""
+    rows = data_schedules().filter(removed_at__isnull=True, enabled=True)
+    grouped = rows.values("function", "target_kind").annotate(schedules=Count("pk"))
+    with translated:
+        return [
+            (found["function"], found["target_kind"], found["schedules"])
+            for found in grouped.order_by("function", "target_kind")[:limit]
+        ]
 
 
 def data_changed_since(
