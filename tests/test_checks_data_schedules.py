@@ -54,9 +54,7 @@ def test_check_data_targets__a_target_gone_is_one_warning_with_its_count() -> No
 
 def test_check_data_targets__deleted_and_disabled_schedules_are_not_reported() -> None:
     deleted = define_schedule("gone", TARGET, every=timedelta(minutes=5), args=[1])
-    disabled = define_schedule(
-        "off", TARGET, every=timedelta(minutes=5), args=[2], enabled=False
-    )
+    disabled = define_schedule("off", TARGET, every=timedelta(minutes=5), args=[2], enabled=False)
     assert delete_schedule("gone", TARGET)
     rename(deleted.task_name, "tests.nowhere.job")
     rename(disabled.task_name, "tests.nowhere.job")

@@ -4,6 +4,7 @@ table says (the table is read from the page, so page and code cannot drift apart
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
@@ -68,7 +69,10 @@ CHANGES = {
 
 def as_table(zone: str, slots: list[datetime]) -> list[tuple[str, str, str]]:
     local = [slot.astimezone(ZoneInfo(zone)) for slot in slots]
-    return [(slot.strftime("%H:%M"), at.strftime("%H:%M"), at.strftime("%Z")) for slot, at in zip(slots, local)]
+    return [
+        (slot.strftime("%H:%M"), at.strftime("%H:%M"), at.strftime("%Z"))
+        for slot, at in zip(slots, local, strict=True)
+    ]
 
 
 def by_day(row: Row, slots: list[datetime]) -> tuple[tuple[tuple[str, str, str], ...], ...]:
@@ -118,7 +122,7 @@ def test_latest_slot__steps_from_one_slot_to_the_next(row: Row) -> None:
     _, schedule = stored(row)
     start, end = row.bounds()
     slots = schedule.slots_between(start, end, 100)
-    for earlier, later in zip(slots, slots[1:]):
+    for earlier, later in itertools.pairwise(slots):
         assert schedule.latest_slot(later - timedelta(microseconds=1)) == earlier
         assert schedule.latest_slot(later) == later
     # Every hour of the change day, in real time, has the slot the table says as its latest.
@@ -202,8 +206,13 @@ def test_sweep__a_disabled_schedule_and_slots_outside_starts_ends_are_not_missed
     starts = datetime(2027, 3, 28, 3, 30, tzinfo=zone)  # the shifted slot itself
     ends = datetime(2027, 3, 30, 2, 30, tzinfo=zone)
     bounded = define_schedule(
-        "bounded", TARGET, cron="30 2 * * *", time_zone="Europe/Berlin", args=[1],
-        starts=starts, ends=ends,
+        "bounded",
+        TARGET,
+        cron="30 2 * * *",
+        time_zone="Europe/Berlin",
+        args=[1],
+        starts=starts,
+        ends=ends,
     )
     off = define_schedule(
         "off", TARGET, cron="30 2 * * *", time_zone="Europe/Berlin", args=[2], enabled=False
