@@ -11,6 +11,7 @@ from datetime import date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
+from django.utils import timezone
 
 from django_taskguard import define_schedule
 from django_taskguard.ledger import schedules as store
@@ -232,3 +233,34 @@ def test_sweep__a_disabled_schedule_and_slots_outside_starts_ends_are_not_missed
         datetime(2027, 3, 30, 0, 30, tzinfo=UTC),
     ]
     assert not TaskRun.objects.filter(task_name=off.task_name).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_health__a_schedule_before_its_start_or_after_its_end_is_not_late() -> None:
+    """Slots before ``starts`` or after ``ends`` fire nowhere: health expects no run there.
+    Disabled: not judged at all."""
+    from django_taskguard import health
+    from django_taskguard.models import TaskSchedule
+    from tests.support.runs import make_run
+
+    now = timezone.now()
+    later = define_schedule(
+        "later", TARGET, cron="0 * * * *", args=[1], starts=now + timedelta(days=1)
+    )
+    over = define_schedule("over", TARGET, cron="0 * * * *", args=[2], ends=now - timedelta(days=2))
+    off = define_schedule("off", TARGET, cron="0 * * * *", args=[3], enabled=False)
+    three_days_ago = now - timedelta(days=3)
+    TaskSchedule.objects.filter(
+        task_name__in=[later.task_name, over.task_name, off.task_name]
+    ).update(first_seen=three_days_ago, swept_until=three_days_ago)
+    schedule = rebuild(over.cron, over.cron_day_or, over.time_zone, over.every)
+    last = schedule.latest_slot(now - timedelta(days=2))  # its last slot ran
+    make_run(over.task_name, slot=last, state=RunState.SUCCEEDED)
+    verdict = health.check()
+    judged = {task.task: task for task in verdict.tasks}
+    assert judged[later.task_name].problems == []
+    assert judged[later.task_name].next_slot == schedule.next_slot(now + timedelta(days=1))
+    assert judged[over.task_name].problems == []
+    assert judged[over.task_name].latest_due == last
+    assert judged[over.task_name].next_slot is None
+    assert off.task_name not in judged
