@@ -27,8 +27,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.utils import timezone
-from django.utils.timezone import get_default_timezone_name
 from django.utils.module_loading import import_string
+from django.utils.timezone import get_default_timezone_name
 
 from . import registry, schedules
 from .cron import CronSchedule

@@ -61,7 +61,9 @@ def test_define__disable_and_enable_are_their_own_events() -> None:
     define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1], enabled=False)
     row = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
     kinds = list(
-        ScheduleEvent.objects.filter(task_name=row.task_name).order_by("id").values_list("kind", flat=True)
+        ScheduleEvent.objects.filter(task_name=row.task_name)
+        .order_by("id")
+        .values_list("kind", flat=True)
     )
     assert kinds == ["created", "disabled", "enabled"]
     assert row.version == 3
