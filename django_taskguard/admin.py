@@ -174,6 +174,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "owner_display",
         "duration_display",
         "duplicates",
+        "version_display",
     )
     list_display_links = ("task_display",)
     list_filter = ("state", TaskNameFilter)
@@ -191,7 +192,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     change_list_template = "admin/taskguard/taskrun/change_list.html"
     state_colours = STATE_COLOURS
     fields = (
-        ("task_name", "slot_at", "key"),
+        ("task_name", "slot_at", "key", "schedule_version"),
         ("state", "attempt", "fence"),
         "owner",
         ("created", "started", "finished"),
@@ -203,6 +204,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "task_name",
         "slot_at",
         "key",
+        "schedule_version",
         "state",
         "attempt",
         "fence",
@@ -263,6 +265,17 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
         key = format_html('<br><span class="quiet">{}</span>', run.key) if run.key else ""
         return format_html('<span style="overflow-wrap:anywhere">{}{}{}</span>', name, last, key)
+
+    @admin.display(description=_("version"), ordering="schedule_version")
+    def version_display(self, run: TaskRun) -> SafeString | str:
+        """A data schedule's run: the version of the schedule that fired it."""
+        if run.schedule_version is None:
+            return "—"
+        return format_html(
+            '<span class="taskguard-version" title="{}">v{}</span>',
+            _("schedule version"),
+            run.schedule_version,
+        )
 
     @admin.display(description=_("slot"), ordering="slot")
     def slot_display(self, run: TaskRun) -> SafeString:

@@ -41,6 +41,8 @@ ACTION_PERMISSIONS = {
     "resume_schedules": "pause",
     "acknowledge_schedules": "pause",
     "retire_schedules": "retire",
+    "run_now_schedules": "run",  # admin_schedule_run
+    "backfill_schedules": "backfill",
 }
 REASON_MAX_LENGTH = 200
 
