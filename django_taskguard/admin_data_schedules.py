@@ -27,9 +27,8 @@ from django.utils.translation import gettext_lazy
 
 from . import data_schedules, timefmt
 from .data_schedules import ScheduleDefinitionError
-from .decorating import task_identity
 from .ledger import schedules as store
-from .models import Catchup, ScheduleEvent, ScheduleSource, TaskSchedule
+from .models import Catchup, ScheduleEvent, ScheduleEventOrigin, ScheduleSource, TaskSchedule
 from .schedules import rebuild
 
 NEXT_SLOTS = 5
@@ -320,7 +319,7 @@ def define(form: DataScheduleForm, user: str) -> TaskSchedule:
         description=values["description"],
         by=user,
         reason=reason,
-        origin=data_schedules.ScheduleEventOrigin.ADMIN,
+        origin=ScheduleEventOrigin.ADMIN,
     )
 
 
@@ -372,8 +371,3 @@ def changes_of(event: ScheduleEvent) -> list[dict[str, str]]:
             }
         )
     return shown
-
-
-def identity(row: TaskSchedule) -> str:
-    """The task name a data schedule's runs are recorded under."""
-    return task_identity(row.function, row.entry)

@@ -88,7 +88,9 @@ def plan_backfill(row: TaskSchedule, start: datetime, end: datetime) -> Backfill
     states = ledger.states_at(row.task_name, recent)
     missed = [slot for slot in recent if states.get(slot) == RunState.MISSED]
     todo = [slot for slot in recent if slot not in states]
-    return BackfillPlan(start, end, todo, missed, len(states) - len(missed), len(every) - len(recent))
+    return BackfillPlan(
+        start, end, todo, missed, len(states) - len(missed), len(every) - len(recent)
+    )
 
 
 class RunActionsMixin(AdminBase):
@@ -131,7 +133,9 @@ class RunActionsMixin(AdminBase):
             return None
         if len(rows) > 1:
             self.message_user(
-                request, _("Backfill one schedule at a time (its range is its own)."), messages.ERROR
+                request,
+                _("Backfill one schedule at a time (its range is its own)."),
+                messages.ERROR,
             )
             return None
         row = rows[0]
@@ -202,8 +206,9 @@ class RunActionsMixin(AdminBase):
     ) -> list[TaskSchedule]:
         """The selected live data schedules; the others are said to be left alone."""
         rows = list(queryset.order_by("task_name")[: self.list_per_page])
+        data = [row for row in rows if row.source == ScheduleSource.DATA]
         others = [row.task_name for row in rows if row.source != ScheduleSource.DATA]
-        gone = [row.task_name for row in rows if row.source == ScheduleSource.DATA and row.removed_at]
+        gone = [row.task_name for row in data if row.removed_at is not None]
         if others:
             self.message_user(
                 request,
@@ -220,7 +225,7 @@ class RunActionsMixin(AdminBase):
                 _("Deleted, so nothing runs them: %(names)s.") % {"names": ", ".join(gone)},
                 messages.WARNING,
             )
-        return [row for row in rows if row.source == ScheduleSource.DATA and not row.removed_at]
+        return [row for row in data if row.removed_at is None]
 
     def _page(
         self,

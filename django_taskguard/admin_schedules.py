@@ -74,8 +74,15 @@ DATA_READONLY = (
 def data_fieldsets(*, add: bool, editable: bool) -> list[tuple[Any, dict[str, Any]]]:
     """A data schedule's page: its definition, and (once saved) its state."""
     what: tuple[Any, ...] = ("entry", "function") if add else (("entry", "function"), "target_kind")
+    fixed = gettext_lazy(
+        "The name and the target are fixed once created: another name or target is another "
+        "schedule (add it, then delete this one)."
+    )
+    first: dict[str, Any] = {"fields": (*what, "description")}
+    if not add:
+        first["description"] = fixed
     sets: list[tuple[Any, dict[str, Any]]] = [
-        (None, {"fields": (*what, "description")}),
+        (None, first),
         (
             gettext_lazy("Schedule"),
             {"fields": ("cron", "every", "time_zone", ("starts", "ends"), "enabled")},

@@ -314,7 +314,7 @@ def validate(
     policy = found.policy
     zone = _zone(time_zone)
     schedule = _schedule(cron, every, zone)
-    args, kwargs = _check_arguments(found, list(args), kwargs or {})
+    args, kwargs = _check_arguments(found, args, {} if kwargs is None else kwargs)
     catchup = catchup or policy.catchup
     if catchup not in Catchup.values:
         raise ScheduleDefinitionError(
