@@ -58,8 +58,8 @@ HISTORY_LENGTH = 100
 _VERDICT = "_taskguard_schedule_verdict"
 # A data schedule's page: what it shows whoever may change it, beside the form.
 DATA_READONLY = (
-    "entry",
-    "function",
+    "name_display",
+    "target_display",
     "target_kind",
     "task_name",
     "version",
@@ -73,7 +73,9 @@ DATA_READONLY = (
 
 def data_fieldsets(*, add: bool, editable: bool) -> list[tuple[Any, dict[str, Any]]]:
     """A data schedule's page: its definition, and (once saved) its state."""
-    what: tuple[Any, ...] = ("entry", "function") if add else (("entry", "function"), "target_kind")
+    what: tuple[Any, ...] = (
+        ("entry", "function") if add else (("name_display", "target_display"), "target_kind")
+    )
     fixed = gettext_lazy(
         "The name and the target are fixed once created: another name or target is another "
         "schedule (add it, then delete this one)."
@@ -334,6 +336,14 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
             context["can_run"] = live_data and self.has_run_permission(request)
             context["can_backfill"] = live_data and self.has_backfill_permission(request)
         return super().change_view(request, object_id, form_url, context)
+
+    @admin.display(description=gettext_lazy("name"))
+    def name_display(self, row: TaskSchedule) -> str:
+        return row.entry
+
+    @admin.display(description=gettext_lazy("target"))
+    def target_display(self, row: TaskSchedule) -> str:
+        return row.function
 
     @admin.display(description=gettext_lazy("next slots"))
     def next_slots_display(self, row: TaskSchedule) -> SafeString | str:
