@@ -174,7 +174,6 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "owner_display",
         "duration_display",
         "duplicates",
-        "version_display",
     )
     list_display_links = ("task_display",)
     list_filter = ("state", TaskNameFilter)
@@ -259,20 +258,27 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
 
     @admin.display(description=_("task"), ordering="task_name")
     def task_display(self, run: TaskRun) -> SafeString:
-        """The task's name, and under it the key of a keyed run; a long name breaks after a
-        dot (or anywhere) rather than push the table past the screen."""
+        """The task's name, and under it the key of a keyed run or the version of the data
+        schedule that fired it; a long name breaks after a dot (or anywhere) rather than push
+        the table past the screen."""
         *packages, last = run.task_name.split(".")
         name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
         key = format_html('<br><span class="quiet">{}</span>', run.key) if run.key else ""
-        return format_html('<span style="overflow-wrap:anywhere">{}{}{}</span>', name, last, key)
-
-    @admin.display(description=_("version"), ordering="schedule_version")
-    def version_display(self, run: TaskRun) -> SafeString | str:
-        """A data schedule's run: the version of the schedule that fired it."""
-        if run.schedule_version is None:
-            return "—"
         return format_html(
-            '<span class="taskguard-version" title="{}">v{}</span>',
+            '<span style="overflow-wrap:anywhere">{}{}{}{}</span>',
+            name,
+            last,
+            key,
+            self.version_display(run),
+        )
+
+    def version_display(self, run: TaskRun) -> SafeString | str:
+        """Under a data schedule's run's task: the version of the schedule that fired it (a
+        line, not a column: the list fits a 1280 px screen)."""
+        if run.schedule_version is None:
+            return ""
+        return format_html(
+            '<br><span class="taskguard-version quiet" title="{}">v{}</span>',
             _("schedule version"),
             run.schedule_version,
         )

@@ -226,7 +226,7 @@ def test_change_page__next_slots_in_its_zone_and_in_utc_and_its_runs() -> None:
         assert here.strip().endswith("09:00:00 EST") and utc.endswith("14:00:00 UTC"), (here, utc)
     runs = viewer.get(f"/admin/taskguard/taskrun/?task_name={row.task_name}").content.decode()
     assert f"?task_name={row.task_name.replace('[', '%5B').replace(']', '%5D')}" in html
-    assert 'class="taskguard-version" title="schedule version">v1<' in runs
+    assert 'class="taskguard-version quiet" title="schedule version">v1<' in runs
     run = TaskRun.objects.get()
     detail = viewer.get(reverse("admin:taskguard_taskrun_change", args=[run.pk])).content.decode()
     assert re.search(r"field-schedule_version.*?<div class=\"readonly\">1</div>", detail, re.S)
