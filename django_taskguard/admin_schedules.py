@@ -233,9 +233,6 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
 
     # Code and beat schedules are read-only (the actions are their only writes); data
     # schedules are added, changed and deleted with Django's permissions, through the API.
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return super().has_add_permission(request)
-
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return super().has_change_permission(request, obj) and (obj is None or _editable(obj))
 
