@@ -319,7 +319,7 @@ def validate(
         # its own TIME_ZONE (a code schedule's cron follows each copy's; W020 says so).
         zone = get_default_timezone_name()
     schedule = _schedule(cron, every, zone)
-    args, kwargs = _check_arguments(found, list(args), kwargs or {})
+    args, kwargs = _check_arguments(found, args, {} if kwargs is None else kwargs)
     catchup = catchup or policy.catchup
     if catchup not in Catchup.values:
         raise ScheduleDefinitionError(
