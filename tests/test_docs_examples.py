@@ -31,7 +31,14 @@ DEPLOYMENTS = [
     "docs/deployments/django-tasks.md",
 ]
 MIGRATING = "docs/migrating-from-django-celery-beat.md"
-PAGES = ["docs/testing.md", "docs/decorators.md", "README.md", *DEPLOYMENTS, MIGRATING]
+PAGES = [
+    "docs/testing.md",
+    "docs/decorators.md",
+    "docs/schedules.md",
+    "README.md",
+    *DEPLOYMENTS,
+    MIGRATING,
+]
 # Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
 NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md", MIGRATING}
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -50,6 +57,11 @@ def nightly_report():
 @once_per_key(key="order:{order_id}", keep=timedelta(days=7))
 def charge(order_id):
     return f"charged {order_id}"
+
+
+@once_per_schedule()  # no schedule of its own: data schedules give it slots
+def send_report(tenant_id, fmt="pdf"):
+    return f"report {tenant_id} {fmt}"
 """
 
 SETTINGS = """
@@ -71,6 +83,7 @@ PRELUDES = {
         "def chunks():\n    return [b'one', b'two']\n\n"
         "def write(chunk, fence):\n    assert fence > 0\n"
     ),
+    "docs/schedules.md": "",
     "README.md": "",
     **dict.fromkeys([*DEPLOYMENTS, MIGRATING], ""),
 }

@@ -258,3 +258,22 @@ def test_import__without_django_celery_beat_says_so() -> None:
     without = modify_settings(INSTALLED_APPS={"remove": ["django_celery_beat"]})
     with without, pytest.raises(CommandError, match="django-celery-beat is not installed"):
         run()
+
+
+def test_import__an_admin_edit_keeps_celerys_day_rule() -> None:
+    from .test_data_schedule_admin import EDITOR_PERMS, change_url, errors, form_data, login
+
+    periodic(
+        "friday-13th",
+        crontab=crontab(minute="30", hour="9", day_of_month="13", day_of_week="5"),
+    )
+    run()
+    row = schedule("friday-13th")
+    editor = login("eve", *EDITOR_PERMS)
+    edit = form_data(
+        cron="45 9 13 * 5", time_zone=row.time_zone, args="[]", kwargs='{"log": "/dev/null"}'
+    )
+    response = editor.post(change_url(row), edit)
+    assert response.status_code == 302, errors(response)
+    edited = schedule("friday-13th")
+    assert (edited.cron, edited.cron_day_or, edited.version) == ("45 9 13 * 5", False, 2)
