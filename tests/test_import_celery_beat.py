@@ -35,6 +35,7 @@ from tests.support.celery_app import app
 pytestmark = [pytest.mark.celery_beat, pytest.mark.django_db(transaction=True)]
 
 TICK = "tests.support.celery_tasks.tick"
+MINUTE = timedelta(minutes=1)
 UNGUARDED = "tests.import.unguarded"
 
 
@@ -233,6 +234,19 @@ def test_import__a_taskguard_database_scheduler_entry_is_converted_in_place() ->
     again = guard.execute(row.task_name, slot, body.policy, lambda: ran.append(slot), (), {})
     assert again is None and ran == [slot]  # the ledger refuses the slot that ran
     assert ledger.states_at(row.task_name, [slot]) == {slot: RunState.SUCCEEDED}
+
+
+def test_import__an_old_beat_still_running_does_not_take_the_schedule_back(caplog) -> None:
+    """A TaskguardDatabaseScheduler beat not stopped yet saves its entry again (at its start,
+    or when the rows change): the data schedule is left as it is, and the beat is told."""
+    task = periodic("ping", interval=interval(60, "seconds"))
+    entry = BeatEntry(task.name, TICK, celery_interval(timedelta(seconds=60)), {})
+    store.save([record_of(app, entry, DJANGO_CELERY_BEAT)])
+    run()
+    assert store.save([record_of(app, entry, DJANGO_CELERY_BEAT)]) == 0
+    row = schedule("ping")
+    assert (row.source, row.declared_in, row.every) == (ScheduleSource.DATA, "", MINUTE)
+    assert "are data schedules" in caplog.text and row.task_name in caplog.text
 
 
 def test_import__a_code_schedule_of_that_name_is_not_taken() -> None:

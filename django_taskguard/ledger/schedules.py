@@ -7,6 +7,7 @@ missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIA
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
@@ -25,6 +26,8 @@ from ..models import (
     TaskSchedule,
 )
 from .core import alias, clip, translated
+
+logger = logging.getLogger("taskguard.ledger")
 
 PAUSED_REASON_MAX_LENGTH = 500
 
@@ -85,8 +88,10 @@ def functions_under(module: str) -> list[str]:
 
 def save(records: Sequence[Record], now: datetime | None = None) -> int:
     """Insert or update the schedules the code declares; ``first_seen`` is kept, the
-    pause and ``swept_until`` are never touched. Returns how many were given."""
+    pause and ``swept_until`` are never touched. A data schedule of the same name is left
+    alone (an imported beat entry whose old beat still runs). Returns how many were saved."""
     now = now or timezone.now()
+    records = _not_data(records)
     rows = [
         TaskSchedule(
             task_name=record.task_name,
@@ -109,6 +114,27 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
             update_fields=[*_CODE_FIELDS, "last_seen"],
         )
     return len(rows)
+
+
+def _not_data(records: Sequence[Record]) -> Sequence[Record]:
+    """``records`` but those whose name is a data schedule's (said once per save)."""
+    if not records:
+        return records
+    names = [record.task_name for record in records]
+    with translated:
+        taken = set(
+            TaskSchedule.objects.using(alias())
+            .filter(source=ScheduleSource.DATA, task_name__in=names)
+            .values_list("task_name", flat=True)
+        )
+    if not taken:
+        return records
+    logger.warning(
+        "taskguard: %s are data schedules (imported from django-celery-beat, or defined with "
+        "that name): not saved as declared schedules; stop the beats that still declare them",
+        ", ".join(sorted(taken)),
+    )
+    return [record for record in records if record.task_name not in taken]
 
 
 def zone_of(row: TaskSchedule) -> str:
