@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from .support import celery_tasks
 from .support.celery_app import app
 from .support.children import executions
 from .support.waiting import wait_for
-from .test_celery_e2e import PERSISTENT, Cluster
+from .test_celery_e2e import PERSISTENT, Cluster, published
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -88,9 +87,7 @@ def test_entries__jitter_delays_the_send_and_keeps_the_nominal_slot():
 
 def test_entries__starts_and_ends_bound_the_slots():
     begin = datetime(2026, 7, 1, 12, 0, tzinfo=UTC)
-    row = defined(
-        "w", every=timedelta(minutes=1), starts=begin, ends=begin + timedelta(minutes=2)
-    )
+    row = defined("w", every=timedelta(minutes=1), starts=begin, ends=begin + timedelta(minutes=2))
     schedule = de.schedule_of(row)
     long_ago = begin - timedelta(days=1)
     with freeze_now(begin - timedelta(seconds=30)):
@@ -365,9 +362,14 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
         "two", log, tenant=2, every=timedelta(seconds=2)
     )
     moved_at = moved.swept_until  # type: ignore[attr-defined]
-    wait_for(lambda: len(ran(two, after=moved_at)) >= 2, 20, "two's new slots")
-    later = ran(two, after=moved_at + timedelta(seconds=de.POLL_SECONDS + 2))
-    assert later and all(slot.second % 2 == 0 for slot in later)
+    seen_by = moved_at + timedelta(seconds=de.POLL_SECONDS + 2)  # both beats polled
+    later = wait_for(
+        lambda: (found := ran(two, after=seen_by)) and len(found) >= 2 and found,
+        30,
+        "two's new slots",
+        describe=beats.describe,
+    )
+    assert all(slot.second % 2 == 0 for slot in later), later
 
     # Disabled and deleted: nothing more sent.
     defined("one", log, tenant=1, every=timedelta(seconds=1), extra={"fmt": "csv"}, enabled=False)
@@ -378,14 +380,14 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
 
     # Every slot executed once, by the workers; every run records the version that sent it.
     wait_for(
-        lambda: not TaskRun.objects.filter(
-            state__in=(RunState.PENDING, RunState.RUNNING)
-        ).exists(),
+        lambda: not TaskRun.objects.filter(state__in=(RunState.PENDING, RunState.RUNNING)).exists(),
         20,
         "the runs to end",
     )
     executed = Counter((name, slot) for name, slot, _, _ in report_runs(log))
     assert executed and max(executed.values()) == 1, executed.most_common(3)
+    sent = {(f"{REPORT}[{entry}]", slot) for entry, slot, _ in published(beats)}
+    assert set(executed) == sent, "a sent slot did not run, or a run was never sent"
     pids = {pid for *_, pid in report_runs(log)}
     assert {beats.owner_of(pid) for pid in pids} <= {"w1", "w2"}
     runs = {(r.task_name, r.slot): r for r in TaskRun.objects.filter(task_name__in=(one, two))}
@@ -396,7 +398,6 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
         if (task, slot) in executed:
             assert run.state == RunState.SUCCEEDED, (task, slot, run.state, run.error)
     # Slots of one before the disable: none lost between the first and the last sent.
-    sent = ran(one)
-    gaps = [b for a, b in itertools.pairwise(sent) if b - a != timedelta(seconds=1)]
+    slots_of_one = ran(one)
+    gaps = [b for a, b in itertools.pairwise(slots_of_one) if b - a != timedelta(seconds=1)]
     assert not gaps, f"slots of one missing before {gaps}"
-    assert os.path.exists(log)

@@ -217,7 +217,7 @@ def send_slot(row: TaskSchedule, slot: datetime, by: str, connection: Any = None
 
 
 def run_now(row: TaskSchedule, slot: datetime, by: str) -> str:
-    """"Run now" of a Celery data schedule: a ``pending`` row, then the message to a worker."""
+    """ "Run now" of a Celery data schedule: a ``pending`` row, then the message to a worker."""
     return hand_out(row.task_name, slot, functools.partial(send_slot, row, slot, by))
 
 

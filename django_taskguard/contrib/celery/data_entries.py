@@ -35,6 +35,7 @@ from django.utils import timezone
 
 from ... import data_schedules
 from ...ledger import schedules as store
+from ...ledger.core import translated
 from ...models import Catchup, TargetKind, TaskSchedule
 from ...schedules import StoredSchedule, rebuild
 from .headers import (
@@ -132,15 +133,30 @@ class DataEntry(ScheduleEntry):
     @property
     def task_name(self) -> str:
         """The name its runs are recorded under (``target[name]``)."""
-        return self.name[len(KEY_PREFIX) :]
+        return str(self.name)[len(KEY_PREFIX) :]
 
     @property
     def schedule_name(self) -> str:
-        return str(self.options["headers"][SCHEDULE_HEADER])
+        return str(self._headers()[SCHEDULE_HEADER])
 
     @property
     def version(self) -> int:
-        return int(self.options["headers"][VERSION_HEADER])
+        return int(self._headers()[VERSION_HEADER])
+
+    @property
+    def key(self) -> str:
+        return str(self.name)
+
+    @property
+    def sent_at(self) -> datetime:
+        """When its last slot was sent (or the floor it was built with)."""
+        last = self.last_run_at
+        assert last is not None
+        return last
+
+    def _headers(self) -> dict[str, Any]:
+        headers: dict[str, Any] = (self.options or {})["headers"]
+        return headers
 
     def save(self) -> None:
         """Nothing to save (django-celery-beat's scheduler saves the entries it sent)."""
@@ -201,7 +217,7 @@ class DataSchedules:
         full = self.cursor is None or clock >= self.next_reload
         try:
             if full:
-                with store.translated:
+                with translated:
                     rows = list(store.data_schedules(KINDS).filter(removed_at__isnull=True))
             else:
                 assert self.cursor is not None
@@ -256,16 +272,16 @@ class DataSchedules:
         schedule = schedule_of(row)
         floor = floor_of(row)
         if known is not None and known.schedule == schedule:
-            last = max(known.last_run_at, floor)  # same slots: the next one, new arguments
+            last = max(known.sent_at, floor)  # same slots: the next one, new arguments
         else:
             last = floor  # new, or moved: the new schedule's slots after the edit only
         return entry_of(row, last, self.app)
 
     def sent(self, entry: DataEntry) -> None:
         """``entry`` is this one's next instance (its slot was sent)."""
-        known = self.entries.get(entry.name)
+        known = self.entries.get(entry.key)
         if known is not None and known.version == entry.version:
-            self.entries[entry.name] = entry
+            self.entries[entry.key] = entry
 
     def _say_once(self, row: TaskSchedule, why: str) -> None:
         if row.task_name in self.warned:
@@ -304,9 +320,7 @@ class DataSchedulesMixin:
             schedule.pop(key, None)
         for entry in put:
             schedule[entry.name] = entry
-        logger.info(
-            "taskguard beat: %d data schedules updated, %d removed", len(put), len(gone)
-        )
+        logger.info("taskguard beat: %d data schedules updated, %d removed", len(put), len(gone))
 
     def reserve(self, entry: Any) -> Any:
         new = super().reserve(entry)  # type: ignore[misc]
