@@ -215,6 +215,27 @@ def test_scheduler__data_entries_beside_settings_entries_of_the_same_name(tmp_pa
         app.conf.beat_schedule = {}
 
 
+@pytest.mark.celery_beat
+def test_database_scheduler__keeps_data_entries_across_its_reads_of_the_rows():
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    from django_taskguard.contrib.celery.beat_db import TaskguardDatabaseScheduler
+
+    defined("d1", tenant=8)
+    beat = TaskguardDatabaseScheduler(app=app, lazy=False)
+    key = f"{de.KEY_PREFIX}{REPORT}[d1]"
+    assert key in beat.schedule
+    entry = beat.schedule[key]
+    sent = beat.reserve(entry)  # the beat sent a slot: its entry moves on
+    assert beat.schedule[key].last_run_at == sent.last_run_at > entry.last_run_at
+    # A periodic task added: the scheduler reads its rows again, the data entry stays as sent.
+    every, _ = IntervalSchedule.objects.get_or_create(every=60, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="p1", task=celery_tasks.tick.name, interval=every)
+    reread = beat.all_as_schedule()
+    assert "p1" in reread and reread[key].last_run_at == sent.last_run_at
+    beat.sync()  # the sent data entry is in its dirty set: saving it is a no-op
+
+
 # --- worker, run now, backfill ---------------------------------------------------------
 
 
