@@ -32,6 +32,7 @@ from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.handoff import data_sender
 from django_taskguard.ledger import schedules as store
 from django_taskguard.models import RunState, TaskRun
+from django_taskguard.schedules import IntervalSchedule
 from django_taskguard.testing import freeze_now
 
 from .support import celery_tasks
@@ -161,6 +162,41 @@ def test_poll__created_edited_disabled_deleted():
     again = defined("a", tenant=2, every=timedelta(seconds=3))
     (back,), _ = refreshed(data)
     assert back.last_run_at == again.swept_until  # type: ignore[attr-defined]
+
+
+def test_poll__a_creation_owes_its_slots_since_then():
+    data = de.DataSchedules(app)
+    assert refreshed(data) == ([], [])
+    first_seen = defined("o", every=timedelta(seconds=1)).first_seen  # type: ignore[attr-defined]
+    with freeze_now(first_seen + timedelta(seconds=3.5)):
+        (entry,), _ = refreshed(data)
+        latest = entry.schedule.latest_slot(timezone.now())
+    owed = data.take_owed()
+    # Every slot since the creation: the latest is the entry's own (it is due).
+    expected = IntervalSchedule(timedelta(seconds=1)).slots_between(first_seen, latest, 10)
+    assert [slot for _, slot in owed] == expected[:-1] and len(owed) >= 2
+    assert {e.key for e, _ in owed} == {entry.key}
+    assert not entry.is_due().is_due  # the real clock again: no slot since the creation
+
+
+def test_poll__a_moved_schedule_owes_the_old_slots_due_by_the_edit():
+    data = de.DataSchedules(app)
+    row = defined("m", every=timedelta(seconds=1))
+    refreshed(data)
+    (first,) = data.entries.values()
+    sent_at = row.first_seen - timedelta(seconds=3)  # type: ignore[attr-defined]
+    data.sent(first.next(sent_at))  # the beat last sent a slot 3 s before
+    moved = defined("m", every=timedelta(seconds=2))
+    (entry,), _ = refreshed(data)
+    owed = data.take_owed()
+    assert owed and {e.version for e, _ in owed} == {1}  # the old schedule's, as it was
+    slots = [slot for _, slot in owed]
+    assert slots == IntervalSchedule(timedelta(seconds=1)).slots_between(
+        sent_at,
+        moved.changed_at,  # type: ignore[attr-defined]
+        10,
+    )
+    assert entry.version == 2 and entry.last_run_at == moved.swept_until  # type: ignore[attr-defined]
 
 
 def test_poll__only_celery_targets():
@@ -369,8 +405,9 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
 
     # Created while the beats run: picked up, no slot before its creation.
     created = defined("two", log, tenant=2, every=timedelta(seconds=1)).first_seen  # type: ignore[attr-defined]
-    wait_for(lambda: ran(two), 20, "a slot of two", describe=beats.describe)
-    assert min(ran(two)) > created
+    first_two = IntervalSchedule(timedelta(seconds=1)).next_slot(created)
+    wait_for(lambda: len(ran(two)) >= 3, 20, "slots of two", describe=beats.describe)
+    assert min(ran(two)) == first_two  # none before its creation, none lost after it
 
     # Edited (arguments): the next slots send the new ones.
     edited = timezone.now()
@@ -422,3 +459,6 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
     slots_of_one = ran(one)
     gaps = [b for a, b in itertools.pairwise(slots_of_one) if b - a != timedelta(seconds=1)]
     assert not gaps, f"slots of one missing before {gaps}"
+    before_move = [slot for slot in ran(two) if slot <= moved_at]
+    gaps = [b for a, b in itertools.pairwise(before_move) if b - a != timedelta(seconds=1)]
+    assert not gaps, f"slots of two missing before {gaps}"

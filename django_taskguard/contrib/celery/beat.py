@@ -161,6 +161,14 @@ class StampingMixin:
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
         stamped = self.stamp(entry, timezone.now())  # the clock freeze_now moves
+        return self._publish(entry, stamped, producer, **kwargs)
+
+    def send_slot(self, entry: Any, slot: datetime) -> Any:
+        """Publish ``entry`` for ``slot``, a slot its schedule owes (not the latest one):
+        claimed and recorded as :meth:`apply_async` does."""
+        return self._publish(entry, self.stamp(entry, timezone.now(), slot=slot), None)
+
+    def _publish(self, entry: Any, stamped: Any, producer: Any, **kwargs: Any) -> Any:
         slot = stamped.options["headers"].get(SLOT_HEADER)
         sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
         if slot is not None and sent.get(entry.name) == slot:
@@ -196,10 +204,11 @@ class StampingMixin:
         maybe_upkeep()
         return min(interval, upkeep_wait())
 
-    def stamp(self, entry: Any, now: datetime) -> Any:
-        """A copy of ``entry`` that carries the slot headers."""
+    def stamp(self, entry: Any, now: datetime, slot: datetime | None = None) -> Any:
+        """A copy of ``entry`` that carries the slot headers (of ``slot``, else of the
+        slot its schedule is due for at ``now``)."""
         try:
-            slot = slot_for(entry.schedule, now)
+            slot = slot or slot_for(entry.schedule, now)
         except Exception:
             logger.exception("taskguard could not compute the slot of beat entry %s", entry.name)
             slot = None

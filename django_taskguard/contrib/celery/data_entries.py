@@ -13,9 +13,11 @@ changed (re-reading :data:`POLL_OVERLAP`, and every one every :data:`RELOAD_SECO
 applies them by version (docs/celery.md, "Data schedules with Celery beat"):
 
 - created, or enabled again: no slot before that (``first_seen``, or the mark the change
-  set in ``swept_until``) is sent;
-- an edit that moves the slots (cron, interval, zone, starts, ends): the new schedule's
-  slots after the edit only;
+  set in ``swept_until``) is sent; those due since then (within the grace) are sent at the
+  poll;
+- an edit that moves the slots (cron, interval, zone, starts, ends): the old schedule's
+  slots due by the edit and not sent yet are sent; then the new schedule's slots after the
+  edit only;
 - an edit that keeps them: the next slot is sent with the new arguments;
 - disabled, deleted, or no longer a Celery task: nothing more is sent.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from celery.beat import ScheduleEntry
 from celery.schedules import BaseSchedule, schedstate
@@ -57,6 +59,8 @@ RETRY_SECONDS = 10.0
 # The beat's schedule key of a data schedule's entry: no settings entry is named so.
 KEY_PREFIX = "taskguard data schedule "
 KINDS = (TargetKind.CELERY,)
+# At most this many owed slots of one schedule are sent when a poll sees a change.
+OWED_MAX = 100
 _HORIZON = timedelta(days=800)
 
 logger = logging.getLogger("taskguard.celery")
@@ -99,10 +103,23 @@ class DataDue(BaseSchedule):
     def count_between(self, start: datetime, end: datetime, cap: int) -> int:
         return self.stored.count_between(start, end, cap)
 
+    def in_window(self, slot: datetime) -> bool:
+        """``slot`` is within ``starts``/``ends``."""
+        return (self.starts is None or slot >= self.starts) and (
+            self.ends is None or slot <= self.ends
+        )
+
+    def owed(self, after: datetime, until: datetime) -> list[datetime]:
+        """The slots in ``(after, until]`` within the window (at most :data:`OWED_MAX`)."""
+        if until <= after:
+            return []
+        slots = self.stored.slots_between(after, until, OWED_MAX)
+        return [slot for slot in slots if self.in_window(slot)]
+
     def is_due(self, last_run_at: datetime) -> schedstate:
         now = timezone.now()
         slot = self.latest_slot(now)
-        due = last_run_at.astimezone(UTC) < slot and (self.starts is None or slot >= self.starts)
+        due = last_run_at.astimezone(UTC) < slot and self.in_window(slot)
         moment = now - self.offset
         ahead = self.stored.slots_between(moment, moment + _HORIZON, 1)
         if not ahead or (self.ends is not None and ahead[0] > self.ends):
@@ -203,6 +220,12 @@ class DataSchedules:
         self.next_poll = 0.0
         self.next_reload = 0.0
         self.warned: set[str] = set()
+        # Slots a change owes (sent at once): an entry and the slot to stamp it with.
+        self.owed: list[tuple[DataEntry, datetime]] = []
+
+    def take_owed(self) -> list[tuple[DataEntry, datetime]]:
+        owed, self.owed = self.owed, []
+        return owed
 
     def due_in(self) -> float:
         return max(self.next_poll - time.monotonic(), 0.0)
@@ -255,6 +278,9 @@ class DataSchedules:
                 continue
             try:
                 entry = self._entry(row, known)
+                if not full:
+                    now = timezone.now()
+                    self.owed += self._owed(row, entry, known, now)
             except Exception as exc:
                 self._say_once(row, f"its schedule cannot be read here ({exc})")
                 if self.entries.pop(key, None) is not None:
@@ -276,6 +302,30 @@ class DataSchedules:
         else:
             last = floor  # new, or moved: the new schedule's slots after the edit only
         return entry_of(row, last, self.app)
+
+    def _owed(
+        self, row: TaskSchedule, entry: DataEntry, known: DataEntry | None, now: datetime
+    ) -> list[tuple[DataEntry, datetime]]:
+        """The slots a change seen by a poll owes, sent at once (as ``run_schedules`` does):
+
+        - created or enabled again: those after the change and within the grace, the latest
+          aside (the entry sends it), so that a one-second schedule created two seconds ago
+          loses none;
+        - moved: the old schedule's slots due by the edit that this beat did not send yet
+          (never lost), with what they were due with; the new schedule's start after the
+          edit (never early).
+        """
+        schedule = cast(DataDue, entry.schedule)
+        if known is None:
+            latest = schedule.latest_slot(now)
+            since = max(floor_of(row), now - row.grace - schedule.offset)
+            return [(entry, slot) for slot in schedule.owed(since, latest) if slot != latest]
+        old = cast(DataDue, known.schedule)
+        if old == schedule:
+            return []
+        edit = min(row.changed_at or now, now)
+        since = max(known.sent_at, now - row.grace - old.offset)
+        return [(known, slot) for slot in old.owed(since, old.latest_slot(edit + old.offset))]
 
     def sent(self, entry: DataEntry) -> None:
         """``entry`` is this one's next instance (its slot was sent)."""
@@ -320,6 +370,13 @@ class DataSchedulesMixin:
             schedule.pop(key, None)
         for entry in put:
             schedule[entry.name] = entry
+        for entry, slot in self.data_schedules().take_owed():
+            try:
+                self.send_slot(entry, slot)  # type: ignore[attr-defined]
+            except Exception:
+                logger.exception(
+                    "taskguard beat could not send %s slot %s", entry.task_name, slot.isoformat()
+                )
         logger.info("taskguard beat: %d data schedules updated, %d removed", len(put), len(gone))
 
     def reserve(self, entry: Any) -> Any:
