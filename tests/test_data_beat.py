@@ -245,8 +245,19 @@ def test_scheduler__data_entries_beside_settings_entries_of_the_same_name(tmp_pa
             beat.data_schedules().next_poll = 0.0
             beat.refresh_data_schedules()
             assert f"{de.KEY_PREFIX}{REPORT}[t1]" not in beat.schedule
+            defined("t2", tenant=5)
+            beat.data_schedules().next_poll = 0.0
+            beat.refresh_data_schedules()
         finally:
-            beat.close()
+            beat.close()  # its schedule file keeps the data entries too (pickled)
+        # Started again on the same file: the saved data entries are read back, then
+        # replaced by the rows as they are now.
+        again = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "s"), lazy=False)
+        try:
+            data_keys = {key for key in again.schedule if key.startswith(de.KEY_PREFIX)}
+            assert data_keys == {f"{de.KEY_PREFIX}{REPORT}[t2]"}
+        finally:
+            again.close()
     finally:
         app.conf.beat_schedule = {}
 
