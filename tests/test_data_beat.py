@@ -11,10 +11,11 @@ import io
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from django.core.management import call_command
@@ -28,10 +29,10 @@ from django_taskguard.contrib.celery import data_entries as de
 from django_taskguard.contrib.celery.beat import TaskguardScheduler
 from django_taskguard.contrib.celery.headers import GRACE_HEADER, VERSION_HEADER, slot_for
 from django_taskguard.data_schedules import run_now
-from django_taskguard.exceptions import TaskGuardError
+from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.handoff import data_sender
 from django_taskguard.ledger import schedules as store
-from django_taskguard.models import RunState, TaskRun
+from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.schedules import IntervalSchedule
 from django_taskguard.testing import freeze_now
 
@@ -45,13 +46,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 REPORT = "tests.support.celery_tasks.report"
 UTC = dt_timezone.utc
+T = TypeVar("T")
 
 
-def defined(name: str, log: Path | str = "unused", **given: object) -> object:
+def defined(name: str, log: Path | str = "unused", **given: Any) -> TaskSchedule:
     given.setdefault("every", timedelta(seconds=2))
     kwargs = {"log": str(log), "tenant": given.pop("tenant", 1)}
-    kwargs.update(given.pop("extra", {}))  # type: ignore[call-overload]
-    return define_schedule(name, REPORT, kwargs=kwargs, **given)  # type: ignore[arg-type]
+    kwargs.update(given.pop("extra", {}))
+    return define_schedule(name, REPORT, kwargs=kwargs, **given)
 
 
 # --- entries ----------------------------------------------------------------------------
@@ -161,13 +163,13 @@ def test_poll__created_edited_disabled_deleted():
     # Enabled again: no slot of the disabled time.
     again = defined("a", tenant=2, every=timedelta(seconds=3))
     (back,), _ = refreshed(data)
-    assert back.last_run_at == again.swept_until  # type: ignore[attr-defined]
+    assert back.last_run_at == again.swept_until
 
 
 def test_poll__a_creation_owes_its_slots_since_then():
     data = de.DataSchedules(app)
     assert refreshed(data) == ([], [])
-    first_seen = defined("o", every=timedelta(seconds=1)).first_seen  # type: ignore[attr-defined]
+    first_seen = defined("o", every=timedelta(seconds=1)).first_seen
     with freeze_now(first_seen + timedelta(seconds=3.5)):
         (entry,), _ = refreshed(data)
         latest = entry.schedule.latest_slot(timezone.now())
@@ -184,7 +186,7 @@ def test_poll__a_moved_schedule_owes_the_old_slots_due_by_the_edit():
     row = defined("m", every=timedelta(seconds=1))
     refreshed(data)
     (first,) = data.entries.values()
-    sent_at = row.first_seen - timedelta(seconds=3)  # type: ignore[attr-defined]
+    sent_at = row.first_seen - timedelta(seconds=3)
     data.sent(first.next(sent_at))  # the beat last sent a slot 3 s before
     moved = defined("m", every=timedelta(seconds=2))
     (entry,), _ = refreshed(data)
@@ -193,10 +195,10 @@ def test_poll__a_moved_schedule_owes_the_old_slots_due_by_the_edit():
     slots = [slot for _, slot in owed]
     assert slots == IntervalSchedule(timedelta(seconds=1)).slots_between(
         sent_at,
-        moved.changed_at,  # type: ignore[attr-defined]
+        moved.changed_at,
         10,
     )
-    assert entry.version == 2 and entry.last_run_at == moved.swept_until  # type: ignore[attr-defined]
+    assert entry.version == 2 and entry.last_run_at == moved.swept_until
 
 
 def test_poll__only_celery_targets():
@@ -319,7 +321,7 @@ def test_worker__a_data_schedules_message_records_its_identity_and_version(eager
 def test_run_now__hands_a_manual_slot_to_the_worker(eager, tmp_path):
     log = tmp_path / "log"
     row = defined("now", log, tenant=5)
-    said = run_now(row, by="alice")  # type: ignore[arg-type]
+    said = run_now(row, by="alice")
     assert said.startswith("enqueued (celery message")
     run = TaskRun.objects.get()
     assert (run.task_name, run.state, run.schedule_version) == (
@@ -385,6 +387,23 @@ def beats(child_env, scratch, redis_server) -> Iterator[Cluster]:
         running.kill_all()
 
 
+def busy(write: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``write(...)``, again while SQLite is locked by the beats and workers' writes."""
+    done: list[T] = []
+
+    def attempt() -> bool:
+        try:
+            done.append(write(*args, **kwargs))
+        except BackendUnavailable as exc:
+            if "locked" not in str(exc):
+                raise
+            return False
+        return True
+
+    wait_for(attempt, 20, f"{write.__name__} to be saved", every=0.2)
+    return done[0]
+
+
 def report_runs(log: Path) -> list[tuple[str, datetime, str, int]]:
     """(task, slot, event, pid) of every execution, counted outside the ledger."""
     return [
@@ -399,7 +418,7 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
     log = scratch / "reports.log"
     one = f"{REPORT}[one]"
     two = f"{REPORT}[two]"
-    defined("one", log, tenant=1, every=timedelta(seconds=1))
+    busy(defined, "one", log, tenant=1, every=timedelta(seconds=1))
     for name in ("w1", "w2"):
         beats.worker(name)
     for name in ("b1", "b2"):
@@ -415,22 +434,19 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
     wait_for(lambda: len(ran(one)) >= 3, 40, "three slots of one", describe=beats.describe)
 
     # Created while the beats run: picked up, no slot before its creation.
-    created = defined("two", log, tenant=2, every=timedelta(seconds=1)).first_seen  # type: ignore[attr-defined]
+    created = busy(defined, "two", log, tenant=2, every=timedelta(seconds=1)).first_seen
     first_two = IntervalSchedule(timedelta(seconds=1)).next_slot(created)
     wait_for(lambda: len(ran(two)) >= 3, 20, "slots of two", describe=beats.describe)
     assert min(ran(two)) == first_two  # none before its creation, none lost after it
 
     # Edited (arguments): the next slots send the new ones.
-    edited = timezone.now()
-    defined("one", log, tenant=1, every=timedelta(seconds=1), extra={"fmt": "csv"})
+    csv = {"fmt": "csv"}
+    edited = busy(defined, "one", log, tenant=1, every=timedelta(seconds=1), extra=csv).changed_at
     wait_for(lambda: ran(one, "report:1:csv"), 20, "the new arguments", describe=beats.describe)
     assert not ran(one, "report:1:pdf", after=edited + timedelta(seconds=de.POLL_SECONDS + 2))
 
     # Edited (interval 1 s -> 2 s): no slot of the new schedule before the edit.
-    moved = defined(  # type: ignore[assignment]
-        "two", log, tenant=2, every=timedelta(seconds=2)
-    )
-    moved_at = moved.swept_until  # type: ignore[attr-defined]
+    moved_at = busy(defined, "two", log, tenant=2, every=timedelta(seconds=2)).swept_until
     seen_by = moved_at + timedelta(seconds=de.POLL_SECONDS + 2)  # both beats polled
     later = wait_for(
         lambda: (found := ran(two, after=seen_by)) and len(found) >= 2 and found,
@@ -441,8 +457,8 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
     assert all(slot.second % 2 == 0 for slot in later), later
 
     # Disabled and deleted: nothing more sent.
-    defined("one", log, tenant=1, every=timedelta(seconds=1), extra={"fmt": "csv"}, enabled=False)
-    delete_schedule("two", REPORT)
+    busy(defined, "one", log, tenant=1, every=timedelta(seconds=1), extra=csv, enabled=False)
+    busy(delete_schedule, "two", REPORT)
     stopped = timezone.now() + timedelta(seconds=de.POLL_SECONDS + 2)
     time.sleep(de.POLL_SECONDS * 2 + 4)
     assert not ran(one, after=stopped) and not ran(two, after=stopped)
