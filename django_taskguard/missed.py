@@ -102,6 +102,11 @@ def _sweep_one(
     end = now - row.grace
     if not dry_run:
         _end_pending(row, end, result)
+    # A data schedule's window: no slot before ``starts`` nor after ``ends`` is due.
+    if row.starts is not None:
+        judged = max(judged, row.starts - timedelta(microseconds=1))
+    if row.ends is not None:
+        end = min(end, row.ends)
     if end <= judged:
         return
     if not dry_run and not row.paused:
