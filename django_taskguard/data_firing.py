@@ -96,6 +96,13 @@ class _Slotted:
     fired: datetime  # slots at or before it are not this copy's to fire any more
     start_at: datetime | None = None  # when the next slot starts; None: none ahead
 
+    def latest(self, now: datetime) -> datetime:
+        """The newest slot whose start has come, none after ``ends``."""
+        latest = self.schedule.latest_slot(now - self.offset)
+        if self.ends is not None and latest > self.ends:
+            return self.schedule.latest_slot(self.ends)
+        return latest
+
     def in_window(self, slot: datetime) -> bool:
         return (self.starts is None or slot >= self.starts) and (
             self.ends is None or slot <= self.ends
@@ -224,13 +231,17 @@ class DataSchedules:
     def _born(self, row: TaskSchedule, state: _Slotted, now: datetime, start: bool) -> list[Due]:
         """A schedule this copy did not fire: created, enabled again, or read at start. No
         slot before it was created, enabled again or last moved (``swept_until`` marks
-        those two) fires; of the others, those within grace, and the newest."""
+        those two) fires; of the others, the newest (at start; ``catchup="all"``: every
+        one after the newest run), or those within grace and the newest (a change seen by
+        a poll: a one-second schedule created two seconds ago loses none)."""
         born = max(row.first_seen, row.swept_until or row.first_seen) - _TICK
-        latest = state.schedule.latest_slot(now - state.offset)
+        latest = state.latest(now)
         since = max(born, now - state.policy.grace - state.offset)
         if start and state.policy.catchup == "all":
             newest = ledger.latest_slot(row.task_name)
             since = born if newest is None else max(born, newest)
+        elif start:  # as a code schedule at start: the newest slot (the sweep judges older)
+            since = max(born, latest - _TICK)
         slots = slots_after(state.schedule, state.policy, since, latest) if latest > since else []
         if state.policy.catchup == "latest" and latest > born and latest not in slots:
             slots.append(latest)
@@ -323,7 +334,7 @@ class DataSchedules:
             state = self.states.get(name)
             if state is None or state.start_at != start_at:
                 continue  # an older plan: the schedule changed or went since
-            latest = state.schedule.latest_slot(now - state.offset)
+            latest = state.latest(now)
             if latest > state.fired:
                 slots = slots_after(state.schedule, state.policy, state.fired, latest)
                 if state.policy.catchup == "latest":
@@ -337,7 +348,14 @@ class DataSchedules:
         return due
 
     def next_start(self) -> datetime | None:
-        return self._heap[0][0] if self._heap else None
+        """When the next slot starts (older plans dropped on the way)."""
+        while self._heap:
+            start_at, name = self._heap[0]
+            state = self.states.get(name)
+            if state is not None and state.start_at == start_at:
+                return start_at
+            heapq.heappop(self._heap)
+        return None
 
     def next_poll_in(self) -> float:
         return max(self._next_poll - time.monotonic(), 0.0)
