@@ -62,7 +62,7 @@ def test_data__at_start_the_latest_slot_since_creation_fires() -> None:
 
 
 def test_data__an_edit_of_the_arguments_fires_the_next_slot_with_them() -> None:
-    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    define_schedule("t1", TARGET, every=MINUTE, args=[1])
     data = DataSchedules()
     now = timezone.now()
     data.load(now, start=True)
@@ -233,7 +233,9 @@ def test_sweep__skips_disabled_data_schedules_and_slots_outside_the_window() -> 
     assert off.task_name not in {row.task_name for row in store.watched(store.stored())}
     sweep_missed()
     assert not TaskRun.objects.filter(task_name=off.task_name).exists()
-    missed = sorted(TaskRun.objects.filter(task_name=windowed.task_name).values_list("slot", flat=True))
+    missed = sorted(
+        TaskRun.objects.filter(task_name=windowed.task_name).values_list("slot", flat=True)
+    )
     starts = _minute(now - 10 * MINUTE) + (MINUTE if (now - 10 * MINUTE).second else timedelta(0))
     assert missed and missed[0] >= now - 10 * MINUTE and missed[-1] <= now - 8 * MINUTE
     assert missed[0] == starts
