@@ -166,6 +166,8 @@ class DataSchedules:
         self._cursor = polled
         self._next_poll = time.monotonic() + DATA_POLL_SECONDS
         self._next_reload = time.monotonic() + FULL_RELOAD_SECONDS
+        if start:
+            logger.info("run_schedules: %d data schedules", len(self.states))
         return due + self.pending()
 
     def poll(self, now: datetime) -> list[Due]:
@@ -295,6 +297,9 @@ class DataSchedules:
             except TaskGuardError as exc:
                 self._targets[name] = None
                 self._say_once(row, str(exc))
+            except Exception as exc:  # its module raised on import: not this loop's end
+                self._targets[name] = None
+                self._say_once(row, f"importing it raised {type(exc).__name__}: {exc}")
         found = self._targets[name]
         if found is None:
             self._say_once(row, f"its target {name} cannot be found in this process")

@@ -249,6 +249,9 @@ class Scheduler:
                 exc,
             )
             return
+        except Exception:  # never the loop's end: the next tick, and the sweep, go on
+            logger.exception("run_schedules: reading the data schedules failed")
+            return
         if not jobs:
             return
         tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -239,3 +240,16 @@ def test_sweep__skips_disabled_data_schedules_and_slots_outside_the_window() -> 
     starts = _minute(now - 10 * MINUTE) + (MINUTE if (now - 10 * MINUTE).second else timedelta(0))
     assert missed and missed[0] >= now - 10 * MINUTE and missed[-1] <= now - 8 * MINUTE
     assert missed[0] == starts
+
+
+def test_run_schedules__task_names_a_data_schedule() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[9])
+    _back(row.task_name, timedelta(hours=1))
+    define_schedule("t2", TARGET, every=MINUTE, args=[10])
+    data_targets.executed.clear()
+    call_command("run_schedules", "--once", "--task", row.task_name, verbosity=0)
+    assert data_targets.executed == [(row.task_name, (9,), {"fmt": "pdf"})]
+    (run,) = TaskRun.objects.filter(task_name__startswith=TARGET, state=RunState.SUCCEEDED)
+    assert (run.task_name, run.schedule_version) == (row.task_name, 1)
+    with pytest.raises(CommandError, match=r"data schedule .* named nope\[x\]"):
+        call_command("run_schedules", "--once", "--task", "nope[x]", verbosity=0)
