@@ -253,3 +253,17 @@ def test_run_schedules__task_names_a_data_schedule() -> None:
     assert (run.task_name, run.schedule_version) == (row.task_name, 1)
     with pytest.raises(CommandError, match=r"data schedule .* named nope\[x\]"):
         call_command("run_schedules", "--once", "--task", "nope[x]", verbosity=0)
+
+
+def test_sweep__ends_a_run_now_slot_nobody_started_within_its_grace() -> None:
+    row = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    run_now(row)
+    (pending,) = TaskRun.objects.filter(task_name=row.task_name)
+    assert pending.slot.microsecond  # off the schedule's grid
+    sweep_missed()
+    pending.refresh_from_db()
+    assert pending.state == RunState.PENDING  # within its grace: a copy may still start it
+    TaskRun.objects.filter(id=pending.id).update(created_at=timezone.now() - row.grace - MINUTE)
+    sweep_missed()
+    pending.refresh_from_db()
+    assert pending.state == RunState.MISSED
