@@ -17,6 +17,7 @@ Catch-up, per schedule (see docs/schedules.md): ``latest`` fires the newest due 
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import random
 import threading
@@ -80,6 +81,9 @@ class Scheduler:
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
     _fired: int = 0
     _clock: datetime | None = None  # the "now" of the last due()
+    _heap: list[tuple[datetime, str]] = field(default_factory=list)  # (next slot, task)
+    _planned: bool = False  # the heap holds every schedule's next slot
+    _by_name: dict[str, Entry] = field(default_factory=dict)
     # The data schedules this copy fires (None: none, ``--task`` named code schedules only).
     data: DataSchedules | None = None
 
@@ -113,15 +117,19 @@ class Scheduler:
         return due
 
     def due(self, now: datetime) -> list[tuple[Entry, list[datetime]]]:
-        """The slots that fell due since the last call, per schedule."""
+        """The slots that fell due since the last call, per schedule (a heap of next slots:
+        a call costs nothing for the schedules that are not due)."""
         self._watch_clock(now)
+        if not self._planned:
+            self._planned = True
+            self._by_name = {entry.task_name: entry for entry in self.entries}
+            for entry in self.entries:
+                self._plan(entry)
         due = []
-        for entry in self.entries:
-            cursor = self._cursors[entry.task_name]
-            if cursor.next_slot is None:
-                cursor.next_slot = self._next(entry, cursor.fired)
-            if cursor.next_slot is None or cursor.next_slot > now:
-                continue
+        while self._heap and self._heap[0][0] <= now:
+            _, name = heapq.heappop(self._heap)
+            entry = self._by_name[name]
+            cursor = self._cursors[name]
             latest = entry.schedule.latest_slot(now)
             slots = self._after(entry, cursor.fired, latest)
             if entry.policy.catchup == "latest":
@@ -129,9 +137,17 @@ class Scheduler:
                 # run; older ones are left to the sweep, the newest always runs.
                 grace = entry.policy.grace
                 slots = [slot for slot in slots[:-1] if now - slot <= grace] + [latest]
-            cursor.fired, cursor.next_slot = latest, None
+            cursor.fired = latest
+            self._plan(entry)
             due.append((entry, slots))
         return due
+
+    def _plan(self, entry: Entry) -> None:
+        """Put ``entry``'s next slot after the one it fired last on the heap."""
+        cursor = self._cursors[entry.task_name]
+        cursor.next_slot = self._next(entry, cursor.fired)
+        if cursor.next_slot is not None:
+            heapq.heappush(self._heap, (cursor.next_slot, entry.task_name))
 
     def _watch_clock(self, now: datetime) -> None:
         """Log a clock stepped back: nothing fires until it is past the slots it fired."""
@@ -146,7 +162,7 @@ class Scheduler:
         self._clock = now
 
     def next_wakeup(self) -> datetime | None:
-        slots = [cursor.next_slot for cursor in self._cursors.values() if cursor.next_slot]
+        slots = [self._heap[0][0]] if self._heap else []
         if self.data is not None and (start := self.data.next_start()) is not None:
             slots.append(start)
         return min(slots) if slots else None
