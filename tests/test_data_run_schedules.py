@@ -9,14 +9,18 @@ log with O_APPEND (tests/support/data_targets.py ``echo``, tests/support/data_ta
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from django_taskguard import define_schedule, delete_schedule
 from django_taskguard.data_schedules import run_now
+from django_taskguard.exceptions import BackendUnavailable
 from django_taskguard.ledger import schedules as store
 from django_taskguard.models import RunState, TaskRun
 
@@ -28,6 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 
 ECHO = "tests.support.data_targets.echo"
 SECOND = timedelta(seconds=1)
+T = TypeVar("T")
 
 
 def _runs(log: Path) -> list[tuple[str, str, datetime, int]]:
@@ -56,6 +61,17 @@ def _every(step: int, first: datetime, last: datetime) -> list[datetime]:
     return slots
 
 
+def _retry(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call``, again when SQLite refused its write transaction at once (a read-then-write
+    transaction beside the copies' writers gets SQLITE_BUSY without the busy timeout)."""
+    for _ in range(20):
+        try:
+            return call(*args, **kwargs)
+        except BackendUnavailable:
+            time.sleep(0.2)
+    return call(*args, **kwargs)
+
+
 def _env(child_env: dict[str, str], log: Path, modules: str) -> dict[str, str]:
     return {
         **child_env,
@@ -70,36 +86,36 @@ def test_data_run_schedules__two_copies_follow_every_change_without_restart(chil
     copies = [Copy(env, scratch / "a.out"), Copy(env, scratch / "b.out")]
     pids = {copy.proc.pid for copy in copies}
     try:
-        a = define_schedule("a", ECHO, every=SECOND, args=["v1"])
-        b = define_schedule("b", ECHO, every=2 * SECOND, args=["b"])
+        a = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v1"])
+        b = _retry(define_schedule, "b", ECHO, every=2 * SECOND, args=["b"])
         name_a, name_b = a.task_name, b.task_name
         wait_for(lambda: len(_of(log, name_a)) >= 3, timeout=60, what="a's first slots")
-        a2 = define_schedule("a", ECHO, every=SECOND, args=["v2"])  # the arguments
+        a2 = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v2"])  # the arguments
         wait_for(
             lambda: sum(value == "v2" for _, value in _of(log, name_a)) >= 3,
             timeout=30,
             what="a's slots with the new arguments",
         )
-        b2 = define_schedule("b", ECHO, every=3 * SECOND, args=["b"])  # the interval
+        b2 = _retry(define_schedule, "b", ECHO, every=3 * SECOND, args=["b"])  # the interval
         assert a2.changed_at is not None and b2.changed_at is not None
         wait_for(
             lambda: sum(slot > b2.changed_at for slot, _ in _of(log, name_b)) >= 2,
             timeout=30,
             what="b's slots on the new interval",
         )
-        off = define_schedule("a", ECHO, every=SECOND, args=["v2"], enabled=False)
+        off = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v2"], enabled=False)
         # Run now, asked from this process: one copy runs it, this process does not.
-        c = define_schedule("c", ECHO, every=timedelta(hours=1), args=["now"])
-        assert "pending" in run_now(c, by="tester")
+        c = _retry(define_schedule, "c", ECHO, every=timedelta(hours=1), args=["now"])
+        assert "pending" in _retry(run_now, c, by="tester")
         wait_for(lambda: _of(log, c.task_name), timeout=30, what="the run-now slot")
-        on = define_schedule("a", ECHO, every=SECOND, args=["v3"], enabled=True)
+        on = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v3"], enabled=True)
         assert off.changed_at is not None and on.changed_at is not None
         wait_for(
             lambda: sum(slot > on.changed_at for slot, _ in _of(log, name_a)) >= 3,
             timeout=30,
             what="a's slots after it was enabled again",
         )
-        assert delete_schedule("b", ECHO)
+        assert _retry(delete_schedule, "b", ECHO)
         tomb = store.get(name_b)
         assert tomb is not None and tomb.changed_at is not None
         wait_for(
@@ -163,7 +179,8 @@ def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(chi
         Copy(env, scratch / "b.out", "--enqueue"),
     ]
     try:
-        d = define_schedule("d", "tests.support.data_tasks.tenant_job", every=SECOND, args=["x"])
+        target = "tests.support.data_tasks.tenant_job"
+        d = _retry(define_schedule, "d", target, every=SECOND, args=["x"])
         assert d.target_kind == "django_tasks"
         wait_for(lambda: len(_of(log, d.task_name)) >= 5, timeout=60, what="enqueued slots")
     finally:
