@@ -102,8 +102,7 @@ def _sweep_one(
     end = now - row.grace
     if not dry_run:
         _end_pending(row, end, result)
-    # A data schedule's window: no slot before ``starts`` nor after ``ends`` is due.
-    if row.starts is not None:
+    if row.starts is not None:  # a data schedule's bounds: no slot outside them fires
         judged = max(judged, row.starts - timedelta(microseconds=1))
     if row.ends is not None:
         end = min(end, row.ends)
