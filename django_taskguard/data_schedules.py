@@ -142,12 +142,15 @@ def resolve_target(target: str) -> Target:
             )
         return Target(target, TargetKind.CELERY, body, celery_task, _signature(celery_task.run))
     found = guarded_named(target)
-    if found is None:
+    if found is None or "." in target:
+        # A dotted path first: a django.tasks task's guarded function is registered under
+        # the same name as the task's path, and the task is what the path names.
         try:
             found = import_string(target)
         except ImportError:
-            registry.discover()  # the modules run_schedules imports: tasks, jobs, SCHEDULE_MODULES
-            found = guarded_named(target)
+            if found is None:
+                registry.discover()  # the modules run_schedules imports: tasks, jobs, ...
+                found = guarded_named(target)
     if found is None:
         raise ScheduleDefinitionError(
             f"no task or guarded function is named {target}: give a Celery task's name, a "

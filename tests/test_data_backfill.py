@@ -134,6 +134,10 @@ def test_data_backfill__celery_target_needs_the_data_sender(monkeypatch) -> None
     monkeypatch.delitem(handoff.SENDERS, "data", raising=False)
     with pytest.raises(CommandError, match="no sender is registered for 'data'"):
         backfill(row.task_name, *given)
+    monkeypatch.setitem(handoff.SENDERS, "data", handoff.data_sender)
+    monkeypatch.setattr(handoff, "DATA_SENDERS", {})  # no Celery glue for data schedules
+    with pytest.raises(CommandError, match="nothing here can send its slots"):
+        backfill(row.task_name, *given)
 
     sent: list[tuple[str, datetime, bool]] = []
 

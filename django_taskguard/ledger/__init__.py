@@ -111,6 +111,7 @@ from .pending import (
     give_back_pending,
     insert_pending,
     pend_refused_early,
+    pending_of_data,
 )
 from .records import (
     add_duplicates,
@@ -185,6 +186,7 @@ __all__ = [
     "new_identity",
     "note_schedule_version",
     "pend_refused_early",
+    "pending_of_data",
     "problem_slots",
     "prunable_ids",
     "read",

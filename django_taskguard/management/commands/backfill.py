@@ -6,7 +6,8 @@ function, or a data schedule's target (``target[name]``: a function, or a django
 with ``--enqueue``) with the row's arguments, its version recorded on the run. A Celery
 beat entry (``task[entry]``, a ``TaskSchedule`` row of source ``celery``) has
 nothing to run here: each slot becomes a message stamped as the beat stamps it, for its
-workers (:mod:`django_taskguard.contrib.celery.backfill`)."""
+workers (:mod:`django_taskguard.contrib.celery.backfill`); so has a data schedule whose
+target is a Celery task (``handoff.SENDERS["data"]``, by its target's kind)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,8 @@ class Command(BaseCommand):
             raise unknown_schedule(task, {*found, *schedule_store.names()})
         if row.source == ScheduleSource.CELERY and not row.entry:
             raise unknown_schedule(task, {*found, *schedule_store.names()})
+        if row.source == ScheduleSource.DATA and row.removed_at is not None:
+            raise CommandError(f"{task} was deleted: define it again to backfill it")
         return row
 
     @staticmethod
