@@ -237,7 +237,8 @@ def test_sweep__skips_disabled_data_schedules_and_slots_outside_the_window() -> 
     missed = sorted(
         TaskRun.objects.filter(task_name=windowed.task_name).values_list("slot", flat=True)
     )
-    starts = _minute(now - 10 * MINUTE) + (MINUTE if (now - 10 * MINUTE).second else timedelta(0))
+    begun = now - 10 * MINUTE
+    starts = _minute(begun) + (MINUTE if begun.second or begun.microsecond else timedelta(0))
     assert missed and missed[0] >= now - 10 * MINUTE and missed[-1] <= now - 8 * MINUTE
     assert missed[0] == starts
 

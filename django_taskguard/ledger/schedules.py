@@ -473,6 +473,7 @@ def define(
     Raises :class:`NotDataSchedule` when a schedule of another kind has the name."""
     rows = TaskSchedule.objects.using(alias())
     with translated, transaction.atomic(using=alias()):
+        _write_first(rows.filter(task_name=task_name))
         row = rows.select_for_update().filter(task_name=task_name).first()
         now = timezone.now()
         if row is not None and row.source != ScheduleSource.DATA:
@@ -568,6 +569,15 @@ def _edits(row: TaskSchedule, values: dict[str, object]) -> dict[str, list[objec
     }
 
 
+def _write_first(rows: QuerySet[TaskSchedule]) -> None:
+    """On SQLite, take the database's write lock before the read (a no-op update): a
+    transaction that reads first and then writes is refused at once ("database is
+    locked") when another writer holds it, instead of waiting out the busy timeout.
+    Elsewhere ``select_for_update`` locks the row."""
+    if connections[alias()].vendor == "sqlite":
+        rows.update(version=F("version"))
+
+
 def delete_data(
     task_name: str, *, origin: ScheduleEventOrigin, by: str = "", reason: str = ""
 ) -> TaskSchedule | None:
@@ -579,6 +589,7 @@ def delete_data(
         task_name=task_name, source=ScheduleSource.DATA, removed_at__isnull=True
     )
     with translated, transaction.atomic(using=alias()):
+        _write_first(rows)
         row = rows.select_for_update().first()
         if row is None:
             return None

@@ -249,8 +249,31 @@ class DataSender:
 
 
 def register() -> None:
-    """Let ``backfill`` send the slots of beat entries and of Celery data schedules, and
-    "run now" hand out a Celery data schedule's slot (idempotent)."""
+    """Let ``backfill`` send the slots of beat entries and of Celery data schedules, "run
+    now" hand out a Celery data schedule's slot, and data schedules name Celery tasks
+    (idempotent)."""
     SENDERS[ScheduleSource.CELERY] = BeatSender
     DATA_SENDERS[TargetKind.CELERY] = DataSender
     data_schedules.RUNNERS[TargetKind.CELERY] = run_now
+    if celery_target not in data_schedules.BY_NAME:
+        data_schedules.BY_NAME.append(celery_target)
+
+
+def celery_target(name: str) -> data_schedules.Target | None:
+    """A data schedule's target that is a task of the current Celery app (its modules
+    imported, as a worker does), its body guarded; None: no such task."""
+    from celery import current_app
+
+    tasks = current_app.tasks
+    if name not in tasks:
+        try:
+            current_app.loader.import_default_modules()
+        except Exception:
+            return None
+    task = tasks.get(name)
+    if task is None:
+        return None
+    body = getattr(task, "__wrapped__", None)
+    return data_schedules.guarded_target(
+        name, TargetKind.CELERY, body, task, task.run, decorator="@shared_task"
+    )
