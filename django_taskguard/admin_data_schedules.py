@@ -230,6 +230,9 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         super().__init__(*args, **kwargs)
         row = self.instance
         if row.pk is not None:  # an edit: the stored values, moments in the schedule's zone
+            # Name and target are fixed (shown read-only, not posted): not form fields.
+            self.fields.pop("entry", None)
+            self.fields.pop("function", None)
             zone = zone_of(row.time_zone)
             self.initial["starts"] = show_moment(row.starts, zone)
             self.initial["ends"] = show_moment(row.ends, zone)

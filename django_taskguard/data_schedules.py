@@ -63,6 +63,9 @@ PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 JITTER_MAX = timedelta(hours=1)
 ARGUMENTS_MAX_BYTES = 64 * 1024
 DESCRIPTION_MAX_LENGTH = 2_000
+# Keyword arguments a call carries for the guard (decorators.SLOT_KWARG, SCHEDULE_KWARG): a
+# schedule's own arguments never name them (a target taking **kwargs would pass them on).
+RESERVED_PREFIX = "_taskguard_"
 
 
 class ScheduleDefinitionError(InvalidSchedule):
@@ -182,6 +185,13 @@ def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any],
     if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
         raise ScheduleDefinitionError("kwargs must be a JSON object (string keys)", "kwargs")
     args, kwargs = list(args), dict(kwargs)
+    reserved = sorted(key for key in kwargs if key.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise ScheduleDefinitionError(
+            f"{', '.join(reserved)}: keyword arguments starting with {RESERVED_PREFIX} are "
+            "taskguard's own (the slot and schedule a call carries)",
+            "kwargs",
+        )
     try:
         text = json.dumps([args, kwargs], allow_nan=False)
     except (TypeError, ValueError) as exc:

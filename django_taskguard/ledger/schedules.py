@@ -12,11 +12,12 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
-from django.db import connections, transaction
-from django.db.models import Count, F, OuterRef, Q, QuerySet, Subquery, Window
+from django.db import IntegrityError, connections, transaction
+from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
+from ..exceptions import BackendUnavailable
 from ..models import (
     DatabaseNow,
     ScheduleEvent,
@@ -471,6 +472,25 @@ def define(
     of the schedule it replaces). ``adopt``: the ``declared_in`` of other schedules this
     one may take over (an imported django-celery-beat entry's row; its runs are the same).
     Raises :class:`NotDataSchedule` when a schedule of another kind has the name."""
+    try:
+        return _define(task_name, values, origin, by, reason, first_seen, adopt)
+    except BackendUnavailable as exc:
+        if not isinstance(exc.__cause__, IntegrityError):
+            raise
+        # Another process created the same schedule between our read and our insert:
+        # ours is then an edit of theirs (the row exists now, and is locked in turn).
+        return _define(task_name, values, origin, by, reason, first_seen, adopt)
+
+
+def _define(
+    task_name: str,
+    values: dict[str, object],
+    origin: ScheduleEventOrigin,
+    by: str,
+    reason: str,
+    first_seen: datetime | None,
+    adopt: Collection[str],
+) -> Defined:
     rows = TaskSchedule.objects.using(alias())
     with translated, transaction.atomic(using=alias()):
         _write_first(rows.filter(task_name=task_name))
@@ -482,7 +502,7 @@ def define(
             row.source = ScheduleSource.DATA
             row.declared_in = ""
             row.removed_at = None
-            row.version = 0
+            row.version = _last_version(task_name)
             kind = ScheduleEventKind.CREATED
             changes = _created(values)
         elif row is None or row.removed_at is not None:
@@ -495,6 +515,9 @@ def define(
                     first_seen=first_seen or now,
                     last_seen=now,
                     swept_until=None,
+                    # A retired schedule's name defined again: its versions go on, so that
+                    # no copy takes the new definition for one it has applied already.
+                    version=_last_version(task_name),
                     **{name: values[name] for name in DEFINITION_FIELDS},
                 )
             else:
@@ -515,6 +538,9 @@ def define(
                 "enabled" in changes and values["enabled"]
             ):
                 row.swept_until = now if row.swept_until is None else max(row.swept_until, now)
+                # Its slots count from now: health does not wait for a slot of the new
+                # definition from before the edit (never fired, by design).
+                row.first_seen = max(row.first_seen, now)
         for name in DEFINITION_FIELDS:
             setattr(row, name, values[name])
         row.version += 1
@@ -533,6 +559,13 @@ def define(
             changes=changes,
         ).save(using=alias())
     return Defined(str(kind), row, changes)
+
+
+def _last_version(task_name: str) -> int:
+    """The newest version ``task_name``'s history records (0: none)."""
+    events = ScheduleEvent.objects.using(alias()).filter(task_name=task_name)
+    found = events.aggregate(newest=Max("version"))["newest"]
+    return int(found or 0)
 
 
 def would_define(
