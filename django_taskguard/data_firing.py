@@ -19,9 +19,11 @@ by version (docs/schedules.md, "Editing a data schedule"):
   after the edit, none before it;
 - disabled or deleted: nothing more fires.
 
-"Run now" (:data:`data_schedules.RUNNERS`): a django.tasks target's manual slot is handed
-to its backend (:func:`handoff.hand_out`); a function target's is recorded ``pending`` and
-run by a ``run_schedules`` copy, which looks for such rows at every poll.
+"Run now" and the admin's backfill (:data:`data_schedules.RUNNERS`) never run a body in the
+caller's process (a web request): the manual slot is recorded ``pending`` and a
+``run_schedules`` copy, which looks for such rows at every poll, runs it (a django.tasks
+target's, with ``--enqueue``: hands it to the task's backend; the worker's claim turns the
+row ``running``).
 """
 
 from __future__ import annotations
@@ -187,8 +189,8 @@ class DataSchedules:
         return due + self.pending()
 
     def pending(self) -> list[Due]:
-        """The "run now" slots of function targets waiting for a copy (``pending``)."""
-        found = ledger.pending_of_data([TargetKind.FUNCTION], PENDING_LIMIT)
+        """The "run now" slots waiting for a copy (``pending``)."""
+        found = ledger.pending_of_data(list(KINDS), PENDING_LIMIT)
         return [
             Due(name, slot, manual=True)
             for name, slot in found
@@ -431,7 +433,9 @@ class DataSchedules:
                 policy = replace(policy, catchup="latest")
         elif guard.refused_late(job.task_name, job.slot, policy, timezone.now()):
             return "late (recorded missed, catchup='none')"
-        if self.enqueue and job.target.kind == TargetKind.DJANGO_TASKS and not job.manual:
+        if self.enqueue and job.target.kind == TargetKind.DJANGO_TASKS:
+            if job.manual:  # its pending row is there already: the worker's claim takes it
+                return f"enqueued ({_enqueue(job)})"
             return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
         ran = False
         func: Callable[..., Any] = job.target.guarded.body
@@ -472,22 +476,15 @@ def _send(
 # -- run now ---------------------------------------------------------------------------
 
 
-def _run_now_function(row: TaskSchedule, slot: datetime, by: str) -> str:
-    """A function target has no queue: its manual slot waits ``pending`` for a
-    ``run_schedules`` copy (the sweep ends it missed if none starts it within its grace)."""
+def _run_now(row: TaskSchedule, slot: datetime, by: str) -> str:
+    """A manual slot waits ``pending`` for a ``run_schedules`` copy, which runs it (or, with
+    ``--enqueue``, hands a django.tasks target's to its backend): never in the caller's
+    process, whatever the backend (the sweep ends it missed if no copy starts it within its
+    grace)."""
     if ledger.insert_pending(row.task_name, slot) is None:
         return "not handed out: the slot has a row already"
     return f"handed to run_schedules (slot {slot.isoformat()} pending)"
 
 
-def _run_now_task(row: TaskSchedule, slot: datetime, by: str) -> str:
-    """A django.tasks target's manual slot goes to its backend, as run_schedules --enqueue
-    hands out a slot."""
-    target = data_schedules.resolve_target(row.function)
-    args, kwargs = tuple(row.args), dict(row.kwargs)
-    send = functools.partial(_send, target, row.task_name, slot, row.version, args, kwargs)
-    return hand_out(row.task_name, slot, send)
-
-
-data_schedules.RUNNERS[TargetKind.FUNCTION] = _run_now_function
-data_schedules.RUNNERS[TargetKind.DJANGO_TASKS] = _run_now_task
+data_schedules.RUNNERS[TargetKind.FUNCTION] = _run_now
+data_schedules.RUNNERS[TargetKind.DJANGO_TASKS] = _run_now

@@ -268,3 +268,30 @@ def test_sweep__ends_a_run_now_slot_nobody_started_within_its_grace() -> None:
     sweep_missed()
     pending.refresh_from_db()
     assert pending.state == RunState.MISSED
+
+
+TASK_TARGET = "tests.support.data_tasks.tenant_job"
+
+
+@pytest.mark.parametrize("enqueue", [True, False], ids=["enqueue", "in_process"])
+def test_run_now__a_django_tasks_target_waits_pending_never_runs_in_the_caller(
+    enqueue: bool,
+) -> None:
+    # The Immediate backend (Django's default) would run an enqueue in the caller's process:
+    # run now records the slot pending instead, for a run_schedules copy.
+    row = define_schedule("t1", TASK_TARGET, every=timedelta(hours=1), args=["x"])
+    assert row.target_kind == "django_tasks"
+    said = run_now(row, by="alice")
+    assert "pending" in said
+    (pending,) = TaskRun.objects.filter(task_name=row.task_name)
+    assert pending.state == RunState.PENDING  # nothing ran: the body never claimed it
+    data = DataSchedules(enqueue=enqueue)
+    now = timezone.now()
+    due = data.load(now, start=True)
+    assert [(item.slot, item.manual) for item in due] == [(pending.slot, True)]
+    (job,) = data.jobs(due, now)
+    said = data.run(job)
+    assert said.startswith("enqueued (django.tasks result") if enqueue else said == "ran"
+    pending.refresh_from_db()
+    assert (pending.state, pending.schedule_version) == (RunState.SUCCEEDED, 1)
+    assert TaskRun.objects.filter(task_name=row.task_name).count() == 1
