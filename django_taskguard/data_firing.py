@@ -15,7 +15,8 @@ by version (docs/schedules.md, "Editing a data schedule"):
 - an edit that keeps the slots: the next slot fires with the new values (the slot in
   flight keeps what was read when it was claimed);
 - an edit that moves the slots (cron, interval, zone, starts, ends): the old schedule's
-  slots due before the edit and not fired yet still fire; then the new schedule's slots
+  slots due before the edit and not fired yet still fire, with the old definition's
+  arguments and version (as the beat sends them); then the new schedule's slots
   after the edit, none before it;
 - disabled or deleted: nothing more fires.
 
@@ -113,11 +114,14 @@ class _Slotted:
 
 @dataclass(frozen=True, slots=True)
 class Due:
-    """A slot of a data schedule to fire (``manual``: a "run now" waiting ``pending``)."""
+    """A slot of a data schedule to fire (``manual``: a "run now" waiting ``pending``;
+    ``version``: the definition that owes it, when an edit moved the slots since, else
+    None: the current one)."""
 
     task_name: str
     slot: datetime
     manual: bool = False
+    version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +230,11 @@ class DataSchedules:
             # fired yet still fire. Never early: the new one's start after the edit.
             edit = row.changed_at or now
             owed = slots_after(known.schedule, known.policy, known.fired, min(edit, now))
-            due = [Due(row.task_name, slot) for slot in owed if known.in_window(slot)]
+            due = [
+                Due(row.task_name, slot, version=known.version)
+                for slot in owed
+                if known.in_window(slot)
+            ]
             built.fired = max(known.fired, edit)
         self.states[row.task_name] = built
         self._plan(row.task_name, built)
@@ -394,15 +402,22 @@ class DataSchedules:
             policy = state.policy if state is not None else self._policy(row, target.policy)
             if item.manual:
                 self.handed.add((item.task_name, item.slot))
+            if item.version is not None and item.version != row.version:
+                # Owed by the definition before an edit that moved the slots: run with
+                # what that one said, as the beat does.
+                args, kwargs = store.arguments_at(row, item.version)
+                version = item.version
+            else:
+                args, kwargs, version = list(row.args), dict(row.kwargs), row.version
             jobs.append(
                 Job(
                     item.task_name,
                     item.slot,
                     target,
                     policy,
-                    tuple(row.args),
-                    dict(row.kwargs),
-                    row.version,
+                    tuple(args),
+                    kwargs,
+                    version,
                     item.manual,
                 )
             )

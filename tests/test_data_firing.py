@@ -295,3 +295,30 @@ def test_run_now__a_django_tasks_target_waits_pending_never_runs_in_the_caller(
     pending.refresh_from_db()
     assert (pending.state, pending.schedule_version) == (RunState.SUCCEEDED, 1)
     assert TaskRun.objects.filter(task_name=row.task_name).count() == 1
+
+
+def test_data__owed_slots_keep_the_arguments_and_version_that_owed_them() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], kwargs={"fmt": "csv"})
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    real = timezone.now()
+    earlier = real - 2 * MINUTE
+    data.load(earlier, start=True)
+    # Two edits: the arguments, then the slots (and the arguments again).
+    edited = define_schedule("t1", TARGET, every=MINUTE, args=[2], kwargs={"fmt": "csv"})
+    assert data.apply(edited, earlier) == []  # slots kept: version 2 owes what follows
+    moved = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[3])
+    owed = data.apply(moved, real)
+    assert _slots(owed, row.task_name) == [_minute(earlier) + n * MINUTE for n in (1, 2)]
+    jobs = data.jobs(owed, real)
+    assert [(job.args, job.kwargs, job.version) for job in jobs] == [((2,), {"fmt": "csv"}, 2)] * 2
+    data_targets.executed.clear()
+    assert data.run(jobs[0]) == "ran"
+    assert data_targets.executed == [(row.task_name, (2,), {"fmt": "csv"})]
+    run = TaskRun.objects.get(task_name=row.task_name, slot=jobs[0].slot)
+    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 2)
+    # The new schedule's slots run with the new definition.
+    start = data.next_start()
+    assert start is not None
+    (job,) = data.jobs(data.due(start), start)
+    assert (job.args, job.kwargs, job.version) == ((3,), {}, 3)

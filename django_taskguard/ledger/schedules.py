@@ -710,6 +710,24 @@ def data_rows(task_names: Collection[str]) -> dict[str, TaskSchedule]:
     return found
 
 
+def arguments_at(row: TaskSchedule, version: int) -> tuple[list[object], dict[str, object]]:
+    """The arguments (``args``, ``kwargs``) the data schedule ``row`` had at ``version``: its
+    current ones with the edits after ``version`` undone, from its history (a slot the old
+    definition owed runs with what it said)."""
+    args: list[object] = list(row.args)
+    kwargs: dict[str, object] = dict(row.kwargs)
+    later = ScheduleEvent.objects.using(alias()).filter(
+        task_name=row.task_name, version__gt=version, version__lte=row.version
+    )
+    with translated:
+        for changes in later.order_by("-version", "-id").values_list("changes", flat=True):
+            if "args" in changes:
+                args = list(changes["args"][0])
+            if "kwargs" in changes:
+                kwargs = dict(changes["kwargs"][0])
+    return args, kwargs
+
+
 def live_data_names(target_kinds: Collection[str], names: Collection[str]) -> list[str]:
     """Which of ``names`` are live data schedules of ``target_kinds``."""
     rows = data_schedules(target_kinds).filter(removed_at__isnull=True, task_name__in=list(names))
