@@ -329,16 +329,21 @@ class DataSchedules:
 
     # -- what is due -------------------------------------------------------------------
 
-    def _plan(self, name: str, state: _Slotted) -> None:
-        """Put the schedule's next start on the heap (none after ``ends``)."""
-        since = state.fired
+    def _plan(self, name: str, state: _Slotted, after: datetime | None = None) -> None:
+        """Put the schedule's next start after ``after`` (default: the slot it fired last)
+        on the heap (none after ``ends``); with no slot within :data:`LOOKAHEAD` (a cron of
+        February 29th), a re-check then."""
+        since = state.fired if after is None else max(state.fired, after)
         if state.starts is not None:
             since = max(since, state.starts - _TICK)
-        found = state.schedule.slots_between(since, since + LOOKAHEAD, 1)
-        if not found or (state.ends is not None and found[0] > state.ends):
+        if state.ends is not None and since >= state.ends:
             state.start_at = None
             return
-        state.start_at = found[0] + state.offset
+        found = state.schedule.slots_between(since, since + LOOKAHEAD, 1)
+        if found and state.ends is not None and found[0] > state.ends:
+            state.start_at = None
+            return
+        state.start_at = found[0] + state.offset if found else since + LOOKAHEAD
         heapq.heappush(self._heap, (state.start_at, name))
 
     def due(self, now: datetime) -> list[Due]:
@@ -359,7 +364,9 @@ class DataSchedules:
                     slots = [slot for slot in slots[:-1] if now - slot <= grace] + slots[-1:]
                 due.extend(Due(name, slot) for slot in slots if state.in_window(slot))
                 state.fired = latest
-            self._plan(name, state)
+            # No slot in (fired, now - offset]: the next one is after both (a re-check
+            # popped with none come yet plans from here, not again from ``fired``).
+            self._plan(name, state, now - state.offset)
         return due
 
     def next_start(self) -> datetime | None:

@@ -131,6 +131,9 @@ class Scheduler:
             entry = self._by_name[name]
             cursor = self._cursors[name]
             latest = entry.schedule.latest_slot(now)
+            if latest <= cursor.fired:  # a re-check (no slot was within LOOKAHEAD): none yet
+                self._plan(entry, max(cursor.fired, now))
+                continue
             slots = self._after(entry, cursor.fired, latest)
             if entry.policy.catchup == "latest":
                 # This loop woke late (a busy host): the slots still within their grace
@@ -138,16 +141,18 @@ class Scheduler:
                 grace = entry.policy.grace
                 slots = [slot for slot in slots[:-1] if now - slot <= grace] + [latest]
             cursor.fired = latest
-            self._plan(entry)
+            self._plan(entry, max(latest, now))
             due.append((entry, slots))
         return due
 
-    def _plan(self, entry: Entry) -> None:
-        """Put ``entry``'s next slot after the one it fired last on the heap."""
+    def _plan(self, entry: Entry, after: datetime | None = None) -> None:
+        """Put ``entry``'s next slot after ``after`` (default: the one it fired last) on the
+        heap; with none within :data:`LOOKAHEAD` (a cron of February 29th), a re-check then."""
         cursor = self._cursors[entry.task_name]
-        cursor.next_slot = self._next(entry, cursor.fired)
-        if cursor.next_slot is not None:
-            heapq.heappush(self._heap, (cursor.next_slot, entry.task_name))
+        after = cursor.fired if after is None else after
+        cursor.next_slot = self._next(entry, after)
+        wake = after + LOOKAHEAD if cursor.next_slot is None else cursor.next_slot
+        heapq.heappush(self._heap, (wake, entry.task_name))
 
     def _watch_clock(self, now: datetime) -> None:
         """Log a clock stepped back: nothing fires until it is past the slots it fired."""

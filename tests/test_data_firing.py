@@ -5,6 +5,7 @@ real copies)."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -12,13 +13,15 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_taskguard import define_schedule, delete_schedule
-from django_taskguard.data_firing import DataSchedules, Due
+from django_taskguard import define_schedule, delete_schedule, once_per_schedule, registry
+from django_taskguard.cron import CronSchedule
+from django_taskguard.data_firing import LOOKAHEAD, DataSchedules, Due
 from django_taskguard.data_schedules import jitter_offset, run_now
 from django_taskguard.ledger import alias
 from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.scheduler import Scheduler
 from tests.support import data_targets
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -322,3 +325,45 @@ def test_data__owed_slots_keep_the_arguments_and_version_that_owed_them() -> Non
     assert start is not None
     (job,) = data.jobs(data.due(start), start)
     assert (job.args, job.kwargs, job.version) == ((3,), {}, 3)
+
+
+UTC = dt_timezone.utc
+LEAP_DAY = datetime(2028, 2, 29, tzinfo=UTC)  # the next February 29th after November 2026
+SEEN = datetime(2026, 11, 1, 12, tzinfo=UTC)  # more than LOOKAHEAD before it
+
+
+def test_scheduler__a_code_slot_beyond_the_lookahead_is_planned_again_and_fires() -> None:
+    assert LEAP_DAY - SEEN > LOOKAHEAD
+    name = "tests.firing.leap_day"
+    once_per_schedule(schedule=CronSchedule("0 0 29 2 *", "UTC"), name=name)(lambda: None)
+    scheduler = Scheduler([registry.entries()[name]], max_workers=1)
+    try:
+        scheduler.first_due(SEEN)
+        assert scheduler.due(SEEN + timedelta(seconds=1)) == []
+        recheck = scheduler.next_wakeup()
+        assert recheck is not None and SEEN < recheck < LEAP_DAY  # a re-check, not never
+        assert scheduler.due(recheck) == []
+        assert scheduler.next_wakeup() == LEAP_DAY
+        assert scheduler.due(LEAP_DAY - timedelta(seconds=1)) == []
+        fired = [slots for _, slots in scheduler.due(LEAP_DAY + timedelta(seconds=1))]
+    finally:
+        scheduler.pool.close()
+        scheduler.writer.close()
+        registry.unregister(name)
+    assert fired == [[LEAP_DAY]]
+
+
+def test_data__a_slot_beyond_the_lookahead_is_planned_again_and_fires() -> None:
+    row = define_schedule("leap", TARGET, cron="0 0 29 2 *", time_zone="UTC", args=[1])
+    TaskSchedule.objects.filter(task_name=row.task_name).update(
+        first_seen=SEEN - MINUTE, swept_until=None
+    )
+    data = DataSchedules()
+    assert data.load(SEEN, start=True) == []
+    recheck = data.next_start()
+    assert recheck is not None and SEEN < recheck < LEAP_DAY  # a re-check, not never
+    assert data.due(recheck) == []
+    assert data.next_start() == LEAP_DAY
+    assert data.due(LEAP_DAY - timedelta(seconds=1)) == []
+    assert _slots(data.due(LEAP_DAY + timedelta(seconds=1)), row.task_name) == [LEAP_DAY]
+    assert data.next_start() is not None  # and the next leap day's re-check after it
