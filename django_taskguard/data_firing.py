@@ -7,7 +7,8 @@ that are not due. The arguments are read when a slot falls due, one query per ba
 which also gives the current version: an edit the poll has not seen yet is applied then.
 
 Changes are polled (:data:`DATA_POLL_SECONDS`, re-reading :data:`POLL_OVERLAP` against
-commit delays; a full reload every :data:`FULL_RELOAD_SECONDS` as a backstop) and applied
+commit delays, without the arguments, and skipping at once the versions applied already;
+a full reload every :data:`FULL_RELOAD_SECONDS` as a backstop) and applied
 by version (docs/schedules.md, "Editing a data schedule"):
 
 - created, or enabled again: no slot before that (``first_seen``, or the mark the change
@@ -153,6 +154,9 @@ class DataSchedules:
         self._unresolved: set[tuple[str, int]] = set()  # logged once per schedule and version
         self._policies: dict[tuple[Any, ...], Policy] = {}
         self.handed: set[tuple[str, datetime]] = set()  # manual slots submitted, not ended
+        # The newest version of each schedule this copy applied (those it fires, and those
+        # it dropped: disabled, deleted, a target not found): a poll skips them at once.
+        self._applied: dict[str, int] = {}
 
     # -- reading the rows ------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class DataSchedules:
         due: list[Due] = []
         seen = set()
         self._targets.clear()  # a module installed since is found now
+        self._applied.clear()  # and a row dropped for it is applied again at the next poll
         for row in store.live_data(KINDS, self.names):
             seen.add(row.task_name)
             due.extend(self.apply(row, now, start=start))
@@ -186,7 +191,11 @@ class DataSchedules:
         self._next_poll = time.monotonic() + DATA_POLL_SECONDS
         polled = ledger.database_now()
         due: list[Due] = []
-        for row in store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS):
+        # The last minute again, without the arguments (read when a slot is due); the
+        # versions this copy applied already cost nothing more.
+        for row in store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS, light=True):
+            if self._applied.get(row.task_name, 0) >= row.version:
+                continue
             if self.names is None or row.task_name in self.names:
                 due.extend(self.apply(row, now))
         self._cursor = polled
@@ -209,6 +218,7 @@ class DataSchedules:
         known = self.states.get(row.task_name)
         if known is not None and row.version <= known.version:
             return []
+        self._applied[row.task_name] = row.version
         if row.removed_at is not None or not row.enabled:
             self.states.pop(row.task_name, None)
             return []

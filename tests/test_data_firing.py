@@ -367,3 +367,35 @@ def test_data__a_slot_beyond_the_lookahead_is_planned_again_and_fires() -> None:
     assert data.due(LEAP_DAY - timedelta(seconds=1)) == []
     assert _slots(data.due(LEAP_DAY + timedelta(seconds=1)), row.task_name) == [LEAP_DAY]
     assert data.next_start() is not None  # and the next leap day's re-check after it
+
+
+def test_data__a_poll_reads_no_arguments_and_skips_the_versions_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    big = "x" * 30_000
+    define_schedule("t1", TARGET, every=timedelta(hours=1), args=[big], description="d" * 1500)
+    define_schedule("t2", TARGET, every=timedelta(hours=1), args=[2])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    one = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[big + "y"])
+    applied: list[tuple[str, int]] = []
+    real_apply = data.apply
+
+    def apply(row: TaskSchedule, now: datetime, *, start: bool = False) -> list[Due]:
+        applied.append((row.task_name, row.version))
+        return real_apply(row, now, start=start)
+
+    monkeypatch.setattr(data, "apply", apply)
+    data._next_poll = 0.0  # the poll's interval, come
+    with CaptureQueriesContext(connections[alias()]) as queries:
+        assert data.poll(now) == []
+    changed = [q["sql"] for q in queries if "changed_at" in q["sql"]]
+    assert len(changed) == 1
+    assert '"args"' not in changed[0] and '"description"' not in changed[0]
+    # Both rows changed within the poll's overlap: only t1's new version is worked on.
+    assert applied == [(one.task_name, 2)]
+    assert data.states[one.task_name].version == 2
+    data._next_poll = 0.0
+    assert data.poll(now) == []
+    assert applied == [(one.task_name, 2)]  # nothing new: every row skipped at once

@@ -667,13 +667,17 @@ def data_targets(limit: int) -> list[tuple[str, str, int]]:
 
 
 def data_changed_since(
-    since: datetime, target_kinds: Collection[str] | None = None
+    since: datetime, target_kinds: Collection[str] | None = None, *, light: bool = False
 ) -> list[TaskSchedule]:
     """The data schedules changed (created, edited, deleted) at or after ``since`` by the
     database's clock (indexed: the cost does not grow with the schedules that did not
-    change)."""
+    change). ``light``: without their arguments and description (up to 64 KB each; read
+    when due: :func:`data_rows`)."""
+    rows = data_schedules(target_kinds).filter(changed_at__gte=since)
+    if light:
+        rows = rows.defer("args", "kwargs", "description")
     with translated:
-        return list(data_schedules(target_kinds).filter(changed_at__gte=since).order_by("id"))
+        return list(rows.order_by("id"))
 
 
 # Read by run_schedules when a data schedule falls due: what it runs with, at most this
