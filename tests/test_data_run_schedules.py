@@ -183,6 +183,12 @@ def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(chi
         d = _retry(define_schedule, "d", target, every=SECOND, args=["x"])
         assert d.target_kind == "django_tasks"
         wait_for(lambda: len(_of(log, d.task_name)) >= 5, timeout=60, what="enqueued slots")
+        # Run now, asked from this process: recorded pending (never enqueued here, where the
+        # Immediate backend would run it), then a copy hands it to the backend.
+        m = _retry(define_schedule, "m", target, every=timedelta(hours=1), args=["manual"])
+        assert "pending" in _retry(run_now, m, by="tester")
+        assert _of(log, m.task_name) == []
+        wait_for(lambda: _of(log, m.task_name), timeout=30, what="the run-now slot")
     finally:
         codes = [copy.stop() for copy in copies]
     assert codes == [0, 0]
@@ -197,3 +203,9 @@ def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(chi
     out = (scratch / "a.out").read_text() + (scratch / "b.out").read_text()
     assert "enqueued (django.tasks result" in out
     assert os.getpid() not in {pid for *_rest, pid in _runs(log)}
+    # Once (both copies may see it pending: the guard runs it once); an hourly slot that
+    # came meanwhile is on the grid, the manual one off it.
+    ((manual, value),) = [(slot, v) for slot, v in _of(log, m.task_name) if slot.microsecond]
+    assert value == "manual"
+    run = TaskRun.objects.get(task_name=m.task_name, slot=manual)
+    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 1)
