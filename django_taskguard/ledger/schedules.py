@@ -10,10 +10,22 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 from django.db import connections, transaction
-from django.db.models import F, OuterRef, Q, QuerySet, Subquery, Window
-from django.db.models.functions import RowNumber
+from django.db.models import (
+    Case,
+    DateTimeField,
+    F,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+    Window,
+)
+from django.db.models.functions import Coalesce, Greatest, RowNumber
 from django.utils import timezone
 
 from ..models import (
@@ -106,7 +118,8 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
             batch_size=500,
             update_conflicts=True,
             unique_fields=target,
-            update_fields=[*_CODE_FIELDS, "last_seen"],
+            # The slots may have moved: the sweep looks at each saved schedule next time.
+            update_fields=[*_CODE_FIELDS, "last_seen", "sweep_due_at"],
         )
     return len(rows)
 
@@ -145,7 +158,7 @@ def set_paused(task_name: str, reason: str | None) -> bool:
         if reason is None:
             return bool(
                 queryset.filter(paused=True).update(
-                    paused=False, resumed_at=timezone.now(), paused_reason=""
+                    paused=False, resumed_at=timezone.now(), paused_reason="", sweep_due_at=None
                 )
             )
         return bool(
@@ -154,6 +167,7 @@ def set_paused(task_name: str, reason: str | None) -> bool:
                 paused_at=timezone.now(),
                 resumed_at=None,
                 paused_reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+                sweep_due_at=None,
             )
         )
 
@@ -183,10 +197,28 @@ def pause_window(row: TaskSchedule) -> PauseWindow | None:
 def pause_windows(row: TaskSchedule) -> list[PauseWindow]:
     """Every pause of ``row`` its history keeps (each ``paused`` event until the next
     ``resumed``), and its latest from the row itself (a pause older than the history)."""
+    return pause_windows_many([row])[row.task_name]
+
+
+def pause_windows_many(rows: Sequence[TaskSchedule]) -> dict[str, list[PauseWindow]]:
+    """:func:`pause_windows` of each of ``rows``, by task name: one statement per 500 of
+    them that were ever paused (a row never paused, ``paused_at`` empty, has no pause its
+    history could add: a pause event is always written with the row's pause), none for
+    the others."""
     kinds = [ScheduleEventKind.PAUSED, ScheduleEventKind.RESUMED]
-    found = ScheduleEvent.objects.using(alias()).filter(task_name=row.task_name, kind__in=kinds)
+    ever = [row.task_name for row in rows if row.paused_at is not None]
+    histories: dict[str, list[tuple[str, datetime]]] = {}
     with translated:
-        history = list(found.order_by("at", "id").values_list("kind", "at"))
+        for start in range(0, len(ever), 500):
+            found = ScheduleEvent.objects.using(alias()).filter(
+                task_name__in=ever[start : start + 500], kind__in=kinds
+            )
+            for name, kind, at in found.order_by("at", "id").values_list("task_name", "kind", "at"):
+                histories.setdefault(name, []).append((kind, at))
+    return {row.task_name: _windows(row, histories.get(row.task_name, [])) for row in rows}
+
+
+def _windows(row: TaskSchedule, history: Sequence[tuple[str, datetime]]) -> list[PauseWindow]:
     windows: list[PauseWindow] = []
     start: datetime | None = None
     for kind, at in history:
@@ -202,12 +234,90 @@ def pause_windows(row: TaskSchedule) -> list[PauseWindow]:
 
 
 def mark_swept(task_name: str, until: datetime) -> None:
-    """The sweep checked every slot of ``task_name`` up to ``until`` (never moves back)."""
+    """The sweep checked every slot of ``task_name`` up to ``until`` (never moves back);
+    the sweep looks at it next time (and sets when it next needs to)."""
     queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
     with translated:
         queryset.filter(Q(swept_until__isnull=True) | Q(swept_until__lt=until)).update(
-            swept_until=until
+            swept_until=until, sweep_due_at=None
         )
+
+
+# -- the sweep at scale: only the schedules that have something due -----------------------
+
+# ``sweep_due_at`` of a schedule with no slot left to judge (it ended): an edit of its
+# slots sets it empty again.
+NEVER = datetime(9999, 1, 1, tzinfo=dt_timezone.utc)
+# Marks written per statement: eight parameters each, within SQLite's 999.
+MARKS_PER_STATEMENT = 120
+
+
+def _judged() -> QuerySet[TaskSchedule]:
+    """The schedules the sweep judges (:func:`watched`, in SQL), enabled, without the
+    fields it never reads."""
+    rows = TaskSchedule.objects.using(alias()).filter(removed_at__isnull=True, enabled=True)
+    beat_entries = (
+        TaskSchedule.objects.using(alias())
+        .filter(source=ScheduleSource.CELERY, removed_at__isnull=True)
+        .exclude(entry="")
+        .values("function")
+    )
+    rows = rows.exclude(
+        Q(source=ScheduleSource.CELERY, entry="", task_name__in=Subquery(beat_entries))
+    )
+    return rows.defer("args", "kwargs", "description")
+
+
+def sweep_due(
+    now: datetime, after_id: int, limit: int, task: str | None = None
+) -> list[TaskSchedule]:
+    """The next ``limit`` schedules by id after ``after_id`` that the sweep judges and whose
+    ``sweep_due_at`` is empty or at or before ``now`` (indexed: the schedules with nothing
+    due cost nothing)."""
+    rows = _judged().filter(Q(sweep_due_at__isnull=True) | Q(sweep_due_at__lte=now))
+    if task is not None:
+        rows = rows.filter(task_name=task)
+    with translated:
+        return list(rows.filter(id__gt=after_id).order_by("id")[:limit])
+
+
+def judged_named(task_names: Sequence[str]) -> list[TaskSchedule]:
+    """The schedules among ``task_names`` that the sweep judges, by task name."""
+    found: list[TaskSchedule] = []
+    with translated:
+        for start in range(0, len(task_names), 500):
+            part = list(task_names[start : start + 500])
+            found += _judged().filter(task_name__in=part).order_by("task_name")
+    return found
+
+
+def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetime]]) -> None:
+    """For each ``(row, until, due)``: the sweep checked ``row``'s slots up to ``until``
+    (None: it judged none; never moves back) and next needs to look at it at ``due``
+    (kept only if the row's definition is still the one the sweep read, its ``version``
+    and ``last_seen``; else empty: look next time). One statement per
+    :data:`MARKS_PER_STATEMENT` rows."""
+    rows = TaskSchedule.objects.using(alias())
+    with translated:
+        for start in range(0, len(marks), MARKS_PER_STATEMENT):
+            part = marks[start : start + MARKS_PER_STATEMENT]
+            swept = [
+                When(id=row.id, then=Greatest(Coalesce(F("swept_until"), _at(until)), _at(until)))
+                for row, until, _ in part
+                if until is not None
+            ]
+            due = [
+                When(id=row.id, version=row.version, last_seen=row.last_seen, then=_at(at))
+                for row, _, at in part
+            ]
+            rows.filter(id__in=[row.id for row, _, _ in part]).update(
+                swept_until=Case(*swept, default=F("swept_until")) if swept else F("swept_until"),
+                sweep_due_at=Case(*due, default=Value(None), output_field=DateTimeField()),
+            )
+
+
+def _at(when: datetime) -> Value:
+    return Value(when, output_field=DateTimeField())
 
 
 # -- the history: pauses, resumes, acknowledgements, retirements ---------------------------
@@ -326,7 +436,9 @@ def _mark(rows: QuerySet[TaskSchedule], declared: Collection[str], now: datetime
         for start in range(0, len(gone), 500):
             rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
         for start in range(0, len(back), 500):
-            rows.filter(task_name__in=back[start : start + 500]).update(removed_at=None)
+            rows.filter(task_name__in=back[start : start + 500]).update(
+                removed_at=None, sweep_due_at=None
+            )
     return gone
 
 
@@ -491,6 +603,7 @@ def define(
                 "enabled" in changes and values["enabled"]
             ):
                 row.swept_until = now if row.swept_until is None else max(row.swept_until, now)
+        row.sweep_due_at = None  # its slots or its mark may have moved: the sweep looks next time
         for name in DEFINITION_FIELDS:
             setattr(row, name, values[name])
         row.version += 1
