@@ -230,7 +230,7 @@ def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetim
 def pairs_without_row(pairs: Sequence[tuple[str, datetime]]) -> list[tuple[str, datetime]]:
     """Those of the ``(task, slot)`` pairs (of many tasks) that have no row, in their order;
     a row that only recorded an early call's refusal is none (as in :func:`states_at`). One
-    statement per :data:`WINDOWS_PER_STATEMENT` probes, each grouped by slot or by task,
+    statement per as many probes as the database binds, grouped by slot or by task,
     whichever makes fewer terms (10,000 tasks due at one instant: one term per statement)."""
     have = pair_states(pairs)
     return [pair for pair in pairs if pair not in have]
@@ -245,40 +245,50 @@ def pair_states(pairs: Sequence[tuple[str, datetime]]) -> dict[tuple[str, dateti
         by_slot.setdefault(slot, []).append(task)
         by_task.setdefault(task, []).append(slot)
     refused = Q(state=RunState.SKIPPED, attempt=0, created_at__lt=F("slot"))
+    budget = _parameter_budget()
     have: dict[tuple[str, datetime], str] = {}
     terms: list[tuple[Q, int]]  # a probe and its parameter count
     if len(by_slot) <= len(by_task):
         terms = [
             (Q(slot=slot, task_name__in=part), 1 + len(part))
             for slot, tasks in by_slot.items()
-            for part in _parts(tasks)
+            for part in _parts(tasks, budget - 1)
         ]
     else:
         terms = [
             (Q(task_name=task, slot__in=part), 1 + len(part))
             for task, slots in by_task.items()
-            for part in _parts(slots)
+            for part in _parts(slots, budget - 1)
         ]
     with translated:
-        for group in _groups(terms):
+        for group in _groups(terms, budget):
             found = runs().filter(group).exclude(refused)
             for task, slot, state in found.values_list("task_name", "slot", "state"):
                 have[(task, slot)] = state
     return have
 
 
-def _parts(values: list[Any]) -> list[list[Any]]:
-    step = WINDOWS_PER_STATEMENT
-    return [values[start : start + step] for start in range(0, len(values), step)]
+# Parameters per statement of :func:`pair_states` where the database sets no lower limit.
+MOST_PARAMETERS = 20_000
 
 
-def _groups(terms: Sequence[tuple[Q, int]]) -> list[Q]:
-    """The ``terms`` OR-ed together, a group per about ``2 * WINDOWS_PER_STATEMENT``
-    parameters."""
+def _parameter_budget() -> int:
+    """The parameters a probe statement may bind (the state and attempt of the refusal
+    test bind a few more)."""
+    most = connections[alias()].features.max_query_params
+    return min(MOST_PARAMETERS, most or MOST_PARAMETERS) - 10
+
+
+def _parts(values: list[Any], size: int) -> list[list[Any]]:
+    return [values[start : start + size] for start in range(0, len(values), size)]
+
+
+def _groups(terms: Sequence[tuple[Q, int]], budget: int) -> list[Q]:
+    """The ``terms`` OR-ed together, a group per at most ``budget`` parameters."""
     groups: list[Q] = []
     current, size = Q(), 0
     for term, weight in terms:
-        if size and size + weight > 2 * WINDOWS_PER_STATEMENT:
+        if size and size + weight > budget:
             groups.append(current)
             current, size = Q(), 0
         current |= term
