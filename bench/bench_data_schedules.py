@@ -28,6 +28,7 @@ first fire of the herd).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -161,7 +162,9 @@ def define(count: int, herd: int) -> float:
 
     few = min(10, count)
     for n in range(few):  # through the documented API, one transaction each
-        define_schedule(f"tenant-{n}", TARGET, kwargs={"tenant_id": n}, grace=GRACE, **definition(n))
+        define_schedule(
+            f"tenant-{n}", TARGET, kwargs={"tenant_id": n}, grace=GRACE, **definition(n)
+        )
     batch: list[tuple[str, dict[str, object]]] = []
     for n in range(few, count):
         batch.append(
@@ -214,7 +217,9 @@ def parts(count: int, herd: int) -> None:
     later = now + timedelta(seconds=60) + GRACE
     result = measured("sweep, the herd's slot past its grace", lambda: sweep_missed(now=later))
     print(f"    ... recorded {result.missed_slots:,} missed slots (expected {herd:,})")
-    measured("sweep after that, nothing due", lambda: sweep_missed(now=later + timedelta(seconds=1)))
+    measured(
+        "sweep after that, nothing due", lambda: sweep_missed(now=later + timedelta(seconds=1))
+    )
     assert upkeep.take("bench", timedelta(seconds=60), timedelta(0))
     assert upkeep.finish("bench", {}, "")
     verdict = measured("health.check()", health.check)
@@ -227,7 +232,9 @@ def parts(count: int, herd: int) -> None:
     client.force_login(User.objects.get(username="bench"))
     page = measured("admin overview page", lambda: client.get("/admin/taskguard/taskrun/overview/"))
     assert page.status_code == 200, page.status_code
-    page = measured("admin schedule list (page 1)", lambda: client.get("/admin/taskguard/taskschedule/"))
+    page = measured(
+        "admin schedule list (page 1)", lambda: client.get("/admin/taskguard/taskschedule/")
+    )
     assert page.status_code == 200, page.status_code
     page = measured(
         "admin schedule list (page 50)", lambda: client.get("/admin/taskguard/taskschedule/?p=50")
@@ -348,6 +355,7 @@ def main() -> None:
         from django.core.management import call_command
 
         django.setup()
+        logging.getLogger("taskguard").setLevel(logging.ERROR)  # a warning per missed schedule
         call_command("migrate", verbosity=0)
         for size in sizes:
             parts(size, max(1, size // 10) if size < args.schedules else args.herd)

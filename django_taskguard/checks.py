@@ -193,6 +193,51 @@ def check_schedule_zones(
     ]
 
 
+# Distinct data-schedule targets W021 looks up (checks run at every manage.py call).
+TARGETS_CHECKED = 100
+
+
+@register(Tags.database)
+def check_data_targets(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """W021: data schedules whose target this process cannot find (``check --database``,
+    ``migrate``): a copy like it fires none of their slots. One grouped query, at most
+    ``TARGETS_CHECKED`` distinct targets looked up."""
+    from .data_schedules import resolve_target
+    from .exceptions import BackendUnavailable
+    from .ledger import schedules as store
+
+    alias = _valid("DATABASE_ALIAS")
+    if alias is None or not databases or alias not in databases:
+        return []
+    if alias not in connections.settings:
+        return []
+    try:
+        targets = store.data_targets(TARGETS_CHECKED)
+    except BackendUnavailable:
+        return []  # unreachable or not migrated yet: the command that asked says so itself
+    warnings: list[CheckMessage] = []
+    for target, kind, count in targets:
+        try:
+            resolve_target(target)
+        except Exception as exc:  # a check never raises out of manage.py check
+            warnings.append(
+                Warning(
+                    f"{count} data schedule(s) run {target!r} ({kind or 'function'}), which "
+                    f"this process cannot find: {exc}. A copy like this one fires none of "
+                    "their slots, and the missed-slot sweep records them missed.",
+                    hint="Make the target importable where the schedules are fired (its "
+                    "module in an installed app's tasks or jobs, or SCHEDULE_MODULES), or "
+                    "point the schedules at its new name, disable or delete them.",
+                    id="taskguard.W021",
+                )
+            )
+    return warnings
+
+
 # A deployment check: ``migrate`` runs the database checks before it applies anything,
 # and must not be told to run itself.
 @register(Tags.database, deploy=True)

@@ -78,6 +78,7 @@ class TaskHealth:
     paused_reason: str = ""
     grace: timedelta = timedelta(0)
     first_seen: datetime | None = None
+    ends: datetime | None = None  # a data schedule's end: no slot after it is due
     resumed_at: datetime | None = None  # the end of its latest pause
     last_success: ledger.LastRun | None = None
     alive_since: datetime | None = None  # when its oldest run alive now started
@@ -209,8 +210,9 @@ def check(*, task: str | None = None) -> Verdict:
         health.last_success = successes.get(health.task)
         health.alive_since = alive.get(health.task)
         if health.schedule is not None:
-            health.latest_due = health.schedule.latest_slot(now - health.grace)
-            health.next_slot = health.schedule.next_slot(now)
+            due_by = now - health.grace
+            health.latest_due = health.schedule.latest_slot(min(due_by, health.ends or due_by))
+            health.next_slot = _next_slot(health, now)
     asks = [(t.task, t.latest_due if _expected(t) else None) for t in tasks if not t.paused]
     failures = taskguard_settings.HEALTH_FAILURES
     facts = ledger.task_facts(asks, now - window, failures)
@@ -306,7 +308,9 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
         paused_at=row.paused_at if row.paused else None,
         paused_reason=row.paused_reason,
         grace=row.grace,
-        first_seen=row.first_seen,
+        # A data schedule's bounds: no slot before its start is expected, none after its end.
+        first_seen=max(row.first_seen, row.starts or row.first_seen),
+        ends=row.ends,
         resumed_at=None if row.paused else row.resumed_at,
         registered=True,
         acknowledged_until=row.acknowledged_until,
@@ -318,6 +322,17 @@ def build_schedule(row: TaskSchedule) -> StoredSchedule | None:
         return rebuild(row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every)
     except Exception:  # a row written by another version: shown, not judged on time
         return None
+
+
+def _next_slot(health: TaskHealth, now: datetime) -> datetime | None:
+    """The first slot after ``now`` that fires: not before a data schedule's start (its
+    ``first_seen`` here), none after its end."""
+    assert health.schedule is not None
+    after = now
+    if health.first_seen is not None and health.first_seen > now:
+        after = health.first_seen - timedelta(microseconds=1)
+    found = health.schedule.next_slot(after)
+    return None if found is None or (health.ends and found > health.ends) else found
 
 
 def _expected(health: TaskHealth) -> bool:

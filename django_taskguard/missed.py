@@ -106,7 +106,6 @@ class _Work:
     taken: int = 0  # slot batches judged this sweep
     slots: list[datetime] = field(default_factory=list)  # the batch being judged
     until: datetime | None = None  # where this batch ends
-    advanced: bool = False  # the mark moved this sweep
 
 
 def _sweep_page(

@@ -30,7 +30,7 @@ DEPLOYMENTS = [
     "docs/deployments/run-schedules.md",
     "docs/deployments/django-tasks.md",
 ]
-PAGES = ["docs/testing.md", "docs/decorators.md", "README.md", *DEPLOYMENTS]
+PAGES = ["docs/testing.md", "docs/decorators.md", "docs/schedules.md", "README.md", *DEPLOYMENTS]
 # Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
 NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md"}
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -49,6 +49,11 @@ def nightly_report():
 @once_per_key(key="order:{order_id}", keep=timedelta(days=7))
 def charge(order_id):
     return f"charged {order_id}"
+
+
+@once_per_schedule()  # no schedule of its own: data schedules give it slots
+def send_report(tenant_id, fmt="pdf"):
+    return f"report {tenant_id} {fmt}"
 """
 
 SETTINGS = """
@@ -70,6 +75,7 @@ PRELUDES = {
         "def chunks():\n    return [b'one', b'two']\n\n"
         "def write(chunk, fence):\n    assert fence > 0\n"
     ),
+    "docs/schedules.md": "",
     "README.md": "",
     **dict.fromkeys(DEPLOYMENTS, ""),
 }

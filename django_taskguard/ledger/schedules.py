@@ -15,6 +15,7 @@ from datetime import timezone as dt_timezone
 from django.db import connections, transaction
 from django.db.models import (
     Case,
+    Count,
     DateTimeField,
     F,
     OuterRef,
@@ -466,11 +467,12 @@ def mark_entries_removed(declared_in: str, declared: Collection[str], now: datet
 
 
 def watched(rows: Sequence[TaskSchedule]) -> list[TaskSchedule]:
-    """The schedules among ``rows`` that the sweep and health judge: not removed, and not
-    the own schedule of a Celery task that beat entries fire (a beat stamps every message
-    with its entry, so the runs are recorded as ``task[entry]``, never under the plain
-    Celery task name: that row has no slot of its own to miss)."""
-    live = [row for row in rows if row.removed_at is None]
+    """The schedules among ``rows`` that the sweep and health judge: not removed, not a
+    disabled data schedule (nothing fires it), and not the own schedule of a Celery task
+    that beat entries fire (a beat stamps every message with its entry, so the runs are
+    recorded as ``task[entry]``, never under the plain Celery task name: that row has no
+    slot of its own to miss)."""
+    live = [row for row in rows if row.removed_at is None and row.enabled]
     beaten = {row.function for row in live if row.source == ScheduleSource.CELERY and row.entry}
     return [
         row
@@ -720,6 +722,18 @@ def data_schedules(target_kinds: Collection[str] | None = None) -> QuerySet[Task
     if target_kinds is not None:
         rows = rows.filter(target_kind__in=list(target_kinds))
     return rows
+
+
+def data_targets(limit: int) -> list[tuple[str, str, int]]:
+    """``(target, target_kind, schedules)`` of the live, enabled data schedules, one per
+    distinct target, at most ``limit`` (one grouped query, whatever the schedules)."""
+    rows = data_schedules().filter(removed_at__isnull=True, enabled=True)
+    grouped = rows.values("function", "target_kind").annotate(schedules=Count("pk"))
+    with translated:
+        return [
+            (found["function"], found["target_kind"], found["schedules"])
+            for found in grouped.order_by("function", "target_kind")[:limit]
+        ]
 
 
 def data_changed_since(

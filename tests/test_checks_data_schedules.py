@@ -1,0 +1,78 @@
+"""W021: a data schedule whose target this process cannot find is reported by
+``manage.py check --database``, in one grouped query whatever the schedules."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core.checks import CheckMessage, run_checks
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from django_taskguard import define_schedule, delete_schedule
+from django_taskguard.checks import check_data_targets
+from django_taskguard.models import TaskSchedule
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TARGET = "tests.support.data_targets.send_report"
+
+
+def w021() -> list[CheckMessage]:
+    return [found for found in run_checks(databases=["default"]) if found.id == "taskguard.W021"]
+
+
+def rename(task_name: str, target: str) -> None:
+    """What a deploy that renamed the function leaves: rows naming a target gone."""
+    TaskSchedule.objects.filter(task_name=task_name).update(function=target)
+
+
+def test_check_data_targets__targets_found_here_are_clean() -> None:
+    for tenant in range(3):
+        define_schedule(f"t{tenant}", TARGET, every=timedelta(minutes=5), args=[tenant])
+    assert w021() == []
+
+
+def test_check_data_targets__a_target_gone_is_one_warning_with_its_count() -> None:
+    rows = [
+        define_schedule(f"t{tenant}", TARGET, every=timedelta(minutes=5), args=[tenant])
+        for tenant in range(3)
+    ]
+    for row in rows[:2]:
+        rename(row.task_name, "tests.support.data_targets.send_report_renamed")
+    rename(rows[2].task_name, "tests.support.data_targets.not_guarded")
+    found = w021()
+    assert len(found) == 2
+    gone = next(m for m in found if "send_report_renamed" in m.msg)
+    assert gone.msg.startswith("2 data schedule(s) run ")
+    assert "no task or guarded function is named" in gone.msg
+    assert "records them missed" in gone.msg and gone.hint
+    unguarded = next(m for m in found if "not_guarded" in m.msg)
+    assert unguarded.msg.startswith("1 data schedule(s)") and "is not guarded" in unguarded.msg
+
+
+def test_check_data_targets__deleted_and_disabled_schedules_are_not_reported() -> None:
+    deleted = define_schedule("gone", TARGET, every=timedelta(minutes=5), args=[1])
+    disabled = define_schedule("off", TARGET, every=timedelta(minutes=5), args=[2], enabled=False)
+    assert delete_schedule("gone", TARGET)
+    rename(deleted.task_name, "tests.nowhere.job")
+    rename(disabled.task_name, "tests.nowhere.job")
+    assert w021() == []
+    TaskSchedule.objects.filter(task_name=disabled.task_name).update(enabled=True)
+    assert len(w021()) == 1  # the same row enabled: reported
+
+
+def test_check_data_targets__one_query_whatever_the_schedules() -> None:
+    for tenant in range(30):
+        define_schedule(f"t{tenant}", TARGET, every=timedelta(minutes=5), args=[tenant])
+    with CaptureQueriesContext(connection) as queries:
+        assert check_data_targets(databases=["default"]) == []
+    assert len(queries) == 1
+
+
+def test_check_data_targets__only_with_the_ledgers_database() -> None:
+    row = define_schedule("t", TARGET, every=timedelta(minutes=5), args=[1])
+    rename(row.task_name, "tests.nowhere.job")
+    assert check_data_targets(databases=None) == []
+    assert len(check_data_targets(databases=["default"])) == 1
