@@ -249,7 +249,8 @@ def mark_swept(task_name: str, until: datetime) -> None:
 # ``sweep_due_at`` of a schedule with no slot left to judge (it ended): an edit of its
 # slots sets it empty again.
 NEVER = datetime(9999, 1, 1, tzinfo=dt_timezone.utc)
-# Marks written per statement: eight parameters each, within SQLite's 999.
+# Marks written per statement where the database limits parameters: eight each, within
+# SQLite's 999 (elsewhere: all of them in one).
 MARKS_PER_STATEMENT = 120
 
 
@@ -299,9 +300,11 @@ def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetim
     and ``last_seen``; else empty: look next time). One statement per
     :data:`MARKS_PER_STATEMENT` rows."""
     rows = TaskSchedule.objects.using(alias())
+    most = connections[alias()].features.max_query_params
+    step = MARKS_PER_STATEMENT if most is not None else max(len(marks), 1)
     with translated:
-        for start in range(0, len(marks), MARKS_PER_STATEMENT):
-            part = marks[start : start + MARKS_PER_STATEMENT]
+        for start in range(0, len(marks), step):
+            part = marks[start : start + step]
             swept = [
                 When(id=row.id, then=Greatest(Coalesce(F("swept_until"), _at(until)), _at(until)))
                 for row, until, _ in part
