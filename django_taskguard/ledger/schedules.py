@@ -66,9 +66,12 @@ _CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_na
 
 
 def stored() -> list[TaskSchedule]:
-    """Every known schedule, by task name."""
+    """Every known schedule, by task name, without a data schedule's arguments and
+    description (read on access: what health and the schedulers' bookkeeping never need, at
+    100,000 schedules most of the bytes)."""
+    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
     with translated:
-        return list(TaskSchedule.objects.using(alias()).order_by("task_name"))
+        return list(rows.order_by("task_name"))
 
 
 def get(task_name: str) -> TaskSchedule | None:
