@@ -75,13 +75,10 @@ def sweep_missed(
         result = SweepResult()
         if not dry_run:
             _end_pending_of_all(now, task, result)
-        after = 0
-        while True:
-            rows = store.sweep_due(now, after, SWEEP_PAGE, task)
-            if not rows:
-                break
+        due = store.sweep_due(now, task)
+        for start in range(0, len(due), SWEEP_PAGE):
+            rows = store.sweep_page(due[start : start + SWEEP_PAGE])
             _sweep_page(rows, now, floor, dry_run, result)
-            after = rows[-1].id
     except (BackendUnavailable, DatabaseError):
         # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
         # connection that failed so that the next sweep reconnects.

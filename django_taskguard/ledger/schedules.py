@@ -252,9 +252,8 @@ def mark_swept(task_name: str, until: datetime) -> None:
 # ``sweep_due_at`` of a schedule with no slot left to judge (it ended): an edit of its
 # slots sets it empty again.
 NEVER = datetime(9999, 1, 1, tzinfo=dt_timezone.utc)
-# Marks written per statement where the database limits parameters: eight each, within
-# SQLite's 999 (elsewhere: all of them in one).
-MARKS_PER_STATEMENT = 120
+# Marks written per statement where the database limits parameters (SQLite's 999).
+MARKS_PER_STATEMENT = 900
 
 
 def _judged() -> QuerySet[TaskSchedule]:
@@ -273,17 +272,21 @@ def _judged() -> QuerySet[TaskSchedule]:
     return rows.defer("args", "kwargs", "description")
 
 
-def sweep_due(
-    now: datetime, after_id: int, limit: int, task: str | None = None
-) -> list[TaskSchedule]:
-    """The next ``limit`` schedules by id after ``after_id`` that the sweep judges and whose
-    ``sweep_due_at`` is empty or at or before ``now`` (indexed: the schedules with nothing
-    due cost nothing)."""
+def sweep_due(now: datetime, task: str | None = None) -> list[int]:
+    """The ids of the schedules the sweep judges whose ``sweep_due_at`` is empty or at or
+    before ``now``, in order: a range scan of its index (the schedules with nothing due
+    cost nothing; :func:`sweep_page` reads the rows a page at a time)."""
     rows = _judged().filter(Q(sweep_due_at__isnull=True) | Q(sweep_due_at__lte=now))
     if task is not None:
         rows = rows.filter(task_name=task)
     with translated:
-        return list(rows.filter(id__gt=after_id).order_by("id")[:limit])
+        return list(rows.order_by("id").values_list("id", flat=True))
+
+
+def sweep_page(ids: Sequence[int]) -> list[TaskSchedule]:
+    """The schedules of ``ids`` the sweep still judges, by id."""
+    with translated:
+        return list(_judged().filter(id__in=list(ids)).order_by("id"))
 
 
 def judged_named(task_names: Sequence[str]) -> list[TaskSchedule]:
@@ -298,29 +301,37 @@ def judged_named(task_names: Sequence[str]) -> list[TaskSchedule]:
 
 def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetime]]) -> None:
     """For each ``(row, until, due)``: the sweep checked ``row``'s slots up to ``until``
-    (None: it judged none; never moves back) and next needs to look at it at ``due``
-    (kept only if the row's definition is still the one the sweep read, its ``version``
-    and ``last_seen``; else empty: look next time). One statement per
-    :data:`MARKS_PER_STATEMENT` rows."""
+    (None: it judged none; never moves back) and next needs to look at it at ``due``, kept
+    only if the row's definition is still the one the sweep read (its ``version`` and
+    ``last_seen``: an edit or a save since then leaves it empty, "look next time").
+
+    One statement per group of rows with the same values (10,000 schedules of one cron
+    swept to the same slot: one), of at most :data:`MARKS_PER_STATEMENT` rows where the
+    database limits parameters."""
+    groups: dict[tuple[datetime | None, datetime, int, datetime], list[int]] = {}
+    for row, until, due in marks:
+        groups.setdefault((until, due, row.version, row.last_seen), []).append(row.id)
     rows = TaskSchedule.objects.using(alias())
     most = connections[alias()].features.max_query_params
-    step = MARKS_PER_STATEMENT if most is not None else max(len(marks), 1)
     with translated:
-        for start in range(0, len(marks), step):
-            part = marks[start : start + step]
-            swept = [
-                When(id=row.id, then=Greatest(Coalesce(F("swept_until"), _at(until)), _at(until)))
-                for row, until, _ in part
-                if until is not None
-            ]
-            due = [
-                When(id=row.id, version=row.version, last_seen=row.last_seen, then=_at(at))
-                for row, _, at in part
-            ]
-            rows.filter(id__in=[row.id for row, _, _ in part]).update(
-                swept_until=Case(*swept, default=F("swept_until")) if swept else F("swept_until"),
-                sweep_due_at=Case(*due, default=Value(None), output_field=DateTimeField()),
-            )
+        for (until, due, version, last_seen), ids in groups.items():
+            step = len(ids) if most is None else MARKS_PER_STATEMENT
+            for start in range(0, len(ids), step):
+                part = rows.filter(id__in=ids[start : start + step])
+                unchanged = Q(version=version, last_seen=last_seen)
+                swept = (
+                    {"swept_until": Greatest(Coalesce(F("swept_until"), _at(until)), _at(until))}
+                    if until is not None
+                    else {}
+                )
+                part.update(
+                    sweep_due_at=Case(
+                        When(unchanged, then=_at(due)),
+                        default=Value(None),
+                        output_field=DateTimeField(),
+                    ),
+                    **swept,
+                )
 
 
 def _at(when: datetime) -> Value:
