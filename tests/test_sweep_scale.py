@@ -197,6 +197,16 @@ def test_sweep_due__every_writer_of_slots_or_mark_empties_it():
     assert TaskSchedule.objects.get(pk=code.pk).sweep_due_at is None
 
 
+def test_mark_swept_many__a_code_schedule_saved_meanwhile_is_looked_at_next_time():
+    row = schedule("tests.scale.saved", every=timedelta(hours=1))
+    sweep_missed()
+    read = TaskSchedule.objects.get(pk=row.pk)
+    assert read.sweep_due_at is not None
+    TaskSchedule.objects.filter(pk=row.pk).update(sweep_due_at=None)  # as save() does
+    store.mark_swept_many([(read, None, timezone.now() + timedelta(hours=1))])
+    assert TaskSchedule.objects.get(pk=row.pk).sweep_due_at is None
+
+
 def test_mark_swept_many__a_definition_changed_meanwhile_is_looked_at_next_time():
     row = define_schedule("raced", TARGET, every=timedelta(hours=1), args=[1])
     read = TaskSchedule.objects.get(pk=row.pk)

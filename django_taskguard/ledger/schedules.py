@@ -302,23 +302,26 @@ def judged_named(task_names: Sequence[str]) -> list[TaskSchedule]:
 def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetime]]) -> None:
     """For each ``(row, until, due)``: the sweep checked ``row``'s slots up to ``until``
     (None: it judged none; never moves back) and next needs to look at it at ``due``, kept
-    only if the row's definition is still the one the sweep read (its ``version`` and
-    ``last_seen``: an edit or a save since then leaves it empty, "look next time").
+    only if the row is still as the sweep read it (its ``version``, and its
+    ``sweep_due_at``, which every writer of its slots empties): else it stays empty, "look
+    next time".
 
     One statement per group of rows with the same values (10,000 schedules of one cron
     swept to the same slot: one), of at most :data:`MARKS_PER_STATEMENT` rows where the
     database limits parameters."""
-    groups: dict[tuple[datetime | None, datetime, int, datetime], list[int]] = {}
+    groups: dict[tuple[datetime | None, datetime, int, datetime | None], list[int]] = {}
     for row, until, due in marks:
-        groups.setdefault((until, due, row.version, row.last_seen), []).append(row.id)
+        groups.setdefault((until, due, row.version, row.sweep_due_at), []).append(row.id)
     rows = TaskSchedule.objects.using(alias())
     most = connections[alias()].features.max_query_params
     with translated:
-        for (until, due, version, last_seen), ids in groups.items():
+        for (until, due, version, read), ids in groups.items():
             step = len(ids) if most is None else MARKS_PER_STATEMENT
             for start in range(0, len(ids), step):
                 part = rows.filter(id__in=ids[start : start + step])
-                unchanged = Q(version=version, last_seen=last_seen)
+                unchanged = Q(version=version) & (
+                    Q(sweep_due_at__isnull=True) if read is None else Q(sweep_due_at=read)
+                )
                 swept = (
                     {"swept_until": Greatest(Coalesce(F("swept_until"), _at(until)), _at(until))}
                     if until is not None
