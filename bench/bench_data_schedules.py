@@ -133,13 +133,19 @@ def scratch_database(create: bool) -> None:
 def measured(label: str, call: Callable[[], Any]) -> Any:
     """Run ``call`` once; print its statements and seconds; return its result."""
     from django.db import connections
-    from django.test.utils import CaptureQueriesContext
 
-    with CaptureQueriesContext(connections["default"]) as queries:
+    statements = 0
+
+    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        nonlocal statements
+        statements += 1
+        return execute(sql, params, many, context)
+
+    with connections["default"].execute_wrapper(count):
         started = time.perf_counter()
         result = call()
         seconds = time.perf_counter() - started
-    print(f"  {label:<44} {len(queries):6d} statements {seconds:8.2f} s")
+    print(f"  {label:<44} {statements:6d} statements {seconds:8.2f} s")
     return result
 
 
@@ -212,11 +218,17 @@ def parts(count: int, herd: int) -> None:
     with psycopg.connect(conninfo(DB_NAME), autocommit=True) as conn:
         conn.execute("ANALYZE")
     now = ledger.database_now()
+    first = now - timedelta(seconds=5)
+    TaskSchedule.objects.update(first_seen=first)  # all first seen 5 s ago (not as defined)
     measured("sweep, the first (every schedule new)", lambda: sweep_missed(now=now))
     measured("sweep, nothing due", lambda: sweep_missed(now=now + timedelta(seconds=5)))
     later = now + timedelta(seconds=60) + GRACE
     result = measured("sweep, the herd's slot past its grace", lambda: sweep_missed(now=later))
-    print(f"    ... recorded {result.missed_slots:,} missed slots (expected {herd:,})")
+    minutes = int((later - GRACE).timestamp()) // 60 - int(first.timestamp()) // 60
+    print(
+        f"    ... recorded {result.missed_slots:,} missed slots (expected {herd * minutes:,}: "
+        f"{minutes} minute(s) of the herd)"
+    )
     measured(
         "sweep after that, nothing due", lambda: sweep_missed(now=later + timedelta(seconds=1))
     )

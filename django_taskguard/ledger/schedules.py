@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
+from typing import Any
 
 from django.db import connections, transaction
 from django.db.models import (
@@ -37,7 +38,7 @@ from ..models import (
     ScheduleSource,
     TaskSchedule,
 )
-from .core import alias, clip, database_now, translated
+from .core import alias, clip, database_now, dialect, translated
 
 PAUSED_REASON_MAX_LENGTH = 500
 
@@ -309,6 +310,20 @@ def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetim
     One statement per group of rows with the same values (10,000 schedules of one cron
     swept to the same slot: one), of at most :data:`MARKS_PER_STATEMENT` rows where the
     database limits parameters."""
+    if not marks:
+        return
+    d = dialect()
+    if d.marks_in_one_statement:
+        params: list[Any] = [
+            [row.id for row, _, _ in marks],
+            [until for _, until, _ in marks],
+            [due for _, _, due in marks],
+            [row.version for row, _, _ in marks],
+            [row.sweep_due_at for row, _, _ in marks],
+        ]
+        with translated, connections[alias()].cursor() as cursor:
+            cursor.execute(d.mark_swept_many, params)
+        return
     groups: dict[tuple[datetime | None, datetime, int, datetime | None], list[int]] = {}
     for row, until, due in marks:
         groups.setdefault((until, due, row.version, row.sweep_due_at), []).append(row.id)

@@ -126,9 +126,17 @@ class Backend:
     """A VALUES row of (task name, due slot)."""
     task_state_hint: ClassVar[str] = ""
     """Where the planner must be told to probe (task_name, state, slot)."""
+    marks_in_one_statement: ClassVar[bool] = False
+    """Whether :attr:`mark_swept_many` writes the sweep's marks of many schedules in one
+    statement (else the ORM writes a statement per group of equal values)."""
     binds_arrays: ClassVar[bool] = False
     """Whether the monitoring reads bind their task names (and due slots) as one array
     each (one statement for any number of tasks), not as a VALUES list per chunk."""
+
+    @property
+    def mark_swept_many(self) -> str:
+        """The statement of :attr:`marks_in_one_statement` (where it is True)."""
+        raise NotImplementedError
 
     def names_table(self, names: int) -> str:
         """The rows ``t(name)`` of ``names`` task names (:attr:`binds_arrays`: one array

@@ -19,6 +19,7 @@ from .fragments import (
     CLAIMED_COLUMNS,
     END_ATTEMPT,
     FENCE_SEQUENCE,
+    SCHEDULE,
     TRANSITION,
     TRANSITION_COLUMNS,
     Sets,
@@ -353,6 +354,27 @@ class PostgreSQLBackend(Backend):
     @cached_property
     def insert_unheld_many_statement(self) -> str:
         return self.format(INSERT_UNHELD_MANY)
+
+    # -- the missed-slot sweep's marks: a page of schedules in one statement -----------
+
+    marks_in_one_statement = True
+
+    @cached_property
+    def mark_swept_many(self) -> str:
+        """Per schedule (arrays: id, until, due, version, the next look as read): move
+        ``swept_until`` to ``until`` (never back; NULL: leave it) and set ``sweep_due_at``
+        to ``due`` if the row is still as read (its version and next look), else NULL."""
+        return (
+            f"UPDATE {SCHEDULE} AS s SET "
+            "swept_until = CASE WHEN v.until IS NULL THEN s.swept_until "
+            "ELSE GREATEST(COALESCE(s.swept_until, v.until), v.until) END, "
+            "sweep_due_at = CASE WHEN s.version = v.version AND "
+            "s.sweep_due_at IS NOT DISTINCT FROM v.read THEN v.due END "
+            "FROM unnest(CAST(%s AS bigint[]), CAST(%s AS timestamp with time zone[]), "
+            "CAST(%s AS timestamp with time zone[]), CAST(%s AS integer[]), "
+            "CAST(%s AS timestamp with time zone[])) AS v(id, until, due, version, read) "
+            "WHERE s.id = v.id"
+        )
 
     # -- changing a row: the update and its transitions, one statement -----------------
 
