@@ -191,7 +191,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     change_list_template = "admin/taskguard/taskrun/change_list.html"
     state_colours = STATE_COLOURS
     fields = (
-        ("task_name", "slot_at", "key"),
+        ("task_name", "slot_at", "key", "schedule_version"),
         ("state", "attempt", "fence"),
         "owner",
         ("created", "started", "finished"),
@@ -203,6 +203,7 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         "task_name",
         "slot_at",
         "key",
+        "schedule_version",
         "state",
         "attempt",
         "fence",
@@ -257,12 +258,30 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
 
     @admin.display(description=_("task"), ordering="task_name")
     def task_display(self, run: TaskRun) -> SafeString:
-        """The task's name, and under it the key of a keyed run; a long name breaks after a
-        dot (or anywhere) rather than push the table past the screen."""
+        """The task's name, and under it the key of a keyed run or the version of the data
+        schedule that fired it; a long name breaks after a dot (or anywhere) rather than push
+        the table past the screen."""
         *packages, last = run.task_name.split(".")
         name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
         key = format_html('<br><span class="quiet">{}</span>', run.key) if run.key else ""
-        return format_html('<span style="overflow-wrap:anywhere">{}{}{}</span>', name, last, key)
+        return format_html(
+            '<span style="overflow-wrap:anywhere">{}{}{}{}</span>',
+            name,
+            last,
+            key,
+            self.version_display(run),
+        )
+
+    def version_display(self, run: TaskRun) -> SafeString | str:
+        """Under a data schedule's run's task: the version of the schedule that fired it (a
+        line, not a column: the list fits a 1280 px screen)."""
+        if run.schedule_version is None:
+            return ""
+        return format_html(
+            '<br><span class="taskguard-version quiet" title="{}">v{}</span>',
+            _("schedule version"),
+            run.schedule_version,
+        )
 
     @admin.display(description=_("slot"), ordering="slot")
     def slot_display(self, run: TaskRun) -> SafeString:

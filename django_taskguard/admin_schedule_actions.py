@@ -41,6 +41,8 @@ ACTION_PERMISSIONS = {
     "resume_schedules": "pause",
     "acknowledge_schedules": "pause",
     "retire_schedules": "retire",
+    "run_now_schedules": "run",  # admin_schedule_run
+    "backfill_schedules": "backfill",
 }
 REASON_MAX_LENGTH = 200
 
@@ -48,7 +50,12 @@ REASON_MAX_LENGTH = 200
 class ScheduleActionsMixin(AdminBase):
     """Adds the actions, their permissions and their intermediate page to the admin."""
 
-    actions = ("pause_schedules", "resume_schedules", "acknowledge_schedules", "retire_schedules")
+    actions: tuple[str, ...] = (
+        "pause_schedules",
+        "resume_schedules",
+        "acknowledge_schedules",
+        "retire_schedules",
+    )
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("taskguard.pause_taskschedule"))

@@ -1,11 +1,18 @@
 """The schedules in the Django admin: every ``TaskSchedule`` row, whatever declares it.
 
-Read-only: code, a beat or django-celery-beat declares a schedule, so no field is edited
-here. What an operator does goes through the library's own API, each a permission-gated
-POST that keeps its event (who, from where, when, why): pause, resume and acknowledge
-(``taskguard.pause_taskschedule``), and retire (``taskguard.delete_taskschedule``), which
-deletes the row of a schedule the code no longer declares; its runs and events stay
-(:mod:`.admin_schedule_actions`).
+Code, a beat or django-celery-beat declares most schedules: those are read-only here. Data
+schedules (source ``data``) are created, edited and deleted here with Django's add, change
+and delete permissions, through the library's API (:mod:`.admin_data_schedules`): every
+change is kept in the schedule's history; a deletion leaves the row as a tombstone (its
+runs and history stay) that retire may delete later.
+
+What an operator does goes through the library's own API, each a permission-gated POST
+that keeps its event (who, from where, when, why): pause, resume and acknowledge
+(``taskguard.pause_taskschedule``), retire (``taskguard.delete_taskschedule``), which
+deletes the row of a schedule no longer declared; its runs and events stay
+(:mod:`.admin_schedule_actions`); run now and backfill of data schedules
+(``taskguard.run_taskschedule``, ``taskguard.backfill_taskschedule``:
+:mod:`.admin_schedule_run`).
 
 A page judges its rows with one ``health.check()`` and reads their pauses' events in one
 statement, so it costs the same with 5 rows as with ``list_per_page``.
@@ -19,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
@@ -27,11 +34,19 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from . import health, ledger, timefmt
+from . import admin_data_schedules as data_form
+from . import data_schedules, health, ledger, timefmt
 from .admin_schedule_actions import ScheduleActionsMixin
-from .exceptions import BackendUnavailable
+from .admin_schedule_run import RunActionsMixin
+from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import schedules as store
-from .models import ScheduleEvent, ScheduleEventKind, TaskSchedule
+from .models import (
+    ScheduleEvent,
+    ScheduleEventKind,
+    ScheduleEventOrigin,
+    ScheduleSource,
+    TaskSchedule,
+)
 
 if TYPE_CHECKING:
     ScheduleAdminBase = admin.ModelAdmin[TaskSchedule]
@@ -41,6 +56,67 @@ else:  # the admin classes are not subscriptable at runtime
 HEALTH_COLOURS = {health.OK: "#198754", health.PAUSED: "#6c757d", health.UNHEALTHY: "#dc3545"}
 HISTORY_LENGTH = 100
 _VERDICT = "_taskguard_schedule_verdict"
+# A data schedule's page: what it shows whoever may change it, beside the form.
+DATA_READONLY = (
+    "name_display",
+    "target_display",
+    "target_kind",
+    "task_name",
+    "version",
+    "next_slots_display",
+    "health_display",
+    "paused_display",
+    "first_seen_display",
+    "removed_display",
+)
+
+
+def data_fieldsets(*, add: bool, editable: bool) -> list[tuple[Any, dict[str, Any]]]:
+    """A data schedule's page: its definition, and (once saved) its state."""
+    what: tuple[Any, ...] = (
+        ("entry", "function") if add else (("name_display", "target_display"), "target_kind")
+    )
+    fixed = gettext_lazy(
+        "The name and the target are fixed once created: another name or target is another "
+        "schedule (add it, then delete this one)."
+    )
+    first: dict[str, Any] = {"fields": (*what, "description")}
+    if not add:
+        first["description"] = fixed
+    sets: list[tuple[Any, dict[str, Any]]] = [
+        (None, first),
+        (
+            gettext_lazy("Schedule"),
+            {"fields": ("cron", "every", "time_zone", ("starts", "ends"), "enabled")},
+        ),
+        (gettext_lazy("Arguments"), {"fields": ("args", "kwargs")}),
+        (
+            gettext_lazy("Catch-up"),
+            {
+                "fields": (
+                    ("catchup", "grace"),
+                    ("max_catchup", "pause_after_failures"),
+                    "jitter",
+                )
+            },
+        ),
+    ]
+    if editable:
+        sets.append((gettext_lazy("This change"), {"fields": ("reason",)}))
+    if not add:
+        state = (
+            ("task_name", "version"),
+            "next_slots_display",
+            ("health_display", "paused_display"),
+            ("first_seen_display", "removed_display"),
+        )
+        sets.insert(1, (gettext_lazy("State"), {"fields": state}))
+    return sets
+
+
+def _editable(row: TaskSchedule) -> bool:
+    """A live data schedule (a deleted one's tombstone is history: define it again)."""
+    return row.source == ScheduleSource.DATA and row.removed_at is None
 
 
 class RemovedFilter(admin.SimpleListFilter):
@@ -69,7 +145,7 @@ class ScheduleChangeList(ChangeList):
 
 
 @admin.register(TaskSchedule)
-class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
+class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase):
     # Narrow enough for a 1280 px screen beside the admin's two sidebars: a removed
     # schedule says so under its name, a paused one why under its health, and a moment
     # takes two lines (date, then time).
@@ -83,6 +159,7 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
     )
     list_display_links = ("task_display",)
     list_filter = ("source", "paused", RemovedFilter)
+    actions = (*ScheduleActionsMixin.actions, "run_now_schedules", "backfill_schedules")
     search_fields = ("task_name",)
     ordering = ("task_name",)
     list_per_page = 50
@@ -154,21 +231,89 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
             setattr(request, _VERDICT, verdict)
         return verdict
 
-    # Read-only: code declares schedules; the actions are the only writes.
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
+    # Code and beat schedules are read-only (the actions are their only writes); data
+    # schedules are added, changed and deleted with Django's permissions, through the API.
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+        return super().has_change_permission(request, obj) and (obj is None or _editable(obj))
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False  # a row goes only through "retire", and only once it is removed
+        # A code schedule's row goes only through "retire", and only once it is removed;
+        # no "delete selected": a data schedule is deleted from its page, one at a time.
+        return obj is not None and _editable(obj) and super().has_delete_permission(request, obj)
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Whoever may view the runs may view their schedules."""
         return super().has_view_permission(request, obj) or bool(
             request.user.has_perm("taskguard.view_taskrun")
         )
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        found = super().get_actions(request)
+        found.pop("delete_selected", None)
+        return found
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        if obj is not None and obj.source != ScheduleSource.DATA:
+            return [(None, {"fields": self.fields})]
+        editable = self.has_change_permission(request, obj) if obj else True
+        return data_fieldsets(add=obj is None, editable=editable)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        if obj is None:
+            return ()
+        if obj.source != ScheduleSource.DATA:
+            return self.readonly_fields
+        return DATA_READONLY
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        if obj is None or obj.source == ScheduleSource.DATA:
+            kwargs["form"] = data_form.DataScheduleForm
+        return super().get_form(request, obj, change, **kwargs)
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        """Through define_schedule (validated, versioned, kept in the history), never
+        ``obj.save()``; ``obj`` becomes the saved row."""
+        saved = data_form.define(form, request.user.get_username())
+        for field in TaskSchedule._meta.concrete_fields:
+            setattr(obj, field.attname, getattr(saved, field.attname))
+        obj._state.adding = False
+        obj._state.db = saved._state.db
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """Nothing related to save (the history is written with the change)."""
+
+    def delete_model(self, request: HttpRequest, obj: TaskSchedule) -> None:
+        """The row stays as a tombstone (removed, disabled, a new version) so that every
+        scheduler sees the deletion; its runs and history stay."""
+        user = request.user.get_username()
+        data_schedules.delete_schedule(
+            obj.entry, obj.function, by=user, origin=ScheduleEventOrigin.ADMIN
+        )
+
+    def response_delete(self, request: HttpRequest, obj_display: str, obj_id: Any) -> Any:
+        self.message_user(
+            request,
+            _(
+                "Nothing fires it any more; its row stays, marked removed, with its runs and "
+                "its history (retire it to delete the row)."
+            ),
+        )
+        return super().response_delete(request, obj_display, obj_id)
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        try:
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        except TaskGuardError as exc:  # the ledger refused the save: said, never a 500
+            self.message_user(request, str(exc), messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
 
     def change_view(
         self,
@@ -184,7 +329,39 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
             context["runs_url"] = runs_url(row.task_name)
             context["can_pause"] = self.has_pause_permission(request)
             context["can_retire"] = self.has_retire_permission(request)
+            live_data = row.source == ScheduleSource.DATA and row.removed_at is None
+            context["can_run"] = live_data and self.has_run_permission(request)
+            context["can_backfill"] = live_data and self.has_backfill_permission(request)
         return super().change_view(request, object_id, form_url, context)
+
+    @admin.display(description=gettext_lazy("name"))
+    def name_display(self, row: TaskSchedule) -> str:
+        return row.entry
+
+    @admin.display(description=gettext_lazy("target"))
+    def target_display(self, row: TaskSchedule) -> str:
+        return row.function
+
+    @admin.display(description=gettext_lazy("next slots"))
+    def next_slots_display(self, row: TaskSchedule) -> SafeString | str:
+        """The next slots in the schedule's own zone, and in UTC."""
+        if row.removed_at is not None:
+            return _("none: deleted")
+        if not row.enabled:
+            return _("none: disabled")
+        if row.paused:
+            return _("none: paused")
+        slots = data_form.slot_rows(row)
+        if not slots:
+            return _("none (past its end)")
+        return format_html(
+            '<ol class="taskguard-next-slots" style="margin:0;padding-left:1.5em">{}</ol>',
+            format_html_join(
+                "",
+                '<li data-slot="{}">{} <span class="quiet">({})</span></li>',
+                ((slot["iso"], slot["here"], slot["utc"]) for slot in slots),
+            ),
+        )
 
     # -- columns ------------------------------------------------------------------------
 
@@ -224,7 +401,8 @@ class TaskScheduleAdmin(ScheduleActionsMixin, ScheduleAdminBase):
     @admin.display(description=gettext_lazy("source"), ordering="source")
     def source_display(self, row: TaskSchedule) -> SafeString:
         """The source, and under it where it is declared and the beat entry's name."""
-        where = " · ".join(part for part in (row.declared_in, row.entry) if part)
+        disabled = _("disabled") if row.source == ScheduleSource.DATA and not row.enabled else ""
+        where = " · ".join(part for part in (row.declared_in, row.entry, disabled) if part)
         under = format_html('<br><span class="quiet">{}</span>', where) if where else ""
         return format_html("{}{}", row.source, under)
 
@@ -309,6 +487,8 @@ def _events(request: HttpRequest, admin_: TaskScheduleAdmin, row: TaskSchedule) 
 def _event(event: ScheduleEvent) -> dict[str, Any]:
     return {
         "kind": event.kind,
+        "version": event.version if event.version is not None else "",
+        "changes": data_form.changes_of(event),
         "at": timefmt.both(event.at),
         "by": event.by or "—",
         "origin": event.get_origin_display(),

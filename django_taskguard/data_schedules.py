@@ -28,6 +28,7 @@ from typing import Any
 
 from django.utils import timezone
 from django.utils.module_loading import import_string
+from django.utils.timezone import get_default_timezone_name
 
 from . import registry, schedules
 from .cron import CronSchedule
@@ -313,8 +314,12 @@ def validate(
     found = resolve_target(target)
     policy = found.policy
     zone = _zone(time_zone)
+    if cron and not zone:
+        # Stored, not implied: every copy then reads the cron in the same zone, whatever
+        # its own TIME_ZONE (a code schedule's cron follows each copy's; W020 says so).
+        zone = get_default_timezone_name()
     schedule = _schedule(cron, every, zone)
-    args, kwargs = _check_arguments(found, list(args), kwargs or {})
+    args, kwargs = _check_arguments(found, args, {} if kwargs is None else kwargs)
     catchup = catchup or policy.catchup
     if catchup not in Catchup.values:
         raise ScheduleDefinitionError(

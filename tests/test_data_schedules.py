@@ -61,7 +61,9 @@ def test_define__disable_and_enable_are_their_own_events() -> None:
     define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1], enabled=False)
     row = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
     kinds = list(
-        ScheduleEvent.objects.filter(task_name=row.task_name).order_by("id").values_list("kind", flat=True)
+        ScheduleEvent.objects.filter(task_name=row.task_name)
+        .order_by("id")
+        .values_list("kind", flat=True)
     )
     assert kinds == ["created", "disabled", "enabled"]
     assert row.version == 3
@@ -162,3 +164,13 @@ def test_manual_slot__never_a_whole_second() -> None:
     now = timezone.now().replace(microsecond=0)
     assert manual_slot(now).microsecond == 1
     assert manual_slot(now.replace(microsecond=5)).microsecond == 5
+
+
+def test_define__a_cron_without_a_zone_is_saved_with_the_definers_time_zone(
+    settings: object,
+) -> None:
+    settings.TIME_ZONE = "Asia/Kolkata"  # type: ignore[attr-defined]
+    row = define_schedule("t1", TARGET, cron="30 9 * * *", args=[1])
+    assert row.time_zone == "Asia/Kolkata"
+    interval = define_schedule("t2", TARGET, every=timedelta(minutes=5), args=[1])
+    assert interval.time_zone == ""

@@ -4,6 +4,7 @@ test_admin_browser.py's)."""
 
 from __future__ import annotations
 
+import zoneinfo
 from datetime import timedelta
 
 import pytest
@@ -115,3 +116,138 @@ def test_schedule_admin_browser__pause_resume_acknowledge_retire_and_history(
     assert ScheduleEvent.objects.filter(
         task_name="reports.old", kind="retired", by="admin"
     ).exists()
+
+
+def test_schedule_admin_browser__data_schedule_created_run_backfilled_and_viewed(
+    browser, live_server, tmp_path, monkeypatch
+):
+    """Create a data schedule with arguments and a time zone, see its next slot, run it now,
+    backfill a range after its preview, read its history; a view-only user sees it all and
+    has nothing to change it with."""
+    from django.contrib.auth.models import Permission
+    from selenium.webdriver.common.by import By
+
+    from django_taskguard import data_schedules, ledger
+    from django_taskguard.schedules import CronSchedule
+
+    handed: list[tuple[str, object, str]] = []
+
+    def runner(row, slot, who):  # type: ignore[no-untyped-def]
+        handed.append((row.task_name, slot, who))
+        ledger.insert_pending(row.task_name, slot)
+        return f"handed out {slot.isoformat()}"
+
+    monkeypatch.setitem(data_schedules.RUNNERS, "function", runner)
+    driver = browser
+    shots = shots_dir(tmp_path)
+    User.objects.create_superuser("admin", "admin@example.com", "secret-pw")
+    viewer = User.objects.create_user("viewer", password="viewer-pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_taskschedule"))
+    changelist = f"{live_server.url}/admin/taskguard/taskschedule/"
+    login(driver, live_server.url, "admin", "secret-pw")
+
+    # Create: a tenant's report at 09:00 in New York, with its arguments.
+    driver.get(f"{changelist}add/")
+    fill = {
+        "id_entry": "tenant-42",
+        "id_function": "tests.support.data_targets.send_report",
+        "id_cron": "0 9 * * *",
+        "id_time_zone": "America/New_York",
+        "id_args": "[42]",
+        "id_kwargs": '{"fmt": "csv"}',
+        "id_reason": "tenant 42 signed up",
+    }
+    for field, value in fill.items():
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    driver.save_screenshot(str(shots / "data-schedule-add.png"))
+    navigate(driver, driver.find_element(By.NAME, "_continue"))
+    assert "was added successfully" in message(driver)
+    row = TaskSchedule.objects.get(entry="tenant-42")
+    assert (row.args, row.kwargs, row.time_zone) == ([42], {"fmt": "csv"}, "America/New_York")
+    page = f"{changelist}{row.pk}/change/"
+
+    # Its next slots: 09:00 in New York, 14:00 UTC.
+    first = driver.find_element(By.CSS_SELECTOR, "ol.taskguard-next-slots li")
+    assert "09:00:00 EST" in first.text and "14:00:00 UTC" in first.text
+
+    # Run now: asked first, then handed to the runner (not run in the request).
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "button[value=run_now_schedules]"))
+    assert "not in this web request" in driver.find_element(By.ID, "content").text
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit]"))
+    assert "handed out" in message(driver)
+    assert [(task, who) for task, _slot, who in handed] == [(row.task_name, "admin")]
+
+    # Backfill the last three days: the preview first, then the slots handed out.
+    zone = zoneinfo.ZoneInfo("America/New_York")
+    now = timezone.now().astimezone(zone)
+    start = (now - timedelta(days=3)).replace(hour=0, minute=0, second=0, microsecond=0)
+    end = (now - timedelta(days=1)).replace(hour=23, minute=0, second=0, microsecond=0)
+    expected = CronSchedule("0 9 * * *", "America/New_York").slots_between(
+        start - timedelta(microseconds=1), end, 10
+    )
+    assert len(expected) == 3
+    driver.get(page)
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "button[value=backfill_schedules]"))
+    assert "America/New_York" in driver.find_element(By.CSS_SELECTOR, "label[for=id_from]").text
+    driver.find_element(By.ID, "id_from").send_keys(f"{start:%Y-%m-%d %H:%M}")
+    driver.find_element(By.ID, "id_to").send_keys(f"{end:%Y-%m-%d %H:%M}")
+    navigate(driver, driver.find_element(By.NAME, "preview"))
+    count = driver.find_element(By.CSS_SELECTOR, ".taskguard-backfill-count").text
+    assert count.startswith("3 slots would be handed out"), count
+    listed = driver.find_elements(By.CSS_SELECTOR, "ul.taskguard-backfill-slots li")
+    assert [item.text.split(" (")[0] for item in listed] == [
+        f"{slot.astimezone(zone):%Y-%m-%d %H:%M:%S %Z}" for slot in expected
+    ]
+    assert len(handed) == 1  # nothing handed out by the preview
+    driver.save_screenshot(str(shots / "data-schedule-backfill-preview.png"))
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit][value^=Yes]"))
+    assert f"Backfill of {row.task_name}: 3 slots handed out." in message(driver)
+    assert [slot for _task, slot, _who in handed[1:]] == expected
+
+    # The history: newest first, who, from where, what changed, the version.
+    driver.get(page)
+    history = driver.find_elements(By.CSS_SELECTOR, "tr.taskguard-event")
+    assert [event.get_attribute("data-kind") for event in history] == [
+        "backfill",
+        "run_now",
+        "created",
+    ]
+    created = history[2].text
+    assert "admin" in created and "tenant 42 signed up" in created
+    assert "args: [42]" in created and "time_zone: America/New_York" in created
+    assert "3 slots handed out" in history[0].text
+    keep_screenshot(driver, tmp_path, "data-schedule-screenshot.png")
+
+    # A view-only user sees the page, its next slots and history; nothing to change it with.
+    driver.delete_all_cookies()
+    login(driver, live_server.url, "viewer", "viewer-pw")
+    driver.get(page)
+    assert len(driver.find_elements(By.CSS_SELECTOR, "ol.taskguard-next-slots li")) == 5
+    assert len(driver.find_elements(By.CSS_SELECTOR, "tr.taskguard-event")) == 3
+    for control in (
+        "input[name=_save]",
+        "input[name=cron]",
+        "a.deletelink",
+        "button[value=run_now_schedules]",
+        "button[value=backfill_schedules]",
+    ):
+        assert driver.find_elements(By.CSS_SELECTOR, control) == [], control
+    driver.save_screenshot(str(shots / "data-schedule-view-only.png"))
+    driver.get(changelist)
+    assert driver.find_elements(By.CSS_SELECTOR, "a.addlink") == []
+    actions = driver.find_elements(By.CSS_SELECTOR, "select[name=action] option")
+    assert not {"run_now_schedules", "backfill_schedules"} & {
+        option.get_attribute("value") for option in actions
+    }
+    assert TaskSchedule.objects.get(pk=row.pk).version == 1
+
+
+def login(driver, url: str, username: str, password: str) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{url}/admin/login/?next=/admin/taskguard/taskschedule/")
+    driver.find_element(By.NAME, "username").send_keys(username)
+    driver.find_element(By.NAME, "password").send_keys(password)
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, "input[type=submit]"))

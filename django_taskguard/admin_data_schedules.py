@@ -1,0 +1,373 @@
+"""Data schedules in the admin: the form that creates and edits them, their next slots and
+their history as the change page shows them.
+
+The form checks with :func:`data_schedules.validate` (the one validator of the admin and the
+API; its ``ScheduleDefinitionError.field`` says which field shows the message) and the admin
+saves through :func:`data_schedules.define_schedule`, never ``model.save()``: the change
+and its reason are kept in the schedule's history. Moments typed into the form (starts,
+ends) are read in the schedule's own time zone (Django's ``TIME_ZONE`` when it has none)
+unless they give their own offset.
+"""
+
+from __future__ import annotations
+
+import json
+import zoneinfo
+from datetime import datetime, timedelta, tzinfo
+from functools import lru_cache
+from typing import Any
+
+from django import forms
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
+
+from . import data_schedules, timefmt
+from .data_schedules import ScheduleDefinitionError
+from .ledger import schedules as store
+from .models import Catchup, ScheduleEvent, ScheduleEventOrigin, ScheduleSource, TaskSchedule
+from .schedules import rebuild
+
+NEXT_SLOTS = 5
+# How far ahead the next slots are looked for (a cron that fires once a year shows one).
+NEXT_SLOTS_HORIZON = timedelta(days=400)
+# The form's field for each part validate() names, where they differ.
+FORM_FIELD = {"name": "entry", "target": "function"}
+ZONES_DATALIST = "taskguard-time-zones"
+REASON_MAX_LENGTH = 200
+
+
+@lru_cache(maxsize=1)
+def zone_names() -> tuple[str, ...]:
+    return tuple(sorted(zoneinfo.available_timezones()))
+
+
+class ZoneInput(forms.TextInput):
+    """A text input offering every IANA zone name (a datalist): any name may be typed."""
+
+    def render(
+        self, name: str, value: Any, attrs: dict[str, Any] | None = None, renderer: Any = None
+    ) -> SafeString:
+        attrs = {**(attrs or {}), "list": ZONES_DATALIST, "autocomplete": "off"}
+        options = format_html_join("", '<option value="{}">', ((zone,) for zone in zone_names()))
+        return format_html(
+            '{}<datalist id="{}">{}</datalist>',
+            super().render(name, value, attrs, renderer),
+            ZONES_DATALIST,
+            options,
+        )
+
+
+def zone_of(time_zone: str) -> tzinfo:
+    """The zone a data schedule's moments are typed and shown in: its own, else TIME_ZONE."""
+    if time_zone:
+        try:
+            return zoneinfo.ZoneInfo(time_zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            pass
+    return timezone.get_default_timezone()
+
+
+def parse_moment(given: str, zone: tzinfo) -> datetime:
+    """A date and time typed by a user: in ``zone`` unless it gives its own offset.
+    Raises ValueError saying what is expected."""
+    try:
+        parsed = parse_datetime(given.strip().replace("T", " "))
+    except ValueError:
+        parsed = None
+    if parsed is None:
+        raise ValueError(
+            _("%(given)r is not a date and time (2026-11-26 21:00, or ISO 8601)") % {"given": given}
+        )
+    return timezone.make_aware(parsed, zone) if timezone.is_naive(parsed) else parsed
+
+
+def show_moment(moment: datetime | None, zone: tzinfo) -> str:
+    return "" if moment is None else f"{moment.astimezone(zone):%Y-%m-%d %H:%M:%S}"
+
+
+JSON_HELP = gettext_lazy("JSON, checked against the target's signature.")
+
+
+class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A data schedule's definition, checked by ``data_schedules.validate``; saving is the
+    admin's (``define_schedule``), never the model's."""
+
+    entry = forms.CharField(
+        label=gettext_lazy("name"),
+        max_length=data_schedules.NAME_MAX_LENGTH,
+        help_text=gettext_lazy(
+            "Fixed once created (another name is another schedule). Its runs are recorded "
+            "as target[name]."
+        ),
+    )
+    function = forms.CharField(
+        label=gettext_lazy("target"),
+        max_length=500,
+        help_text=gettext_lazy(
+            "What it runs: an @once_per_schedule function's task name, a Celery task's name "
+            "or a django.tasks task's dotted path. Fixed once created (another target is "
+            "another schedule)."
+        ),
+    )
+    cron = forms.CharField(
+        label=gettext_lazy("cron"),
+        required=False,
+        max_length=255,
+        help_text=gettext_lazy("Five fields, e.g. 0 9 * * 1-5; or give an interval below."),
+    )
+    every = forms.DurationField(
+        label=gettext_lazy("every"),
+        required=False,
+        help_text=gettext_lazy("An interval instead of a cron: seconds, or HH:MM:SS."),
+    )
+    time_zone = forms.CharField(
+        label=gettext_lazy("time zone"),
+        required=False,
+        max_length=64,
+        widget=ZoneInput(attrs={"size": 30}),
+        help_text=gettext_lazy(
+            "The cron's IANA zone (Europe/Berlin); empty: Django's TIME_ZONE. An interval "
+            "has none (its slots are UTC)."
+        ),
+    )
+    args = forms.JSONField(
+        label=gettext_lazy("positional arguments"),
+        required=False,
+        initial=list,
+        help_text=format_html("{} {}", gettext_lazy("A JSON list, e.g. [42]."), JSON_HELP),
+    )
+    kwargs = forms.JSONField(
+        label=gettext_lazy("keyword arguments"),
+        required=False,
+        initial=dict,
+        help_text=format_html(
+            "{} {}", gettext_lazy('A JSON object, e.g. {"tenant_id": 42}.'), JSON_HELP
+        ),
+    )
+    enabled = forms.BooleanField(label=gettext_lazy("enabled"), required=False, initial=True)
+    starts = forms.CharField(
+        label=gettext_lazy("starts"),
+        required=False,
+        help_text=gettext_lazy(
+            "No slot before this fires. In the schedule's time zone unless you give an offset."
+        ),
+    )
+    ends = forms.CharField(
+        label=gettext_lazy("ends"),
+        required=False,
+        help_text=gettext_lazy(
+            "No slot after this fires. In the schedule's time zone unless you give an offset."
+        ),
+    )
+    catchup = forms.ChoiceField(
+        label=gettext_lazy("catch-up"),
+        required=False,
+        choices=[("", gettext_lazy("the target's")), *Catchup.choices],
+    )
+    grace = forms.DurationField(
+        label=gettext_lazy("grace"),
+        required=False,
+        help_text=gettext_lazy("Empty: the target's (seconds, or HH:MM:SS)."),
+    )
+    max_catchup = forms.IntegerField(
+        label=gettext_lazy("max catch-up"),
+        required=False,
+        help_text=gettext_lazy("Empty: the target's."),
+    )
+    pause_after_failures = forms.IntegerField(
+        label=gettext_lazy("pause after failures"),
+        required=False,
+        help_text=gettext_lazy("Empty: the target's (or never)."),
+    )
+    jitter = forms.DurationField(
+        label=gettext_lazy("jitter"),
+        required=False,
+        help_text=gettext_lazy(
+            "Spread each start by up to this (a stable hash of the schedule); the slot stays "
+            "the nominal time."
+        ),
+    )
+    description = forms.CharField(
+        label=gettext_lazy("description"),
+        required=False,
+        max_length=data_schedules.DESCRIPTION_MAX_LENGTH,
+        widget=forms.Textarea(attrs={"rows": 2, "cols": 60}),
+    )
+    reason = forms.CharField(
+        label=gettext_lazy("reason for the change"),
+        required=False,
+        max_length=REASON_MAX_LENGTH,
+        widget=forms.TextInput(attrs={"size": 60}),
+        help_text=gettext_lazy("Kept in the schedule's history with who changed what."),
+    )
+
+    class Meta:
+        model = TaskSchedule
+        fields = (
+            "entry",
+            "function",
+            "cron",
+            "every",
+            "time_zone",
+            "args",
+            "kwargs",
+            "enabled",
+            "starts",
+            "ends",
+            "catchup",
+            "grace",
+            "max_catchup",
+            "pause_after_failures",
+            "jitter",
+            "description",
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        row = self.instance
+        if row.pk is not None:  # an edit: the stored values, moments in the schedule's zone
+            zone = zone_of(row.time_zone)
+            self.initial["starts"] = show_moment(row.starts, zone)
+            self.initial["ends"] = show_moment(row.ends, zone)
+        self.values: dict[str, Any] = {}
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if self.errors:
+            return cleaned
+        row = self.instance
+        name = row.entry if row.pk is not None else cleaned.get("entry", "")
+        target = row.function if row.pk is not None else cleaned.get("function", "")
+        zone = zone_of(cleaned.get("time_zone", ""))
+        moments: dict[str, datetime | None] = {}
+        for field in ("starts", "ends"):
+            given = cleaned.get(field, "")
+            try:
+                moments[field] = parse_moment(given, zone) if given else None
+            except ValueError as exc:
+                self.add_error(field, str(exc))
+        if self.errors:
+            return cleaned
+        args = cleaned.get("args")
+        kwargs = cleaned.get("kwargs")
+        try:
+            task_name, values = data_schedules.validate(
+                name,
+                target,
+                cron=cleaned.get("cron") or None,
+                every=cleaned.get("every"),
+                time_zone=cleaned.get("time_zone") or None,
+                args=[] if args is None else args,
+                kwargs={} if kwargs is None else kwargs,
+                enabled=bool(cleaned.get("enabled")),
+                starts=moments["starts"],
+                ends=moments["ends"],
+                catchup=cleaned.get("catchup") or None,
+                grace=cleaned.get("grace"),
+                max_catchup=cleaned.get("max_catchup"),
+                pause_after_failures=cleaned.get("pause_after_failures"),
+                jitter=cleaned.get("jitter"),
+                description=cleaned.get("description", ""),
+            )
+        except ScheduleDefinitionError as exc:
+            field = FORM_FIELD.get(exc.field, exc.field)
+            self.add_error(field if field in self.fields else None, str(exc))
+            return cleaned
+        if row.pk is None:
+            self._refuse_taken(task_name)
+        self.values = {"task_name": task_name, **values}
+        return cleaned
+
+    def _refuse_taken(self, task_name: str) -> None:
+        taken = store.get(task_name)
+        if taken is None or (taken.source == ScheduleSource.DATA and taken.removed_at):
+            return  # new, or a deleted schedule defined again (its version goes on)
+        if taken.source == ScheduleSource.DATA:
+            message = _("%(name)s exists already: edit it instead.")
+        else:
+            message = _("%(name)s is already a schedule declared by the code or a beat.")
+        self.add_error("entry", message % {"name": task_name})
+
+    def _post_clean(self) -> None:
+        """No model validation nor instance update: define_schedule saves (and checks)."""
+
+
+def define(form: DataScheduleForm, user: str) -> TaskSchedule:
+    """Save the form's definition through the API, kept with who, from where and why."""
+    values = form.values
+    reason = " ".join(form.cleaned_data.get("reason", "").split())
+    return data_schedules.define_schedule(
+        values["entry"],
+        values["function"],
+        cron=values["cron"] or None,
+        every=values["every"],
+        time_zone=values["time_zone"] or None,
+        args=values["args"],
+        kwargs=values["kwargs"],
+        enabled=values["enabled"],
+        starts=values["starts"],
+        ends=values["ends"],
+        catchup=values["catchup"],
+        grace=values["grace"],
+        max_catchup=values["max_catchup"],
+        pause_after_failures=values["pause_after_failures"],
+        jitter=values["jitter"],
+        description=values["description"],
+        by=user,
+        reason=reason,
+        origin=ScheduleEventOrigin.ADMIN,
+    )
+
+
+def next_slots(row: TaskSchedule, count: int = NEXT_SLOTS) -> list[datetime]:
+    """The schedule's next ``count`` slots from now, within its starts and ends (none for
+    a disabled, deleted or paused one: nothing fires them)."""
+    if row.removed_at is not None or not row.enabled or row.paused:
+        return []
+    try:
+        schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
+    except Exception:  # a row another version wrote: shown, not computed
+        return []
+    now = timezone.now()
+    after = now if row.starts is None else max(now, row.starts - timedelta(microseconds=1))
+    until = after + NEXT_SLOTS_HORIZON if row.ends is None else row.ends
+    return schedule.slots_between(after, until, count) if until > after else []
+
+
+def slot_rows(row: TaskSchedule) -> list[dict[str, str]]:
+    """The next slots as the change page shows them: in the schedule's zone, and in UTC."""
+    zone = zone_of(row.time_zone)
+    return [
+        {"here": timefmt.local(slot, zone), "utc": timefmt.utc(slot), "iso": slot.isoformat()}
+        for slot in next_slots(row)
+    ]
+
+
+def _shown(value: Any) -> str:
+    if value is None or value == "":
+        return "—"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def changes_of(event: ScheduleEvent) -> list[dict[str, str]]:
+    """An event's changes field by field (``before`` empty for a creation)."""
+    changes = event.changes if isinstance(event.changes, dict) else {}
+    shown = []
+    for field, pair in changes.items():
+        before, after = pair if isinstance(pair, list) and len(pair) == 2 else (None, pair)
+        if event.kind == "created" and after in (None, "", [], {}):
+            continue  # a creation lists what it set
+        shown.append(
+            {
+                "field": field,
+                "before": "" if event.kind == "created" else _shown(before),
+                "after": _shown(after),
+            }
+        )
+    return shown
