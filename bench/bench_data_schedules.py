@@ -341,6 +341,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,100000")
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--no-fire", action="store_true")
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the scratch database (and print its name)"
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",") if size]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # drop the scratch database
@@ -380,10 +383,14 @@ def main() -> None:
         from django.db import connections
 
         connections.close_all()
-        scratch_database(create=False)
+        if args.keep:
+            print(f"kept database {DB_NAME}; settings in {directory}")
+        else:
+            scratch_database(create=False)
         redis.terminate()
         redis.wait(timeout=10)
-        shutil.rmtree(directory, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
