@@ -11,7 +11,10 @@ class TaskguardConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers the system checks)
+        from . import (
+            checks,  # noqa: F401  (registers the system checks)
+            data_firing,  # noqa: F401  (run now for function, django.tasks targets)
+        )
         from .signal_handlers import connect
 
         connect(self)

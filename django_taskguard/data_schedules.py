@@ -107,19 +107,28 @@ def _guarded(value: Any) -> bool:
     return guarded_policy(value) is not None and callable(getattr(value, "run_for_slot", None))
 
 
-def _celery_task(name: str) -> Any:
-    """The Celery task named ``name`` in the current app (its modules imported), or None."""
-    try:
-        from celery import current_app
-    except ImportError:
-        return None
-    tasks = current_app.tasks
-    if name not in tasks:
-        try:
-            current_app.loader.import_default_modules()
-        except Exception:
-            return None
-    return tasks.get(name)
+# Where a target is looked for besides the guarded functions, registered by the integrations
+# (the core imports neither Celery nor django.tasks): ``BY_NAME`` finders are asked first with
+# the target's name (``contrib.celery``: a Celery task of that name); ``BY_OBJECT`` finders
+# with the name and the object its dotted path names (``contrib.tasks``: a django.tasks
+# task). Each returns a Target, None when the target is not theirs, or raises
+# ScheduleDefinitionError when it is theirs but cannot be a target (not guarded).
+BY_NAME: list[Callable[[str], Target | None]] = []
+BY_OBJECT: list[Callable[[str, Any], Target | None]] = []
+
+
+def guarded_target(
+    target: str, kind: str, guarded: Any, task: Any, runs: Any, *, decorator: str
+) -> Target:
+    """The Target of an integration's task wrapping ``guarded``, or the error saying to guard
+    it (under ``decorator``); ``runs``: what its arguments are checked against."""
+    if not _guarded(guarded):
+        raise ScheduleDefinitionError(
+            f"the task {target} is not guarded: put @once_per_schedule() under {decorator} "
+            "(each slot then runs once, whatever the number of schedulers)",
+            "target",
+        )
+    return Target(target, kind, guarded, task, _signature(runs))
 
 
 def resolve_target(target: str) -> Target:
@@ -131,23 +140,20 @@ def resolve_target(target: str) -> Target:
         raise ScheduleDefinitionError(
             "the target must be a task name or dotted path of at most 500 characters", "target"
         )
-    celery_task = _celery_task(target)
-    if celery_task is not None:
-        body = getattr(celery_task, "__wrapped__", None)
-        if not _guarded(body):
-            raise ScheduleDefinitionError(
-                f"the Celery task {target} is not guarded: put @once_per_schedule() under "
-                "@shared_task (each slot then runs once, whatever the number of beats)",
-                "target",
-            )
-        return Target(target, TargetKind.CELERY, body, celery_task, _signature(celery_task.run))
+    for by_name in BY_NAME:
+        named = by_name(target)
+        if named is not None:
+            return named
     found = guarded_named(target)
-    if found is None:
+    if found is None or "." in target:
+        # A dotted path first: a django.tasks task's guarded function is registered under
+        # the same name as the task's path, and the task is what the path names.
         try:
             found = import_string(target)
         except ImportError:
-            registry.discover()  # the modules run_schedules imports: tasks, jobs, SCHEDULE_MODULES
-            found = guarded_named(target)
+            if found is None:
+                registry.discover()  # the modules run_schedules imports: tasks, jobs, ...
+                found = guarded_named(target)
     if found is None:
         raise ScheduleDefinitionError(
             f"no task or guarded function is named {target}: give a Celery task's name, a "
@@ -155,18 +161,10 @@ def resolve_target(target: str) -> Target:
             "(its module must be importable here)",
             "target",
         )
-    from .contrib.tasks import task_classes
-
-    classes = task_classes()
-    if classes and isinstance(found, classes):
-        func = getattr(found, "func", None)
-        if not _guarded(func):
-            raise ScheduleDefinitionError(
-                f"the django.tasks task {target} is not guarded: put @once_per_schedule() "
-                "under @task()",
-                "target",
-            )
-        return Target(target, TargetKind.DJANGO_TASKS, func, found, _signature(func))
+    for by_object in BY_OBJECT:
+        task = by_object(target, found)
+        if task is not None:
+            return task
     if not _guarded(found):
         raise ScheduleDefinitionError(
             f"{target} is not guarded: decorate it with @once_per_schedule() (a data "

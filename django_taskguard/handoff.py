@@ -27,7 +27,7 @@ from django.utils import timezone
 from . import ledger
 from .exceptions import TaskGuardError
 from .guard import refused_late
-from .models import TaskSchedule
+from .models import ScheduleSource, TaskSchedule
 from .owner import actor
 from .registry import Entry
 from .signals import run_missed
@@ -53,6 +53,23 @@ class SlotSender(Protocol):
 # the beat entries'): given the schedule's row and who backfills (``user@host``); they raise
 # ``TaskGuardError`` when the schedule cannot be sent (its entry is gone).
 SENDERS: dict[str, Callable[[TaskSchedule, str], SlotSender]] = {}
+# The same for data schedules (source ``data``), by ``TaskSchedule.target_kind``
+# (``contrib.celery`` registers the Celery tasks').
+DATA_SENDERS: dict[str, Callable[[TaskSchedule, str], SlotSender]] = {}
+
+
+def data_sender(row: TaskSchedule, by: str) -> SlotSender:
+    """The SlotSender of the data schedule ``row``, by its target's kind."""
+    maker = DATA_SENDERS.get(row.target_kind)
+    if maker is None:
+        raise TaskGuardError(
+            f"{row.task_name} is a data schedule of a {row.target_kind or 'unknown'} target, "
+            f"and nothing here can send its slots to a queue"
+        )
+    return maker(row, by)
+
+
+SENDERS[ScheduleSource.DATA] = data_sender
 
 
 def hand_off(entry: Entry, slot: datetime, *, scheduled: bool = True) -> str:

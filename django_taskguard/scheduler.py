@@ -17,21 +17,23 @@ Catch-up, per schedule (see docs/schedules.md): ``latest`` fires the newest due 
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import random
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from . import ledger
 from .batch import SuccessWriter
 from .conf import taskguard_settings
+from .data_firing import DataSchedules, Due, Job, slots_after
 from .dispatch import NOT_RUN_HERE, Dispatcher, batchable, not_run
 from .exceptions import BackendUnavailable
 from .guard import refused_early
@@ -79,6 +81,11 @@ class Scheduler:
     _cursors: dict[str, _Cursor] = field(default_factory=dict)
     _fired: int = 0
     _clock: datetime | None = None  # the "now" of the last due()
+    _heap: list[tuple[datetime, str]] = field(default_factory=list)  # (next slot, task)
+    _planned: bool = False  # the heap holds every schedule's next slot
+    _by_name: dict[str, Entry] = field(default_factory=dict)
+    # The data schedules this copy fires (None: none, ``--task`` named code schedules only).
+    data: DataSchedules | None = None
 
     def __post_init__(self) -> None:
         self.pool = Pool(self.max_workers)
@@ -110,15 +117,19 @@ class Scheduler:
         return due
 
     def due(self, now: datetime) -> list[tuple[Entry, list[datetime]]]:
-        """The slots that fell due since the last call, per schedule."""
+        """The slots that fell due since the last call, per schedule (a heap of next slots:
+        a call costs nothing for the schedules that are not due)."""
         self._watch_clock(now)
+        if not self._planned:
+            self._planned = True
+            self._by_name = {entry.task_name: entry for entry in self.entries}
+            for entry in self.entries:
+                self._plan(entry)
         due = []
-        for entry in self.entries:
-            cursor = self._cursors[entry.task_name]
-            if cursor.next_slot is None:
-                cursor.next_slot = self._next(entry, cursor.fired)
-            if cursor.next_slot is None or cursor.next_slot > now:
-                continue
+        while self._heap and self._heap[0][0] <= now:
+            _, name = heapq.heappop(self._heap)
+            entry = self._by_name[name]
+            cursor = self._cursors[name]
             latest = entry.schedule.latest_slot(now)
             slots = self._after(entry, cursor.fired, latest)
             if entry.policy.catchup == "latest":
@@ -126,9 +137,17 @@ class Scheduler:
                 # run; older ones are left to the sweep, the newest always runs.
                 grace = entry.policy.grace
                 slots = [slot for slot in slots[:-1] if now - slot <= grace] + [latest]
-            cursor.fired, cursor.next_slot = latest, None
+            cursor.fired = latest
+            self._plan(entry)
             due.append((entry, slots))
         return due
+
+    def _plan(self, entry: Entry) -> None:
+        """Put ``entry``'s next slot after the one it fired last on the heap."""
+        cursor = self._cursors[entry.task_name]
+        cursor.next_slot = self._next(entry, cursor.fired)
+        if cursor.next_slot is not None:
+            heapq.heappush(self._heap, (cursor.next_slot, entry.task_name))
 
     def _watch_clock(self, now: datetime) -> None:
         """Log a clock stepped back: nothing fires until it is past the slots it fired."""
@@ -143,21 +162,14 @@ class Scheduler:
         self._clock = now
 
     def next_wakeup(self) -> datetime | None:
-        slots = [cursor.next_slot for cursor in self._cursors.values() if cursor.next_slot]
+        slots = [self._heap[0][0]] if self._heap else []
+        if self.data is not None and (start := self.data.next_start()) is not None:
+            slots.append(start)
         return min(slots) if slots else None
 
     def _after(self, entry: Entry, since: datetime, latest: datetime) -> list[datetime]:
-        """The slots in ``(since, latest]``, the newest ``max_catchup`` of them (never one
-        older than ``PRUNE_AFTER_DAYS``: the guard refuses those)."""
-        horizon = timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) - timedelta(hours=1)
-        since = max(since, latest - horizon)
-        limit = entry.policy.max_catchup
-        count = entry.schedule.count_between(since, latest, 10**7)
-        if count > limit:
-            # Start just before the first slot kept: the ``limit`` newest.
-            step_back = entry.schedule.slots_between(since, latest, count - limit + 1)
-            since = step_back[-2] if len(step_back) > 1 else since
-        return entry.schedule.slots_between(since, latest, limit)
+        """The slots in ``(since, latest]``, the newest ``max_catchup`` of them."""
+        return slots_after(entry.schedule, entry.policy, since, latest)
 
     def _next(self, entry: Entry, after: datetime) -> datetime | None:
         found = entry.schedule.slots_between(after, after + LOOKAHEAD, 1)
@@ -230,10 +242,57 @@ class Scheduler:
         self._log(entry, slot, outcome, 0.0)
 
     def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
+        self._say(entry.task_name, slot, outcome, took)
+
+    def _say(self, task_name: str, slot: datetime, outcome: str, took: float) -> None:
         self._fired += 1
-        logger.info(
-            "fired %s slot %s: %s in %.3fs", entry.task_name, slot.isoformat(), outcome, took
-        )
+        logger.info("fired %s slot %s: %s in %.3fs", task_name, slot.isoformat(), outcome, took)
+
+    # -- data schedules ------------------------------------------------------------
+
+    def _fire_data(self, read: Callable[[datetime], list[Due]]) -> None:
+        """Fire the data schedules' slots that ``read`` finds due (a poll, the heap)."""
+        if self.data is None:
+            return
+        now = timezone.now()
+        try:
+            jobs = self.data.jobs(read(now), now)
+        except (BackendUnavailable, DatabaseError) as exc:
+            ledger.settle_connection()
+            logger.warning(
+                "run_schedules: the data schedules could not be read (%s); the next tick "
+                "tries again, and the sweep records a slot nobody fired",
+                exc,
+            )
+            return
+        except Exception:  # never the loop's end: the next tick, and the sweep, go on
+            logger.exception("run_schedules: reading the data schedules failed")
+            return
+        if not jobs:
+            return
+        tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
+        try:
+            db_now: datetime | None = ledger.database_now()
+        except BackendUnavailable:
+            ledger.settle_connection()
+            db_now = None
+        for job in jobs:
+            early = db_now is not None and job.slot - db_now > tolerance
+            self.pool.submit(functools.partial(self._run_data, job, early, tolerance))
+
+    def _run_data(self, job: Job, early: bool, tolerance: timedelta) -> None:
+        assert self.data is not None
+        if self.stopping.is_set():
+            return  # not claimed: the sweep records it, unless another copy runs it
+        started = time.monotonic()
+        try:
+            if early and (reason := refused_early(job.task_name, job.slot, tolerance)):
+                outcome = f"not run here: this copy's clock is ahead of the database's; {reason}"
+            else:
+                outcome = self.data.run(job)
+        except BaseException as exc:  # SystemExit from a body too: recorded failed
+            outcome = f"raised {type(exc).__name__}: {exc}"
+        self._say(job.task_name, job.slot, outcome, time.monotonic() - started)
 
     def _run_slot(self, entry: Entry, slot: datetime) -> None:
         self._run(entry, [slot])
@@ -266,6 +325,8 @@ class Scheduler:
         """Fire what is due now (and sweep), wait up to ``timeout`` for it to finish;
         return the fires, and False when some calls were still running."""
         self.fire(self.first_due(timezone.now()))
+        if self.data is not None:
+            self._fire_data(functools.partial(self.data.load, start=True))
         self.sweep(force=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         settled = self.dispatcher.settle(timeout)
@@ -279,16 +340,23 @@ class Scheduler:
         calls still running; False when some were still running. Claims not started by
         then are given back; slots not claimed yet are left to the sweep."""
         self.fire(self.first_due(timezone.now()))
+        data = self.data
+        if data is not None:
+            self._fire_data(functools.partial(data.load, start=True))
         sweeper = threading.Thread(
             target=self._sweep_loop, args=(stop,), name="taskguard-sweep", daemon=True
         )
         sweeper.start()
         while not stop.is_set():
             self.fire(self.due(timezone.now()))
-            wakeup = self.next_wakeup()
             wait = MAX_SLEEP
+            if data is not None:
+                self._fire_data(data.poll)
+                self._fire_data(data.due)
+                wait = min(wait, data.next_poll_in())
+            wakeup = self.next_wakeup()
             if wakeup is not None:
-                wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), MAX_SLEEP)
+                wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), wait)
             stop.wait(wait)
         self.stopping.set()
         dropped = self.dispatcher.clear()
@@ -327,11 +395,16 @@ class Scheduler:
         if ((force and automatic()) or due_here()) and run_upkeep().get("taken"):
             return
         names = {entry.task_name for entry in self.entries}
+        data = self.data
         try:
             result = sweep_missed()
         except Exception:
             logger.exception("the missed-slot sweep failed; the next one tries again")
             return
-        mine = {name: count for name, count in result.tasks.items() if name in names}
+        mine = {
+            name: count
+            for name, count in result.tasks.items()
+            if name in names or (data is not None and name in data.states)
+        }
         if mine:
             logger.warning("missed slots recorded: %s", mine)

@@ -22,10 +22,11 @@ from datetime import datetime
 from importlib import import_module
 from typing import Any
 
-from .. import registry, schedules
+from .. import data_schedules, registry, schedules
 from ..decorating import guarded_policy
 from ..decorators import SLOT_KWARG
 from ..exceptions import TaskGuardError
+from ..models import TargetKind
 
 __all__ = ["SLOT_KWARG", "enqueue_for_slot", "register", "task_classes"]
 
@@ -85,7 +86,21 @@ def _find(value: Any) -> registry.Queued | None:
     return registry.Queued(func=func, enqueue=functools.partial(_enqueue, value))
 
 
+def _target(target: str, found: Any) -> data_schedules.Target | None:
+    """A data schedule's target that is a django.tasks task (its function guarded)."""
+    classes = task_classes()
+    if not classes or not isinstance(found, classes):
+        return None
+    func = getattr(found, "func", None)
+    return data_schedules.guarded_target(
+        target, TargetKind.DJANGO_TASKS, func, found, func, decorator="@task()"
+    )
+
+
 def register() -> None:
-    """Let ``registry.discover`` find schedules wrapped by django.tasks tasks (idempotent)."""
+    """Let ``registry.discover`` find schedules wrapped by django.tasks tasks, and data
+    schedules name them (idempotent)."""
     if _find not in registry.QUEUE_FINDERS:
         registry.QUEUE_FINDERS.append(_find)
+    if _target not in data_schedules.BY_OBJECT:
+        data_schedules.BY_OBJECT.append(_target)

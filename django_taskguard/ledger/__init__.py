@@ -111,6 +111,7 @@ from .pending import (
     give_back_pending,
     insert_pending,
     pend_refused_early,
+    pending_of_data,
     tasks_pending,
 )
 from .records import (
@@ -191,6 +192,7 @@ __all__ = [
     "pair_states",
     "pairs_without_row",
     "pend_refused_early",
+    "pending_of_data",
     "problem_slots",
     "prunable_ids",
     "read",

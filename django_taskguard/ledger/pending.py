@@ -33,6 +33,7 @@ from .core import (
     to_row,
     translated,
 )
+from .schedules import data_schedules
 from .schedules import get as schedule_of
 
 # When a pending row was last made pending: the time it was given back (``finished_at``,
@@ -230,3 +231,15 @@ def _end(
             if changed is not None:
                 ended.append(slot)
     return ended
+
+
+def pending_of_data(target_kinds: list[str], limit: int) -> list[tuple[str, datetime]]:
+    """``(task, slot)`` of the ``pending`` rows of the enabled data schedules of
+    ``target_kinds`` (a "run now" waiting for its executor), newest first, at most
+    ``limit``: one query, on the index of (state, slot)."""
+    live = data_schedules(target_kinds).filter(removed_at__isnull=True)
+    rows = runs().filter(
+        state=RunState.PENDING, key__isnull=True, task_name__in=live.values("task_name")
+    )
+    with translated:
+        return list(rows.order_by("-slot").values_list("task_name", "slot")[:limit])

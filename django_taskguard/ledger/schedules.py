@@ -7,7 +7,7 @@ missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIA
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -595,6 +595,7 @@ def define(
     Raises :class:`NotDataSchedule` when a schedule of another kind has the name."""
     rows = TaskSchedule.objects.using(alias())
     with translated, transaction.atomic(using=alias()):
+        _write_first(rows.filter(task_name=task_name))
         row = rows.select_for_update().filter(task_name=task_name).first()
         now = timezone.now()
         if row is not None and row.source != ScheduleSource.DATA:
@@ -717,6 +718,15 @@ def define_many(
     return len(new)
 
 
+def _write_first(rows: QuerySet[TaskSchedule]) -> None:
+    """On SQLite, take the database's write lock before the read (a no-op update): a
+    transaction that reads first and then writes is refused at once ("database is
+    locked") when another writer holds it, instead of waiting out the busy timeout.
+    Elsewhere ``select_for_update`` locks the row."""
+    if connections[alias()].vendor == "sqlite":
+        rows.update(version=F("version"))
+
+
 def delete_data(
     task_name: str, *, origin: ScheduleEventOrigin, by: str = "", reason: str = ""
 ) -> TaskSchedule | None:
@@ -728,6 +738,7 @@ def delete_data(
         task_name=task_name, source=ScheduleSource.DATA, removed_at__isnull=True
     )
     with translated, transaction.atomic(using=alias()):
+        _write_first(rows)
         row = rows.select_for_update().first()
         if row is None:
             return None
@@ -779,3 +790,44 @@ def data_changed_since(
     change)."""
     with translated:
         return list(data_schedules(target_kinds).filter(changed_at__gte=since).order_by("id"))
+
+
+# Read by run_schedules when a data schedule falls due: what it runs with, at most this
+# many schedules per query.
+READ_CHUNK = 1_000
+
+
+def live_data(
+    target_kinds: Collection[str], names: Collection[str] | None = None
+) -> Iterator[TaskSchedule]:
+    """The enabled, not deleted data schedules of ``target_kinds`` (of ``names`` when given),
+    without their arguments and description (read when due: :func:`data_rows`)."""
+    rows = data_schedules(target_kinds).filter(removed_at__isnull=True, enabled=True)
+    if names is not None:
+        rows = rows.filter(task_name__in=list(names))
+    with translated:
+        yield from (
+            rows.defer("args", "kwargs", "description")
+            .order_by("id")
+            .iterator(chunk_size=READ_CHUNK)
+        )
+
+
+def data_rows(task_names: Collection[str]) -> dict[str, TaskSchedule]:
+    """The data schedules named ``task_names`` as they are now (their arguments, their
+    version), in one query per :data:`READ_CHUNK` names."""
+    names = sorted(set(task_names))
+    found: dict[str, TaskSchedule] = {}
+    with translated:
+        for start in range(0, len(names), READ_CHUNK):
+            chunk = names[start : start + READ_CHUNK]
+            for row in data_schedules().filter(task_name__in=chunk):
+                found[row.task_name] = row
+    return found
+
+
+def live_data_names(target_kinds: Collection[str], names: Collection[str]) -> list[str]:
+    """Which of ``names`` are live data schedules of ``target_kinds``."""
+    rows = data_schedules(target_kinds).filter(removed_at__isnull=True, task_name__in=list(names))
+    with translated:
+        return list(rows.values_list("task_name", flat=True))

@@ -160,3 +160,12 @@ def strict(self, log: str, label: str = "-") -> str:
     """A late message is recorded missed and not run (tests/test_backfill_beat.py)."""
     note(log, f"run:{label}")
     return "strict"
+
+
+@shared_task(bind=True)
+@once_per_schedule(name="tests.celery.report")
+def report(self, log: str, tenant: int, fmt: str = "pdf") -> str:
+    """A data schedule's target (arguments, and a name= its schedules' identities override):
+    the event is ``report:TENANT:FMT``."""
+    note(log, f"report:{tenant}:{fmt}")
+    return f"report {tenant} {fmt}"

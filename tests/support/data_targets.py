@@ -46,3 +46,14 @@ def failing(message: str = "boom") -> None:
 
 def not_guarded(tenant_id: int) -> None:
     """Not a valid target (no guard)."""
+
+
+@once_per_schedule()
+def echo(value: str) -> None:
+    """Logs ``TASK|VALUE SLOT PID TIME``: the arguments each slot ran with, outside the ledger."""
+    run = current_run()
+    executed.append((run.task_name, (value,), {}))
+    if LOG:
+        record(
+            LOG, f"{run.task_name}|{value} {run.slot.isoformat()} {os.getpid()} {time.time():.6f}"
+        )

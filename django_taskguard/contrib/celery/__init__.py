@@ -5,8 +5,10 @@ worker-side slot source that reads it.
 - :mod:`.worker`: the slot source of guarded tasks, retries, put-backs;
 - :mod:`.beat`: ``TaskguardScheduler`` (``beat_schedule`` in settings);
 - :mod:`.beat_db`: ``TaskguardDatabaseScheduler`` (django-celery-beat);
+- :mod:`.data_entries`: data schedules of Celery tasks, sent by both schedulers;
 - :mod:`.enqueue`: ``apply_once`` / ``OnceTask``, enqueue de-duplication by key;
-- :mod:`.backfill`: ``manage.py backfill`` of a beat entry (stamped messages).
+- :mod:`.backfill`: ``manage.py backfill`` of a beat entry or a Celery data schedule, and
+  a data schedule's "run now" (stamped messages).
 
 The schedulers are loaded on first use (beat code has no place in a worker, and
 django-celery-beat's models can only be imported once apps are ready), so

@@ -14,6 +14,10 @@ A slot with no row is handed out like a django.tasks slot (:func:`handoff.hand_o
 ``pending`` row first, so that a message that is lost is recorded ``missed`` by the sweep,
 and a send that raises gives the row back. A missed slot keeps its row; the message is
 sent alone (lost, the row stays ``missed``).
+
+A data schedule of a Celery task (:mod:`.data_entries`) is sent the same way, from its row
+(its task, arguments, name and version: ``taskguard_version``), for ``backfill`` and for
+"run now" (a manual slot, :data:`data_schedules.RUNNERS`).
 """
 
 from __future__ import annotations
@@ -27,15 +31,17 @@ from typing import Any
 
 from celery import current_app
 
+from ... import data_schedules
 from ...exceptions import TaskGuardError
-from ...handoff import SENDERS, hand_out
-from ...models import ScheduleSource, TaskSchedule
+from ...handoff import DATA_SENDERS, SENDERS, hand_out
+from ...models import ScheduleSource, TargetKind, TaskSchedule
 from .headers import (
     BACKFILL_HEADER,
     PERIODIC_TASK_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
     UTC,
+    VERSION_HEADER,
     task_identity,
 )
 
@@ -189,6 +195,85 @@ class BeatSender:
         return f"celery message {result.id}"
 
 
+# --- data schedules of Celery tasks: run now and backfill -------------------------------
+
+
+def send_slot(row: TaskSchedule, slot: datetime, by: str, connection: Any = None) -> str:
+    """Send one slot of the data schedule ``row`` as an operator's message (no lateness
+    policy: ``taskguard_backfill``), with its name and version."""
+    headers = {
+        SLOT_HEADER: slot.astimezone(UTC).isoformat(),
+        SCHEDULE_HEADER: row.entry,
+        VERSION_HEADER: row.version,
+        BACKFILL_HEADER: by or "operator",
+    }
+    app: Any = current_app
+    task = app.tasks.get(row.function)
+    publish: Any = (
+        task.apply_async if task is not None else functools.partial(app.send_task, row.function)
+    )
+    result = publish(tuple(row.args), dict(row.kwargs), headers=headers, connection=connection)
+    return f"celery message {result.id}"
+
+
+def run_now(row: TaskSchedule, slot: datetime, by: str) -> str:
+    """ "Run now" of a Celery data schedule: a ``pending`` row, then the message to a worker."""
+    return hand_out(row.task_name, slot, functools.partial(send_slot, row, slot, by))
+
+
+class DataSender:
+    """``manage.py backfill`` of a Celery data schedule (a :class:`handoff.SlotSender`)."""
+
+    def __init__(self, row: TaskSchedule, by: str) -> None:
+        if row.removed_at is not None:
+            raise TaskGuardError(f"data schedule {row.task_name} was deleted; nothing to backfill")
+        self.row = row
+        self.by = by or "backfill"
+        self._broker: Any = None
+
+    def __enter__(self) -> DataSender:
+        app: Any = current_app
+        self._broker = app.connection_for_write()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            broker.release()
+
+    def hand_out(self, slot: datetime, *, missed: bool) -> str:
+        send = functools.partial(send_slot, self.row, slot, self.by, self._broker)
+        if missed:
+            return f"enqueued ({send()}); its missed row is taken over by the worker"
+        return hand_out(self.row.task_name, slot, send)
+
+
 def register() -> None:
-    """Let ``backfill`` send the slots of beat entries (idempotent)."""
+    """Let ``backfill`` send the slots of beat entries and of Celery data schedules, "run
+    now" hand out a Celery data schedule's slot, and data schedules name Celery tasks
+    (idempotent)."""
     SENDERS[ScheduleSource.CELERY] = BeatSender
+    DATA_SENDERS[TargetKind.CELERY] = DataSender
+    data_schedules.RUNNERS[TargetKind.CELERY] = run_now
+    if celery_target not in data_schedules.BY_NAME:
+        data_schedules.BY_NAME.append(celery_target)
+
+
+def celery_target(name: str) -> data_schedules.Target | None:
+    """A data schedule's target that is a task of the current Celery app (its modules
+    imported, as a worker does), its body guarded; None: no such task."""
+    from celery import current_app
+
+    tasks = current_app.tasks
+    if name not in tasks:
+        try:
+            current_app.loader.import_default_modules()
+        except Exception:
+            return None
+    task = tasks.get(name)
+    if task is None:
+        return None
+    body = getattr(task, "__wrapped__", None)
+    return data_schedules.guarded_target(
+        name, TargetKind.CELERY, body, task, task.run, decorator="@shared_task"
+    )

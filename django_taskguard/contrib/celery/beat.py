@@ -28,6 +28,7 @@ from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.keys import beat_key
 from ...owner import new_owner
 from ...upkeep import maybe_upkeep, upkeep_wait
+from .data_entries import DataEntry, DataSchedulesMixin
 from .entries import SETTINGS, BeatEntry, RegisteringMixin
 from .headers import (
     SCHEDULE_HEADER,
@@ -160,6 +161,14 @@ class StampingMixin:
         if advance:
             entry = self.reserve(entry)  # type: ignore[attr-defined]
         stamped = self.stamp(entry, timezone.now())  # the clock freeze_now moves
+        return self._publish(entry, stamped, producer, **kwargs)
+
+    def send_slot(self, entry: Any, slot: datetime) -> Any:
+        """Publish ``entry`` for ``slot``, a slot its schedule owes (not the latest one):
+        claimed and recorded as :meth:`apply_async` does."""
+        return self._publish(entry, self.stamp(entry, timezone.now(), slot=slot), None)
+
+    def _publish(self, entry: Any, stamped: Any, producer: Any, **kwargs: Any) -> Any:
         slot = stamped.options["headers"].get(SLOT_HEADER)
         sent: dict[str, str] = self.__dict__.setdefault("_sent_slots", {})
         if slot is not None and sent.get(entry.name) == slot:
@@ -169,7 +178,8 @@ class StampingMixin:
             return None
         claim = None
         if slot is not None and taskguard_settings.BEAT_CLAIM:
-            claim = beat_claim(entry.task, entry.name, datetime.fromisoformat(slot))
+            name = schedule_name(entry)
+            claim = beat_claim(entry.task, name, datetime.fromisoformat(slot))
             if claim is None:
                 logger.info("taskguard beat: %s slot %s was sent by another beat", entry.name, slot)
                 return None
@@ -194,15 +204,16 @@ class StampingMixin:
         maybe_upkeep()
         return min(interval, upkeep_wait())
 
-    def stamp(self, entry: Any, now: datetime) -> Any:
-        """A copy of ``entry`` that carries the slot headers."""
+    def stamp(self, entry: Any, now: datetime, slot: datetime | None = None) -> Any:
+        """A copy of ``entry`` that carries the slot headers (of ``slot``, else of the
+        slot its schedule is due for at ``now``)."""
         try:
-            slot = slot_for(entry.schedule, now)
+            slot = slot or slot_for(entry.schedule, now)
         except Exception:
             logger.exception("taskguard could not compute the slot of beat entry %s", entry.name)
             slot = None
         headers = dict(entry.options.get("headers") or {})
-        headers[SCHEDULE_HEADER] = entry.name
+        headers[SCHEDULE_HEADER] = schedule_name(entry)
         if slot is None:
             self._warn_once(entry)
         else:
@@ -226,10 +237,17 @@ class StampingMixin:
             )
 
 
-class TaskguardScheduler(RegisteringMixin, StampingMixin, PersistentScheduler):
+def schedule_name(entry: Any) -> str:
+    """The schedule name a message of ``entry`` carries: a data schedule's own name (its
+    entry's key in the beat's schedule is another), else the entry's name."""
+    return entry.schedule_name if isinstance(entry, DataEntry) else str(entry.name)
+
+
+class TaskguardScheduler(DataSchedulesMixin, RegisteringMixin, StampingMixin, PersistentScheduler):
     """Celery's file-backed scheduler, stamping slots; run any number of them.
 
-    Its entries are registered schedules (:mod:`.entries`), saved when it starts.
+    Its entries are registered schedules (:mod:`.entries`), saved when it starts; it also
+    fires the data schedules of Celery tasks (:mod:`.data_entries`).
     """
 
     Entry = TaskguardEntry
@@ -239,9 +257,11 @@ class TaskguardScheduler(RegisteringMixin, StampingMixin, PersistentScheduler):
         super().setup_schedule()
         warn_timezone(self.app)
         self.register_entries()
+        self.refresh_data_schedules()
 
     def taskguard_entries(self) -> list[BeatEntry]:
-        entries: list[Any] = list(self.schedule.values())
+        """The settings entries (data schedules are rows already)."""
+        entries: list[Any] = [e for e in self.schedule.values() if not isinstance(e, DataEntry)]
         return [
             BeatEntry(e.name, e.task, e.schedule, e.options.get("headers") or {}) for e in entries
         ]

@@ -14,6 +14,7 @@ from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 from django_celery_beat.tzcrontab import TzAwareCrontab
 
 from .beat import SlotDue, StampingMixin, aligned, slot_due, warn_timezone
+from .data_entries import DataSchedulesMixin
 from .entries import DJANGO_CELERY_BEAT, BeatEntry, RegisteringMixin
 
 logger = logging.getLogger("taskguard.celery")
@@ -41,6 +42,7 @@ class TaskguardModelEntry(ModelEntry):  # type: ignore[misc]
 
 
 class TaskguardDatabaseScheduler(
+    DataSchedulesMixin,
     RegisteringMixin,
     StampingMixin,
     DatabaseScheduler,  # type: ignore[misc]
@@ -49,7 +51,8 @@ class TaskguardDatabaseScheduler(
 
     Each message also keeps django-celery-beat's ``periodic_task_name`` header;
     the periodic task's name is part of the run's identity. Its enabled rows are
-    registered schedules (:mod:`.entries`), saved whenever it reads the rows again.
+    registered schedules (:mod:`.entries`), saved whenever it reads the rows again. It
+    also fires the data schedules of Celery tasks (:mod:`.data_entries`).
     """
 
     Entry = TaskguardModelEntry
@@ -58,10 +61,12 @@ class TaskguardDatabaseScheduler(
     def setup_schedule(self) -> None:
         super().setup_schedule()
         warn_timezone(self.app)
+        self.refresh_data_schedules()
 
     def all_as_schedule(self) -> dict[str, Any]:
         found: dict[str, Any] = super().all_as_schedule()
         self.register_entries()  # the rows changed (or were read the first time)
+        found.update(self.data_entries())  # read again: keep the data schedules' entries
         return found
 
     def taskguard_entries(self) -> list[BeatEntry]:

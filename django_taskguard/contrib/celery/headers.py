@@ -2,7 +2,8 @@
 
 Beat stamps two headers on every message: ``taskguard_slot`` (ISO-8601 UTC, the
 fire time the entry was due for) and ``taskguard_schedule`` (the entry's
-name); the worker reads them back. A put-back message carries
+name); the worker reads them back. A data schedule's messages also carry
+``taskguard_version``. A put-back message carries
 ``taskguard_deferred``, and a message ``manage.py backfill`` sent ``taskguard_backfill``.
 """
 
@@ -35,6 +36,8 @@ ENQUEUE_HEADER = "taskguard_enqueue"
 # ``manage.py backfill``'s messages: who sent them (``user@host``). The worker applies no
 # lateness policy to them, as to any operator's call.
 BACKFILL_HEADER = "taskguard_backfill"
+# A data schedule's messages: the version of the schedule that sent them (the run records it).
+VERSION_HEADER = "taskguard_version"
 HEADERS = (
     SLOT_HEADER,
     SCHEDULE_HEADER,
@@ -43,6 +46,7 @@ HEADERS = (
     GRACE_HEADER,
     ENQUEUE_HEADER,
     BACKFILL_HEADER,
+    VERSION_HEADER,
 )
 
 

@@ -3,7 +3,8 @@
 A guarded Celery task (``@shared_task`` over ``@once_per_schedule()``) takes
 its slot from the ``taskguard_slot`` header and its identity from the Celery
 task name plus the schedule name (:func:`decorating.task_identity`). Retries and
-redeliveries of the message are attempts on the same row.
+redeliveries of the message are attempts on the same row. A data schedule's message
+(``taskguard_version``) is recorded under the schedule's identity, with its version.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .headers import (
     PERIODIC_TASK_HEADER,
     SCHEDULE_HEADER,
     SLOT_HEADER,
+    VERSION_HEADER,
     from_celery,
     grace_of,
     message_headers,
@@ -75,7 +77,22 @@ def celery_call_context() -> CallContext | None:
         message_id=_message_id(request),
         grace=grace_of(headers),
         backfill=bool(headers.get(BACKFILL_HEADER)),
+        schedule_version=version_of(headers),
     )
+
+
+def version_of(headers: dict[str, Any]) -> int | None:
+    """A data schedule's ``taskguard_version`` header (None: not a data schedule's message).
+    With it, the run is recorded under ``task[schedule]`` whatever ``name=`` the task has."""
+    value = headers.get(VERSION_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise TaskGuardError(
+            f"the {VERSION_HEADER} header must be a whole number, not {value!r}"
+        ) from None
 
 
 def _message_id(request: Any, retries: int = 0) -> str | None:

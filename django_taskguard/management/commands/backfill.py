@@ -3,7 +3,9 @@ a range that has no row, or whose row the sweep recorded ``missed`` (it never ra
 
 A Celery beat entry (``task[entry]``, a ``TaskSchedule`` row of source ``celery``) has
 nothing to run here: each slot becomes a message stamped as the beat stamps it, for its
-workers (:mod:`django_taskguard.contrib.celery.backfill`)."""
+workers (:mod:`django_taskguard.contrib.celery.backfill`). So has a data schedule whose
+target is a Celery task; a data schedule of another kind needs its kind's sender
+(``handoff.DATA_SENDERS``), else a clear error."""
 
 from __future__ import annotations
 
@@ -169,8 +171,11 @@ class Command(BaseCommand):
             )
 
     def _beat_entry(self, task: str, found: dict[str, Entry]) -> TaskSchedule:
-        """The registered Celery beat entry named ``task`` (``task[entry]``)."""
+        """The registered Celery beat entry named ``task`` (``task[entry]``), or the live data
+        schedule of that name (its target's kind decides what sends its slots)."""
         row = schedule_store.get(task)
+        if row is not None and row.source == ScheduleSource.DATA and row.removed_at is None:
+            return row
         if row is None or row.source != ScheduleSource.CELERY or not row.entry:
             raise unknown_schedule(task, {*found, *schedule_store.names()})
         return row

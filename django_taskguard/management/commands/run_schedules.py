@@ -1,4 +1,5 @@
-"""``manage.py run_schedules``: fire every registered plain-function schedule at its slots."""
+"""``manage.py run_schedules``: fire every registered plain-function schedule, and every
+data schedule of a function or django.tasks target, at its slots."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from ... import ledger, registry
+from ...data_firing import KINDS, DataSchedules
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
 from ...models import ScheduleSource
@@ -34,7 +36,10 @@ class Command(BaseCommand):
         "It also runs the upkeep (stale runs, Redis duplicate counts, the missed-slot "
         "sweep), one process at a time across the fleet. --enqueue hands each due slot to "
         "its django.tasks backend instead (one task per slot across every copy); the "
-        "backend's workers run it."
+        "backend's workers run it. Data schedules (defined in the admin or by "
+        "define_schedule) of a guarded function or a django.tasks task are fired too, and "
+        "their changes picked up without a restart; with --enqueue a django.tasks "
+        "target's slots go to its backend, a function target (it has no queue) runs here."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -86,7 +91,9 @@ class Command(BaseCommand):
             "--task",
             action="append",
             default=None,
-            help="Only this task (repeatable; default: every registered plain function).",
+            help="Only this task (repeatable; default: every registered plain function and "
+            "every data schedule of a function or a django.tasks task). A data schedule is "
+            "named by its task name, target[name].",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -121,13 +128,21 @@ class Command(BaseCommand):
             raise CommandError(f"run_schedules cannot start: {exc}") from exc
         entries = [e for e in found.values() if e.source == ScheduleSource.FUNCTION]
         wanted = options["task"]
+        data: DataSchedules | None = DataSchedules(enqueue=options["enqueue"])
         if wanted:
-            unknown = sorted(set(wanted) - {entry.task_name for entry in entries})
+            named = set(wanted) - {entry.task_name for entry in entries}
+            try:
+                data_names = set(store.live_data_names(KINDS, named)) if named else set()
+            except BackendUnavailable as exc:
+                raise CommandError(f"run_schedules cannot start: {exc}") from exc
+            unknown = sorted(named - data_names)
             if unknown:
                 raise CommandError(
-                    f"no plain-function schedule named {', '.join(unknown)}{unimported_note()}"
+                    f"no plain-function schedule nor data schedule (of a function or a "
+                    f"django.tasks task) named {', '.join(unknown)}{unimported_note()}"
                 )
             entries = [entry for entry in entries if entry.task_name in wanted]
+            data = DataSchedules(data_names, enqueue=options["enqueue"]) if data_names else None
         if options["enqueue"]:
             _check_enqueue(entries)
         logger.info(
@@ -142,6 +157,7 @@ class Command(BaseCommand):
             first_seen=first_seen,
             batch=not options["no_batch"],
             enqueue=options["enqueue"],
+            data=data,
         )
         if options["once"]:
             fired, finished = scheduler.run_once(options["once_timeout"])

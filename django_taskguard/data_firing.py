@@ -1,0 +1,493 @@
+"""Data schedules fired by ``run_schedules`` (targets of kind function and django_tasks).
+
+Per schedule this copy keeps a small :class:`_Slotted` (its stored schedule, shared between
+schedules with the same cron or interval, its policy, its window, the newest slot handed
+out) and a heap of next starts (slot + jitter), so a tick costs nothing for schedules
+that are not due. The arguments are read when a slot falls due, one query per batch,
+which also gives the current version: an edit the poll has not seen yet is applied then.
+
+Changes are polled (:data:`DATA_POLL_SECONDS`, re-reading :data:`POLL_OVERLAP` against
+commit delays; a full reload every :data:`FULL_RELOAD_SECONDS` as a backstop) and applied
+by version (docs/schedules.md, "Editing a data schedule"):
+
+- created, or enabled again: no slot before that (``first_seen``, or the mark the change
+  set) fires;
+- an edit that keeps the slots: the next slot fires with the new values (the slot in
+  flight keeps what was read when it was claimed);
+- an edit that moves the slots (cron, interval, zone, starts, ends): the old schedule's
+  slots due before the edit and not fired yet still fire; then the new schedule's slots
+  after the edit, none before it;
+- disabled or deleted: nothing more fires.
+
+"Run now" (:data:`data_schedules.RUNNERS`): a django.tasks target's manual slot is handed
+to its backend (:func:`handoff.hand_out`); a function target's is recorded ``pending`` and
+run by a ``run_schedules`` copy, which looks for such rows at every poll.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from . import data_schedules, guard, ledger
+from .conf import taskguard_settings
+from .decorators import SCHEDULE_KWARG, SLOT_KWARG, note_version
+from .exceptions import TaskGuardError
+from .handoff import hand_out
+from .ledger import schedules as store
+from .models import TargetKind, TaskSchedule
+from .policy import Policy
+from .schedules import Schedule, StoredSchedule, rebuild
+
+logger = logging.getLogger("taskguard.scheduler")
+
+# How often each copy asks the database which data schedules changed.
+DATA_POLL_SECONDS = 2.0
+# Each poll reads again the changes of the last minute: a change committed after a later
+# one (a long transaction) is still seen.
+POLL_OVERLAP = timedelta(seconds=60)
+# Every data schedule is read again this often (a backstop for anything a poll missed).
+FULL_RELOAD_SECONDS = 600.0
+# The target kinds run_schedules fires.
+KINDS = (TargetKind.FUNCTION, TargetKind.DJANGO_TASKS)
+# At most this many "run now" slots are picked up per poll.
+PENDING_LIMIT = 500
+# How far ahead a next slot is looked for (a cron that fires once a year).
+LOOKAHEAD = timedelta(days=400)
+_TICK = timedelta(microseconds=1)
+
+
+def slots_after(
+    schedule: Schedule, policy: Policy, since: datetime, latest: datetime
+) -> list[datetime]:
+    """The slots in ``(since, latest]``, the newest ``max_catchup`` of them (never one
+    older than ``PRUNE_AFTER_DAYS``: the guard refuses those)."""
+    horizon = timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) - timedelta(hours=1)
+    since = max(since, latest - horizon)
+    limit = policy.max_catchup
+    count = schedule.count_between(since, latest, 10**7)
+    if count > limit:
+        # Start just before the first slot kept: the ``limit`` newest.
+        step_back = schedule.slots_between(since, latest, count - limit + 1)
+        since = step_back[-2] if len(step_back) > 1 else since
+    return schedule.slots_between(since, latest, limit)
+
+
+@dataclass(slots=True)
+class _Slotted:
+    """What this copy keeps of one data schedule between its slots."""
+
+    target: str
+    kind: str
+    version: int
+    schedule: StoredSchedule
+    policy: Policy
+    starts: datetime | None
+    ends: datetime | None
+    offset: timedelta  # jitter: each slot starts this long after it
+    fired: datetime  # slots at or before it are not this copy's to fire any more
+    start_at: datetime | None = None  # when the next slot starts; None: none ahead
+
+    def latest(self, now: datetime) -> datetime:
+        """The newest slot whose start has come, none after ``ends``."""
+        latest = self.schedule.latest_slot(now - self.offset)
+        if self.ends is not None and latest > self.ends:
+            return self.schedule.latest_slot(self.ends)
+        return latest
+
+    def in_window(self, slot: datetime) -> bool:
+        return (self.starts is None or slot >= self.starts) and (
+            self.ends is None or slot <= self.ends
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A slot of a data schedule to fire (``manual``: a "run now" waiting ``pending``)."""
+
+    task_name: str
+    slot: datetime
+    manual: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A due slot with what its schedule said when it was read."""
+
+    task_name: str
+    slot: datetime
+    target: data_schedules.Target
+    policy: Policy
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    version: int
+    manual: bool
+
+
+class DataSchedules:
+    """The data schedules one ``run_schedules`` copy fires (``names``: only those)."""
+
+    def __init__(self, names: Collection[str] | None = None, *, enqueue: bool = False) -> None:
+        self.names = None if names is None else frozenset(names)
+        self.enqueue = enqueue
+        self.states: dict[str, _Slotted] = {}
+        self._heap: list[tuple[datetime, str]] = []
+        self._cursor: datetime | None = None  # the database's time of the last poll
+        self._next_poll = 0.0
+        self._next_reload = 0.0
+        self._targets: dict[str, data_schedules.Target | None] = {}
+        self._unresolved: set[tuple[str, int]] = set()  # logged once per schedule and version
+        self._policies: dict[tuple[Any, ...], Policy] = {}
+        self.handed: set[tuple[str, datetime]] = set()  # manual slots submitted, not ended
+
+    # -- reading the rows ------------------------------------------------------------
+
+    def load(self, now: datetime, *, start: bool = False) -> list[Due]:
+        """Read every data schedule (at start, and as the backstop); the slots due now."""
+        polled = ledger.database_now()
+        due: list[Due] = []
+        seen = set()
+        self._targets.clear()  # a module installed since is found now
+        for row in store.live_data(KINDS, self.names):
+            seen.add(row.task_name)
+            due.extend(self.apply(row, now, start=start))
+        for name in set(self.states) - seen:
+            del self.states[name]
+        self._heap = [(s.start_at, n) for n, s in self.states.items() if s.start_at is not None]
+        heapq.heapify(self._heap)
+        self._cursor = polled
+        self._next_poll = time.monotonic() + DATA_POLL_SECONDS
+        self._next_reload = time.monotonic() + FULL_RELOAD_SECONDS
+        if start:
+            logger.info("run_schedules: %d data schedules", len(self.states))
+        return due + self.pending()
+
+    def poll(self, now: datetime) -> list[Due]:
+        """The changes since the last poll applied, and the slots they make due now (a
+        slot the old schedule still owes, a "run now" waiting)."""
+        if time.monotonic() >= self._next_reload or self._cursor is None:
+            return self.load(now)
+        if time.monotonic() < self._next_poll:
+            return []
+        self._next_poll = time.monotonic() + DATA_POLL_SECONDS
+        polled = ledger.database_now()
+        due: list[Due] = []
+        for row in store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS):
+            if self.names is None or row.task_name in self.names:
+                due.extend(self.apply(row, now))
+        self._cursor = polled
+        return due + self.pending()
+
+    def pending(self) -> list[Due]:
+        """The "run now" slots of function targets waiting for a copy (``pending``)."""
+        found = ledger.pending_of_data([TargetKind.FUNCTION], PENDING_LIMIT)
+        return [
+            Due(name, slot, manual=True)
+            for name, slot in found
+            if (self.names is None or name in self.names) and (name, slot) not in self.handed
+        ]
+
+    # -- applying a row ----------------------------------------------------------------
+
+    def apply(self, row: TaskSchedule, now: datetime, *, start: bool = False) -> list[Due]:
+        """Take in ``row`` (a newer version than this copy has, else nothing changes);
+        return the slots due now because of it."""
+        known = self.states.get(row.task_name)
+        if known is not None and row.version <= known.version:
+            return []
+        if row.removed_at is not None or not row.enabled:
+            self.states.pop(row.task_name, None)
+            return []
+        built = self._build(row)
+        if built is None:
+            self.states.pop(row.task_name, None)
+            return []
+        if known is None:
+            return self._born(row, built, now, start)
+        due: list[Due] = []
+        moved = (built.schedule, built.starts, built.ends) != (
+            known.schedule,
+            known.starts,
+            known.ends,
+        )
+        built.fired = known.fired
+        if moved:
+            # Never lost: the old schedule's slots due by the edit that this copy has not
+            # fired yet still fire. Never early: the new one's start after the edit.
+            edit = row.changed_at or now
+            owed = slots_after(known.schedule, known.policy, known.fired, min(edit, now))
+            due = [Due(row.task_name, slot) for slot in owed if known.in_window(slot)]
+            built.fired = max(known.fired, edit)
+        self.states[row.task_name] = built
+        self._plan(row.task_name, built)
+        return due
+
+    def _born(self, row: TaskSchedule, state: _Slotted, now: datetime, start: bool) -> list[Due]:
+        """A schedule this copy did not fire: created, enabled again, or read at start. No
+        slot before it was created, enabled again or last moved (``swept_until`` marks
+        those two) fires; of the others, the newest (at start; ``catchup="all"``: every
+        one after the newest run), or those within grace and the newest (a change seen by
+        a poll: a one-second schedule created two seconds ago loses none)."""
+        born = max(row.first_seen, row.swept_until or row.first_seen) - _TICK
+        latest = state.latest(now)
+        since = max(born, now - state.policy.grace - state.offset)
+        if start and state.policy.catchup == "all":
+            newest = ledger.latest_slot(row.task_name)
+            since = born if newest is None else max(born, newest)
+        elif start:  # as a code schedule at start: the newest slot (the sweep judges older)
+            since = max(born, latest - _TICK)
+        slots = slots_after(state.schedule, state.policy, since, latest) if latest > since else []
+        if state.policy.catchup == "latest" and latest > born and latest not in slots:
+            slots.append(latest)
+        state.fired = max(latest, born)
+        self.states[row.task_name] = state
+        self._plan(row.task_name, state)
+        return [Due(row.task_name, slot) for slot in slots if state.in_window(slot)]
+
+    def _build(self, row: TaskSchedule) -> _Slotted | None:
+        target = self.target(row)
+        if target is None:
+            return None
+        try:
+            schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
+        except Exception as exc:
+            self._say_once(row, f"its schedule cannot be read here ({exc})")
+            return None
+        return _Slotted(
+            target=row.function,
+            kind=row.target_kind,
+            version=row.version,
+            schedule=schedule,
+            policy=self._policy(row, target.policy),
+            starts=row.starts,
+            ends=row.ends,
+            offset=data_schedules.jitter_offset(row.task_name, row.jitter),
+            fired=row.first_seen,
+        )
+
+    def _policy(self, row: TaskSchedule, target_policy: Policy) -> Policy:
+        """The row's policy, one object per distinct value (100,000 schedules share few)."""
+        key = (
+            row.function,
+            row.catchup,
+            row.grace,
+            row.max_catchup,
+            row.pause_after_failures,
+        )
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = self._policies[key] = data_schedules.policy_of(row, target_policy)
+        return policy
+
+    def target(self, row: TaskSchedule) -> data_schedules.Target | None:
+        """``row``'s target as found in this process (cached), or None (logged once per
+        schedule and version: not fired, the sweep records its slots missed)."""
+        name = row.function
+        if name not in self._targets:
+            try:
+                self._targets[name] = data_schedules.resolve_target(name)
+            except TaskGuardError as exc:
+                self._targets[name] = None
+                self._say_once(row, str(exc))
+            except Exception as exc:  # its module raised on import: not this loop's end
+                self._targets[name] = None
+                self._say_once(row, f"importing it raised {type(exc).__name__}: {exc}")
+        found = self._targets[name]
+        if found is None:
+            self._say_once(row, f"its target {name} cannot be found in this process")
+        return found
+
+    def _say_once(self, row: TaskSchedule, why: str) -> None:
+        if (row.task_name, row.version) in self._unresolved:
+            return
+        self._unresolved.add((row.task_name, row.version))
+        logger.error(
+            "run_schedules: the data schedule %s (version %d) is not fired by this copy: %s; "
+            "its slots are recorded missed after their grace",
+            row.task_name,
+            row.version,
+            why,
+        )
+
+    # -- what is due -------------------------------------------------------------------
+
+    def _plan(self, name: str, state: _Slotted) -> None:
+        """Put the schedule's next start on the heap (none after ``ends``)."""
+        since = state.fired
+        if state.starts is not None:
+            since = max(since, state.starts - _TICK)
+        found = state.schedule.slots_between(since, since + LOOKAHEAD, 1)
+        if not found or (state.ends is not None and found[0] > state.ends):
+            state.start_at = None
+            return
+        state.start_at = found[0] + state.offset
+        heapq.heappush(self._heap, (state.start_at, name))
+
+    def due(self, now: datetime) -> list[Due]:
+        """The slots whose start has come since the last call (cost: the schedules due)."""
+        due: list[Due] = []
+        while self._heap and self._heap[0][0] <= now:
+            start_at, name = heapq.heappop(self._heap)
+            state = self.states.get(name)
+            if state is None or state.start_at != start_at:
+                continue  # an older plan: the schedule changed or went since
+            latest = state.latest(now)
+            if latest > state.fired:
+                slots = slots_after(state.schedule, state.policy, state.fired, latest)
+                if state.policy.catchup == "latest":
+                    # This loop woke late: slots within their grace run, older ones are left
+                    # to the sweep, the newest always runs.
+                    grace = state.policy.grace
+                    slots = [slot for slot in slots[:-1] if now - slot <= grace] + slots[-1:]
+                due.extend(Due(name, slot) for slot in slots if state.in_window(slot))
+                state.fired = latest
+            self._plan(name, state)
+        return due
+
+    def next_start(self) -> datetime | None:
+        """When the next slot starts (older plans dropped on the way)."""
+        while self._heap:
+            start_at, name = self._heap[0]
+            state = self.states.get(name)
+            if state is not None and state.start_at == start_at:
+                return start_at
+            heapq.heappop(self._heap)
+        return None
+
+    def next_poll_in(self) -> float:
+        return max(self._next_poll - time.monotonic(), 0.0)
+
+    # -- firing --------------------------------------------------------------------------
+
+    def jobs(self, due: list[Due], now: datetime) -> list[Job]:
+        """``due`` with what each schedule says now (one query per batch); an edit not
+        polled yet is applied first, and a slot it took back is dropped."""
+        if not due:
+            return []
+        rows = store.data_rows({item.task_name for item in due})
+        jobs: list[Job] = []
+        work = list(due)
+        while work:
+            item = work.pop()
+            row = rows.get(item.task_name)
+            if row is None or row.removed_at is not None:
+                continue
+            if not item.manual:
+                still, owed = self._still_due(item, row, now)
+                work.extend(owed)
+                if not still:
+                    continue
+            target = self.target(row)
+            if target is None:
+                continue
+            state = self.states.get(item.task_name)
+            policy = state.policy if state is not None else self._policy(row, target.policy)
+            if item.manual:
+                self.handed.add((item.task_name, item.slot))
+            jobs.append(
+                Job(
+                    item.task_name,
+                    item.slot,
+                    target,
+                    policy,
+                    tuple(row.args),
+                    dict(row.kwargs),
+                    row.version,
+                    item.manual,
+                )
+            )
+        jobs.reverse()
+        return jobs
+
+    def _still_due(self, item: Due, row: TaskSchedule, now: datetime) -> tuple[bool, list[Due]]:
+        """Whether ``item`` still fires under ``row`` (a newer version is applied first),
+        and the slots the old schedule owes that the edit makes due."""
+        state = self.states.get(item.task_name)
+        if state is None or row.version <= state.version:
+            return state is not None, []
+        owed = self.apply(row, now)
+        state = self.states.get(item.task_name)
+        if state is None:
+            return False, []  # disabled or deleted meanwhile: nothing more fires
+        if item.slot <= (row.changed_at or now):
+            return True, owed  # due before the edit: never lost
+        ours = state.schedule.latest_slot(item.slot) == item.slot and state.in_window(item.slot)
+        return ours, owed
+
+    def run(self, job: Job) -> str:
+        """Fire ``job`` through the guard (or hand it to its backend); say what happened."""
+        policy = job.policy
+        if job.manual:  # an operator's call: no lateness policy (as backfill)
+            self.handed.discard((job.task_name, job.slot))
+            if policy.catchup == "none":
+                policy = replace(policy, catchup="latest")
+        elif guard.refused_late(job.task_name, job.slot, policy, timezone.now()):
+            return "late (recorded missed, catchup='none')"
+        if self.enqueue and job.target.kind == TargetKind.DJANGO_TASKS and not job.manual:
+            return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
+        ran = False
+        func: Callable[..., Any] = job.target.guarded.body
+
+        def body(*args: Any, **kwargs: Any) -> Any:
+            nonlocal ran
+            ran = True
+            return func(*args, **kwargs)
+
+        started = guard.begin(job.task_name, job.slot, policy)
+        note_version(started, job.version)
+        guard.run(started, body, job.args, dict(job.kwargs))
+        return "ran" if ran else "not run here (another call has it, or it is recorded)"
+
+
+def _enqueue(job: Job) -> str:
+    return _send(job.target, job.task_name, job.slot, job.version, job.args, job.kwargs)
+
+
+def _send(
+    target: data_schedules.Target,
+    task_name: str,
+    slot: datetime,
+    version: int,
+    args: Iterable[Any],
+    kwargs: dict[str, Any],
+) -> str:
+    """Enqueue one slot of a data schedule to its django.tasks task's backend."""
+    carried = {
+        **kwargs,
+        SLOT_KWARG: slot.isoformat(),
+        SCHEDULE_KWARG: {"task_name": task_name, "version": version},
+    }
+    result = target.task.enqueue(*args, **carried)
+    return f"django.tasks result {result.id} on backend {target.task.backend!r}"
+
+
+# -- run now ---------------------------------------------------------------------------
+
+
+def _run_now_function(row: TaskSchedule, slot: datetime, by: str) -> str:
+    """A function target has no queue: its manual slot waits ``pending`` for a
+    ``run_schedules`` copy (the sweep ends it missed if none starts it within its grace)."""
+    if ledger.insert_pending(row.task_name, slot) is None:
+        return "not handed out: the slot has a row already"
+    return f"handed to run_schedules (slot {slot.isoformat()} pending)"
+
+
+def _run_now_task(row: TaskSchedule, slot: datetime, by: str) -> str:
+    """A django.tasks target's manual slot goes to its backend, as run_schedules --enqueue
+    hands out a slot."""
+    target = data_schedules.resolve_target(row.function)
+    args, kwargs = tuple(row.args), dict(row.kwargs)
+    send = functools.partial(_send, target, row.task_name, slot, row.version, args, kwargs)
+    return hand_out(row.task_name, slot, send)
+
+
+data_schedules.RUNNERS[TargetKind.FUNCTION] = _run_now_function
+data_schedules.RUNNERS[TargetKind.DJANGO_TASKS] = _run_now_task

@@ -1,0 +1,270 @@
+"""run_schedules' data schedules, in this process: what falls due when, under edits, the
+window, jitter, run now, and the per-tick cost (tests/test_data_run_schedules.py runs
+real copies)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_taskguard import define_schedule, delete_schedule
+from django_taskguard.data_firing import DataSchedules, Due
+from django_taskguard.data_schedules import jitter_offset, run_now
+from django_taskguard.ledger import alias
+from django_taskguard.ledger import schedules as store
+from django_taskguard.missed import sweep_missed
+from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from tests.support import data_targets
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TARGET = "tests.support.data_targets.send_report"
+MINUTE = timedelta(minutes=1)
+
+
+def _slots(due: list[Due], name: str) -> list[datetime]:
+    return sorted(item.slot for item in due if item.task_name == name)
+
+
+def _back(task_name: str, by: timedelta) -> None:
+    """Make the schedule older (test set-up): created ``by`` ago."""
+    TaskSchedule.objects.filter(task_name=task_name).update(
+        first_seen=timezone.now() - by, swept_until=None
+    )
+
+
+def _minute(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0)
+
+
+def test_data__a_new_schedule_fires_no_slot_before_it_was_created() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    data = DataSchedules()
+    now = timezone.now()
+    assert _slots(data.load(now, start=True), row.task_name) == []
+    next_slot = _minute(now) + MINUTE
+    assert data.next_start() == next_slot
+    assert data.due(next_slot - timedelta(microseconds=1)) == []
+    assert _slots(data.due(next_slot), row.task_name) == [next_slot]
+    assert data.next_start() == next_slot + MINUTE
+
+
+def test_data__at_start_the_latest_slot_since_creation_fires() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    now = timezone.now()
+    assert _slots(data.load(now, start=True), row.task_name) == [_minute(now)]
+
+
+def test_data__an_edit_of_the_arguments_fires_the_next_slot_with_them() -> None:
+    define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    edited = define_schedule("t1", TARGET, every=MINUTE, args=[2])
+    assert data.apply(edited, now) == []
+    next_slot = _minute(now) + MINUTE
+    assert data.next_start() == next_slot  # the slots did not move
+    (job,) = data.jobs(data.due(next_slot), next_slot)
+    assert (job.slot, job.args, job.version) == (next_slot, (2,), 2)
+
+
+def test_data__an_edit_not_polled_yet_is_honoured_when_the_slot_is_read() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    define_schedule("t1", TARGET, every=MINUTE, args=[3])  # not applied: no poll
+    next_slot = _minute(now) + MINUTE
+    (job,) = data.jobs(data.due(next_slot), next_slot)
+    assert (job.args, job.version) == ((3,), 2)
+    assert data.states[row.task_name].version == 2
+
+
+def test_data__an_edit_that_moves_the_slots_fires_the_owed_ones_and_none_early() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    real = timezone.now()
+    earlier = real - 3 * MINUTE  # this copy last fired three minutes ago
+    data.load(earlier, start=True)
+    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    owed = _slots(data.apply(edited, real), row.task_name)
+    # Never lost: the old schedule's slots due before the edit and not fired yet.
+    assert owed == [_minute(earlier) + n * MINUTE for n in (1, 2, 3)]
+    assert all(slot <= edited.changed_at for slot in owed)
+    # Never early: the new schedule's first slot is after the edit.
+    assert edited.changed_at is not None
+    start = data.next_start()
+    assert start is not None and start > edited.changed_at
+    assert start == real.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    assert data.due(start - timedelta(microseconds=1)) == []
+
+
+def test_data__a_slot_a_moving_edit_took_back_is_not_fired() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    next_slot = _minute(now) + MINUTE
+    due = data.due(next_slot)  # popped, not read yet: the edit lands now
+    define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    hourly = next_slot.minute == 0
+    jobs = data.jobs(due, next_slot)
+    # A slot after the edit that the new schedule does not have is dropped.
+    assert len(jobs) == (1 if hourly else 0)
+    assert data.states[row.task_name].version == 2
+
+
+def test_data__disabled_fires_nothing_and_enabled_again_only_after() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    disabled = define_schedule("t1", TARGET, every=MINUTE, args=[1], enabled=False)
+    data.apply(disabled, now)
+    assert row.task_name not in data.states
+    assert data.due(now + 5 * MINUTE) == []
+    enabled = define_schedule("t1", TARGET, every=MINUTE, args=[1], enabled=True)
+    assert _slots(data.apply(enabled, now), row.task_name) == []  # none before the enable
+    assert data.next_start() == _minute(now) + MINUTE
+    deleted = delete_schedule("t1", TARGET)
+    assert deleted
+    data.apply(store.get(row.task_name), now)  # the tombstone
+    assert row.task_name not in data.states
+    assert data.due(now + 5 * MINUTE) == []
+
+
+def test_data__no_slot_before_starts_nor_after_ends() -> None:
+    now = timezone.now()
+    starts, ends = _minute(now) + 3 * MINUTE, _minute(now) + 5 * MINUTE
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], starts=starts, ends=ends)
+    data = DataSchedules()
+    data.load(now, start=True)
+    assert data.next_start() == starts
+    fired = _slots(data.due(now + 10 * MINUTE), row.task_name)
+    assert fired == [ends]  # catch-up "latest": the newest due slot, within the window
+    assert data.next_start() is None  # nothing after ends
+
+
+def test_data__jitter_delays_the_start_not_the_slot() -> None:
+    jitter = timedelta(seconds=20)
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], jitter=jitter)
+    offset = jitter_offset(row.task_name, jitter)
+    assert timedelta(0) < offset < jitter
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    next_slot = _minute(now) + MINUTE
+    assert data.next_start() == next_slot + offset
+    assert data.due(next_slot + offset - timedelta(microseconds=1)) == []
+    assert _slots(data.due(next_slot + offset), row.task_name) == [next_slot]
+
+
+def test_data__a_tick_reads_nothing_for_schedules_that_are_not_due() -> None:
+    for n in range(200):
+        define_schedule(f"t{n}", TARGET, every=timedelta(hours=1), args=[n])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    assert len(data.states) == 200
+    with CaptureQueriesContext(connections[alias()]) as queries:
+        for _ in range(1000):
+            assert data.due(now) == []
+    assert len(queries) == 0
+
+
+def test_data__an_unknown_target_is_not_fired_and_does_not_stop_the_others() -> None:
+    good = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    bad = define_schedule("t2", TARGET, every=MINUTE, args=[1])
+    TaskSchedule.objects.filter(task_name=bad.task_name).update(function="tests.gone.job")
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    assert set(data.states) == {good.task_name}
+
+
+def test_run_now__a_function_target_waits_pending_for_a_copy() -> None:
+    row = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[7])
+    data_targets.executed.clear()
+    said = run_now(row, by="alice")
+    assert "pending" in said and data_targets.executed == []  # never run by the caller
+    (pending,) = TaskRun.objects.filter(task_name=row.task_name)
+    assert pending.state == RunState.PENDING
+    data = DataSchedules()
+    now = timezone.now()
+    due = data.load(now, start=True)
+    assert [(item.slot, item.manual) for item in due] == [(pending.slot, True)]
+    (job,) = data.jobs(due, now)
+    assert data.pending() == []  # handed to this copy's pool: not picked up twice
+    assert data.run(job) == "ran"
+    assert data_targets.executed == [(row.task_name, (7,), {"fmt": "pdf"})]
+    pending.refresh_from_db()
+    assert (pending.state, pending.schedule_version) == (RunState.SUCCEEDED, 1)
+    assert data.run(job) != "ran"  # a second copy's call: the guard refuses it
+
+
+def test_data__a_scheduled_slot_runs_through_the_guard_with_its_version() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[5], kwargs={"fmt": "csv"})
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    now = timezone.now()
+    (job,) = data.jobs(data.load(now, start=True), now)
+    data_targets.executed.clear()
+    assert data.run(job) == "ran"
+    assert data_targets.executed == [(row.task_name, (5,), {"fmt": "csv"})]
+    run = TaskRun.objects.get(task_name=row.task_name, slot=_minute(now))
+    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 1)
+
+
+def test_sweep__skips_disabled_data_schedules_and_slots_outside_the_window() -> None:
+    now = timezone.now()
+    off = define_schedule("off", TARGET, every=MINUTE, args=[1], enabled=False)
+    windowed = define_schedule(
+        "win", TARGET, every=MINUTE, args=[1], starts=now - 10 * MINUTE, ends=now - 8 * MINUTE
+    )
+    for row in (off, windowed):
+        _back(row.task_name, timedelta(hours=1))
+    assert off.task_name not in {row.task_name for row in store.watched(store.stored())}
+    sweep_missed()
+    assert not TaskRun.objects.filter(task_name=off.task_name).exists()
+    missed = sorted(
+        TaskRun.objects.filter(task_name=windowed.task_name).values_list("slot", flat=True)
+    )
+    begun = now - 10 * MINUTE
+    starts = _minute(begun) + (MINUTE if begun.second or begun.microsecond else timedelta(0))
+    assert missed and missed[0] >= now - 10 * MINUTE and missed[-1] <= now - 8 * MINUTE
+    assert missed[0] == starts
+
+
+def test_run_schedules__task_names_a_data_schedule() -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[9])
+    _back(row.task_name, timedelta(hours=1))
+    define_schedule("t2", TARGET, every=MINUTE, args=[10])
+    data_targets.executed.clear()
+    call_command("run_schedules", "--once", "--task", row.task_name, verbosity=0)
+    assert data_targets.executed == [(row.task_name, (9,), {"fmt": "pdf"})]
+    (run,) = TaskRun.objects.filter(task_name__startswith=TARGET, state=RunState.SUCCEEDED)
+    assert (run.task_name, run.schedule_version) == (row.task_name, 1)
+    with pytest.raises(CommandError, match=r"data schedule .* named nope\[x\]"):
+        call_command("run_schedules", "--once", "--task", "nope[x]", verbosity=0)
+
+
+def test_sweep__ends_a_run_now_slot_nobody_started_within_its_grace() -> None:
+    row = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    run_now(row)
+    (pending,) = TaskRun.objects.filter(task_name=row.task_name)
+    assert pending.slot.microsecond  # off the schedule's grid
+    sweep_missed()
+    pending.refresh_from_db()
+    assert pending.state == RunState.PENDING  # within its grace: a copy may still start it
+    TaskRun.objects.filter(id=pending.id).update(created_at=timezone.now() - row.grace - MINUTE)
+    sweep_missed()
+    pending.refresh_from_db()
+    assert pending.state == RunState.MISSED

@@ -1,0 +1,199 @@
+"""Data schedules fired by real ``run_schedules`` copies: created, edited (arguments, then
+interval), disabled, enabled again and deleted while two copies run; run now from this
+process; ``--enqueue`` to a django.tasks backend.
+
+Executions are counted outside the ledger: each appends ``TASK|VALUE SLOT PID TIME`` to a
+log with O_APPEND (tests/support/data_targets.py ``echo``, tests/support/data_tasks.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from django_taskguard import define_schedule, delete_schedule
+from django_taskguard.data_schedules import run_now
+from django_taskguard.exceptions import BackendUnavailable
+from django_taskguard.ledger import schedules as store
+from django_taskguard.models import RunState, TaskRun
+
+from .support.children import executions
+from .support.waiting import wait_for
+from .test_run_schedules import Copy
+
+pytestmark = pytest.mark.timeout(180)
+
+ECHO = "tests.support.data_targets.echo"
+SECOND = timedelta(seconds=1)
+T = TypeVar("T")
+
+
+def _runs(log: Path) -> list[tuple[str, str, datetime, int]]:
+    """``(task, value, slot, pid)`` of every execution, in order."""
+    found = []
+    for task_value, slot, pid, _at in executions(log):
+        task, value = task_value.split("|", 1)
+        found.append((task, value, datetime.fromisoformat(slot), int(pid)))
+    return found
+
+
+def _of(log: Path, task: str) -> list[tuple[datetime, str]]:
+    return sorted((slot, value) for name, value, slot, _pid in _runs(log) if name == task)
+
+
+def _every(step: int, first: datetime, last: datetime) -> list[datetime]:
+    """The epoch-aligned slots of a ``step``-second interval in ``[first, last]``."""
+    start = int(first.timestamp()) + (-int(first.timestamp()) % step)
+    if datetime.fromtimestamp(start, first.tzinfo) < first:
+        start += step
+    slots = []
+    moment = start
+    while moment <= last.timestamp():
+        slots.append(datetime.fromtimestamp(moment, first.tzinfo))
+        moment += step
+    return slots
+
+
+def _retry(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call``, again when SQLite refused its write transaction at once (a read-then-write
+    transaction beside the copies' writers gets SQLITE_BUSY without the busy timeout)."""
+    for _ in range(20):
+        try:
+            return call(*args, **kwargs)
+        except BackendUnavailable:
+            time.sleep(0.2)
+    return call(*args, **kwargs)
+
+
+def _env(child_env: dict[str, str], log: Path, modules: str) -> dict[str, str]:
+    return {
+        **child_env,
+        "TASKGUARD_TEST_SCHEDULE_MODULES": modules,
+        "TASKGUARD_TEST_SCHEDULE_LOG": str(log),
+    }
+
+
+def test_data_run_schedules__two_copies_follow_every_change_without_restart(child_env, scratch):
+    log = scratch / "executions.log"
+    env = _env(child_env, log, "tests.support.data_targets")
+    copies = [Copy(env, scratch / "a.out"), Copy(env, scratch / "b.out")]
+    pids = {copy.proc.pid for copy in copies}
+    try:
+        a = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v1"])
+        b = _retry(define_schedule, "b", ECHO, every=2 * SECOND, args=["b"])
+        name_a, name_b = a.task_name, b.task_name
+        wait_for(lambda: len(_of(log, name_a)) >= 3, timeout=60, what="a's first slots")
+        a2 = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v2"])  # the arguments
+        wait_for(
+            lambda: sum(value == "v2" for _, value in _of(log, name_a)) >= 3,
+            timeout=30,
+            what="a's slots with the new arguments",
+        )
+        b2 = _retry(define_schedule, "b", ECHO, every=3 * SECOND, args=["b"])  # the interval
+        assert a2.changed_at is not None and b2.changed_at is not None
+        wait_for(
+            lambda: sum(slot > b2.changed_at for slot, _ in _of(log, name_b)) >= 2,
+            timeout=30,
+            what="b's slots on the new interval",
+        )
+        off = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v2"], enabled=False)
+        # Run now, asked from this process: one copy runs it, this process does not.
+        c = _retry(define_schedule, "c", ECHO, every=timedelta(hours=1), args=["now"])
+        assert "pending" in _retry(run_now, c, by="tester")
+        wait_for(lambda: _of(log, c.task_name), timeout=30, what="the run-now slot")
+        on = _retry(define_schedule, "a", ECHO, every=SECOND, args=["v3"], enabled=True)
+        assert off.changed_at is not None and on.changed_at is not None
+        wait_for(
+            lambda: sum(slot > on.changed_at for slot, _ in _of(log, name_a)) >= 3,
+            timeout=30,
+            what="a's slots after it was enabled again",
+        )
+        assert _retry(delete_schedule, "b", ECHO)
+        tomb = store.get(name_b)
+        assert tomb is not None and tomb.changed_at is not None
+        wait_for(
+            lambda: sum(slot > tomb.changed_at + 3 * SECOND for slot, _ in _of(log, name_a)) >= 3,
+            timeout=30,
+            what="a few seconds after the deletion",
+        )
+    finally:
+        codes = [copy.stop() for copy in copies]
+    assert codes == [0, 0]
+
+    runs = _runs(log)
+    counts = Counter((task, slot) for task, _value, slot, _pid in runs)
+    assert set(counts.values()) == {1}, [key for key, n in counts.items() if n > 1]
+    assert {pid for *_rest, pid in runs} <= pids  # never in this (the caller's) process
+    assert len({pid for *_rest, pid in runs}) == 2  # both copies ran some
+
+    done_a = _of(log, name_a)
+    slots_a = [slot for slot, _ in done_a]
+    assert slots_a[0] >= a.first_seen  # none before it was created
+    # Disabled: nothing fired between the disable and the enable.
+    assert not [slot for slot in slots_a if off.changed_at < slot <= on.changed_at]
+    # None lost: every slot while enabled, but for a second's margin at each change.
+    last_a = slots_a[-1]
+    before = _every(1, a.first_seen + SECOND, off.changed_at - SECOND)
+    after = _every(1, on.changed_at + SECOND, last_a)
+    assert set(before) <= set(slots_a) and set(after) <= set(slots_a)
+    # Edits of the arguments take effect at the next slot; the versions that fired them.
+    assert all(value == "v1" for slot, value in done_a if slot <= a2.changed_at - SECOND)
+    assert all(value == "v2" for slot, value in done_a if a2.changed_at < slot <= off.changed_at)
+    assert all(value == "v3" for slot, value in done_a if slot > on.changed_at)
+    versions = dict(
+        TaskRun.objects.filter(task_name=name_a).values_list("slot", "schedule_version")
+    )
+    assert all(
+        versions[slot] == a2.version for slot in slots_a if a2.changed_at < slot <= off.changed_at
+    )
+    assert all(versions[slot] == on.version for slot in slots_a if slot > on.changed_at)
+
+    slots_b = [slot for slot, _ in _of(log, name_b)]
+    # The old interval up to the edit (none lost), the new one after it (none early).
+    old = [slot for slot in slots_b if slot <= b2.changed_at]
+    new = [slot for slot in slots_b if slot > b2.changed_at]
+    assert old == _every(2, b.first_seen, b2.changed_at)[-len(old) :]
+    assert set(_every(2, b.first_seen + SECOND, b2.changed_at)) <= set(old)
+    assert new and all(int(slot.timestamp()) % 3 == 0 for slot in new)
+    assert set(_every(3, b2.changed_at + SECOND, tomb.changed_at - SECOND)) <= set(new)
+    assert all(slot <= tomb.changed_at for slot in new)  # deleted: nothing more
+
+    (manual,) = TaskRun.objects.filter(task_name=c.task_name)
+    assert (manual.state, manual.schedule_version) == (RunState.SUCCEEDED, c.version)
+    assert [value for _, value in _of(log, c.task_name)] == ["now"]
+    assert not TaskRun.objects.filter(task_name=name_a, state=RunState.MISSED).exists()
+
+
+def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(child_env, scratch):
+    log = scratch / "executions.log"
+    env = _env(child_env, log, "tests.support.data_tasks")
+    copies = [
+        Copy(env, scratch / "a.out", "--enqueue"),
+        Copy(env, scratch / "b.out", "--enqueue"),
+    ]
+    try:
+        target = "tests.support.data_tasks.tenant_job"
+        d = _retry(define_schedule, "d", target, every=SECOND, args=["x"])
+        assert d.target_kind == "django_tasks"
+        wait_for(lambda: len(_of(log, d.task_name)) >= 5, timeout=60, what="enqueued slots")
+    finally:
+        codes = [copy.stop() for copy in copies]
+    assert codes == [0, 0]
+    done = _of(log, d.task_name)
+    slots = [slot for slot, _ in done]
+    assert len(slots) == len(set(slots))  # one enqueue per slot across both copies
+    assert {value for _, value in done} == {"x"}
+    assert slots[0] >= d.first_seen
+    rows = TaskRun.objects.filter(task_name=d.task_name, slot__in=slots)
+    assert set(rows.values_list("schedule_version", flat=True)) == {1}
+    assert set(rows.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    out = (scratch / "a.out").read_text() + (scratch / "b.out").read_text()
+    assert "enqueued (django.tasks result" in out
+    assert os.getpid() not in {pid for *_rest, pid in _runs(log)}
