@@ -80,8 +80,10 @@ CACHES = {{"default": {{
 TASKGUARD = {{"BACKEND": "redis", "SCHEDULE_MODULES": ["bench_data_jobs"],
     "UPKEEP_INTERVAL_SECONDS": None}}
 LOGGING = {{"version": 1, "disable_existing_loggers": False,
-    "handlers": {{"errors": {{"class": "logging.StreamHandler", "level": "WARNING"}}}},
-    "loggers": {{"taskguard": {{"handlers": ["errors"], "level": "WARNING",
+    "formatters": {{"at": {{"format": "%(created).3f %(process)d %(levelname)s %(message)s"}}}},
+    "handlers": {{"errors": {{"class": "logging.StreamHandler", "level": "INFO",
+                              "formatter": "at"}}}},
+    "loggers": {{"taskguard": {{"handlers": ["errors"], "level": "INFO",
                                 "propagate": False}}}}}}
 """
 
@@ -265,10 +267,13 @@ def vm_rss_kib(pid: int) -> int:
 
 def fire(count: int, herd: int, copies: int, directory: Path, env: dict[str, str]) -> None:
     """``copies`` run_schedules processes until two herd slots have passed."""
-    from django_taskguard.models import RunState, TaskRun
+    from django_taskguard.models import RunState, TaskRun, TaskSchedule
 
     reset()
     define(count, herd)
+    # Nothing before now fires (else each copy starts with the herd's slot of the minute
+    # the defining took: a catch-up of 10,000 slots beside the first herd).
+    TaskSchedule.objects.update(first_seen=datetime.now(dt_timezone.utc))
     log = directory / "executions.log"
     env = {**env, "BENCH_LOG": str(log)}
     out = (directory / "copies.out").open("wb")
@@ -291,7 +296,7 @@ def fire(count: int, herd: int, copies: int, directory: Path, env: dict[str, str
     first_herd = (int(launched[-1]) // 60 + 1) * 60
     herds = [first_herd, first_herd + 60]
     rss: dict[int, int] = {}
-    deadline = herds[-1] + 40
+    deadline = herds[-1] + 70
     while time.time() < deadline:
         for process in processes:
             if process.poll() is None:
@@ -304,13 +309,15 @@ def fire(count: int, herd: int, copies: int, directory: Path, env: dict[str, str
     lines = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
     runs = [(task, int(slot), int(pid), float(at)) for task, slot, pid, at in lines]
     counts = Counter((task, slot) for task, slot, _, _ in runs if slot in herds)
+    others = sum(1 for _, slot, _, _ in runs if slot not in herds)
     expected = herd * len(herds)
     twice = sum(1 for n in counts.values() if n > 1)
     lateness = sorted(at - slot for _, slot, _, at in runs if slot in herds)
     missed = TaskRun.objects.filter(state=RunState.MISSED, slot__gte=_utc(herds[0])).count()
     print(f"run_schedules x{copies}, {count:,} schedules, herds at {herds} (Unix seconds)")
     print(f"  executed   {len(counts):8,d} of {expected:,} due slots; twice {twice}; "
-          f"never {expected - len(counts):,}; missed rows {missed:,}")  # fmt: skip
+          f"never {expected - len(counts):,}; missed rows {missed:,}; "
+          f"other slots executed {others:,}")  # fmt: skip
     if lateness:
         p99 = lateness[max(0, int(len(lateness) * 0.99) - 1)]
         print(f"  lateness   p50 {statistics.median(lateness):.2f} s  p99 {p99:.2f} s  "
@@ -319,12 +326,20 @@ def fire(count: int, herd: int, copies: int, directory: Path, env: dict[str, str
             of = [at for _, s, _, at in runs if s == slot]
             if of:
                 print(f"  herd {slot}: all {len(of):,} started within {max(of) - slot:.2f} s")
+    logged = (directory / "copies.out").read_text(errors="replace").splitlines()
     for process, launch in zip(processes, launched, strict=True):
         mine = sorted(at for _, _, pid, at in runs if pid == process.pid)
         first = f"{mine[0] - launch:.1f} s" if mine else "never"
+        ready = [
+            float(line.split()[0])
+            for line in logged
+            if line.split()[1:2] == [str(process.pid)] and "data schedules" in line
+        ]
+        up = f"{ready[0] - launch:.1f} s" if ready else "?"
         print(f"  copy {process.pid}: VmRSS max {rss.get(process.pid, 0) / 1024:.0f} MiB, "
-              f"first execution {first} after its start, {len(mine):,} executions")  # fmt: skip
-    warnings = (directory / "copies.out").read_text(errors="replace").splitlines()
+              f"data schedules loaded {up} after its start, first execution {first}, "
+              f"{len(mine):,} executions")  # fmt: skip
+    warnings = [line for line in logged if " INFO " not in line]
     if warnings:
         print(f"  the copies wrote {len(warnings)} log lines; the first ones:")
         print("\n".join(f"    {line}" for line in warnings[:8]))
