@@ -222,6 +222,19 @@ def parts(count: int, herd: int) -> None:
     now = ledger.database_now()
     first = now - timedelta(seconds=5)
     TaskSchedule.objects.update(first_seen=first)  # all first seen 5 s ago (not as defined)
+    from django_taskguard.data_firing import DataSchedules
+
+    data = DataSchedules()
+    measured("run_schedules: load every data schedule", lambda: data.load(now, start=True))
+    quiet = now + timedelta(seconds=1)
+    while any(data.due(quiet)):  # past what is due now: a tick with nothing due
+        quiet += timedelta(seconds=1)
+    measured(
+        "run_schedules: 1,000 ticks with nothing due",
+        lambda: [data.due(quiet) for _ in range(1000)],
+    )
+    time.sleep(2.1)  # a poll reads the database every DATA_POLL_SECONDS
+    measured("run_schedules: a poll of the changes", lambda: data.poll(quiet))
     measured("sweep, the first (every schedule new)", lambda: sweep_missed(now=now))
     measured("sweep, nothing due", lambda: sweep_missed(now=now + timedelta(seconds=5)))
     later = now + timedelta(seconds=60) + GRACE

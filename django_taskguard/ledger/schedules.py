@@ -323,6 +323,7 @@ def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetim
         ]
         with translated, connections[alias()].cursor() as cursor:
             cursor.execute(d.mark_swept_many, params)
+        _remember(marks)
         return
     groups: dict[tuple[datetime | None, datetime, int, datetime | None], list[int]] = {}
     for row, until, due in marks:
@@ -350,6 +351,14 @@ def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetim
                     ),
                     **swept,
                 )
+    _remember(marks)
+
+
+def _remember(marks: Sequence[tuple[TaskSchedule, datetime | None, datetime]]) -> None:
+    """The rows as written (their next look), for the sweep's next batch of the same rows
+    (if a writer emptied it meanwhile, the next batch's mark leaves it empty too)."""
+    for row, _, due in marks:
+        row.sweep_due_at = due
 
 
 def _at(when: datetime) -> Value:
