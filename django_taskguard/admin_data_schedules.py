@@ -230,6 +230,9 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         super().__init__(*args, **kwargs)
         row = self.instance
         if row.pk is not None:  # an edit: the stored values, moments in the schedule's zone
+            # Name and target are fixed (shown read-only, not posted): not form fields.
+            self.fields.pop("entry", None)
+            self.fields.pop("function", None)
             zone = zone_of(row.time_zone)
             self.initial["starts"] = show_moment(row.starts, zone)
             self.initial["ends"] = show_moment(row.ends, zone)
@@ -259,6 +262,8 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
                 name,
                 target,
                 cron=cleaned.get("cron") or None,
+                # an edit keeps the row's day rule (an imported celery crontab's: both days)
+                cron_day_or=row.cron_day_or if row.pk is not None else True,
                 every=cleaned.get("every"),
                 time_zone=cleaned.get("time_zone") or None,
                 args=[] if args is None else args,
@@ -304,6 +309,7 @@ def define(form: DataScheduleForm, user: str) -> TaskSchedule:
         values["entry"],
         values["function"],
         cron=values["cron"] or None,
+        cron_day_or=values["cron_day_or"],
         every=values["every"],
         time_zone=values["time_zone"] or None,
         args=values["args"],

@@ -63,6 +63,9 @@ PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 JITTER_MAX = timedelta(hours=1)
 ARGUMENTS_MAX_BYTES = 64 * 1024
 DESCRIPTION_MAX_LENGTH = 2_000
+# Keyword arguments a call carries for the guard (decorators.SLOT_KWARG, SCHEDULE_KWARG): a
+# schedule's own arguments never name them (a target taking **kwargs would pass them on).
+RESERVED_PREFIX = "_taskguard_"
 
 
 class ScheduleDefinitionError(InvalidSchedule):
@@ -182,6 +185,13 @@ def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any],
     if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
         raise ScheduleDefinitionError("kwargs must be a JSON object (string keys)", "kwargs")
     args, kwargs = list(args), dict(kwargs)
+    reserved = sorted(key for key in kwargs if key.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise ScheduleDefinitionError(
+            f"{', '.join(reserved)}: keyword arguments starting with {RESERVED_PREFIX} are "
+            "taskguard's own (the slot and schedule a call carries)",
+            "kwargs",
+        )
     try:
         text = json.dumps([args, kwargs], allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -247,7 +257,7 @@ def _moment(value: Any, field: str) -> datetime | None:
 
 
 def _schedule(
-    cron: str | None, every: timedelta | None, time_zone: str
+    cron: str | None, every: timedelta | None, time_zone: str, day_or: bool = True
 ) -> schedules.StoredSchedule:
     if (cron is None or cron == "") == (every is None):
         raise ScheduleDefinitionError(
@@ -262,7 +272,7 @@ def _schedule(
             )
         return schedules.IntervalSchedule(_duration(every, "every", EVERY_BOUNDS))
     try:
-        return CronSchedule(str(cron), time_zone or None)
+        return CronSchedule(str(cron), time_zone or None, day_or)
     except InvalidSchedule as exc:
         raise ScheduleDefinitionError(str(exc), "cron") from None
 
@@ -281,6 +291,7 @@ def validate(
     target: str,
     *,
     cron: str | None = None,
+    cron_day_or: bool = True,
     every: timedelta | None = None,
     time_zone: str | None = None,
     args: Sequence[Any] = (),
@@ -299,7 +310,8 @@ def validate(
     :func:`ledger.schedules.define` saves. Raises :class:`ScheduleDefinitionError`.
 
     Unset ``catchup``/``grace``/``max_catchup``/``pause_after_failures`` take the target's
-    decorator's values."""
+    decorator's values. ``cron_day_or=False``: a slot's day must match both the day of month
+    and the day of week when both are restricted (celery's crontab), not either (cron's)."""
     if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_LENGTH:
         raise ScheduleDefinitionError(
             f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
@@ -316,7 +328,11 @@ def validate(
         # Stored, not implied: every copy then reads the cron in the same zone, whatever
         # its own TIME_ZONE (a code schedule's cron follows each copy's; W020 says so).
         zone = get_default_timezone_name()
-    schedule = _schedule(cron, every, zone)
+    if not isinstance(cron_day_or, bool):
+        raise ScheduleDefinitionError(
+            f"cron_day_or must be True or False, not {cron_day_or!r}", "cron"
+        )
+    schedule = _schedule(cron, every, zone, cron_day_or)
     args, kwargs = _check_arguments(found, args, {} if kwargs is None else kwargs)
     catchup = catchup or policy.catchup
     if catchup not in Catchup.values:
@@ -399,6 +415,7 @@ def define_schedule(
     target: str,
     *,
     cron: str | None = None,
+    cron_day_or: bool = True,
     every: timedelta | None = None,
     time_zone: str | None = None,
     args: Sequence[Any] = (),
@@ -429,6 +446,7 @@ def define_schedule(
         name,
         target,
         cron=cron,
+        cron_day_or=cron_day_or,
         every=every,
         time_zone=time_zone,
         args=args,

@@ -407,3 +407,17 @@ def test_changelist__same_statements_at_5_and_at_200_data_schedules() -> None:
     for n in range(5, 200):
         define_schedule(f"t{n}", TARGET, every=timedelta(minutes=n), args=[n])
     assert statements() == few
+
+
+def test_edit__posts_only_what_the_change_page_shows() -> None:
+    """The change page renders no name or target input (both fixed): a browser posts
+    neither, and the edit is saved."""
+    row = tenant()
+    editor = login("eve", *EDITOR_PERMS)
+    posted = form_data(cron="15 9 * * *", args="[42]", kwargs="{}")
+    posted.pop("entry", None)
+    posted.pop("function", None)
+    response = editor.post(change_url(row), posted)
+    assert response.status_code == 302, errors(response)
+    stored = TaskSchedule.objects.get(pk=row.pk)
+    assert (stored.cron, stored.version, stored.entry) == ("15 9 * * *", 2, "tenant-42")

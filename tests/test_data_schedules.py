@@ -174,3 +174,33 @@ def test_define__a_cron_without_a_zone_is_saved_with_the_definers_time_zone(
     assert row.time_zone == "Asia/Kolkata"
     interval = define_schedule("t2", TARGET, every=timedelta(minutes=5), args=[1])
     assert interval.time_zone == ""
+
+
+def test_define__taskguards_own_keyword_arguments_are_refused() -> None:
+    with pytest.raises(ScheduleDefinitionError, match="_taskguard_slot") as raised:
+        define_schedule(
+            "t1",
+            "tests.support.data_targets.anything",
+            every=timedelta(minutes=5),
+            kwargs={"_taskguard_slot": "2026-01-01T00:00:00+00:00"},
+        )
+    assert raised.value.field == "kwargs"
+    assert not TaskSchedule.objects.exists()
+
+
+def test_define__a_retired_schedule_defined_again_goes_on_with_its_versions() -> None:
+    define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    define_schedule("t1", TARGET, every=timedelta(minutes=6), args=[1])
+    delete_schedule("t1", TARGET)
+    assert store.retire(f"{TARGET}[t1]")
+    again = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    assert again.version == 4  # after 1, 2 and the deletion's 3: no copy takes it as known
+
+
+def test_define__moving_the_slots_counts_them_from_the_edit() -> None:
+    first = define_schedule("t1", TARGET, every=timedelta(minutes=5), args=[1])
+    TaskSchedule.objects.filter(pk=first.pk).update(first_seen=timezone.now() - timedelta(days=1))
+    moved = define_schedule("t1", TARGET, every=timedelta(minutes=7), args=[1])
+    assert moved.first_seen > timezone.now() - timedelta(minutes=1)
+    kept = define_schedule("t1", TARGET, every=timedelta(minutes=7), args=[2])
+    assert kept.first_seen == moved.first_seen  # new arguments move no slot

@@ -30,9 +30,17 @@ DEPLOYMENTS = [
     "docs/deployments/run-schedules.md",
     "docs/deployments/django-tasks.md",
 ]
-PAGES = ["docs/testing.md", "docs/decorators.md", "docs/schedules.md", "README.md", *DEPLOYMENTS]
+MIGRATING = "docs/migrating-from-django-celery-beat.md"
+PAGES = [
+    "docs/testing.md",
+    "docs/decorators.md",
+    "docs/schedules.md",
+    "README.md",
+    *DEPLOYMENTS,
+    MIGRATING,
+]
 # Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
-NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md"}
+NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md", MIGRATING}
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 MYAPP_JOBS = """
@@ -77,7 +85,7 @@ PRELUDES = {
     ),
     "docs/schedules.md": "",
     "README.md": "",
-    **dict.fromkeys(DEPLOYMENTS, ""),
+    **dict.fromkeys([*DEPLOYMENTS, MIGRATING], ""),
 }
 
 RUN_TEST = """

@@ -344,3 +344,21 @@ def test_check_schedules_json__the_judged_slot_is_named_for_what_it_is():
     # The latest slot whose grace has passed (a slot due within its grace is not judged yet).
     assert "latest_due_slot" not in task
     assert task["latest_slot_past_grace"] == due_slot().isoformat()
+
+
+def test_check_schedules__a_data_schedule_whose_slots_moved_is_not_late_for_the_new_ones():
+    """An edit that moves the slots counts them from the edit: the new definition's slot
+    before the edit never fires (by design), and is not waited for."""
+    from django_taskguard import define_schedule
+    from django_taskguard.models import TaskSchedule
+
+    target = "tests.support.data_targets.send_report"
+    row = define_schedule("t1", target, every=timedelta(minutes=10), args=[1])
+    TaskSchedule.objects.filter(pk=row.pk).update(first_seen=timezone.now() - DAY)
+    now = timezone.now()
+    ran = now - timedelta(seconds=(now.timestamp() % 600))  # the 10-minute grid's latest
+    finished(row.task_name, ran)
+    moved = define_schedule("t1", target, every=timedelta(minutes=7), args=[1])
+    status, out = run_check()
+    assert status == 0, out
+    assert moved.task_name in out and "LATE" not in out

@@ -19,6 +19,7 @@ from django.test.utils import CaptureQueriesContext
 from django_taskguard import current_run, ledger, missed, once_per_schedule, registry
 from django_taskguard.ledger.core import dialect
 from django_taskguard.locks import Acquired, get_backend
+from django_taskguard.management.backfill_kinds import of_entry
 from django_taskguard.management.commands.backfill import Command
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
@@ -356,7 +357,7 @@ def test_backfill__a_lost_compare_and_set_under_raise_is_run_elsewhere():
         TaskRun.objects.filter(pk=row.id).update(state=RunState.SUCCEEDED)
         out = StringIO()
         command = Command(stdout=out)
-        assert command._run(registry.entries()[name], target) == "ran"
+        assert command._run(of_entry(registry.entries()[name], False), target) == "ran"
         assert "run elsewhere" in out.getvalue()
     finally:
         registry.unregister(name)

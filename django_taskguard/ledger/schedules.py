@@ -7,18 +7,20 @@ missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIA
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import (
     Case,
     Count,
     DateTimeField,
     F,
+    Max,
     OuterRef,
     Q,
     QuerySet,
@@ -30,6 +32,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Greatest, RowNumber
 from django.utils import timezone
 
+from ..exceptions import BackendUnavailable
 from ..models import (
     DatabaseNow,
     ScheduleEvent,
@@ -39,6 +42,8 @@ from ..models import (
     TaskSchedule,
 )
 from .core import alias, clip, database_now, dialect, translated
+
+logger = logging.getLogger("taskguard.ledger")
 
 PAUSED_REASON_MAX_LENGTH = 500
 
@@ -102,8 +107,10 @@ def functions_under(module: str) -> list[str]:
 
 def save(records: Sequence[Record], now: datetime | None = None) -> int:
     """Insert or update the schedules the code declares; ``first_seen`` is kept, the
-    pause and ``swept_until`` are never touched. Returns how many were given."""
+    pause and ``swept_until`` are never touched. A data schedule of the same name is left
+    alone (an imported beat entry whose old beat still runs). Returns how many were saved."""
     now = now or timezone.now()
+    records = _not_data(records)
     rows = [
         TaskSchedule(
             task_name=record.task_name,
@@ -127,6 +134,27 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
             update_fields=[*_CODE_FIELDS, "last_seen", "sweep_due_at"],
         )
     return len(rows)
+
+
+def _not_data(records: Sequence[Record]) -> Sequence[Record]:
+    """``records`` but those whose name is a data schedule's (said once per save)."""
+    if not records:
+        return records
+    names = [record.task_name for record in records]
+    with translated:
+        taken = set(
+            TaskSchedule.objects.using(alias())
+            .filter(source=ScheduleSource.DATA, task_name__in=names)
+            .values_list("task_name", flat=True)
+        )
+    if not taken:
+        return records
+    logger.warning(
+        "taskguard: %s are data schedules (imported from django-celery-beat, or defined with "
+        "that name): not saved as declared schedules; stop the beats that still declare them",
+        ", ".join(sorted(taken)),
+    )
+    return [record for record in records if record.task_name not in taken]
 
 
 def zone_of(row: TaskSchedule) -> str:
@@ -602,6 +630,25 @@ def define(
     of the schedule it replaces). ``adopt``: the ``declared_in`` of other schedules this
     one may take over (an imported django-celery-beat entry's row; its runs are the same).
     Raises :class:`NotDataSchedule` when a schedule of another kind has the name."""
+    try:
+        return _define(task_name, values, origin, by, reason, first_seen, adopt)
+    except BackendUnavailable as exc:
+        if not isinstance(exc.__cause__, IntegrityError):
+            raise
+        # Another process created the same schedule between our read and our insert:
+        # ours is then an edit of theirs (the row exists now, and is locked in turn).
+        return _define(task_name, values, origin, by, reason, first_seen, adopt)
+
+
+def _define(
+    task_name: str,
+    values: dict[str, object],
+    origin: ScheduleEventOrigin,
+    by: str,
+    reason: str,
+    first_seen: datetime | None,
+    adopt: Collection[str],
+) -> Defined:
     rows = TaskSchedule.objects.using(alias())
     with translated, transaction.atomic(using=alias()):
         _write_first(rows.filter(task_name=task_name))
@@ -613,12 +660,12 @@ def define(
             row.source = ScheduleSource.DATA
             row.declared_in = ""
             row.removed_at = None
-            row.version = 0
+            row.version = _last_version(task_name)
             kind = ScheduleEventKind.CREATED
-            changes = {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+            changes = _created(values)
         elif row is None or row.removed_at is not None:
             kind = ScheduleEventKind.CREATED
-            changes = {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+            changes = _created(values)
             if row is None:
                 row = TaskSchedule(
                     task_name=task_name,
@@ -626,6 +673,9 @@ def define(
                     first_seen=first_seen or now,
                     last_seen=now,
                     swept_until=None,
+                    # A retired schedule's name defined again: its versions go on, so that
+                    # no copy takes the new definition for one it has applied already.
+                    version=_last_version(task_name),
                     **{name: values[name] for name in DEFINITION_FIELDS},
                 )
             else:
@@ -633,11 +683,7 @@ def define(
                 row.first_seen = first_seen or now
                 row.swept_until = now
         else:
-            changes = {
-                name: [_jsonable(getattr(row, name)), _jsonable(values[name])]
-                for name in DEFINITION_FIELDS
-                if getattr(row, name) != values[name]
-            }
+            changes = _edits(row, values)
             if not changes:
                 return Defined("unchanged", row, {})
             if set(changes) == {"enabled"}:
@@ -650,6 +696,9 @@ def define(
                 "enabled" in changes and values["enabled"]
             ):
                 row.swept_until = now if row.swept_until is None else max(row.swept_until, now)
+                # Its slots count from now: health does not wait for a slot of the new
+                # definition from before the edit (never fired, by design).
+                row.first_seen = max(row.first_seen, now)
         row.sweep_due_at = None  # its slots or its mark may have moved: the sweep looks next time
         for name in DEFINITION_FIELDS:
             setattr(row, name, values[name])
@@ -691,6 +740,14 @@ def define_many(
             part = names[start : start + 500]
             taken.update(rows.filter(task_name__in=part).values_list("task_name", flat=True))
     fresh = [(name, values) for name, values in definitions if name not in taken]
+    # A name retired before goes on from its history's newest version.
+    versions: dict[str, int] = {}
+    with translated:
+        for start in range(0, len(fresh), 500):
+            part = [name for name, _ in fresh[start : start + 500]]
+            found = ScheduleEvent.objects.using(alias()).filter(task_name__in=part)
+            newest = found.values("task_name").annotate(newest=Max("version")).order_by()
+            versions.update((got["task_name"], int(got["newest"] or 0)) for got in newest)
     for name, values in definitions:
         if name in taken:
             define(name, values, origin=origin, by=by, reason=reason)
@@ -702,7 +759,7 @@ def define_many(
             source=ScheduleSource.DATA,
             first_seen=now,
             last_seen=now,
-            version=1,
+            version=versions.get(name, 0) + 1,
             changed_at=changed_at,
             **{field: values[field] for field in DEFINITION_FIELDS},
         )
@@ -716,7 +773,7 @@ def define_many(
             by=clip(by, EVENT_BY_MAX_LENGTH),
             reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
             at=now,
-            version=1,
+            version=versions.get(name, 0) + 1,
             changes={field: [None, _jsonable(values[field])] for field in DEFINITION_FIELDS},
         )
         for name, values in fresh
@@ -725,6 +782,47 @@ def define_many(
         rows.bulk_create(new, batch_size=500)
         ScheduleEvent.objects.using(alias()).bulk_create(events, batch_size=500)
     return len(new)
+
+
+def _last_version(task_name: str) -> int:
+    """The newest version ``task_name``'s history records (0: none)."""
+    events = ScheduleEvent.objects.using(alias()).filter(task_name=task_name)
+    found = events.aggregate(newest=Max("version"))["newest"]
+    return int(found or 0)
+
+
+def would_define(
+    task_name: str, values: dict[str, object], *, adopt: Collection[str] = ()
+) -> Defined:
+    """What :func:`define` would do with the same arguments, writing nothing (a dry run):
+    its ``kind`` (``adopted`` for a schedule of another kind it would take over), the row
+    as it is (unsaved when new) and the changes. Raises :class:`NotDataSchedule`."""
+    with translated:
+        row = TaskSchedule.objects.using(alias()).filter(task_name=task_name).first()
+    if row is not None and row.source != ScheduleSource.DATA:
+        if row.declared_in not in adopt:
+            raise NotDataSchedule(row)
+        return Defined("adopted", row, _created(values))
+    if row is None or row.removed_at is not None:
+        return Defined("created", row or TaskSchedule(task_name=task_name), _created(values))
+    changes = _edits(row, values)
+    if not changes:
+        return Defined("unchanged", row, {})
+    if set(changes) == {"enabled"}:
+        return Defined("enabled" if values["enabled"] else "disabled", row, changes)
+    return Defined("edited", row, changes)
+
+
+def _created(values: dict[str, object]) -> dict[str, list[object]]:
+    return {name: [None, _jsonable(values[name])] for name in DEFINITION_FIELDS}
+
+
+def _edits(row: TaskSchedule, values: dict[str, object]) -> dict[str, list[object]]:
+    return {
+        name: [_jsonable(getattr(row, name)), _jsonable(values[name])]
+        for name in DEFINITION_FIELDS
+        if getattr(row, name) != values[name]
+    }
 
 
 def _write_first(rows: QuerySet[TaskSchedule]) -> None:

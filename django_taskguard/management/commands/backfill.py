@@ -1,17 +1,20 @@
 """``manage.py backfill TASK --from ISO --to ISO [--enqueue]``: run (or enqueue) each slot of
 a range that has no row, or whose row the sweep recorded ``missed`` (it never ran).
 
-A Celery beat entry (``task[entry]``, a ``TaskSchedule`` row of source ``celery``) has
+What runs a slot depends on the schedule (:mod:`..backfill_kinds`): a code schedule's
+function, or a data schedule's target (``target[name]``: a function, or a django.tasks task
+with ``--enqueue``) with the row's arguments, its version recorded on the run. A Celery
+beat entry (``task[entry]``, a ``TaskSchedule`` row of source ``celery``) has
 nothing to run here: each slot becomes a message stamped as the beat stamps it, for its
-workers (:mod:`django_taskguard.contrib.celery.backfill`). So has a data schedule whose
-target is a Celery task; a data schedule of another kind needs its kind's sender
-(``handoff.DATA_SENDERS``), else a clear error."""
+workers (:mod:`django_taskguard.contrib.celery.backfill`); so has a data schedule whose
+target is a Celery task (``handoff.SENDERS["data"]``, by its target's kind)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from argparse import ArgumentParser
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,15 +22,16 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from ... import guard, ledger
+from ... import ledger
 from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
-from ...handoff import SENDERS, SlotSender, hand_off
+from ...handoff import SENDERS, SlotSender
 from ...ledger import schedules as schedule_store
-from ...models import RunState, ScheduleSource, TaskSchedule
+from ...models import RunState, ScheduleSource, TargetKind, TaskSchedule
 from ...registry import Entry
 from ...schedules import Schedule, rebuild
 from ..arguments import aware_datetime
+from ..backfill_kinds import Backfilled, of_data, of_entry
 from ..discovery import RUNNER, operator, sync_schedules, unknown_schedule
 
 BACKFILL_MAX_SLOTS = 10_000
@@ -55,8 +59,10 @@ class Command(BaseCommand):
         "--to (both included) that has no row in the ledger or that the sweep recorded "
         "missed (it never ran). Running it twice is harmless: a slot that ran is never run "
         f"again. At most {BACKFILL_MAX_SLOTS:,} slots; slots "
-        "older than PRUNE_AFTER_DAYS are refused (their rows may have been pruned). A Celery "
-        "beat entry (TASK[entry]) gets one stamped message per slot, for its workers."
+        "older than PRUNE_AFTER_DAYS are refused (their rows may have been pruned). A data "
+        "schedule (TASK = target[name]) runs its target with its arguments. A Celery "
+        "beat entry (TASK[entry]) or a Celery task's data schedule gets one stamped message "
+        "per slot, for its workers."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -89,11 +95,15 @@ class Command(BaseCommand):
         try:
             found = sync_schedules(self, RUNNER)
             entry = found.get(task)
-            if entry is None:
-                self._backfill_beat(self._beat_entry(task, found), start, end, dry_run=dry_run)
+            row = None if entry is not None else self._stored(task, found)
+            if row is None:
+                kind = of_entry(found[task], enqueue)
+            elif self._runs_here(row):
+                kind = of_data(row, enqueue)
+            else:
+                self._backfill_beat(row, start, end, dry_run=dry_run)
                 return
-            self._check(entry, enqueue)
-            plan = self._plan(entry.task_name, entry.schedule, start, end)
+            plan = self._plan(kind.task_name, kind.schedule, start, end, kind.window)
         except BackendUnavailable as exc:
             raise CommandError(f"backfill failed: {exc}") from exc
         if enqueue:  # a missed row is taken over where it runs: not handed out
@@ -101,24 +111,26 @@ class Command(BaseCommand):
                 plan, slots=[slot for slot in plan.slots if slot not in plan.missed]
             )
         self._say_plan(task, plan, dry_run=dry_run, mode="enqueue" if enqueue else "run")
+        if kind.note:
+            self.stdout.write(kind.note)
         if dry_run:
             for slot in plan.slots:
                 self.stdout.write(f"  {slot.isoformat()}")
         elif enqueue:
-            self._enqueue_all(entry, plan.slots)
+            self._enqueue_all(kind, plan.slots)
         else:
-            self._run_all(entry, plan.slots)
+            self._run_all(kind, plan.slots)
 
-    def _enqueue_all(self, entry: Entry, slots: list[datetime]) -> None:
-        task = entry.task_name
-        failed = sum(1 for slot in slots if not self._enqueue(entry, slot))
+    def _enqueue_all(self, kind: Backfilled, slots: list[datetime]) -> None:
+        task = kind.task_name
+        failed = sum(1 for slot in slots if not self._enqueue(kind, slot))
         self.stdout.write(f"Enqueued {len(slots) - failed} slots of {task}; {failed} raised.")
         if failed:
             raise CommandError(f"{failed} slots of {task} could not be enqueued")
 
-    def _run_all(self, entry: Entry, slots: list[datetime]) -> None:
-        task = entry.task_name
-        ends = [self._run(entry, slot) for slot in slots]
+    def _run_all(self, kind: Backfilled, slots: list[datetime]) -> None:
+        task = kind.task_name
+        ends = [self._run(kind, slot) for slot in slots]
         raised, left = ends.count("raised"), ends.count("not run")
         self.stdout.write(
             f"Ran {ends.count('ran')} slots of {task}; {raised} raised; {left} not run."
@@ -158,27 +170,23 @@ class Command(BaseCommand):
                 f"is taken over once{where} (missed -> running)."
             )
 
-    def _check(self, entry: Entry, enqueue: bool) -> None:
-        if entry.source != ScheduleSource.FUNCTION:
-            raise CommandError(
-                f"{entry.task_name} is a Celery task's own schedule (a beat sends it): "
-                f"backfill its beat entry instead, NAME[entry] as check_schedules lists it"
-            )
-        if enqueue and entry.enqueue is None:
-            raise CommandError(
-                f"--enqueue: {entry.task_name} is not wrapped by a django.tasks @task() (put "
-                f"@task() above @once_per_schedule), so there is no backend to enqueue to"
-            )
-
-    def _beat_entry(self, task: str, found: dict[str, Entry]) -> TaskSchedule:
-        """The registered Celery beat entry named ``task`` (``task[entry]``), or the live data
-        schedule of that name (its target's kind decides what sends its slots)."""
+    def _stored(self, task: str, found: dict[str, Entry]) -> TaskSchedule:
+        """The stored schedule named ``task`` that no code declares: a Celery beat entry
+        (``task[entry]``) or a data schedule (``target[name]``)."""
         row = schedule_store.get(task)
-        if row is not None and row.source == ScheduleSource.DATA and row.removed_at is None:
-            return row
-        if row is None or row.source != ScheduleSource.CELERY or not row.entry:
+        if row is None or row.source not in (ScheduleSource.CELERY, ScheduleSource.DATA):
             raise unknown_schedule(task, {*found, *schedule_store.names()})
+        if row.source == ScheduleSource.CELERY and not row.entry:
+            raise unknown_schedule(task, {*found, *schedule_store.names()})
+        if row.source == ScheduleSource.DATA and row.removed_at is not None:
+            raise CommandError(f"{task} was deleted: define it again to backfill it")
         return row
+
+    @staticmethod
+    def _runs_here(row: TaskSchedule) -> bool:
+        """A data schedule of a function or a django.tasks task: run (or enqueued) from
+        here; a beat entry's or a Celery data schedule's slots go to its workers."""
+        return row.source == ScheduleSource.DATA and row.target_kind != TargetKind.CELERY
 
     def _backfill_beat(
         self, row: TaskSchedule, start: datetime, end: datetime, *, dry_run: bool
@@ -189,8 +197,10 @@ class Command(BaseCommand):
         maker = SENDERS.get(row.source)
         if maker is None:
             raise CommandError(
-                f"{task} is a {row.source} schedule, and nothing here can send its slots "
-                f'(a Celery beat entry needs Celery: pip install "django-taskguard[celery]")'
+                f"{task} is a {row.source} schedule of a Celery task, and nothing here can "
+                f"send its slots: no sender is registered for {row.source!r} schedules "
+                f'(handoff.SENDERS; it comes with Celery: pip install "django-taskguard[celery]"'
+                f", and django_taskguard.contrib.celery imported)"
             )
         try:
             sender = maker(row, operator())
@@ -227,8 +237,16 @@ class Command(BaseCommand):
         self.stdout.write(f"  {slot.isoformat()}: {said}")
         return said.startswith("enqueued")
 
-    def _plan(self, task: str, schedule: Schedule, start: datetime, end: datetime) -> Plan:
-        """The slots to run: those with no row, and those the sweep recorded missed."""
+    def _plan(
+        self,
+        task: str,
+        schedule: Schedule,
+        start: datetime,
+        end: datetime,
+        window: Callable[[datetime], bool] = lambda slot: True,
+    ) -> Plan:
+        """The slots to run: those with no row, and those the sweep recorded missed (of
+        those in the schedule's ``window``)."""
         now = timezone.now()
         end = min(end, now)
         after = start - ONE_MICROSECOND
@@ -238,7 +256,7 @@ class Command(BaseCommand):
                 f"the range holds more than {BACKFILL_MAX_SLOTS:,} slots of {task}; "
                 f"backfill it in parts"
             )
-        every = schedule.slots_between(after, end, count)
+        every = [slot for slot in schedule.slots_between(after, end, count) if window(slot)]
         floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS)
         recent = [slot for slot in every if slot >= floor]
         rows = ledger.states_at(task, recent)
@@ -246,39 +264,40 @@ class Command(BaseCommand):
         todo = [slot for slot in recent if rows.get(slot, RunState.MISSED) == RunState.MISSED]
         return Plan(todo, len(every) - len(recent), len(rows) - len(missed), missed)
 
-    def _run(self, entry: Entry, slot: datetime) -> str:
+    def _run(self, kind: Backfilled, slot: datetime) -> str:
         """Run one slot: "ran" (here or elsewhere), "raised", or "not run" (still missed)."""
         # An operator's explicit call: a slot the sweep recorded missed runs whatever the
         # catch-up policy (the guard takes it over from missed, once across every caller).
-        policy = entry.policy
+        policy = kind.policy
         if policy.catchup == "none":
             policy = dataclasses.replace(policy, catchup="latest")
         for pause in HELD_RETRY_PAUSES:
             time.sleep(pause)
             elsewhere = False
             try:
-                result = guard.execute(entry.task_name, slot, policy, entry.func, (), {})
+                ran = kind.run(slot, policy)
             except DuplicateRun:  # on_duplicate="raise": another call has the slot
-                result, elsewhere = None, True
+                ran, elsewhere = False, True
             except Exception as exc:
                 self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
                 return "raised"
-            row = ledger.read(entry.task_name, slot)
+            row = ledger.read(kind.task_name, slot)
             # Still missed after the guard said no: another call holds the slot's key
             # (it is taking the row over, or it is a late call that will let it go).
-            if result is not None or row is None or row.state != RunState.MISSED:
+            if ran or row is None or row.state != RunState.MISSED:
                 break
         else:
             self.stdout.write(f"  {slot.isoformat()}: not run (still missed; its lock is held)")
             return "not run"
         state = row.state if row is not None else "no row"
-        done = " (ran)" if result is not None else " (run elsewhere)" if elsewhere else ""
+        done = " (ran)" if ran else " (run elsewhere)" if elsewhere else ""
         self.stdout.write(f"  {slot.isoformat()}: {state}{done}")
         return "ran"
 
-    def _enqueue(self, entry: Entry, slot: datetime) -> bool:
+    def _enqueue(self, kind: Backfilled, slot: datetime) -> bool:
+        assert kind.enqueue is not None  # checked by of_entry / of_data
         try:
-            outcome = hand_off(entry, slot, scheduled=False)
+            outcome = kind.enqueue(slot)
         except Exception as exc:
             self.stdout.write(f"  {slot.isoformat()}: raised {type(exc).__name__}: {exc}")
             return False
