@@ -216,3 +216,23 @@ def test_mark_swept_many__a_definition_changed_meanwhile_is_looked_at_next_time(
     stored = TaskSchedule.objects.get(pk=row.pk)
     assert stored.sweep_due_at is None, "the old definition's next look is not kept"
     assert stored.swept_until is not None
+
+
+def test_define_many__bulk_rows_with_their_history_and_existing_names_through_define():
+    from django_taskguard.data_schedules import validate
+    from django_taskguard.models import ScheduleEvent, ScheduleEventOrigin
+
+    existing = define_schedule("t0", TARGET, every=MINUTE, args=[0])
+    batch = [validate(f"t{n}", TARGET, every=MINUTE, args=[n]) for n in range(5)]
+    created = store.define_many(batch, origin=ScheduleEventOrigin.CODE, by="bulk")
+    assert created == 4, "t0 exists: it went through define (an edit)"
+    rows = {row.entry: row for row in TaskSchedule.objects.filter(entry__startswith="t")}
+    assert set(rows) == {f"t{n}" for n in range(5)}
+    assert rows["t3"].args == [3] and rows["t3"].version == 1 and rows["t3"].changed_at
+    assert rows["t0"].version == existing.version == 1, "unchanged: no new version"
+    events = ScheduleEvent.objects.filter(task_name=rows["t3"].task_name).get()
+    assert (events.kind, events.version, events.by) == ("created", 1, "bulk")
+    sweep_missed()
+    assert (
+        TaskSchedule.objects.filter(entry__startswith="t", sweep_due_at__isnull=True).count() == 0
+    )
