@@ -408,11 +408,12 @@ def _miss_refused_early(works: list[_Work], result: SweepResult) -> None:
 
 def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) -> None:
     """End the pending slots past their grace: one read finds the tasks that have any (a
-    schedule with none costs nothing), then each of those is ended as before."""
+    schedule with none costs nothing), then each of those is ended as before, whether its
+    schedule is still judged or not (one deleted or disabled after a "run now" too)."""
     names = ledger.tasks_pending(now)
     if task is not None:
         names = [name for name in names if name == task]
-    for row in store.judged_named(names):
+    for row in store.judged_named(names, every=True):
         _end_pending(row, now - row.grace, result)
 
 

@@ -318,13 +318,17 @@ def sweep_page(ids: Sequence[int]) -> list[TaskSchedule]:
         return list(_judged().filter(id__in=list(ids)).order_by("id"))
 
 
-def judged_named(task_names: Sequence[str]) -> list[TaskSchedule]:
-    """The schedules among ``task_names`` that the sweep judges, by task name."""
+def judged_named(task_names: Sequence[str], *, every: bool = False) -> list[TaskSchedule]:
+    """The schedules among ``task_names`` that the sweep judges, by task name (``every``:
+    the removed and disabled ones too: a slot handed out before a schedule was deleted or
+    disabled still has to end)."""
     found: list[TaskSchedule] = []
+    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
+    rows = every_row if every else _judged()
     with translated:
         for start in range(0, len(task_names), 500):
             part = list(task_names[start : start + 500])
-            found += _judged().filter(task_name__in=part).order_by("task_name")
+            found += rows.filter(task_name__in=part).order_by("task_name")
     return found
 
 
