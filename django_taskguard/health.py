@@ -189,18 +189,26 @@ class Verdict:
         }
 
 
-def check(*, task: str | None = None) -> Verdict:
-    """Judge every known task (or one): raises ``BackendUnavailable`` when the ledger
-    cannot be read. A handful of statements whatever the number of runs, and two more
-    per 200 tasks: each 200 tasks' facts are read by one statement of index probes."""
+def check(*, task: str | None = None, schedules: Sequence[str] | None = None) -> Verdict:
+    """Judge every known task (or one; or only the registered ``schedules`` named, without
+    the upkeep's verdict: an admin page's rows): raises ``BackendUnavailable`` when the
+    ledger cannot be read. A handful of statements whatever the number of runs (on
+    PostgreSQL whatever the number of tasks; elsewhere two more per 200 tasks: each 200
+    tasks' facts are read by one statement of index probes)."""
     now = ledger.database_now()
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
-    tasks = known_tasks()
-    registered = [t for t in tasks if t.first_seen is not None]
-    kept = upkeep_health(now, shortest_gap(registered, now)) if registered else None
+    kept: UpkeepHealth | None = None
+    if schedules is not None:
+        tasks = [from_schedule(row) for row in schedule_store.judged_named(schedules)]
+    else:
+        tasks = known_tasks()
+        registered = [t for t in tasks if t.first_seen is not None]
+        kept = upkeep_health(now, shortest_gap(registered, now)) if registered else None
     if task is not None:
         tasks = [t for t in tasks if t.task == task]
-    acknowledgements = schedule_store.latest_events(ScheduleEventKind.ACKNOWLEDGED)
+    acknowledgements = schedule_store.latest_events(
+        ScheduleEventKind.ACKNOWLEDGED, None if schedules is None else [t.task for t in tasks]
+    )
     for health in tasks:
         health.acknowledgement = acknowledgements.get(health.task)
     names = [t.task for t in tasks]

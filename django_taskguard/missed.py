@@ -25,7 +25,9 @@ mark left where it was; the database's own errors end the sweep (the next one re
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -33,11 +35,12 @@ from django.db import DatabaseError
 
 from . import ledger
 from .conf import taskguard_settings
+from .cron import NEXT_SLOT_HORIZON
 from .exceptions import BackendUnavailable
 from .ledger import schedules as store
 from .models import TaskSchedule
 from .owner import actor
-from .schedules import rebuild
+from .schedules import StoredSchedule, rebuild
 from .signals import run_missed
 from .states import RunState
 
@@ -46,6 +49,9 @@ logger = logging.getLogger("taskguard.missed")
 # Slots judged per read and write; batches per schedule and sweep (the rest: the next sweep).
 SWEEP_BATCH = 1_000
 MAX_BATCHES = 50
+# Due schedules read at a time (memory bounded by the page, whatever the schedules).
+SWEEP_PAGE = 500
+EPSILON = timedelta(microseconds=1)
 # Pending slots ended per statement.
 PENDING_BATCH = 10_000
 # Slots this close to the retention horizon are left alone (the guard refuses them).
@@ -67,21 +73,12 @@ def sweep_missed(
         now = now or ledger.database_now()
         floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
         result = SweepResult()
-        for row in store.watched(store.stored()):
-            if task is not None and row.task_name != task:
-                continue
-            try:
-                _sweep_one(row, now, floor, dry_run, result)
-            except (BackendUnavailable, DatabaseError):
-                raise  # the database's trouble, not this schedule's: the next sweep retries
-            except Exception:
-                # This schedule's own trouble (a stored zone this copy's tzdata lacks, a
-                # cron it cannot read): its mark stays where it was, the others go on.
-                logger.exception(
-                    "taskguard %s: the sweep skipped this schedule (its slots are judged "
-                    "again next sweep)",
-                    row.task_name,
-                )
+        if not dry_run:
+            _end_pending_of_all(now, task, result)
+        due = store.sweep_due(now, task)
+        for start in range(0, len(due), SWEEP_PAGE):
+            rows = store.sweep_page(due[start : start + SWEEP_PAGE])
+            _sweep_page(rows, now, floor, dry_run, result)
     except (BackendUnavailable, DatabaseError):
         # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
         # connection that failed so that the next sweep reconnects.
@@ -95,73 +92,219 @@ def sweep_missed(
     return result
 
 
-def _sweep_one(
-    row: TaskSchedule, now: datetime, floor: datetime, dry_run: bool, result: SweepResult
+@dataclass
+class _Work:
+    """One schedule in a page: the slots it still has to judge, ``(judged, end]``."""
+
+    row: TaskSchedule
+    schedule: StoredSchedule
+    judged: datetime
+    end: datetime
+    found: _Found
+    taken: int = 0  # slot batches judged this sweep
+    slots: list[datetime] = field(default_factory=list)  # the batch being judged
+    until: datetime | None = None  # where this batch ends
+
+
+def _sweep_page(
+    rows: list[TaskSchedule], now: datetime, floor: datetime, dry_run: bool, result: SweepResult
 ) -> None:
-    judged = max(row.swept_until or row.first_seen, floor)
-    end = now - row.grace
+    """Judge a page of due schedules together: the early refusals, then batches of slots
+    across schedules (one read of rows, one write of missed and one of skipped slots, one
+    write of the marks per batch of about ``SWEEP_BATCH`` slots)."""
+    windows = store.pause_windows_many(rows)
+    works: list[_Work] = []
+    idle: list[tuple[TaskSchedule, datetime | None, datetime]] = []
+    for row in rows:
+        try:
+            work = _start(row, now, floor, windows[row.task_name])
+        except Exception:
+            _skip(row)
+            continue
+        if work.end <= work.judged:
+            idle.append((row, None, _next_due(work)))
+        else:
+            works.append(work)
     if not dry_run:
-        _end_pending(row, end, result)
-    if row.starts is not None:  # a data schedule's bounds: no slot outside them fires
-        judged = max(judged, row.starts - timedelta(microseconds=1))
+        _miss_refused_early(works, result)
+        store.mark_swept_many(idle)
+    queue = deque(works)
+    while queue:
+        batch: list[_Work] = []
+        total = 0
+        while queue and total < SWEEP_BATCH:
+            work = queue.popleft()
+            try:
+                work.slots = work.schedule.slots_between(work.judged, work.end, SWEEP_BATCH)
+                work.slots = [slot for slot in work.slots if _within(work.row, slot)]
+            except Exception:
+                _skip(work.row)
+                continue
+            full = len(work.slots) == SWEEP_BATCH
+            work.until = work.slots[-1] if full else work.end
+            batch.append(work)
+            total += len(work.slots)
+        _judge(batch, dry_run)
+        for work in batch:
+            work.judged = work.until or work.judged
+            work.taken += 1
+            if work.judged < work.end and work.taken < MAX_BATCHES:
+                queue.append(work)
+            else:
+                if work.judged < work.end:
+                    logger.warning(
+                        "taskguard %s: the sweep judged its slots up to %s; the next sweep "
+                        "goes on to %s",
+                        work.row.task_name,
+                        work.judged.isoformat(),
+                        work.end.isoformat(),
+                    )
+                work.found.report(result, dry_run)
+
+
+def _start(
+    row: TaskSchedule, now: datetime, floor: datetime, windows: list[store.PauseWindow]
+) -> _Work:
+    """What the sweep judges of ``row``: its slots after its mark (and ``starts``) up to its
+    grace ago (and ``ends``)."""
+    judged = max(row.swept_until or row.first_seen, floor)
+    if row.starts is not None:
+        judged = max(judged, row.starts - EPSILON)
+    end = now - row.grace
     if row.ends is not None:
         end = min(end, row.ends)
-    if end <= judged:
-        return
-    if not dry_run and not row.paused:
-        _miss_refused_early(row, judged, end, result)
     schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
-    found = _Found(row)
-    for _ in range(MAX_BATCHES):
-        slots = schedule.slots_between(judged, end, SWEEP_BATCH)
-        until = slots[-1] if len(slots) == SWEEP_BATCH else end
-        found.record(ledger.slots_without_row(row.task_name, slots), dry_run)
-        if not dry_run:
-            store.mark_swept(row.task_name, until)
-        judged = until
-        if until >= end:
-            break
-    else:
-        logger.warning(
-            "taskguard %s: the sweep judged its slots up to %s; the next sweep goes on to %s",
-            row.task_name,
-            judged.isoformat(),
-            end.isoformat(),
-        )
-    found.report(result, dry_run)
+    return _Work(row, schedule, judged, end, _Found(row, windows))
+
+
+def _within(row: TaskSchedule, slot: datetime) -> bool:
+    return (row.starts is None or slot >= row.starts) and (row.ends is None or slot <= row.ends)
+
+
+def _next_due(work: _Work) -> datetime:
+    """When the sweep next needs to look at ``work``'s schedule: its first slot after what it
+    judged, plus its grace (never, when its ``ends`` comes first)."""
+    row = work.row
+    return _next_look(
+        row.cron, row.cron_day_or, store.zone_of(row), row.every, work.judged, row.starts,
+        row.ends, row.grace,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4_096)
+def _next_look(
+    cron: str,
+    day_or: bool,
+    zone: str,
+    every: timedelta | None,
+    judged: datetime,
+    starts: datetime | None,
+    ends: datetime | None,
+    grace: timedelta,
+) -> datetime:
+    # Cached: 10,000 schedules of one cron swept to the same slot share their next look.
+    after = judged if starts is None else max(judged, starts - EPSILON)
+    slot = rebuild(cron, day_or, zone, every).next_slot(after)
+    if slot is None:  # a cron with no slot within its horizon: look again then
+        return after + NEXT_SLOT_HORIZON
+    if ends is not None and slot > ends:
+        return store.NEVER
+    return slot + grace
+
+
+def _judge(batch: list[_Work], dry_run: bool) -> None:
+    """One batch: which slots have no row, written as missed (or skipped while paused), and
+    each schedule's mark and next look moved over what the batch judged."""
+    pairs = [(work.row.task_name, slot) for work in batch for slot in work.slots]
+    without: dict[str, list[datetime]] = {}
+    for name, slot in ledger.pairs_without_row(pairs) if pairs else []:
+        without.setdefault(name, []).append(slot)
+    missed: list[tuple[str, datetime, str]] = []
+    skipped: list[tuple[str, datetime, str]] = []
+    for work in batch:
+        work.found.sort(without.get(work.row.task_name, []), missed, skipped)
+    written_missed = _write(RunState.MISSED, missed, dry_run)
+    written_skipped = _write(RunState.SKIPPED, skipped, dry_run)
+    for work in batch:
+        work.found.count(written_missed, written_skipped)
+    if not dry_run:
+        store.mark_swept_many([(work.row, work.until, _next_due(_after(work))) for work in batch])
+
+
+def _after(work: _Work) -> _Work:
+    """``work`` as it stands once this batch is judged (for its next look)."""
+    return _Work(work.row, work.schedule, work.until or work.judged, work.end, work.found)
+
+
+def _write(
+    state: str, rows: list[tuple[str, datetime, str]], dry_run: bool
+) -> set[tuple[str, datetime]] | None:
+    """Write ``rows``; the pairs not written because they had a row by then (None: all of
+    them were written, or this is a dry run)."""
+    if dry_run or not rows:
+        return None
+    written = ledger.insert_unheld_many(state, rows, actor=actor("sweep"))
+    if written == len(rows):
+        return None
+    # A claim got some of them first (rare): what is not in ``state`` now was not ours.
+    now_in = ledger.pair_states([(name, slot) for name, slot, _ in rows])
+    return {(name, slot) for name, slot, _ in rows if now_in.get((name, slot)) != state}
+
+
+def _skip(row: TaskSchedule) -> None:
+    # This schedule's own trouble (a stored zone this copy's tzdata lacks, a cron it cannot
+    # read): its mark stays where it was, the others go on.
+    logger.exception(
+        "taskguard %s: the sweep skipped this schedule (its slots are judged again next sweep)",
+        row.task_name,
+    )
 
 
 class _Found:
-    """One schedule's slots without a row, written as they are found, and what was written."""
+    """One schedule's slots without a row, sorted into missed and paused, and what was
+    written."""
 
-    def __init__(self, row: TaskSchedule) -> None:
+    def __init__(self, row: TaskSchedule, windows: list[store.PauseWindow]) -> None:
         self.row = row
-        self.windows = store.pause_windows(row)
+        self.windows = windows
         grace = row.grace.total_seconds()
         self.missed_reason = f"missed: no instance claimed it within its grace ({grace:g}s)"
         self.missed = self.paused = 0
         self.last_missed: datetime | None = None
+        self._missed: list[datetime] = []
+        self._paused: list[datetime] = []
 
-    def record(self, slots: list[datetime], dry_run: bool) -> None:
-        missed: list[datetime] = []
-        paused: dict[str, list[datetime]] = {}
+    def sort(
+        self,
+        slots: list[datetime],
+        missed: list[tuple[str, datetime, str]],
+        skipped: list[tuple[str, datetime, str]],
+    ) -> None:
+        name = self.row.task_name
+        self._missed, self._paused = [], []
         for slot in slots:
             window = next((w for w in self.windows if w.covers(slot)), None)
             if window is None:
-                missed.append(slot)
+                missed.append((name, slot, self.missed_reason))
+                self._missed.append(slot)
             else:
-                paused.setdefault(_paused_reason(self.row, window), []).append(slot)
-        for reason, skipped in paused.items():
-            self.paused += self._write(RunState.SKIPPED, skipped, reason, dry_run)
-        self.missed += self._write(RunState.MISSED, missed, self.missed_reason, dry_run)
+                skipped.append((name, slot, _paused_reason(self.row, window)))
+                self._paused.append(slot)
+
+    def count(
+        self,
+        left_missed: set[tuple[str, datetime]] | None,
+        left_skipped: set[tuple[str, datetime]] | None,
+    ) -> None:
+        """Count what this batch wrote (``left_*``: pairs another writer took first)."""
+        name = self.row.task_name
+        missed = [s for s in self._missed if left_missed is None or (name, s) not in left_missed]
+        self.missed += len(missed)
+        self.paused += sum(
+            1 for s in self._paused if left_skipped is None or (name, s) not in left_skipped
+        )
         if missed:
             self.last_missed = missed[-1]
-
-    def _write(self, state: str, slots: list[datetime], reason: str, dry_run: bool) -> int:
-        if dry_run or not slots:
-            return len(slots)
-        rows = [(self.row.task_name, slot, reason) for slot in slots]
-        return ledger.insert_unheld_many(state, rows, actor=actor("sweep"))
 
     def report(self, result: SweepResult, dry_run: bool) -> None:
         name = self.row.task_name
@@ -242,22 +385,36 @@ def _end_pending_all(
             return ended
 
 
-def _miss_refused_early(
-    row: TaskSchedule, start: datetime, end: datetime, result: SweepResult
-) -> None:
+def _miss_refused_early(works: list[_Work], result: SweepResult) -> None:
     """Due slots whose row only recorded an early call's refusal, that no on-time call
-    took within their grace, are missed like slots with no row."""
-    why = (
-        f"missed: only a call ahead of the clock came (refused), and no instance claimed it "
-        f"on time within its grace ({row.grace.total_seconds():g}s)"
-    )
-    count = ledger.miss_refused_early(
-        row.task_name, start, end, reason=why, actor=actor("sweep"), limit=SWEEP_BATCH
-    )
-    if count:
+    took within their grace, are missed like slots with no row (read for the whole page at
+    once; not while paused)."""
+    windows = [(w.row.task_name, w.judged, w.end) for w in works if not w.row.paused]
+    if not windows:
+        return
+    reasons = {
+        w.row.task_name: (
+            "missed: only a call ahead of the clock came (refused), and no instance claimed "
+            f"it on time within its grace ({w.row.grace.total_seconds():g}s)"
+        )
+        for w in works
+    }
+    changed = ledger.refused_early_many(windows, reasons=reasons, actor=actor("sweep"))
+    for name, count in changed.items():
         result.missed_slots += count
-        result.tasks[row.task_name] = result.tasks.get(row.task_name, 0) + count
-        logger.warning("taskguard %s: %d due slots were only called early", row.task_name, count)
+        _count(result, name, count)
+        logger.warning("taskguard %s: %d due slots were only called early", name, count)
+
+
+def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) -> None:
+    """End the pending slots past their grace: one read finds the tasks that have any (a
+    schedule with none costs nothing), then each of those is ended as before, whether its
+    schedule is still judged or not (one deleted or disabled after a "run now" too)."""
+    names = ledger.tasks_pending(now)
+    if task is not None:
+        names = [name for name in names if name == task]
+    for row in store.judged_named(names, every=True):
+        _end_pending(row, now - row.grace, result)
 
 
 def _count(result: SweepResult, task_name: str, slots: int) -> None:

@@ -399,3 +399,14 @@ def test_data__a_poll_reads_no_arguments_and_skips_the_versions_applied(
     data._next_poll = 0.0
     assert data.poll(now) == []
     assert applied == [(one.task_name, 2)]  # nothing new: every row skipped at once
+
+
+def test_sweep__ends_a_run_now_slot_of_a_schedule_deleted_since() -> None:
+    row = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    run_now(row)
+    delete_schedule("t1", TARGET)
+    (pending,) = TaskRun.objects.filter(task_name=row.task_name)
+    TaskRun.objects.filter(id=pending.id).update(created_at=timezone.now() - row.grace - MINUTE)
+    sweep_missed()
+    pending.refresh_from_db()
+    assert pending.state == RunState.MISSED

@@ -35,12 +35,10 @@ def latest_in_state(names: Sequence[str], state: str) -> dict[str, LastRun]:
     """Each named task's run in ``state`` with the latest slot (tasks without one are left out)."""
     found: dict[str, LastRun] = {}
     d = dialect()
-    chunk = 200
     with translated:
-        for start in range(0, len(names), chunk):
-            part = names[start : start + chunk]
-            statement = d.latest_in_state(len(part))
-            for name, slot, finished in fetch_all(statement, [*part, state, state]):
+        for part in _chunks(names):
+            statement = d.latest_in_state(_size(part))
+            for name, slot, finished in fetch_all(statement, [*_names(part), state, state]):
                 slot_at = aware(slot)
                 if slot_at is not None:
                     found[name] = LastRun(slot_at, aware(finished))
@@ -95,26 +93,49 @@ class TaskFacts:
     outcome_error: str = ""
 
 
-FACTS_CHUNK = 200  # tasks per statement
+FACTS_CHUNK = 200  # tasks per statement (where the names are not bound as one array)
+
+
+def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    """``items`` in the parts one statement reads: all of them where the database binds
+    arrays (PostgreSQL: a fixed number of statements whatever the tasks), else
+    :data:`FACTS_CHUNK` each."""
+    if dialect().binds_arrays:
+        return [items] if items else []
+    return [items[start : start + FACTS_CHUNK] for start in range(0, len(items), FACTS_CHUNK)]
+
+
+def _size(part: Sequence[Any]) -> int:
+    """The count a statement is built for (one statement text for any count of arrays)."""
+    return 1 if dialect().binds_arrays else len(part)
+
+
+def _names(part: Sequence[str]) -> list[Any]:
+    """The parameters of ``part``'s names: one array, or one each."""
+    return [list(part)] if dialect().binds_arrays else list(part)
 
 
 def task_facts(
     asks: Sequence[tuple[str, datetime | None]], since: datetime, last: int
 ) -> dict[str, TaskFacts]:
-    """For each ``(task, due slot)``: its :class:`TaskFacts`, one statement per 200 tasks."""
+    """For each ``(task, due slot)``: its :class:`TaskFacts`, one statement (per 200 tasks
+    where names are not bound as arrays)."""
     d = dialect()
     found: dict[str, TaskFacts] = {}
     with translated:
-        for start in range(0, len(asks), FACTS_CHUNK):
-            part = asks[start : start + FACTS_CHUNK]
+        for part in _chunks(asks):
             params: list[Any] = []
-            for name, due in part:
-                params += [name, None if due is None else slot_param(due)]
+            dues = [None if due is None else slot_param(due) for _, due in part]
+            if d.binds_arrays:
+                params += [[name for name, _ in part], dues]
+            else:
+                for (name, _), due in zip(part, dues, strict=True):
+                    params += [name, due]
             params += [RunState.MISSED, slot_param(since), *[RunState.RUNNING] * 3]
             recent = d.last_ended_params(ENDED_STATES, last)
             params += [*recent, *recent, RunState.SUCCEEDED]
             params += [*ENDED_STATES, *OUTCOME_STATES * 3]
-            for values in fetch_all(d.task_facts(len(part)), params):
+            for values in fetch_all(d.task_facts(_size(part)), params):
                 name, due_state, missed, stale, stale_slot, stale_lease, ended, failed = values[:8]
                 latest, outcome_slot, outcome_state, outcome_error = values[8:]
                 found[name] = TaskFacts(
@@ -150,10 +171,9 @@ def recent_runs_of(names: Sequence[str], limit: int) -> dict[str, list[SlotRun]]
     d = dialect()
     found: dict[str, list[SlotRun]] = {name: [] for name in names}
     with translated:
-        for start in range(0, len(names), FACTS_CHUNK):
-            part = names[start : start + FACTS_CHUNK]
+        for part in _chunks(names):
             for name, run_id, slot, state in fetch_all(
-                d.recent_runs(len(part)), [*part, d.recent_limit(limit)]
+                d.recent_runs(_size(part)), [*_names(part), d.recent_limit(limit)]
             ):
                 slot_at = aware(slot)
                 assert slot_at is not None

@@ -177,6 +177,17 @@ def end_pending(
     )
 
 
+def tasks_pending(handed_out_by: datetime) -> list[str]:
+    """The tasks that have a slot (not a key) ``pending`` since at or before
+    ``handed_out_by``: one statement whatever the number of schedules (the sweep ends their
+    pending slots, and looks at no other schedule for that)."""
+    found = runs().filter(
+        LessThanOrEqual(HANDED_OUT, handed_out_by), state=RunState.PENDING, key__isnull=True
+    )
+    with translated:
+        return sorted(set(found.values_list("task_name", flat=True)))
+
+
 def end_pending_slot(
     task_name: str, slot: datetime, *, state: str, reason: str, actor: str
 ) -> bool:

@@ -10,6 +10,7 @@ from django.db import (
     connections,
     transaction,
 )
+from django.db.models import F, Q
 
 from ..states import ATTEMPT_STATES, ENDED_STATES, RunState, check_transition
 from .backends import fragments
@@ -123,20 +124,52 @@ def miss_refused_early(
         "skipped": RunState.SKIPPED,
         "limit": limit,
     }
-    changed = 0
     with translated:
-        for run_id, fence, owner, lease_until in fetch_all(d.refused_early_in, params):
-            row = Row(run_id, RunState.SKIPPED, 0, fence, owner, lease_until)
-            missed = change(
-                row,
-                [Step(RunState.MISSED, reason)],
-                actor=actor,
-                fenced=False,
-                lease="refused_early",
-                sets=fragments.MISS_REFUSED_EARLY,
-                values=(clip(reason, ERROR_MAX_LENGTH),),
-            )
-            changed += missed is not None
+        found = fetch_all(d.refused_early_in, params)
+        return sum(
+            _miss_refused(Row(i, RunState.SKIPPED, 0, f, o, lu), reason, actor)
+            for i, f, o, lu in found
+        )
+
+
+def _miss_refused(row: Row, reason: str, actor: str) -> bool:
+    missed = change(
+        row,
+        [Step(RunState.MISSED, reason)],
+        actor=actor,
+        fenced=False,
+        lease="refused_early",
+        sets=fragments.MISS_REFUSED_EARLY,
+        values=(clip(reason, ERROR_MAX_LENGTH),),
+    )
+    return missed is not None
+
+
+# Windows (or pairs) per statement of the many-schedule reads: three (two) parameters each,
+# within SQLite's 999.
+WINDOWS_PER_STATEMENT = 300
+
+
+def refused_early_many(
+    windows: Sequence[tuple[str, datetime, datetime]], *, reasons: dict[str, str], actor: str
+) -> dict[str, int]:
+    """:func:`miss_refused_early` for many tasks at once: ``(task, after, until)`` each, one
+    read per :data:`WINDOWS_PER_STATEMENT` windows (a compare-and-set per row found, as
+    there); ``reasons`` by task. Returns how many each task's rows became ``missed``."""
+    changed: dict[str, int] = {}
+    refused = Q(state=RunState.SKIPPED, attempt=0, created_at__lt=F("slot"))
+    with translated:
+        for start in range(0, len(windows), WINDOWS_PER_STATEMENT):
+            part = windows[start : start + WINDOWS_PER_STATEMENT]
+            within = Q()
+            for task, after, until in part:
+                within |= Q(task_name=task, slot__gt=after, slot__lte=until)
+            found = runs().filter(refused, within).order_by("slot")
+            fields = ("id", "task_name", "fence", "owner", "lease_until")
+            for run_id, task, fence, owner, lease_until in found.values_list(*fields):
+                row = Row(run_id, RunState.SKIPPED, 0, fence, owner, lease_until)
+                if _miss_refused(row, reasons[task], actor):
+                    changed[task] = changed.get(task, 0) + 1
     return changed
 
 
@@ -192,6 +225,77 @@ def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetim
     """Those of ``slots`` that ``task_name`` has no row for, in their order."""
     have = states_at(task_name, slots)
     return [slot for slot in slots if slot not in have]
+
+
+def pairs_without_row(pairs: Sequence[tuple[str, datetime]]) -> list[tuple[str, datetime]]:
+    """Those of the ``(task, slot)`` pairs (of many tasks) that have no row, in their order;
+    a row that only recorded an early call's refusal is none (as in :func:`states_at`). One
+    statement per as many probes as the database binds, grouped by slot or by task,
+    whichever makes fewer terms (10,000 tasks due at one instant: one term per statement)."""
+    have = pair_states(pairs)
+    return [pair for pair in pairs if pair not in have]
+
+
+def pair_states(pairs: Sequence[tuple[str, datetime]]) -> dict[tuple[str, datetime], str]:
+    """The state of the row at each of the ``(task, slot)`` pairs that has one (see
+    :func:`pairs_without_row`)."""
+    by_slot: dict[datetime, list[str]] = {}
+    by_task: dict[str, list[datetime]] = {}
+    for task, slot in pairs:
+        by_slot.setdefault(slot, []).append(task)
+        by_task.setdefault(task, []).append(slot)
+    refused = Q(state=RunState.SKIPPED, attempt=0, created_at__lt=F("slot"))
+    budget = _parameter_budget()
+    have: dict[tuple[str, datetime], str] = {}
+    terms: list[tuple[Q, int]]  # a probe and its parameter count
+    if len(by_slot) <= len(by_task):
+        terms = [
+            (Q(slot=slot, task_name__in=part), 1 + len(part))
+            for slot, tasks in by_slot.items()
+            for part in _parts(tasks, budget - 1)
+        ]
+    else:
+        terms = [
+            (Q(task_name=task, slot__in=part), 1 + len(part))
+            for task, slots in by_task.items()
+            for part in _parts(slots, budget - 1)
+        ]
+    with translated:
+        for group in _groups(terms, budget):
+            found = runs().filter(group).exclude(refused)
+            for task, slot, state in found.values_list("task_name", "slot", "state"):
+                have[(task, slot)] = state
+    return have
+
+
+# Parameters per statement of :func:`pair_states` where the database sets no lower limit.
+MOST_PARAMETERS = 20_000
+
+
+def _parameter_budget() -> int:
+    """The parameters a probe statement may bind (the state and attempt of the refusal
+    test bind a few more)."""
+    most = connections[alias()].features.max_query_params
+    return min(MOST_PARAMETERS, most or MOST_PARAMETERS) - 10
+
+
+def _parts(values: list[Any], size: int) -> list[list[Any]]:
+    return [values[start : start + size] for start in range(0, len(values), size)]
+
+
+def _groups(terms: Sequence[tuple[Q, int]], budget: int) -> list[Q]:
+    """The ``terms`` OR-ed together, a group per at most ``budget`` parameters."""
+    groups: list[Q] = []
+    current, size = Q(), 0
+    for term, weight in terms:
+        if size and size + weight > budget:
+            groups.append(current)
+            current, size = Q(), 0
+        current |= term
+        size += weight
+    if size:
+        groups.append(current)
+    return groups
 
 
 def failed_streak(task_name: str, length: int) -> bool:

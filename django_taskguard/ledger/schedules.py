@@ -11,10 +11,25 @@ import logging
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from typing import Any
 
 from django.db import IntegrityError, connections, transaction
-from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery, Window
-from django.db.models.functions import RowNumber
+from django.db.models import (
+    Case,
+    Count,
+    DateTimeField,
+    F,
+    Max,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+    Window,
+)
+from django.db.models.functions import Coalesce, Greatest, RowNumber
 from django.utils import timezone
 
 from ..exceptions import BackendUnavailable
@@ -26,7 +41,7 @@ from ..models import (
     ScheduleSource,
     TaskSchedule,
 )
-from .core import alias, clip, translated
+from .core import alias, clip, database_now, dialect, translated
 
 logger = logging.getLogger("taskguard.ledger")
 
@@ -57,9 +72,12 @@ _CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_na
 
 
 def stored() -> list[TaskSchedule]:
-    """Every known schedule, by task name."""
+    """Every known schedule, by task name, without a data schedule's arguments and
+    description (read on access: what health and the schedulers' bookkeeping never need, at
+    100,000 schedules most of the bytes)."""
+    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
     with translated:
-        return list(TaskSchedule.objects.using(alias()).order_by("task_name"))
+        return list(rows.order_by("task_name"))
 
 
 def get(task_name: str) -> TaskSchedule | None:
@@ -112,7 +130,8 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
             batch_size=500,
             update_conflicts=True,
             unique_fields=target,
-            update_fields=[*_CODE_FIELDS, "last_seen"],
+            # The slots may have moved: the sweep looks at each saved schedule next time.
+            update_fields=[*_CODE_FIELDS, "last_seen", "sweep_due_at"],
         )
     return len(rows)
 
@@ -172,7 +191,7 @@ def set_paused(task_name: str, reason: str | None) -> bool:
         if reason is None:
             return bool(
                 queryset.filter(paused=True).update(
-                    paused=False, resumed_at=timezone.now(), paused_reason=""
+                    paused=False, resumed_at=timezone.now(), paused_reason="", sweep_due_at=None
                 )
             )
         return bool(
@@ -181,6 +200,7 @@ def set_paused(task_name: str, reason: str | None) -> bool:
                 paused_at=timezone.now(),
                 resumed_at=None,
                 paused_reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+                sweep_due_at=None,
             )
         )
 
@@ -210,10 +230,28 @@ def pause_window(row: TaskSchedule) -> PauseWindow | None:
 def pause_windows(row: TaskSchedule) -> list[PauseWindow]:
     """Every pause of ``row`` its history keeps (each ``paused`` event until the next
     ``resumed``), and its latest from the row itself (a pause older than the history)."""
+    return pause_windows_many([row])[row.task_name]
+
+
+def pause_windows_many(rows: Sequence[TaskSchedule]) -> dict[str, list[PauseWindow]]:
+    """:func:`pause_windows` of each of ``rows``, by task name: one statement per 500 of
+    them that were ever paused (a row never paused, ``paused_at`` empty, has no pause its
+    history could add: a pause event is always written with the row's pause), none for
+    the others."""
     kinds = [ScheduleEventKind.PAUSED, ScheduleEventKind.RESUMED]
-    found = ScheduleEvent.objects.using(alias()).filter(task_name=row.task_name, kind__in=kinds)
+    ever = [row.task_name for row in rows if row.paused_at is not None]
+    histories: dict[str, list[tuple[str, datetime]]] = {}
     with translated:
-        history = list(found.order_by("at", "id").values_list("kind", "at"))
+        for start in range(0, len(ever), 500):
+            found = ScheduleEvent.objects.using(alias()).filter(
+                task_name__in=ever[start : start + 500], kind__in=kinds
+            )
+            for name, kind, at in found.order_by("at", "id").values_list("task_name", "kind", "at"):
+                histories.setdefault(name, []).append((kind, at))
+    return {row.task_name: _windows(row, histories.get(row.task_name, [])) for row in rows}
+
+
+def _windows(row: TaskSchedule, history: Sequence[tuple[str, datetime]]) -> list[PauseWindow]:
     windows: list[PauseWindow] = []
     start: datetime | None = None
     for kind, at in history:
@@ -229,12 +267,134 @@ def pause_windows(row: TaskSchedule) -> list[PauseWindow]:
 
 
 def mark_swept(task_name: str, until: datetime) -> None:
-    """The sweep checked every slot of ``task_name`` up to ``until`` (never moves back)."""
+    """The sweep checked every slot of ``task_name`` up to ``until`` (never moves back);
+    the sweep looks at it next time (and sets when it next needs to)."""
     queryset = TaskSchedule.objects.using(alias()).filter(task_name=task_name)
     with translated:
         queryset.filter(Q(swept_until__isnull=True) | Q(swept_until__lt=until)).update(
-            swept_until=until
+            swept_until=until, sweep_due_at=None
         )
+
+
+# -- the sweep at scale: only the schedules that have something due -----------------------
+
+# ``sweep_due_at`` of a schedule with no slot left to judge (it ended): an edit of its
+# slots sets it empty again.
+NEVER = datetime(9999, 1, 1, tzinfo=dt_timezone.utc)
+# Marks written per statement where the database limits parameters (SQLite's 999).
+MARKS_PER_STATEMENT = 900
+
+
+def _judged() -> QuerySet[TaskSchedule]:
+    """The schedules the sweep judges (:func:`watched`, in SQL), enabled, without the
+    fields it never reads."""
+    rows = TaskSchedule.objects.using(alias()).filter(removed_at__isnull=True, enabled=True)
+    beat_entries = (
+        TaskSchedule.objects.using(alias())
+        .filter(source=ScheduleSource.CELERY, removed_at__isnull=True)
+        .exclude(entry="")
+        .values("function")
+    )
+    rows = rows.exclude(
+        Q(source=ScheduleSource.CELERY, entry="", task_name__in=Subquery(beat_entries))
+    )
+    return rows.defer("args", "kwargs", "description")
+
+
+def sweep_due(now: datetime, task: str | None = None) -> list[int]:
+    """The ids of the schedules the sweep judges whose ``sweep_due_at`` is empty or at or
+    before ``now``, in order: a range scan of its index (the schedules with nothing due
+    cost nothing; :func:`sweep_page` reads the rows a page at a time)."""
+    rows = _judged().filter(Q(sweep_due_at__isnull=True) | Q(sweep_due_at__lte=now))
+    if task is not None:
+        rows = rows.filter(task_name=task)
+    with translated:
+        return list(rows.order_by("id").values_list("id", flat=True))
+
+
+def sweep_page(ids: Sequence[int]) -> list[TaskSchedule]:
+    """The schedules of ``ids`` the sweep still judges, by id."""
+    with translated:
+        return list(_judged().filter(id__in=list(ids)).order_by("id"))
+
+
+def judged_named(task_names: Sequence[str], *, every: bool = False) -> list[TaskSchedule]:
+    """The schedules among ``task_names`` that the sweep judges, by task name (``every``:
+    the removed and disabled ones too: a slot handed out before a schedule was deleted or
+    disabled still has to end)."""
+    found: list[TaskSchedule] = []
+    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
+    rows = every_row if every else _judged()
+    with translated:
+        for start in range(0, len(task_names), 500):
+            part = list(task_names[start : start + 500])
+            found += rows.filter(task_name__in=part).order_by("task_name")
+    return found
+
+
+def mark_swept_many(marks: Sequence[tuple[TaskSchedule, datetime | None, datetime]]) -> None:
+    """For each ``(row, until, due)``: the sweep checked ``row``'s slots up to ``until``
+    (None: it judged none; never moves back) and next needs to look at it at ``due``, kept
+    only if the row is still as the sweep read it (its ``version``, and its
+    ``sweep_due_at``, which every writer of its slots empties): else it stays empty, "look
+    next time".
+
+    One statement per group of rows with the same values (10,000 schedules of one cron
+    swept to the same slot: one), of at most :data:`MARKS_PER_STATEMENT` rows where the
+    database limits parameters."""
+    if not marks:
+        return
+    d = dialect()
+    if d.marks_in_one_statement:
+        params: list[Any] = [
+            [row.id for row, _, _ in marks],
+            [until for _, until, _ in marks],
+            [due for _, _, due in marks],
+            [row.version for row, _, _ in marks],
+            [row.sweep_due_at for row, _, _ in marks],
+        ]
+        with translated, connections[alias()].cursor() as cursor:
+            cursor.execute(d.mark_swept_many, params)
+        _remember(marks)
+        return
+    groups: dict[tuple[datetime | None, datetime, int, datetime | None], list[int]] = {}
+    for row, until, due in marks:
+        groups.setdefault((until, due, row.version, row.sweep_due_at), []).append(row.id)
+    rows = TaskSchedule.objects.using(alias())
+    most = connections[alias()].features.max_query_params
+    with translated:
+        for (until, due, version, read), ids in groups.items():
+            step = len(ids) if most is None else MARKS_PER_STATEMENT
+            for start in range(0, len(ids), step):
+                part = rows.filter(id__in=ids[start : start + step])
+                unchanged = Q(version=version) & (
+                    Q(sweep_due_at__isnull=True) if read is None else Q(sweep_due_at=read)
+                )
+                swept = (
+                    {"swept_until": Greatest(Coalesce(F("swept_until"), _at(until)), _at(until))}
+                    if until is not None
+                    else {}
+                )
+                part.update(
+                    sweep_due_at=Case(
+                        When(unchanged, then=_at(due)),
+                        default=Value(None),
+                        output_field=DateTimeField(),
+                    ),
+                    **swept,
+                )
+    _remember(marks)
+
+
+def _remember(marks: Sequence[tuple[TaskSchedule, datetime | None, datetime]]) -> None:
+    """The rows as written (their next look), for the sweep's next batch of the same rows
+    (if a writer emptied it meanwhile, the next batch's mark leaves it empty too)."""
+    for row, _, due in marks:
+        row.sweep_due_at = due
+
+
+def _at(when: datetime) -> Value:
+    return Value(when, output_field=DateTimeField())
 
 
 # -- the history: pauses, resumes, acknowledgements, retirements ---------------------------
@@ -353,7 +513,9 @@ def _mark(rows: QuerySet[TaskSchedule], declared: Collection[str], now: datetime
         for start in range(0, len(gone), 500):
             rows.filter(task_name__in=gone[start : start + 500]).update(removed_at=now)
         for start in range(0, len(back), 500):
-            rows.filter(task_name__in=back[start : start + 500]).update(removed_at=None)
+            rows.filter(task_name__in=back[start : start + 500]).update(
+                removed_at=None, sweep_due_at=None
+            )
     return gone
 
 
@@ -541,6 +703,7 @@ def _define(
                 # Its slots count from now: health does not wait for a slot of the new
                 # definition from before the edit (never fired, by design).
                 row.first_seen = max(row.first_seen, now)
+        row.sweep_due_at = None  # its slots or its mark may have moved: the sweep looks next time
         for name in DEFINITION_FIELDS:
             setattr(row, name, values[name])
         row.version += 1
@@ -559,6 +722,70 @@ def _define(
             changes=changes,
         ).save(using=alias())
     return Defined(str(kind), row, changes)
+
+
+def define_many(
+    definitions: Sequence[tuple[str, dict[str, object]]],
+    *,
+    origin: ScheduleEventOrigin,
+    by: str = "",
+    reason: str = "",
+) -> int:
+    """Create many new data schedules at once (``(task_name, values)`` each, as
+    :func:`define` takes them): a statement per 500 rows and per 500 ``created`` events,
+    instead of :func:`define`'s transaction each. A name that has a row already (a live,
+    deleted or other schedule) goes through :func:`define` (an update, a revival, or
+    :class:`NotDataSchedule`). Returns how many were created in bulk."""
+    rows = TaskSchedule.objects.using(alias())
+    names = [name for name, _ in definitions]
+    with translated:
+        taken: set[str] = set()
+        for start in range(0, len(names), 500):
+            part = names[start : start + 500]
+            taken.update(rows.filter(task_name__in=part).values_list("task_name", flat=True))
+    fresh = [(name, values) for name, values in definitions if name not in taken]
+    # A name retired before goes on from its history's newest version.
+    versions: dict[str, int] = {}
+    with translated:
+        for start in range(0, len(fresh), 500):
+            part = [name for name, _ in fresh[start : start + 500]]
+            found = ScheduleEvent.objects.using(alias()).filter(task_name__in=part)
+            newest = found.values("task_name").annotate(newest=Max("version")).order_by()
+            versions.update((got["task_name"], int(got["newest"] or 0)) for got in newest)
+    for name, values in definitions:
+        if name in taken:
+            define(name, values, origin=origin, by=by, reason=reason)
+    now = timezone.now()
+    changed_at = database_now()
+    new = [
+        TaskSchedule(
+            task_name=name,
+            source=ScheduleSource.DATA,
+            first_seen=now,
+            last_seen=now,
+            version=versions.get(name, 0) + 1,
+            changed_at=changed_at,
+            **{field: values[field] for field in DEFINITION_FIELDS},
+        )
+        for name, values in fresh
+    ]
+    events = [
+        ScheduleEvent(
+            task_name=name,
+            kind=ScheduleEventKind.CREATED,
+            origin=origin,
+            by=clip(by, EVENT_BY_MAX_LENGTH),
+            reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
+            at=now,
+            version=versions.get(name, 0) + 1,
+            changes={field: [None, _jsonable(values[field])] for field in DEFINITION_FIELDS},
+        )
+        for name, values in fresh
+    ]
+    with translated, transaction.atomic(using=alias()):
+        rows.bulk_create(new, batch_size=500)
+        ScheduleEvent.objects.using(alias()).bulk_create(events, batch_size=500)
+    return len(new)
 
 
 def _last_version(task_name: str) -> int:

@@ -126,6 +126,26 @@ class Backend:
     """A VALUES row of (task name, due slot)."""
     task_state_hint: ClassVar[str] = ""
     """Where the planner must be told to probe (task_name, state, slot)."""
+    marks_in_one_statement: ClassVar[bool] = False
+    """Whether :attr:`mark_swept_many` writes the sweep's marks of many schedules in one
+    statement (else the ORM writes a statement per group of equal values)."""
+    binds_arrays: ClassVar[bool] = False
+    """Whether the monitoring reads bind their task names (and due slots) as one array
+    each (one statement for any number of tasks), not as a VALUES list per chunk."""
+
+    @property
+    def mark_swept_many(self) -> str:
+        """The statement of :attr:`marks_in_one_statement` (where it is True)."""
+        raise NotImplementedError
+
+    def names_table(self, names: int) -> str:
+        """The rows ``t(name)`` of ``names`` task names (:attr:`binds_arrays`: one array
+        parameter, whatever ``names``)."""
+        return "VALUES " + ", ".join([self.name_row] * names)
+
+    def tasks_table(self, tasks: int) -> str:
+        """The rows ``t(name, due)`` of ``tasks`` (task name, due slot) pairs."""
+        return "VALUES " + ", ".join([self.task_row] * tasks)
 
     def format(self, template: str) -> str:
         return template.format(
@@ -603,14 +623,13 @@ class Backend:
         """For each of ``names`` task names (the VALUES list; then the state, twice): the slot
         and end of its run in that state with the latest slot (NULL: none). One backward
         probe of (task_name, state, slot) each."""
-        rows = ", ".join([self.name_row] * names)
         latest = (
             "(SELECT r.{column} FROM {run} r {hint}WHERE r.task_name = t.name AND r.state = %s "
             "ORDER BY r.slot DESC LIMIT 1)"
         )
         hint = self.task_state_hint
         return (
-            f"WITH t(name) AS (VALUES {rows}) SELECT t.name, "
+            f"WITH t(name) AS ({self.names_table(names)}) SELECT t.name, "
             f"{latest.format(column='slot', run=RUN, hint=hint)}, "
             f"{latest.format(column='finished_at', run=RUN, hint=hint)} FROM t"
         )
@@ -642,9 +661,8 @@ class Backend:
     def task_facts(self, tasks: int) -> str:
         """The health facts of ``tasks`` tasks, one row each: every value an index probe on
         (task_name, slot) or (task_name, state, slot). See :meth:`last_ended_params`."""
-        rows = ", ".join([self.task_row] * tasks)
         return self.format(
-            f"WITH t(name, due) AS (VALUES {rows}) SELECT t.name, "
+            f"WITH t(name, due) AS ({self.tasks_table(tasks)}) SELECT t.name, "
             "(SELECT r.state FROM {run} r WHERE r.task_name = t.name AND r.slot = t.due), "
             "(SELECT COUNT(*) FROM {run} r WHERE r.task_name = t.name AND r.state = %s "
             "AND r.slot >= %s), "
@@ -686,9 +704,8 @@ class Backend:
         :meth:`recent_limit` of the limit): the runs of each task whose slot is at or after
         its ``limit``-th latest (one backward probe and one range scan of (task_name, slot)
         each)."""
-        rows = ", ".join([self.name_row] * tasks)
         return self.format(
-            f"WITH t(name) AS (VALUES {rows}) "
+            f"WITH t(name) AS ({self.names_table(tasks)}) "
             "SELECT r.task_name, r.id, r.slot, r.state "
             "FROM t JOIN {run} r ON r.task_name = t.name AND r.slot >= COALESCE("
             "(SELECT q.slot FROM {run} q WHERE q.task_name = t.name ORDER BY q.slot DESC "

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ...models import Ledger, TaskRun, TaskRunTransition
+from ...models import Ledger, TaskRun, TaskRunTransition, TaskSchedule
 from ...states import TERMINAL_STATES, RunState
 
 RUN = TaskRun._meta.db_table
 LEDGER = Ledger._meta.db_table
 TRANSITION = TaskRunTransition._meta.db_table
+SCHEDULE = TaskSchedule._meta.db_table
 FENCE_SEQUENCE = "taskguard_fence"
 # What the hot paths read back. Unqualified: SQLite rejects qualified names in RETURNING.
 ROW = "id, state, attempt, fence, owner, lease_until"

@@ -19,6 +19,7 @@ from .fragments import (
     CLAIMED_COLUMNS,
     END_ATTEMPT,
     FENCE_SEQUENCE,
+    SCHEDULE,
     TRANSITION,
     TRANSITION_COLUMNS,
     Sets,
@@ -243,6 +244,14 @@ class PostgreSQLBackend(Backend):
     # PostgreSQL cannot infer a parameter's type in a VALUES row.
     name_row = "(CAST(%s AS varchar))"
     task_row = "(CAST(%s AS varchar), CAST(%s AS timestamp with time zone))"
+    # 100,000 schedules' health in one statement: the names (and due slots) as arrays.
+    binds_arrays = True
+
+    def names_table(self, names: int) -> str:
+        return "SELECT * FROM unnest(CAST(%s AS varchar[]))"
+
+    def tasks_table(self, tasks: int) -> str:
+        return "SELECT * FROM unnest(CAST(%s AS varchar[]), CAST(%s AS timestamp with time zone[]))"
 
     def connection_lost(self, exc: Exception) -> bool:
         return True
@@ -346,6 +355,27 @@ class PostgreSQLBackend(Backend):
     def insert_unheld_many_statement(self) -> str:
         return self.format(INSERT_UNHELD_MANY)
 
+    # -- the missed-slot sweep's marks: a page of schedules in one statement -----------
+
+    marks_in_one_statement = True
+
+    @cached_property
+    def mark_swept_many(self) -> str:
+        """Per schedule (arrays: id, until, due, version, the next look as read): move
+        ``swept_until`` to ``until`` (never back; NULL: leave it) and set ``sweep_due_at``
+        to ``due`` if the row is still as read (its version and next look), else NULL."""
+        return (
+            f"UPDATE {SCHEDULE} AS s SET "
+            "swept_until = CASE WHEN v.until IS NULL THEN s.swept_until "
+            "ELSE GREATEST(COALESCE(s.swept_until, v.until), v.until) END, "
+            "sweep_due_at = CASE WHEN s.version = v.version AND "
+            "s.sweep_due_at IS NOT DISTINCT FROM v.read THEN v.due END "
+            "FROM unnest(CAST(%s AS bigint[]), CAST(%s AS timestamp with time zone[]), "
+            "CAST(%s AS timestamp with time zone[]), CAST(%s AS integer[]), "
+            "CAST(%s AS timestamp with time zone[])) AS v(id, until, due, version, read) "
+            "WHERE s.id = v.id"
+        )
+
     # -- changing a row: the update and its transitions, one statement -----------------
 
     @lru_cache  # noqa: B019 (one backend per database, for the process's life)
@@ -410,9 +440,8 @@ class PostgreSQLBackend(Backend):
     def recent_runs(self, tasks: int) -> str:
         """A LATERAL join says it with a LIMIT the planner sees (a plan that looks cheap, so
         no JIT compilation on a big table). Parameter after the VALUES: the limit."""
-        rows = ", ".join([self.name_row] * tasks)
         return self.format(
-            f"WITH t(name) AS (VALUES {rows}) "
+            f"WITH t(name) AS ({self.names_table(tasks)}) "
             "SELECT t.name, r.id, r.slot, r.state FROM t CROSS JOIN LATERAL "
             "(SELECT q.id, q.slot, q.state FROM {run} q WHERE q.task_name = t.name "
             "ORDER BY q.slot DESC LIMIT %s) AS r"
