@@ -204,6 +204,9 @@ class DataSchedules:
     def pending(self) -> list[Due]:
         """The "run now" slots waiting for a copy (``pending``)."""
         found = ledger.pending_of_data(list(KINDS), PENDING_LIMIT)
+        # A slot this copy enqueued stays "handed" while it is pending (a worker has not
+        # claimed it yet): it is not enqueued again at every poll. Claimed or ended: forgotten.
+        self.handed &= set(found)
         return [
             Due(name, slot, manual=True)
             for name, slot in found
@@ -460,15 +463,20 @@ class DataSchedules:
         """Fire ``job`` through the guard (or hand it to its backend); say what happened."""
         policy = job.policy
         if job.manual:  # an operator's call: no lateness policy (as backfill)
-            self.handed.discard((job.task_name, job.slot))
             if policy.catchup == "none":
                 policy = replace(policy, catchup="latest")
         elif guard.refused_late(job.task_name, job.slot, policy, timezone.now()):
             return "late (recorded missed, catchup='none')"
         if self.enqueue and job.target.kind == TargetKind.DJANGO_TASKS:
             if job.manual:  # its pending row is there already: the worker's claim takes it
-                return f"enqueued ({_enqueue(job)})"
+                try:
+                    return f"enqueued ({_enqueue(job)})"
+                except BaseException:
+                    self.handed.discard((job.task_name, job.slot))  # tried again next poll
+                    raise
             return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
+        if job.manual:  # run here: should the claim fail, the next poll tries again
+            self.handed.discard((job.task_name, job.slot))
         ran = False
         func: Callable[..., Any] = job.target.guarded.body
 

@@ -410,3 +410,18 @@ def test_sweep__ends_a_run_now_slot_of_a_schedule_deleted_since() -> None:
     sweep_missed()
     pending.refresh_from_db()
     assert pending.state == RunState.MISSED
+
+
+def test_run_now__an_enqueued_slot_is_not_enqueued_again_while_it_waits() -> None:
+    row = define_schedule("t1", TASK_TARGET, every=timedelta(hours=1), args=["x"])
+    run_now(row, by="alice")
+    (pending,) = TaskRun.objects.filter(task_name=row.task_name)
+    data = DataSchedules(enqueue=True)
+    now = timezone.now()
+    (job,) = data.jobs(data.load(now, start=True), now)
+    assert data.run(job).startswith("enqueued")
+    # As if the worker had not claimed it yet (the Immediate backend ran it at once):
+    TaskRun.objects.filter(id=pending.id).update(state=RunState.PENDING)
+    assert data.pending() == []  # this copy handed it out: not again at every poll
+    TaskRun.objects.filter(id=pending.id).update(state=RunState.SUCCEEDED)
+    assert data.pending() == [] and data.handed == set()  # claimed: forgotten
