@@ -201,6 +201,17 @@ def test_poll__a_moved_schedule_owes_the_old_slots_due_by_the_edit():
     assert entry.version == 2 and entry.last_run_at == moved.swept_until
 
 
+def test_poll__the_cursor_is_the_databases_clock_not_the_beats():
+    data = de.DataSchedules(app)
+    defined("a", tenant=1)
+    with freeze_now(timezone.now() + timedelta(minutes=5)):  # the beat's clock runs ahead
+        refreshed(data)
+        assert data.cursor is not None and data.cursor < timezone.now() - timedelta(minutes=4)
+        defined("a", tenant=2)
+        (edited,), _ = refreshed(data)  # a poll, not the reload: it sees the edit
+    assert edited.kwargs["tenant"] == 2 and edited.version == 2
+
+
 def test_poll__only_celery_targets():
     define_schedule("f", "tests.support.data_targets.send_report", every=timedelta(5), args=[1])
     defined("c")

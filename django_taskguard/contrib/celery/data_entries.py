@@ -35,7 +35,7 @@ from celery.beat import ScheduleEntry
 from celery.schedules import BaseSchedule, schedstate
 from django.utils import timezone
 
-from ... import data_schedules
+from ... import data_schedules, ledger
 from ...ledger import schedules as store
 from ...ledger.core import translated
 from ...models import Catchup, TargetKind, TaskSchedule
@@ -236,9 +236,11 @@ class DataSchedules:
         clock = time.monotonic()
         if clock < self.next_poll:
             return None
-        started = timezone.now()
         full = self.cursor is None or clock >= self.next_reload
         try:
+            # The cursor is the database's clock, the one that stamps changed_at (a beat's
+            # own clock ahead would miss every change until the next reload).
+            started = ledger.database_now()
             if full:
                 with translated:
                     rows = list(store.data_schedules(KINDS).filter(removed_at__isnull=True))
