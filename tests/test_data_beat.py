@@ -275,6 +275,42 @@ def test_scheduler__data_entries_beside_settings_entries_of_the_same_name(tmp_pa
         app.conf.beat_schedule = {}
 
 
+class CountingScheduler(TaskguardScheduler):
+    """Counts its heap's builds (Celery rebuilds it when the schedule changed)."""
+
+    built = 0
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        self.built += 1
+        super().populate_heap(*args, **kwargs)
+
+
+def test_scheduler__the_heap_is_rebuilt_when_an_entry_changes_not_on_an_idle_tick(tmp_path):
+    hourly = {"every": timedelta(hours=1)}  # nothing falls due during the test
+    defined("h1", **hourly)
+    beat = CountingScheduler(app=app, schedule_filename=str(tmp_path / "s"), lazy=False)
+    try:
+        beat.tick()
+        assert beat.built == 1  # the first tick builds it
+        for _ in range(3):
+            beat.tick()
+        assert beat.built == 1  # idle: not compared entry by entry, not rebuilt
+        defined("h2", **hourly)
+        beat.data_schedules().next_poll = 0.0
+        beat.tick()
+        assert beat.built == 2 and f"{de.KEY_PREFIX}{REPORT}[h2]" in beat.schedule
+        defined("h1", tenant=9, **hourly)  # an edit of the arguments
+        beat.data_schedules().next_poll = 0.0
+        beat.tick()
+        assert beat.built == 3
+        assert beat.schedule[f"{de.KEY_PREFIX}{REPORT}[h1]"].kwargs["tenant"] == 9
+        beat.data_schedules().next_poll = 0.0
+        beat.tick()  # polled, nothing changed
+        assert beat.built == 3
+    finally:
+        beat.close()
+
+
 @pytest.mark.celery_beat
 def test_database_scheduler__keeps_data_entries_across_its_reads_of_the_rows():
     from django_celery_beat.models import IntervalSchedule, PeriodicTask

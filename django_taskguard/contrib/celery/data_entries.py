@@ -359,6 +359,28 @@ class DataSchedulesMixin:
         merges them in)."""
         return dict(self.data_schedules().entries)
 
+    def schedule_changed_here(self) -> None:
+        """Count a change of the beat's entries (data schedules put or taken out, the
+        settings or django-celery-beat entries read): the next tick rebuilds its heap."""
+        self.__dict__["_taskguard_changes"] = self.__dict__.get("_taskguard_changes", 0) + 1
+
+    def schedules_equal(self, old: Any, new: Any) -> bool:
+        """Celery's comparison, asked on every tick, made O(1) when nothing changed.
+
+        Celery compares every entry of the schedule with its copy of the last tick (21 ms a
+        tick with 20,000 data schedules). Equal without a look at the entries when the
+        schedule is the same dict as at the last tick and :meth:`schedule_changed_here`
+        was not called since; otherwise (a new dict: the file scheduler's shelf saved,
+        django-celery-beat's rows read again) Celery's own comparison decides.
+        """
+        changes = self.__dict__.get("_taskguard_changes", 0)
+        seen = self.__dict__.get("_taskguard_seen")
+        self.__dict__["_taskguard_seen"] = (changes, new)
+        if seen is not None and seen[1] is new:
+            return bool(seen[0] == changes)
+        equal: bool = super().schedules_equal(old, new)  # type: ignore[misc]
+        return equal and (seen is None or seen[0] == changes)
+
     def refresh_data_schedules(self) -> None:
         """Apply what changed to the beat's schedule; never raises."""
         changed = self.data_schedules().refresh()
@@ -367,6 +389,7 @@ class DataSchedulesMixin:
         put, gone = changed
         if not put and not gone:
             return
+        self.schedule_changed_here()
         schedule: Any = getattr(self, "schedule")  # noqa: B009 (a property of the scheduler)
         for key in gone:
             schedule.pop(key, None)
