@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import DatabaseError
+from django.db import DatabaseError, connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_taskguard import define_schedule, delete_schedule
@@ -307,6 +308,40 @@ def test_scheduler__the_heap_is_rebuilt_when_an_entry_changes_not_on_an_idle_tic
         beat.data_schedules().next_poll = 0.0
         beat.tick()  # polled, nothing changed
         assert beat.built == 3
+    finally:
+        beat.close()
+
+
+def test_send__each_due_entry_is_checked_against_its_row_in_one_read(tmp_path):
+    hourly = {"every": timedelta(hours=1)}
+    for name in ("a", "b", "c"):
+        defined(name, **hourly)
+    beat = CountingScheduler(app=app, schedule_filename=str(tmp_path / "s"), lazy=False)
+    try:
+        beat.tick()  # the heap: every entry due within the hour
+        key = {name: f"{de.KEY_PREFIX}{REPORT}[{name}]" for name in ("a", "b", "c")}
+        entries = {name: beat.schedule[key[name]] for name in key}
+        # Between two polls: b deleted and retired (no tombstone left), c edited.
+        delete_schedule("b", REPORT)
+        assert store.retire(f"{REPORT}[b]")
+        defined("c", tenant=5, **hourly)
+        with freeze_now(timezone.now() + timedelta(hours=2)):  # all three due now
+            with CaptureQueriesContext(connection) as read:
+                assert beat.still_scheduled(entries["a"])  # reads the three rows at once
+                assert not beat.still_scheduled(entries["b"])
+                assert not beat.still_scheduled(entries["c"])
+            assert len(read) == 1
+            assert key["b"] not in beat.schedule and key["b"] not in beat.data_entries()
+            edited = beat.schedule[key["c"]]
+            assert edited.version == 2 and edited.kwargs["tenant"] == 5
+            assert edited.is_due().is_due  # its slot is sent with the new arguments
+            with CaptureQueriesContext(connection) as read:
+                assert beat.still_scheduled(edited)
+            assert len(read) == 0  # read once until the next poll
+        built = beat.built
+        beat.tick()  # the schedule changed: the heap is built again (nothing due now)
+        assert beat.built == built + 1
+        assert {e.key for e in beat.data_entries().values()} == {key["a"], key["c"]}
     finally:
         beat.close()
 
