@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import DatabaseError
+from django.db import DatabaseError, connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_taskguard import define_schedule, delete_schedule
@@ -201,6 +202,17 @@ def test_poll__a_moved_schedule_owes_the_old_slots_due_by_the_edit():
     assert entry.version == 2 and entry.last_run_at == moved.swept_until
 
 
+def test_poll__the_cursor_is_the_databases_clock_not_the_beats():
+    data = de.DataSchedules(app)
+    defined("a", tenant=1)
+    with freeze_now(timezone.now() + timedelta(minutes=5)):  # the beat's clock runs ahead
+        refreshed(data)
+        assert data.cursor is not None and data.cursor < timezone.now() - timedelta(minutes=4)
+        defined("a", tenant=2)
+        (edited,), _ = refreshed(data)  # a poll, not the reload: it sees the edit
+    assert edited.kwargs["tenant"] == 2 and edited.version == 2
+
+
 def test_poll__only_celery_targets():
     define_schedule("f", "tests.support.data_targets.send_report", every=timedelta(5), args=[1])
     defined("c")
@@ -262,6 +274,76 @@ def test_scheduler__data_entries_beside_settings_entries_of_the_same_name(tmp_pa
             again.close()
     finally:
         app.conf.beat_schedule = {}
+
+
+class CountingScheduler(TaskguardScheduler):
+    """Counts its heap's builds (Celery rebuilds it when the schedule changed)."""
+
+    built = 0
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        self.built += 1
+        super().populate_heap(*args, **kwargs)
+
+
+def test_scheduler__the_heap_is_rebuilt_when_an_entry_changes_not_on_an_idle_tick(tmp_path):
+    hourly = {"every": timedelta(hours=1)}  # nothing falls due during the test
+    defined("h1", **hourly)
+    beat = CountingScheduler(app=app, schedule_filename=str(tmp_path / "s"), lazy=False)
+    try:
+        beat.tick()
+        assert beat.built == 1  # the first tick builds it
+        for _ in range(3):
+            beat.tick()
+        assert beat.built == 1  # idle: not compared entry by entry, not rebuilt
+        defined("h2", **hourly)
+        beat.data_schedules().next_poll = 0.0
+        beat.tick()
+        assert beat.built == 2 and f"{de.KEY_PREFIX}{REPORT}[h2]" in beat.schedule
+        defined("h1", tenant=9, **hourly)  # an edit of the arguments
+        beat.data_schedules().next_poll = 0.0
+        beat.tick()
+        assert beat.built == 3
+        assert beat.schedule[f"{de.KEY_PREFIX}{REPORT}[h1]"].kwargs["tenant"] == 9
+        beat.data_schedules().next_poll = 0.0
+        beat.tick()  # polled, nothing changed
+        assert beat.built == 3
+    finally:
+        beat.close()
+
+
+def test_send__each_due_entry_is_checked_against_its_row_in_one_read(tmp_path):
+    hourly = {"every": timedelta(hours=1)}
+    for name in ("a", "b", "c"):
+        defined(name, **hourly)
+    beat = CountingScheduler(app=app, schedule_filename=str(tmp_path / "s"), lazy=False)
+    try:
+        beat.tick()  # the heap: every entry due within the hour
+        key = {name: f"{de.KEY_PREFIX}{REPORT}[{name}]" for name in ("a", "b", "c")}
+        entries = {name: beat.schedule[key[name]] for name in key}
+        # Between two polls: b deleted and retired (no tombstone left), c edited.
+        delete_schedule("b", REPORT)
+        assert store.retire(f"{REPORT}[b]")
+        defined("c", tenant=5, **hourly)
+        with freeze_now(timezone.now() + timedelta(hours=2)):  # all three due now
+            with CaptureQueriesContext(connection) as read:
+                assert beat.still_scheduled(entries["a"])  # reads the three rows at once
+                assert not beat.still_scheduled(entries["b"])
+                assert not beat.still_scheduled(entries["c"])
+            assert len(read) == 1
+            assert key["b"] not in beat.schedule and key["b"] not in beat.data_entries()
+            edited = beat.schedule[key["c"]]
+            assert edited.version == 2 and edited.kwargs["tenant"] == 5
+            assert edited.is_due().is_due  # its slot is sent with the new arguments
+            with CaptureQueriesContext(connection) as read:
+                assert beat.still_scheduled(edited)
+            assert len(read) == 0  # read once until the next poll
+        built = beat.built
+        beat.tick()  # the schedule changed: the heap is built again (nothing due now)
+        assert beat.built == built + 1
+        assert {e.key for e in beat.data_entries().values()} == {key["a"], key["c"]}
+    finally:
+        beat.close()
 
 
 @pytest.mark.celery_beat

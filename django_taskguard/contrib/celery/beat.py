@@ -258,6 +258,7 @@ class TaskguardScheduler(DataSchedulesMixin, RegisteringMixin, StampingMixin, Pe
         warn_timezone(self.app)
         self.register_entries()
         self.refresh_data_schedules()
+        self.schedule_changed_here()
 
     def taskguard_entries(self) -> list[BeatEntry]:
         """The settings entries (data schedules are rows already)."""

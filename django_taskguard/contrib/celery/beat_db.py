@@ -62,11 +62,13 @@ class TaskguardDatabaseScheduler(
         super().setup_schedule()
         warn_timezone(self.app)
         self.refresh_data_schedules()
+        self.schedule_changed_here()
 
     def all_as_schedule(self) -> dict[str, Any]:
         found: dict[str, Any] = super().all_as_schedule()
         self.register_entries()  # the rows changed (or were read the first time)
         found.update(self.data_entries())  # read again: keep the data schedules' entries
+        self.schedule_changed_here()
         return found
 
     def taskguard_entries(self) -> list[BeatEntry]:
