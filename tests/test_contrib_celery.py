@@ -143,6 +143,8 @@ def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
 
 def test_database_scheduler__without_django_celery_beat_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "django_taskguard.contrib.celery.beat_db", raising=False)
+    for name in [name for name in sys.modules if name.startswith("django_celery_beat.")]:
+        monkeypatch.delitem(sys.modules, name)  # a submodule an earlier test imported
     monkeypatch.setitem(sys.modules, "django_celery_beat", None)  # as if not installed
     import django_taskguard.contrib.celery as contrib
 
