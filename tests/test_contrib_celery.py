@@ -148,6 +148,10 @@ def test_database_scheduler__without_django_celery_beat_names_the_extra(monkeypa
     monkeypatch.setitem(sys.modules, "django_celery_beat", None)  # as if not installed
     import django_taskguard.contrib.celery as contrib
 
+    # A submodule imported earlier is an attribute of its package: `from . import beat_db`
+    # would find it there without importing anything.
+    monkeypatch.delattr(contrib, "beat_db", raising=False)
+
     with pytest.raises(ImportError, match=r"pip install \"django-taskguard\[celery-beat\]\""):
         contrib.TaskguardDatabaseScheduler  # noqa: B018
 
