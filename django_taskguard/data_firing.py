@@ -139,6 +139,35 @@ class Job:
     manual: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Firing:
+    """A job on ``run_schedules``' batch path (:mod:`.dispatch`): claimed with the other
+    schedules due at its slot in one statement, its version recorded with theirs; ``fire``
+    is the one-task path (a row the batch cannot decide, a claim given back)."""
+
+    job: Job
+    data: DataSchedules
+
+    @property
+    def task_name(self) -> str:
+        return self.job.task_name
+
+    @property
+    def policy(self) -> Policy:
+        return self.job.policy
+
+    @property
+    def version(self) -> int:
+        return self.job.version
+
+    def func(self) -> Any:
+        job = self.job
+        return job.target.guarded.body(*job.args, **dict(job.kwargs))
+
+    def fire(self, slot: datetime) -> bool:
+        return self.data.run(self.job) == "ran"
+
+
 class DataSchedules:
     """The data schedules one ``run_schedules`` copy fires (``names``: only those)."""
 
@@ -458,6 +487,11 @@ class DataSchedules:
             return True, owed  # due before the edit: never lost
         ours = state.schedule.latest_slot(item.slot) == item.slot and state.in_window(item.slot)
         return ours, owed
+
+    def batchable(self, job: Job) -> bool:
+        """A job the batch path may claim: a scheduled slot run in this process (not a
+        "run now", not one handed to a django.tasks backend)."""
+        return not job.manual and not (self.enqueue and job.target.kind == TargetKind.DJANGO_TASKS)
 
     def run(self, job: Job) -> str:
         """Fire ``job`` through the guard (or hand it to its backend); say what happened."""

@@ -18,9 +18,9 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from django.db import DatabaseError, connections
 from django.utils import timezone
@@ -33,8 +33,8 @@ from .context import ActiveRun
 from .exceptions import BackendUnavailable
 from .guard import duplicate, run_claimed
 from .pauses import paused_reason
+from .policy import Policy
 from .pool import Pool
-from .registry import Entry
 from .states import RunState
 
 logger = logging.getLogger("taskguard.scheduler")
@@ -46,6 +46,31 @@ BATCH_CHUNK = 100
 HORIZON = 0.5
 # The dispatcher looks at its backlog (a stop, free workers) at least this often.
 POLL_SECONDS = 1.0
+
+
+class Entry(Protocol):
+    """What the batch path needs of a schedule due at a slot: a code schedule's
+    :class:`~.registry.Entry`, or a data schedule's :class:`~.data_firing.Firing`."""
+
+    @property
+    def task_name(self) -> str: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def func(self) -> Callable[[], Any]: ...  # the body, without the guard
+
+    @property
+    def fire(self) -> Callable[[datetime], bool]: ...  # the one-task path: True if it ran
+
+
+def version_of(entry: Entry) -> int | None:
+    """The data schedule version that fires ``entry`` (recorded on the won claims' rows
+    in one statement), None for a code schedule."""
+    version = getattr(entry, "version", None)
+    return version if isinstance(version, int) else None
+
 
 RunOne = Callable[[Entry, datetime], None]  # the one-task path, on the pool
 Log = Callable[[Entry, datetime, str, float], None]  # what a fire did, how long it took
@@ -102,7 +127,7 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._loop, name="taskguard-claim", daemon=True)
         self._thread.start()
 
-    def add(self, slot: datetime, entries: list[Entry]) -> None:
+    def add(self, slot: datetime, entries: Iterable[Entry]) -> None:
         with self._lock:
             self._backlog.extend((slot, entry) for entry in entries)
             self._changed.notify_all()
@@ -170,6 +195,7 @@ class Dispatcher:
         late = [entry for entry in entries if not batchable(entry, slot, now)]
         entries = [entry for entry in entries if batchable(entry, slot, now)]
         decided = self._decide(slot, entries) if entries else {}
+        _note_versions(slot, entries, decided)
         for entry in entries:  # the won first: their leases are running
             outcome = decided.get(entry.task_name)
             if isinstance(outcome, ActiveRun):
@@ -239,6 +265,30 @@ class Dispatcher:
         else:
             outcome = "not run here (another call has it)"
         self._log(entry, slot, outcome, 0.0)
+
+
+def _note_versions(
+    slot: datetime, entries: list[Entry], decided: dict[str, ActiveRun | Taken | None]
+) -> None:
+    """Record on the rows won the data schedule version of each (one statement per
+    version); never raises, as :func:`~.decorators.note_version` (the claim is what counts)."""
+    versions = {}
+    for entry in entries:
+        outcome = decided.get(entry.task_name)
+        version = version_of(entry)
+        if isinstance(outcome, ActiveRun) and version is not None:
+            versions[outcome.id] = version
+    if not versions:
+        return
+    try:
+        ledger.note_schedule_versions(versions)
+    except Exception as exc:
+        logger.warning(
+            "taskguard slot %s: the schedule versions of %d runs could not be recorded (%s)",
+            slot.isoformat(),
+            len(versions),
+            exc,
+        )
 
 
 def _give_back(entry: Entry, active: ActiveRun, why: str) -> bool:

@@ -33,8 +33,9 @@ from django.utils import timezone
 from . import ledger
 from .batch import SuccessWriter
 from .conf import taskguard_settings
-from .data_firing import DataSchedules, Due, Job, slots_after
+from .data_firing import DataSchedules, Due, Firing, Job, slots_after
 from .dispatch import NOT_RUN_HERE, Dispatcher, batchable, not_run
+from .dispatch import Entry as DueEntry
 from .exceptions import BackendUnavailable
 from .guard import refused_early
 from .handoff import hand_off
@@ -246,7 +247,7 @@ class Scheduler:
         outcome = f"not run here: this copy's clock is ahead of the database's clock; {reason}"
         self._log(entry, slot, outcome, 0.0)
 
-    def _log(self, entry: Entry, slot: datetime, outcome: str, took: float) -> None:
+    def _log(self, entry: DueEntry, slot: datetime, outcome: str, took: float) -> None:
         self._say(entry.task_name, slot, outcome, took)
 
     def _say(self, task_name: str, slot: datetime, outcome: str, took: float) -> None:
@@ -281,9 +282,30 @@ class Scheduler:
         except BackendUnavailable:
             ledger.settle_connection()
             db_now = None
+        now = timezone.now()
+        batches: dict[datetime, list[Firing]] = {}
         for job in jobs:
             early = db_now is not None and job.slot - db_now > tolerance
-            self.pool.submit(functools.partial(self._run_data, job, early, tolerance))
+            firing = Firing(job, self.data)
+            if (
+                self.batch
+                and not early
+                and self.data.batchable(job)
+                and batchable(firing, job.slot, now)
+            ):
+                batches.setdefault(job.slot, []).append(firing)
+            else:
+                self.pool.submit(functools.partial(self._run_data, job, early, tolerance))
+        for slot, firings in batches.items():
+            if len(firings) == 1:
+                self.pool.submit(
+                    functools.partial(self._run_data, firings[0].job, False, tolerance)
+                )
+                continue
+            # As code schedules (fire): claimed together, from a random starting schedule.
+            firings.sort(key=lambda firing: firing.task_name)
+            start = random.randrange(len(firings))
+            self.dispatcher.add(slot, firings[start:] + firings[:start])
 
     def _run_data(self, job: Job, early: bool, tolerance: timedelta) -> None:
         assert self.data is not None
@@ -299,10 +321,10 @@ class Scheduler:
             outcome = f"raised {type(exc).__name__}: {exc}"
         self._say(job.task_name, job.slot, outcome, time.monotonic() - started)
 
-    def _run_slot(self, entry: Entry, slot: datetime) -> None:
+    def _run_slot(self, entry: DueEntry, slot: datetime) -> None:
         self._run(entry, [slot])
 
-    def _run(self, entry: Entry, slots: list[datetime]) -> None:
+    def _run(self, entry: DueEntry, slots: list[datetime]) -> None:
         for slot in slots:
             if self.stopping.is_set():
                 return  # not claimed: the sweep records it, unless another copy runs it

@@ -365,3 +365,14 @@ def note_schedule_version(run_id: int, version: int) -> None:
     it a moment ago; a later attempt of the same row writes its own)."""
     with translated:
         runs().filter(id=run_id).update(schedule_version=version)
+
+
+def note_schedule_versions(versions: dict[int, int]) -> None:
+    """:func:`note_schedule_version` for many runs (``{run id: version}``): one UPDATE per
+    distinct version (a batch claimed at one slot mostly shares one)."""
+    by_version: dict[int, list[int]] = {}
+    for run_id, version in versions.items():
+        by_version.setdefault(version, []).append(run_id)
+    with translated:
+        for version, ids in by_version.items():
+            runs().filter(id__in=ids).update(schedule_version=version)
