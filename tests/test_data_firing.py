@@ -425,3 +425,39 @@ def test_run_now__an_enqueued_slot_is_not_enqueued_again_while_it_waits() -> Non
     assert data.pending() == []  # this copy handed it out: not again at every poll
     TaskRun.objects.filter(id=pending.id).update(state=RunState.SUCCEEDED)
     assert data.pending() == [] and data.handed == set()  # claimed: forgotten
+
+
+def test_run_schedules__data_schedules_due_at_one_slot_are_claimed_together_with_versions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three data schedules due at one slot: on PostgreSQL one batch claim (dispatch.py), each
+    run recording its own schedule's version; elsewhere one by one, the same outcome."""
+    from django_taskguard import dispatch
+
+    batches: list[list[str]] = []
+    claim_many = dispatch.claim_many
+
+    def counted(slot: datetime, wanted: list[tuple[str, float]]) -> object:
+        batches.append(sorted(name for name, _ in wanted))
+        return claim_many(slot, wanted)
+
+    monkeypatch.setattr(dispatch, "claim_many", counted)  # observed, not replaced
+    rows = [define_schedule(f"t{n}", TARGET, every=MINUTE, args=[n]) for n in range(3)]
+    define_schedule("t1", TARGET, every=MINUTE, args=[10])  # t1 is at version 2
+    for row in rows:
+        _back(row.task_name, timedelta(hours=1))
+    data_targets.executed.clear()
+    call_command("run_schedules", "--once", verbosity=0)
+    ran = sorted((name, args) for name, args, _ in data_targets.executed)
+    assert ran == [(rows[0].task_name, (0,)), (rows[1].task_name, (10,)), (rows[2].task_name, (2,))]
+    runs = TaskRun.objects.filter(task_name__startswith=TARGET)
+    # (the hour before: recorded missed by the sweep --once runs)
+    found = runs.exclude(state=RunState.MISSED).order_by("task_name")
+    assert [(run.state, run.schedule_version) for run in found] == [
+        (RunState.SUCCEEDED, 1),
+        (RunState.SUCCEEDED, 2),
+        (RunState.SUCCEEDED, 1),
+    ]
+    assert len({run.slot for run in found}) == 1  # one slot: the batch's
+    if connections[alias()].vendor == "postgresql":  # claimed by one batch statement
+        assert batches == [[run.task_name for run in found]]
