@@ -290,9 +290,11 @@ def test_eager__beat_claim_lets_one_beat_publish_a_slot(
     }
     log = tmp_path / "log"
     entry_options = {
-        "name": "tick-2s",
+        "name": "tick-hourly",
         "task": "tests.support.celery_tasks.tick",
-        "schedule": timedelta(seconds=2),
+        # Hourly: the three beats stamp one slot however slow the machine is (with a
+        # 2-second interval, a loaded machine's three sends could straddle two slots).
+        "schedule": timedelta(hours=1),
         "kwargs": {"log": str(log), "seconds": 0},
         "app": app,
     }
