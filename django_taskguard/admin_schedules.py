@@ -249,9 +249,14 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
             request.user.has_perm("taskguard.view_taskrun")
         )
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        found = super().get_actions(request)
-        found.pop("delete_selected", None)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 says where the actions are shown (``action_location``; an override
+        # without the parameter is deprecated there); earlier versions do not.
+        if action_location is None:
+            found = super().get_actions(request)
+        else:
+            found = super().get_actions(request, action_location=action_location)  # type: ignore[call-arg]
+        found.pop("delete_selected", None)  # deleting goes through delete_schedule
         return found
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
