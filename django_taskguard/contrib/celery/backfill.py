@@ -27,7 +27,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Self
 
 from celery import current_app
 
@@ -150,17 +150,16 @@ def _json(name: str, what: str, text: str | None, empty: str, kind: type) -> Any
     return value
 
 
-class BeatSender:
-    """A beat entry's slots sent as stamped messages (a :class:`handoff.SlotSender`), over
-    one broker connection of the current Celery app."""
+class _Sender:
+    """A schedule's slots sent as stamped messages (a :class:`handoff.SlotSender`), over one
+    broker connection of the current Celery app; subclasses say how one slot is sent."""
 
-    def __init__(self, schedule: TaskSchedule, by: str) -> None:
-        self.task_name = schedule.task_name
-        self.message = beat_message(schedule)
+    def __init__(self, task_name: str, by: str) -> None:
+        self.task_name = task_name
         self.by = by or "backfill"
         self._broker: Any = None
 
-    def __enter__(self) -> BeatSender:
+    def __enter__(self) -> Self:
         app: Any = current_app
         self._broker = app.connection_for_write()
         return self
@@ -176,6 +175,17 @@ class BeatSender:
         if missed:
             return f"enqueued ({self._send(slot)}); its missed row is taken over by the worker"
         return hand_out(self.task_name, slot, functools.partial(self._send, slot))
+
+    def _send(self, slot: datetime) -> str:
+        raise NotImplementedError
+
+
+class BeatSender(_Sender):
+    """A beat entry's slots."""
+
+    def __init__(self, schedule: TaskSchedule, by: str) -> None:
+        super().__init__(schedule.task_name, by)
+        self.message = beat_message(schedule)
 
     def _send(self, slot: datetime) -> str:
         message = self.message
@@ -221,31 +231,17 @@ def run_now(row: TaskSchedule, slot: datetime, by: str) -> str:
     return hand_out(row.task_name, slot, functools.partial(send_slot, row, slot, by))
 
 
-class DataSender:
-    """``manage.py backfill`` of a Celery data schedule (a :class:`handoff.SlotSender`)."""
+class DataSender(_Sender):
+    """``manage.py backfill`` of a Celery data schedule."""
 
     def __init__(self, row: TaskSchedule, by: str) -> None:
         if row.removed_at is not None:
             raise TaskGuardError(f"data schedule {row.task_name} was deleted; nothing to backfill")
+        super().__init__(row.task_name, by)
         self.row = row
-        self.by = by or "backfill"
-        self._broker: Any = None
 
-    def __enter__(self) -> DataSender:
-        app: Any = current_app
-        self._broker = app.connection_for_write()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        broker, self._broker = self._broker, None
-        if broker is not None:
-            broker.release()
-
-    def hand_out(self, slot: datetime, *, missed: bool) -> str:
-        send = functools.partial(send_slot, self.row, slot, self.by, self._broker)
-        if missed:
-            return f"enqueued ({send()}); its missed row is taken over by the worker"
-        return hand_out(self.row.task_name, slot, send)
+    def _send(self, slot: datetime) -> str:
+        return send_slot(self.row, slot, self.by, self._broker)
 
 
 def register() -> None:
