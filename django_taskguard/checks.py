@@ -29,12 +29,15 @@ CHECK_IDS = {
     "INSTANCE_NAME": "taskguard.E022",
     "STARTUP_CLEANUP": "taskguard.E023",
     "BEAT_CLAIM": "taskguard.E023",
+    "CHECKINS": "taskguard.E024",
+    "OPENTELEMETRY": "taskguard.E025",
 }
 TOKEN_HINT = (
     "None (the default) lets staff users in only; a token lets a client in that sends "
     "'Authorization: Bearer <token>'."
 )
 HINTS = {
+    "CHECKINS": "See docs/monitoring.md for the senders and their keys.",
     "HEALTH_TOKEN": TOKEN_HINT,
     "METRICS_TOKEN": TOKEN_HINT,
 }

@@ -39,6 +39,10 @@ DEFAULTS: dict[str, Any] = {
     "HEALTH_TOKEN": None,
     "METRICS_TOKEN": None,
     "UPKEEP_INTERVAL_SECONDS": 60,
+    "CHECKINS": {},
+    "OPENTELEMETRY": False,
+    "LATE_START_SECONDS": None,
+    "LATE_START_RUNS": 3,
 }
 
 # Every number a user gives: (lowest, highest, unit). Checked where it is read
@@ -53,6 +57,8 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
     "HEALTH_FAILURES": (1, 100, "runs"),
     "MONITOR_WINDOW_HOURS": (1, 720, "hours"),
     "UPKEEP_INTERVAL_SECONDS": (5, 3_600, "seconds"),
+    "LATE_START_SECONDS": (1, 86_400, "seconds"),
+    "LATE_START_RUNS": (1, 100, "runs"),
 }
 
 BACKENDS = ("auto", "redis", "database")
@@ -162,6 +168,46 @@ def upkeep_problem(name: str, value: Any) -> str | None:
     return f"{problem}, or None (no automatic upkeep)" if problem else None
 
 
+def late_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``LATE_START_SECONDS`` (None: no lateness rule)."""
+    if value is None:
+        return None
+    problem = number_problem(name, value)
+    return f"{problem}, or None (no lateness rule)" if problem else None
+
+
+OPENTELEMETRY_FLAGS = ("traces", "metrics", "ledger_metrics")
+OPENTELEMETRY_KEYS = ("digest", "plain")
+
+
+def opentelemetry_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``OPENTELEMETRY``: False (off), True (traces and metrics) or a
+    dict of ``traces``/``metrics`` (default True), ``ledger_metrics`` (default False) and
+    ``key`` (``digest``, the default, or ``plain``)."""
+    if isinstance(value, bool):
+        return None
+    shape = (
+        f"TASKGUARD[{name!r}] is {value!r}; it must be True, False or a dict with the keys "
+        f"{', '.join(repr(k) for k in (*OPENTELEMETRY_FLAGS, 'key'))}"
+    )
+    if not isinstance(value, dict):
+        return shape
+    for key, item in value.items():
+        if key in OPENTELEMETRY_FLAGS and isinstance(item, bool):
+            continue
+        if key == "key" and item in OPENTELEMETRY_KEYS:
+            continue
+        return f"{shape} (True/False, and 'digest' or 'plain' for 'key'); {key!r} is {item!r}"
+    return None
+
+
+def checkins_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``CHECKINS`` (``django_taskguard.checkins.config``)."""
+    from .checkins.config import problem as checkins_config_problem
+
+    return checkins_config_problem(value)
+
+
 # Every key's validator: (name, value) -> why the value cannot be it, or None.
 VALIDATORS: dict[str, Callable[[str, Any], str | None]] = {
     **dict.fromkeys(("BACKEND", "ON_REDIS_ERROR"), choice_problem),
@@ -170,6 +216,9 @@ VALIDATORS: dict[str, Callable[[str, Any], str | None]] = {
     **dict.fromkeys(("STARTUP_CLEANUP", "BEAT_CLAIM"), flag_problem),
     **dict.fromkeys((*BOUNDS, "HEALTH_TOKEN", "METRICS_TOKEN"), _number_or_token),
     "UPKEEP_INTERVAL_SECONDS": upkeep_problem,
+    "LATE_START_SECONDS": late_problem,
+    "OPENTELEMETRY": opentelemetry_problem,
+    "CHECKINS": checkins_problem,
     "SCHEDULE_MODULES": lambda name, value: modules_problem(value),
 }
 
@@ -309,6 +358,32 @@ class Settings:
         """Seconds between two upkeeps across the fleet (None: no automatic upkeep)."""
         value = self._get("UPKEEP_INTERVAL_SECONDS")
         return None if value is None else float(value)
+
+    @property
+    def LATE_START_SECONDS(self) -> float | None:
+        """A slot started later than this after its time is late (None: no lateness rule)."""
+        value = self._get("LATE_START_SECONDS")
+        return None if value is None else float(value)
+
+    @property
+    def LATE_START_RUNS(self) -> int:
+        """A task whose last this many started runs all started late is unhealthy."""
+        return int(self._number("LATE_START_RUNS"))
+
+    @property
+    def OPENTELEMETRY(self) -> dict[str, Any]:
+        """The OpenTelemetry switches, every key filled in (all off when it is False)."""
+        value = self._get("OPENTELEMETRY")
+        if isinstance(value, bool):
+            flags: dict[str, Any] = {"traces": value, "metrics": value, "ledger_metrics": False}
+            return {**flags, "key": "digest"}
+        return {"traces": True, "metrics": True, "ledger_metrics": False, "key": "digest", **value}
+
+    @property
+    def CHECKINS(self) -> dict[str, Any]:
+        """The check-in senders' settings, as given (validated by ``checkins.config``)."""
+        value: dict[str, Any] = self._get("CHECKINS")
+        return value
 
     @property
     def HEALTH_TOKEN(self) -> str | None:

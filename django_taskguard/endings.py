@@ -84,7 +84,7 @@ def record_raised(
                 sender=active.task_name, run_id=active.id, slot=active.slot, reason=reason
             )
         else:
-            run_failed.send(sender=active.task_name, run=active, exception=exc)
+            run_failed.send(sender=active.task_name, run=active, exception=exc, state=state)
     except LeaseLost:
         logger.warning(
             "taskguard run %s was taken over; its end (%s) is not recorded", active.id, state

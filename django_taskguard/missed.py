@@ -271,6 +271,7 @@ class _Found:
         self.missed_reason = f"missed: no instance claimed it within its grace ({grace:g}s)"
         self.missed = self.paused = 0
         self.last_missed: datetime | None = None
+        self.missed_slots: list[datetime] = []  # every slot recorded missed, oldest first
         self._missed: list[datetime] = []
         self._paused: list[datetime] = []
 
@@ -305,6 +306,7 @@ class _Found:
         )
         if missed:
             self.last_missed = missed[-1]
+            self.missed_slots.extend(missed)
 
     def report(self, result: SweepResult, dry_run: bool) -> None:
         name = self.row.task_name
@@ -315,7 +317,11 @@ class _Found:
         if self.missed and not dry_run and self.last_missed is not None:
             logger.warning("taskguard %s: %d due slots were missed", name, self.missed)
             run_missed.send(
-                sender=name, slot=self.last_missed, reason=self.missed_reason, count=self.missed
+                sender=name,
+                slot=self.last_missed,
+                reason=self.missed_reason,
+                count=self.missed,
+                slots=self.missed_slots,
             )
 
 
@@ -357,7 +363,7 @@ def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
         row.task_name,
         len(ended),
     )
-    run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended))
+    run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended), slots=ended)
 
 
 def _end_pending_all(

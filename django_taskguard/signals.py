@@ -5,7 +5,8 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
 ``slot`` is when the key was claimed.
 
 - ``run_started(run)``: an attempt won its slot and is about to call the function.
-- ``run_succeeded(run, result)``; ``run_failed(run, exception)``.
+- ``run_succeeded(run, result)``; ``run_failed(run, exception, state)``: ``state`` is
+  ``failed``, or ``retrying`` when another attempt of the same run follows (a Celery retry).
 - ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
 - ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken;
   ``state`` is the row's, or ``"finished"`` when Redis's finished-slot marker decided
@@ -15,7 +16,8 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
   ``SystemExit``).
 - ``run_missed(slot, reason)``: a due slot was recorded ``missed`` (by the missed-slot
   sweep, or a call later than its grace under ``catchup="none"``); the sweep sends it once
-  per task and sweep, with ``slot`` the newest missed slot and ``count`` how many.
+  per task and sweep, with ``slot`` the newest missed slot, ``count`` how many and ``slots``
+  all of them (oldest first; a single slot's signal has no ``count`` or ``slots``).
 - ``run_given_back(run, reason)``: an attempt ended before its function started (its
   ``run_started`` may have been sent) and gave its slot or key back: nothing ran, the row is
   back in the state its claim found it in (``pending``, ``retrying`` or ``missed``).

@@ -48,6 +48,14 @@ INVALID = [
     ({"HEALTH_TOKEN": "short"}, "taskguard.E021"),
     ({"METRICS_TOKEN": 1234}, "taskguard.E021"),
     ({"UPKEEP_INTERVAL_SECONDS": 1}, "taskguard.E009"),
+    ({"CHECKINS": {"healthchecks": {"ping_url": "hc-ping.com/abc"}}}, "taskguard.E024"),
+    ({"CHECKINS": {"sentry": {}, "monitors": {"nightly": 3}}}, "taskguard.E024"),
+    ({"CHECKINS": {"timeout": 0}}, "taskguard.E024"),
+    ({"CHECKINS": {"pagerduty": {}}}, "taskguard.E024"),
+    ({"OPENTELEMETRY": "yes"}, "taskguard.E025"),
+    ({"OPENTELEMETRY": {"key": "hash"}}, "taskguard.E025"),
+    ({"LATE_START_SECONDS": 0}, "taskguard.E009"),
+    ({"LATE_START_RUNS": 0}, "taskguard.E009"),
 ]
 # What a guarded call reads (a worker's first task): refused before anything is recorded.
 READ_BY_A_GUARDED_CALL = {"BACKEND", "REDIS_ALIAS", "ON_REDIS_ERROR", "DATABASE_ALIAS"}
