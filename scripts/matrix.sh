@@ -21,7 +21,8 @@ MATRIX=(
   "django61 3.13 Django>=6.1,<6.2 wide"
   "django60 3.12 Django>=6.0,<6.1 smoke"
 )
-FULL_EXTRAS=(prometheus-client "django-tasks-db>=0.13")
+FULL_EXTRAS=(prometheus-client "django-tasks-db>=0.13" "sentry-sdk>=2.0" "opentelemetry-sdk>=1.20"
+  "opentelemetry-instrumentation-celery>=0.41b0" "python-json-logger>=3.1")
 
 # The wide pass leaves out the files whose tests are about processes, signals and servers
 # rather than Django (Redis killed, paused and flushed; a wire cut; run_schedules under
