@@ -22,6 +22,10 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
   ``run_started`` may have been sent) and gave its slot or key back: nothing ran, the row is
   back in the state its claim found it in (``pending``, ``retrying`` or ``missed``).
 - ``lease_lost(run)``: an attempt lost its lease (not renewed in time, or fenced out).
+- ``checkin_failed(service, event, error)``: a check-in (``TASKGUARD["CHECKINS"]``) could not
+  be delivered after its tries, or was dropped (the queue was full); ``service`` is
+  ``"sentry"``, ``"healthchecks"``, ``"cronitor"`` or ``"webhook"``, ``event`` the check-in's
+  kind (``"start"``, ``"end"``, ``"missed"``, ``"abandoned"``). Sent from the sending thread.
 """
 
 from django.dispatch import Signal
@@ -35,3 +39,4 @@ run_abandoned = Signal()
 lease_lost = Signal()
 run_given_back = Signal()
 run_missed = Signal()
+checkin_failed = Signal()
