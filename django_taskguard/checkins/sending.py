@@ -223,10 +223,13 @@ def failures() -> dict[str, int]:
         return dict(_failures)
 
 
-def reset_failures() -> None:
-    """Forget the counts (tests)."""
+def reset() -> None:
+    """Forget the counts, and the thread: the next check-in starts one anew, with a queue
+    of the ``queue`` setting then (tests; the old thread sends what it holds, then idles)."""
+    global _worker
     with _lock:
         _failures.clear()
+        _worker = None
 
 
 def flush(timeout: float = 5.0) -> bool:
