@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from django.db import connections
 from prometheus_client import REGISTRY
 
 from django_taskguard import current_run, ledger, once_per_key, once_per_schedule, pauses, registry
@@ -226,8 +227,11 @@ def test_checkins__a_hanging_receiver_does_not_hold_the_task(checkins: CheckIns)
         return "done"
 
     def call() -> None:
-        hung.run_for_slot(SLOT)
-        finished.set()
+        try:
+            hung.run_for_slot(SLOT)
+            finished.set()
+        finally:
+            connections.close_all()  # this thread's own
 
     caller = threading.Thread(target=call)
     caller.start()
