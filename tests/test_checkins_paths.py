@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import warnings
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
+from django.test import override_settings
 
 from django_taskguard import ledger, once_per_schedule, registry
-from django_taskguard.checkins import monitors, sentry
+from django_taskguard.checkins import events, monitors, sending, sentry
 from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.registry import entries, unregister
@@ -216,3 +220,30 @@ def test_default_slug__sentry_safe_stable_and_unique_when_cut() -> None:
     assert len(slug_a) <= 50 and len(slug_b) <= 50 and slug_a != slug_b
     assert slug_a == monitors.default_slug(long_a)
     assert all(c.isdigit() or c in "abcdefghijklmnopqrstuvwxyz-_" for c in slug_a)
+
+
+def test_sending__a_forked_child_starts_its_own_thread(checkins: CheckIns) -> None:
+    """The parent's sending thread does not exist in a forked child: the child's first
+    check-in starts one there (``os.getpid()`` changed), and it is delivered."""
+    only_webhook = {"webhook": {"url": f"{checkins.receiver.url}/webhook"}}
+    with override_settings(TASKGUARD={**settings.TASKGUARD, "CHECKINS": only_webhook}):
+        ledger.identity()  # read here: the child inherits it and needs no connection
+        sending.submit(_checkin("tests.checkins.parent"))
+        checkins.settle()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
+            pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            sending.submit(_checkin("tests.checkins.child"))
+            ok = sending.flush(20) and sending._worker is not None
+            os._exit(0 if ok and sending._worker.pid == os.getpid() else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tasks = [r["json"]["task"] for r in checkins.receiver.wait_for(2, "webhook")]
+    assert tasks == ["tests.checkins.parent", "tests.checkins.child"]
+
+
+def _checkin(task: str) -> events.CheckIn:
+    return events.CheckIn(
+        event=events.START, task=task, slot=BASE_SLOT, state=RunState.RUNNING, ok=True, run_id=1
+    )
