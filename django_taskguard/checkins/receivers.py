@@ -132,7 +132,6 @@ def _of_run(event: str, run: ActiveRun, state: str, *, ok: bool, reason: str = "
         attempt=run.attempt,
         reason=clipped(reason),
         duration=duration,
-        queued=time.monotonic(),
     )
 
 
@@ -146,7 +145,6 @@ def _of_slot(
         state=state,
         ok=ok,
         reason=clipped(reason),
-        queued=time.monotonic(),
         verify_key=True,
     )
 
