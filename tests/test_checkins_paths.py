@@ -30,6 +30,7 @@ from tests.support.celery_app import app
 from .support.checkin_setup import CheckIns, running_checkins
 from .support.children import hold
 from .support.monitoring import schedule
+from .support.runs import make_run
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 from .test_checkins import every_service, expected_id, seen
@@ -245,4 +246,18 @@ def test_sending__a_forked_child_starts_its_own_thread(checkins: CheckIns) -> No
 def _checkin(task: str) -> events.CheckIn:
     return events.CheckIn(
         event=events.START, task=task, slot=BASE_SLOT, state=RunState.RUNNING, ok=True, run_id=1
+    )
+
+
+def test_checkins__cleanup_of_a_keyed_run_sends_none(checkins: CheckIns) -> None:
+    """``run_abandoned`` carries no key: the sending thread reads the row, and a keyed run
+    (``@once_per_key``) is not checked in, while the stale slot's run beside it is."""
+    keyed = make_run("tests.checkins.keyed", 0)
+    TaskRun.objects.filter(pk=keyed.pk).update(key="order:42")
+    slotted = make_run("tests.checkins.slotted", 0)
+    assert json.loads(_cleanup())["stale_runs"] == 2
+    checkins.settle()
+    assert {r["json"]["task"] for r in checkins.receiver.of("webhook")} == {slotted.task_name}
+    assert seen(checkins.receiver) == every_service(
+        ["error"], expected_id(slotted.task_name, slotted.slot), "tests-checkins-slotted"
     )
