@@ -67,12 +67,15 @@ class _Worker:
             checkin = self.queue.get()
             try:
                 deliver(checkin)
-            except Exception:  # never let the thread die
-                logger.exception("taskguard check-in of %s failed", checkin.task)
+                if self.queue.empty():  # before task_done: a flush() sees no open connection
+                    connections.close_all()  # this thread's own connections only
+            except Exception as exc:  # the ledger unreachable, a bug: never let the thread die
+                logger.exception("taskguard check-in of %s could not be sent", checkin.task)
+                for service in _services():
+                    _count(service)
+                    _signal(service, checkin.event, f"{type(exc).__name__}: {exc}")
             finally:
                 self.queue.task_done()
-                if self.queue.empty():
-                    connections.close_all()  # this thread's own connections only
 
 
 _worker: _Worker | None = None
@@ -102,8 +105,12 @@ def submit(checkin: CheckIn) -> None:
         worker.dropping = False
 
 
+def _services() -> list[str]:
+    return [s for s in SENDERS if s in taskguard_settings.CHECKINS]
+
+
 def _dropped(worker: _Worker, checkin: CheckIn) -> None:
-    services = [s for s in SENDERS if s in taskguard_settings.CHECKINS]
+    services = _services()
     if not worker.dropping:
         worker.dropping = True
         logger.warning(
@@ -122,7 +129,7 @@ def _dropped(worker: _Worker, checkin: CheckIn) -> None:
 def deliver(checkin: CheckIn) -> None:
     """Send ``checkin`` to every configured service (the sending thread)."""
     settings = taskguard_settings.CHECKINS
-    services = [s for s in SENDERS if s in settings]
+    services = _services()
     if not services:
         return
     if checkin.verify_key and _keyed(checkin):
@@ -223,10 +230,13 @@ def failures() -> dict[str, int]:
         return dict(_failures)
 
 
-def reset_failures() -> None:
-    """Forget the counts (tests)."""
+def reset() -> None:
+    """Forget the counts, and the thread: the next check-in starts one anew, with a queue
+    of the ``queue`` setting then (tests; the old thread sends what it holds, then idles)."""
+    global _worker
     with _lock:
         _failures.clear()
+        _worker = None
 
 
 def flush(timeout: float = 5.0) -> bool:
