@@ -32,6 +32,7 @@ from django_taskguard.models import RunState, TaskRun
 from .support.checkin_holding import HoldingReceiver
 from .support.checkin_records import (
     OTHERS,
+    Hook,
     by_slot,
     delivered,
     expected,
@@ -195,6 +196,17 @@ def test_checkins_e2e__two_beats_two_workers__a_retried_slot_is_one_checkin(
     finally:
         cluster.kill_all()
 
+    ran, retried = assert_retries_are_one_checkin(receiver, log, runs, task)
+    report("two beats, two workers", receiver, slots=len(ran), retried=len(retried),
+           duplicates=sum(run.duplicates for run in runs.values()))  # fmt: skip
+
+
+def assert_retries_are_one_checkin(
+    receiver: HoldingReceiver, log: Path, runs: dict[datetime, TaskRun], task: str
+) -> tuple[Counter[datetime], set[datetime]]:
+    """Each slot's attempt ran once, every fifth slot twice (its retry), each run succeeded,
+    each slot one start and one end: a retried slot's start from attempt 1, its end from
+    attempt 2. Returns the slots run, and those retried."""
     attempts = Counter((datetime.fromisoformat(slot), int(attempt))
                        for _, _, slot, attempt, *_ in executions(log))  # fmt: skip
     assert max(attempts.values()) == 1, f"an attempt ran twice: {attempts.most_common(3)}"
@@ -215,8 +227,7 @@ def test_checkins_e2e__two_beats_two_workers__a_retried_slot_is_one_checkin(
         ("start", 1, "running"),
         ("end", 2, "succeeded"),
     }
-    report("two beats, two workers", receiver, slots=len(ran), retried=len(retried),
-           duplicates=sum(run.duplicates for run in runs.values()))  # fmt: skip
+    return ran, retried
 
 
 def cleanup(env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
@@ -234,6 +245,45 @@ def blocked(log: Path) -> datetime | None:
     """The slot whose body blocks (tests/support/checkin_jobs.py), once it has started."""
     lines = [words for words in executions(log) if words[0] == "blocked"]
     return datetime.fromisoformat(lines[0][1]) if lines else None
+
+
+def started_everywhere(receiver: HoldingReceiver, task: str, slot: datetime) -> Hook:
+    """The webhook's start of ``slot``, once every service got that start."""
+    start = wait_for(
+        lambda: [h for h in hooks(receiver, task) if h.slot == slot and h.event == "start"],
+        30,
+        "the blocked run's start",
+    )[0]
+    wait_for(
+        lambda: all(kinds(receiver, s)[(start.checkin_id, "start")] for s in OTHERS),
+        30,
+        "the blocked run's start at every service",
+    )
+    return start
+
+
+def assert_pushed_once(
+    receiver: HoldingReceiver,
+    task: str,
+    missed: set[datetime],
+    abandoned: dict[int, datetime],
+    start: Hook,
+) -> None:
+    """Each missed slot pushed once under its own id, each abandoned run once (the blocked
+    one under its start's id, closing the start the services hold), at every service."""
+    found = hooks(receiver, task)
+    assert Counter(h.slot for h in found if h.event == "missed") == Counter(missed)
+    assert Counter(h.run_id for h in found if h.event == "abandoned") == Counter(list(abandoned))
+    [pushed] = [h for h in found if h.event == "abandoned" and h.slot == start.slot]
+    assert pushed.checkin_id == start.checkin_id
+    assert max(Counter((h.checkin_id, h.event) for h in found).values()) == 1
+    missed_ids = {h.checkin_id for h in found if h.event == "missed"}
+    for service in OTHERS:
+        got = kinds(receiver, service)
+        assert max(got.values()) == 1, f"{service}: a check-in arrived twice"
+        assert got[(start.checkin_id, "start")] == got[(start.checkin_id, "error")] == 1
+        assert {i for i, kind in got if i in missed_ids} == missed_ids
+        assert all(kind == "error" for i, kind in got if i in missed_ids), service
 
 
 def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandoned_once(
@@ -255,16 +305,7 @@ def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandon
     wait_for(lambda: len(executed(log)) >= 3, 60, "the first slots")
     gate.touch()
     slot = wait_for(lambda: blocked(log), 30, "a body to block")
-    start = wait_for(
-        lambda: [h for h in hooks(receiver, task) if h.slot == slot and h.event == "start"],
-        30,
-        "the blocked run's start",
-    )[0]
-    wait_for(
-        lambda: all(kinds(receiver, s)[(start.checkin_id, "start")] for s in OTHERS),
-        30,
-        "the blocked run's start at every service",
-    )
+    start = started_everywhere(receiver, task, slot)
     for copy in copies:
         copy.kill()
     last = max(executed(log))
@@ -279,7 +320,6 @@ def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandon
     assert slot in abandoned.values()
     assert {s for s in missed if s > last} >= set(slots_between(last + SECOND, last + 3 * SECOND))
     assert not missed & set(executed(log)), "a missed slot ran"
-    settled(receiver, 0)
     wait_for(
         lambda: (
             len([h for h in hooks(receiver, task) if h.event in ("missed", "abandoned")])
@@ -290,20 +330,7 @@ def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandon
         describe=lambda: str(tally(receiver)),
     )
     settled(receiver, 0)
-
-    found = hooks(receiver, task)
-    assert Counter(h.slot for h in found if h.event == "missed") == Counter(missed)
-    assert Counter(h.run_id for h in found if h.event == "abandoned") == Counter(list(abandoned))
-    [pushed] = [h for h in found if h.event == "abandoned" and h.slot == slot]
-    assert pushed.checkin_id == start.checkin_id  # it closes the start the services hold
-    assert max(Counter((h.checkin_id, h.event) for h in found).values()) == 1
-    missed_ids = {h.checkin_id for h in found if h.event == "missed"}
-    for service in OTHERS:
-        got = kinds(receiver, service)
-        assert max(got.values()) == 1, f"{service}: a check-in arrived twice"
-        assert got[(start.checkin_id, "start")] == got[(start.checkin_id, "error")] == 1
-        assert {i for i, kind in got if i in missed_ids} == missed_ids
-        assert all(kind == "error" for i, kind in got if i in missed_ids), service
+    assert_pushed_once(receiver, task, missed, abandoned, start)
     report("killed copies", receiver, missed=len(missed), abandoned=len(abandoned))
 
 
