@@ -14,6 +14,7 @@ import pytest
 from django.db import connections
 from prometheus_client import REGISTRY
 
+from django_taskguard import checkins as checkins_api
 from django_taskguard import current_run, ledger, once_per_key, once_per_schedule, pauses, registry
 from django_taskguard.checkins import events, sending
 from django_taskguard.models import RunState, TaskRun
@@ -92,7 +93,7 @@ def test_checkins__one_start_and_one_end_per_slot_from_the_winner(checkins: Chec
     assert webhook_end["state"] == RunState.SUCCEEDED and webhook_end["duration"] >= 0
     assert checkins.receiver.of("webhook")[0]["headers"]["authorization"] == "Bearer webhook-token"
     assert {r["query"].get("env") for r in checkins.receiver.of("cronitor")} == {"test"}
-    assert sending.failures() == {}
+    assert checkins_api.failures() == {}
 
 
 def test_checkins__a_raising_task_ends_in_error_with_its_reason(checkins: CheckIns) -> None:

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import warnings
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
+from django.test import override_settings
 
 from django_taskguard import ledger, once_per_schedule, registry
-from django_taskguard.checkins import monitors, sentry
+from django_taskguard.checkins import events, monitors, sending, sentry
 from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.registry import entries, unregister
@@ -26,6 +30,7 @@ from tests.support.celery_app import app
 from .support.checkin_setup import CheckIns, running_checkins
 from .support.children import hold
 from .support.monitoring import schedule
+from .support.runs import make_run
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 from .test_checkins import every_service, expected_id, seen
@@ -216,3 +221,43 @@ def test_default_slug__sentry_safe_stable_and_unique_when_cut() -> None:
     assert len(slug_a) <= 50 and len(slug_b) <= 50 and slug_a != slug_b
     assert slug_a == monitors.default_slug(long_a)
     assert all(c.isdigit() or c in "abcdefghijklmnopqrstuvwxyz-_" for c in slug_a)
+
+
+def test_sending__a_forked_child_starts_its_own_thread(checkins: CheckIns) -> None:
+    """The parent's sending thread does not exist in a forked child: the child's first
+    check-in starts one there (``os.getpid()`` changed), and it is delivered."""
+    only_webhook = {"webhook": {"url": f"{checkins.receiver.url}/webhook"}}
+    with override_settings(TASKGUARD={**settings.TASKGUARD, "CHECKINS": only_webhook}):
+        ledger.identity()  # read here: the child inherits it and needs no connection
+        sending.submit(_checkin("tests.checkins.parent"))
+        checkins.settle()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
+            pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            sending.submit(_checkin("tests.checkins.child"))
+            os._exit(0 if sending.flush(20) else 1)  # a thread of the parent's would not drain
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tasks = [r["json"]["task"] for r in checkins.receiver.wait_for(2, "webhook")]
+    assert tasks == ["tests.checkins.parent", "tests.checkins.child"]
+
+
+def _checkin(task: str) -> events.CheckIn:
+    return events.CheckIn(
+        event=events.START, task=task, slot=BASE_SLOT, state=RunState.RUNNING, ok=True, run_id=1
+    )
+
+
+def test_checkins__cleanup_of_a_keyed_run_sends_none(checkins: CheckIns) -> None:
+    """``run_abandoned`` carries no key: the sending thread reads the row, and a keyed run
+    (``@once_per_key``) is not checked in, while the stale slot's run beside it is."""
+    keyed = make_run("tests.checkins.keyed", 0)
+    TaskRun.objects.filter(pk=keyed.pk).update(key="order:42")
+    slotted = make_run("tests.checkins.slotted", 0)
+    assert json.loads(_cleanup())["stale_runs"] == 2
+    checkins.settle()
+    assert {r["json"]["task"] for r in checkins.receiver.of("webhook")} == {slotted.task_name}
+    assert seen(checkins.receiver) == every_service(
+        ["error"], expected_id(slotted.task_name, slotted.slot), "tests-checkins-slotted"
+    )

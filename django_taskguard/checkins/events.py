@@ -17,7 +17,7 @@ run's start must not land on a check-in the service already closed.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 
 # The namespace of every check-in id (uuid5), fixed forever: changing it changes every id.
@@ -46,7 +46,6 @@ class CheckIn:
     attempt: int | None = None
     reason: str = ""
     duration: float | None = None  # seconds, when this process saw the start
-    queued: float = field(default=0.0, compare=False)  # time.monotonic() when queued
     # The signal carried no run (``run_skipped``, ``run_abandoned``): the sending thread
     # reads whether the slot's row is a keyed run's (then no check-in).
     verify_key: bool = False

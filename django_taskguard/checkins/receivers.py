@@ -20,8 +20,11 @@ no run, the sending thread reads the row's key). A task ``monitors`` maps to ``F
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -41,12 +44,29 @@ _STARTS_KEPT = 10_000
 _started: dict[int, float] = {}
 _started_lock = threading.Lock()
 
+logger = logging.getLogger("taskguard.checkins")
+
+
+def _never_raises(receiver: Callable[..., None]) -> Callable[..., None]:
+    """A receiver that raised would fail the task (``run_started``'s gives the slot back):
+    log instead. Nothing in them should raise; a thread that cannot start might."""
+
+    @functools.wraps(receiver)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            receiver(*args, **kwargs)
+        except Exception:
+            logger.exception("taskguard check-in not queued (%s)", receiver.__name__)
+
+    return guarded
+
 
 def _wanted(task_name: str) -> bool:
     settings = taskguard_settings.CHECKINS
     return bool(settings) and not opted_out(settings, task_name)
 
 
+@_never_raises
 def on_started(sender: str, run: ActiveRun, **kwargs: Any) -> None:
     if run.key is not None or not _wanted(run.task_name):
         return
@@ -59,11 +79,13 @@ def on_started(sender: str, run: ActiveRun, **kwargs: Any) -> None:
     submit(_of_run(START, run, RunState.RUNNING, ok=True))
 
 
+@_never_raises
 def on_succeeded(sender: str, run: ActiveRun, **kwargs: Any) -> None:
     if run.key is None and _wanted(run.task_name):
         submit(_of_run(END, run, RunState.SUCCEEDED, ok=True))
 
 
+@_never_raises
 def on_failed(sender: str, run: ActiveRun, exception: BaseException, **kwargs: Any) -> None:
     if kwargs.get("state", RunState.FAILED) != RunState.FAILED:
         return  # retrying: the next attempt ends this check-in
@@ -72,17 +94,20 @@ def on_failed(sender: str, run: ActiveRun, exception: BaseException, **kwargs: A
         submit(_of_run(END, run, RunState.FAILED, ok=False, reason=reason))
 
 
+@_never_raises
 def on_skipped(sender: str, slot: datetime, reason: str = "", **kwargs: Any) -> None:
     if _wanted(sender):
         submit(_of_slot(END, sender, slot, RunState.SKIPPED, ok=True, reason=reason))
 
 
+@_never_raises
 def on_abandoned(sender: str, run_id: int, slot: datetime, reason: str = "", **kwargs: Any) -> None:
     if _wanted(sender):
         checkin = _of_slot(ABANDONED, sender, slot, RunState.ABANDONED, ok=False, reason=reason)
         submit(replace(checkin, run_id=run_id, duration=_duration(run_id)))
 
 
+@_never_raises
 def on_missed(sender: str, slot: datetime, reason: str = "", **kwargs: Any) -> None:
     if not _wanted(sender):
         return
@@ -107,7 +132,6 @@ def _of_run(event: str, run: ActiveRun, state: str, *, ok: bool, reason: str = "
         attempt=run.attempt,
         reason=clipped(reason),
         duration=duration,
-        queued=time.monotonic(),
     )
 
 
@@ -121,7 +145,6 @@ def _of_slot(
         state=state,
         ok=ok,
         reason=clipped(reason),
-        queued=time.monotonic(),
         verify_key=True,
     )
 

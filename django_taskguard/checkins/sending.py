@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,6 +29,7 @@ from django.db import connections
 
 from .. import ledger
 from ..conf import taskguard_settings
+from ..process import PerProcess, per_process
 from ..signals import checkin_failed
 from . import cronitor, healthchecks, monitors, sentry, webhook
 from .config import SENDERS, number
@@ -48,7 +48,7 @@ SEND: dict[str, Send] = {
 RETRY_PAUSE = 0.5  # seconds between two tries of one send (doubled each time)
 
 _lock = threading.Lock()
-_failures: Counter[str] = Counter()
+_failures: PerProcess[Counter[str]] = per_process(Counter)  # a forked child counts its own
 _prometheus: Any = None  # the Counter, once a failure was counted with prometheus_client
 
 
@@ -56,7 +56,6 @@ class _Worker:
     """The queue and thread of one process."""
 
     def __init__(self, size: int) -> None:
-        self.pid = os.getpid()
         self.queue: queue.Queue[CheckIn] = queue.Queue(maxsize=size)
         self.dropping = False  # in a burst of drops (logged once)
         self.thread = threading.Thread(target=self.loop, name="taskguard-checkins", daemon=True)
@@ -78,20 +77,17 @@ class _Worker:
                 self.queue.task_done()
 
 
-_worker: _Worker | None = None
+_workers: PerProcess[_Worker] = per_process(
+    lambda: _Worker(int(number(taskguard_settings.CHECKINS, "queue")))
+)
 
 
 def _current() -> _Worker:
-    global _worker
-    worker = _worker
-    if worker is not None and worker.pid == os.getpid():
+    worker = _workers.mine()
+    if worker is not None:
         return worker
-    with _lock:
-        if _worker is None or _worker.pid != os.getpid():
-            if _worker is not None:  # forked: the parent's counts are not this process's
-                _failures.clear()
-            _worker = _Worker(int(number(taskguard_settings.CHECKINS, "queue")))
-        return _worker
+    with _lock:  # one thread per process, whichever thread queues first
+        return _workers.get()
 
 
 def submit(checkin: CheckIn) -> None:
@@ -191,7 +187,7 @@ def _send(
 def _count(service: str) -> None:
     global _prometheus
     with _lock:
-        _failures[service] += 1
+        _failures.get()[service] += 1
         if _prometheus is None:
             _prometheus = _prometheus_counter()
     if _prometheus is not False:
@@ -227,25 +223,24 @@ def _signal(service: str, event: str, error: str) -> None:
 def failures() -> dict[str, int]:
     """Check-ins this process could not deliver (or dropped), per service."""
     with _lock:
-        return dict(_failures)
+        return dict(_failures.get())
 
 
 def reset() -> None:
     """Forget the counts, and the thread: the next check-in starts one anew, with a queue
     of the ``queue`` setting then (tests; the old thread sends what it holds, then idles)."""
-    global _worker
     with _lock:
-        _failures.clear()
-        _worker = None
+        _failures.forget()
+        _workers.forget()
 
 
 def flush(timeout: float = 5.0) -> bool:
     """Wait up to ``timeout`` seconds until every queued check-in was sent (and Sentry's
     transport flushed); True when the queue drained in time."""
-    worker = _worker
+    worker = _workers.mine()
     deadline = time.monotonic() + timeout
     drained = True
-    if worker is not None and worker.pid == os.getpid():
+    if worker is not None:
         with worker.queue.all_tasks_done:
             while worker.queue.unfinished_tasks:
                 left = deadline - time.monotonic()
@@ -262,7 +257,7 @@ def flush(timeout: float = 5.0) -> bool:
 
 @atexit.register
 def _flush_at_exit() -> None:
-    if _worker is not None and _worker.pid == os.getpid():
+    if _workers.mine() is not None:
         try:
             flush(number(taskguard_settings.CHECKINS, "timeout"))
         except Exception:  # the interpreter is going away: never fail its exit

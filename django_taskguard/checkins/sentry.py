@@ -55,7 +55,11 @@ def send(
 
 def config(options: dict[str, Any], task_name: str) -> dict[str, Any] | None:
     """The ``monitor_config`` sent with every check-in of ``task_name`` (None: none)."""
-    schedule = monitors.schedule_of(task_name)
+    try:
+        schedule = monitors.schedule_of(task_name)
+    except Exception as exc:  # the ledger away: the check-in goes, without a schedule
+        logger.warning("taskguard check-ins: the schedule of %s not read (%s)", task_name, exc)
+        return None
     if schedule is None:
         return None
     config = dict(schedule)
