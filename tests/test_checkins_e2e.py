@@ -38,6 +38,7 @@ from .support.checkin_records import (
     expected,
     hooks,
     kinds,
+    monitor_of,
     tally,
 )
 from .support.children import executions, python
@@ -123,6 +124,7 @@ def assert_one_checkin_per_run(receiver: HoldingReceiver, ran: Counter[datetime]
         got = kinds(receiver, service)
         assert got == expected(receiver), (service, got - expected(receiver))
         assert max(got.values()) == 1, f"{service}: a check-in arrived twice"
+        assert len({monitor_of(r) for r in delivered(receiver, service)}) == 1, service
 
 
 def report(name: str, receiver: HoldingReceiver, **numbers: object) -> None:

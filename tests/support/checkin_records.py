@@ -41,6 +41,13 @@ def kind_of(record: dict[str, Any]) -> tuple[str, str]:
     return str(uuid.UUID(query["series"])), CRONITOR[query["state"]]
 
 
+def monitor_of(record: dict[str, Any]) -> str:
+    """The monitor a record of Sentry, Healthchecks or Cronitor checks in to."""
+    if record["service"] == "sentry":
+        return str(record["item"]["monitor_slug"])
+    return str(record["path"]).removesuffix("/start").removesuffix("/fail")
+
+
 def kinds(receiver: Receiver, service: str) -> Counter[tuple[str, str]]:
     """Every check-in ``service`` got, counted: ``(checkin_id, kind) -> n``."""
     return Counter(kind_of(record) for record in delivered(receiver, service))
