@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import sentry_sdk
 from django.db import connections
 from prometheus_client import REGISTRY
 
@@ -275,3 +276,23 @@ def test_checkins__a_full_queue_drops_counts_and_signals(checkins: CheckIns) -> 
     assert sending.failures() == dict.fromkeys(("sentry", "healthchecks", "cronitor", "webhook"), 4)
     sending.reset()  # the next test's thread has the default queue
     assert TaskRun.objects.filter(state=RunState.SUCCEEDED).count() == 3
+
+
+def test_checkins__no_sentry_client_is_counted_and_said_once(
+    checkins: CheckIns, caplog: pytest.LogCaptureFixture
+) -> None:
+    sentry_sdk.get_client().close(timeout=2)
+    sentry_sdk.get_global_scope().set_client(None)
+
+    @once_per_schedule(every=HOUR, name="tests.checkins.clientless")
+    def clientless() -> None:
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="taskguard.checkins"):
+        clientless.run_for_slot(SLOT)
+        clientless.run_for_slot(SLOT + HOUR)
+        checkins.settle()
+    assert checkins_api.failures() == {"sentry": 4}
+    said = [r for r in caplog.records if "has no client in this process" in r.getMessage()]
+    assert len(said) == 1  # once per process, not once per check-in
+    assert len(checkins.receiver.of("healthchecks")) == 4  # the other services are not held up
