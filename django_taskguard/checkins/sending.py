@@ -1,11 +1,12 @@
-"""Sending check-ins off the task's path: one daemon thread per process, a bounded queue.
+"""Sending check-ins off the task's path: a daemon thread and a bounded queue per service.
 
-:func:`submit` only queues (the task never waits on a send); the thread, made on first use
-and made again in a forked child (its parent's thread does not exist there), sends each
-check-in to every configured service, up to ``attempts`` tries of ``timeout`` seconds each,
+:func:`submit` only queues (the task never waits on a send). Each configured service has a
+thread of its own in each process (made on first use, and made again in a forked child,
+where its parent's threads do not exist), so that a service that hangs delays no other
+service's check-ins. It sends each check-in up to ``attempts`` tries of ``timeout`` seconds,
 every try with the same check-in id (so a retried send is one check-in at the service).
-A full queue drops the check-in: counted as a failure of every service, ``checkin_failed``
-sent, logged once per burst. A send that fails its last try is counted
+A full queue drops the check-in for that service: counted as its failure,
+``checkin_failed`` sent, logged once per burst. A send that fails its last try is counted
 (:func:`failures`; ``taskguard_checkin_failures_total{service}`` in prometheus_client's
 default registry when it is installed), logged with the service and status, and
 ``checkin_failed`` is sent from the sending thread.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -48,57 +50,72 @@ SEND: dict[str, Send] = {
 RETRY_PAUSE = 0.5  # seconds between two tries of one send (doubled each time)
 
 _lock = threading.Lock()
+
+
+def _unlock_in_child() -> None:
+    """A forked child gets a lock of its own (its parent's may be held by a thread that does
+    not exist in the child)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 _failures: PerProcess[Counter[str]] = per_process(Counter)  # a forked child counts its own
 _prometheus: Any = None  # the Counter, once a failure was counted with prometheus_client
 
 
 class _Worker:
-    """The queue and thread of one process."""
+    """The queue and thread of one service in one process."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, service: str, size: int) -> None:
+        self.service = service
         self.queue: queue.Queue[CheckIn] = queue.Queue(maxsize=size)
         self.dropping = False  # in a burst of drops (logged once)
-        self.thread = threading.Thread(target=self.loop, name="taskguard-checkins", daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop, name=f"taskguard-checkins-{service}", daemon=True
+        )
         self.thread.start()
 
     def loop(self) -> None:
         while True:
             checkin = self.queue.get()
             try:
-                deliver(checkin)
+                deliver(checkin, self.service)
                 if self.queue.empty():  # before task_done: a flush() sees no open connection
                     connections.close_all()  # this thread's own connections only
             except Exception as exc:  # the ledger unreachable, a bug: never let the thread die
-                logger.exception("taskguard check-in of %s could not be sent", checkin.task)
-                for service in _services():
-                    _count(service)
-                    _signal(service, checkin.event, f"{type(exc).__name__}: {exc}")
+                logger.exception(
+                    "taskguard check-in of %s to %s could not be sent", checkin.task, self.service
+                )
+                _count(self.service)
+                _signal(self.service, checkin.event, f"{type(exc).__name__}: {exc}")
             finally:
                 self.queue.task_done()
 
 
-_workers: PerProcess[_Worker] = per_process(
-    lambda: _Worker(int(number(taskguard_settings.CHECKINS, "queue")))
-)
+_workers: PerProcess[dict[str, _Worker]] = per_process(dict)
 
 
-def _current() -> _Worker:
-    worker = _workers.mine()
-    if worker is not None:
+def _current(service: str) -> _Worker:
+    with _lock:  # one thread per service and process, whichever thread queues first
+        workers = _workers.get()
+        worker = workers.get(service)
+        if worker is None:
+            size = int(number(taskguard_settings.CHECKINS, "queue"))
+            worker = workers[service] = _Worker(service, size)
         return worker
-    with _lock:  # one thread per process, whichever thread queues first
-        return _workers.get()
 
 
 def submit(checkin: CheckIn) -> None:
-    """Queue ``checkin`` for sending; never blocks, never raises."""
-    worker = _current()
-    try:
-        worker.queue.put_nowait(checkin)
-    except queue.Full:
-        _dropped(worker, checkin)
-    else:
-        worker.dropping = False
+    """Queue ``checkin`` for every configured service; never blocks, never raises."""
+    for service in _services():
+        worker = _current(service)
+        try:
+            worker.queue.put_nowait(checkin)
+        except queue.Full:
+            _dropped(worker, checkin)
+        else:
+            worker.dropping = False
 
 
 def _services() -> list[str]:
@@ -106,39 +123,35 @@ def _services() -> list[str]:
 
 
 def _dropped(worker: _Worker, checkin: CheckIn) -> None:
-    services = _services()
     if not worker.dropping:
         worker.dropping = True
         logger.warning(
-            "taskguard check-ins: the queue is full (%d waiting); dropping check-ins "
+            "taskguard check-ins to %s: the queue is full (%d waiting); dropping check-ins "
             "(first: %s %s slot %s) until it drains",
+            worker.service,
             worker.queue.maxsize,
             checkin.event,
             checkin.task,
             checkin.slot.isoformat(),
         )
-    for service in services:
-        _count(service)
-        _signal(service, checkin.event, "dropped: the check-in queue is full")
+    _count(worker.service)
+    _signal(worker.service, checkin.event, "dropped: the check-in queue is full")
 
 
-def deliver(checkin: CheckIn) -> None:
-    """Send ``checkin`` to every configured service (the sending thread)."""
+def deliver(checkin: CheckIn, service: str) -> None:
+    """Send ``checkin`` to ``service`` (that service's sending thread)."""
     settings = taskguard_settings.CHECKINS
-    services = _services()
-    if not services:
+    if service not in settings:  # the settings changed since it was queued
+        return
+    slug = monitors.slug(settings, checkin.task, service)
+    if slug is None:
         return
     if checkin.verify_key and _keyed(checkin):
         return
     ident = checkin_id(ledger.identity(), checkin)
     timeout = number(settings, "timeout")
-    attempts = int(number(settings, "attempts"))
-    for service in services:
-        slug = monitors.slug(settings, checkin.task, service)
-        if slug is None:
-            continue
-        tries = 1 if service == "sentry" else attempts  # Sentry's transport retries itself
-        _send(service, settings[service], checkin, ident, slug, timeout, tries)
+    tries = 1 if service == "sentry" else int(number(settings, "attempts"))  # Sentry retries
+    _send(service, settings[service], checkin, ident, slug, timeout, tries)
 
 
 def _keyed(checkin: CheckIn) -> bool:
@@ -227,8 +240,8 @@ def failures() -> dict[str, int]:
 
 
 def reset() -> None:
-    """Forget the counts, and the thread: the next check-in starts one anew, with a queue
-    of the ``queue`` setting then (tests; the old thread sends what it holds, then idles)."""
+    """Forget the counts, and the threads: the next check-in starts them anew, with queues
+    of the ``queue`` setting then (tests; the old threads send what they hold, then idle)."""
     with _lock:
         _failures.forget()
         _workers.forget()
@@ -236,23 +249,26 @@ def reset() -> None:
 
 def flush(timeout: float = 5.0) -> bool:
     """Wait up to ``timeout`` seconds until every queued check-in was sent (and Sentry's
-    transport flushed); True when the queue drained in time."""
-    worker = _workers.mine()
+    transport flushed); True when every queue drained in time."""
     deadline = time.monotonic() + timeout
-    drained = True
-    if worker is not None:
-        with worker.queue.all_tasks_done:
-            while worker.queue.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    drained = False
-                    break
-                worker.queue.all_tasks_done.wait(left)
+    with _lock:
+        workers = list((_workers.mine() or {}).values())
+    drained = all(_drain(worker, deadline) for worker in workers)
     if "sentry" in taskguard_settings.CHECKINS:
         import sentry_sdk
 
         sentry_sdk.flush(max(0.0, deadline - time.monotonic()))
     return drained
+
+
+def _drain(worker: _Worker, deadline: float) -> bool:
+    with worker.queue.all_tasks_done:
+        while worker.queue.unfinished_tasks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            worker.queue.all_tasks_done.wait(left)
+    return True
 
 
 @atexit.register
