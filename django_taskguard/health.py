@@ -17,6 +17,10 @@ A task is unhealthy when it is
   is not running. Slots due while a run of it was alive are not counted (skipped behind
   a long run under ``overlap="skip"``: a long body is not a failing one): not while a
   run is alive, nor those due before its latest success finished;
+- **late** too: a registered schedule whose last ``LATE_START_RUNS`` started slots
+  all started later after their slot than its bound (``late_after=``, else
+  ``LATE_START_SECONDS``; no bound: no rule). A slot's start is its first attempt's (a
+  retried slot is passed over: its row keeps only the latest attempt's start);
 - **running** too long: a run alive (its lease renewed) for longer than
   ``HEALTH_FAILURES`` intervals of its schedule and at least ``HUNG_AFTER`` ("running
   for 1h 10m: hung?"): a hung body and a long one look alike until then.
@@ -88,6 +92,7 @@ class TaskHealth:
     acknowledged_until: datetime | None = None
     acknowledgement: ScheduleEvent | None = None  # the latest one
     missed_in_window: int = 0  # slots recorded missed within MONITOR_WINDOW_HOURS
+    late_after: timedelta | None = None  # its own late-start bound (None: the setting's)
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -223,10 +228,13 @@ def check(*, task: str | None = None, schedules: Sequence[str] | None = None) ->
             health.next_slot = _next_slot(health, now)
     asks = [(t.task, t.latest_due if _expected(t) else None) for t in tasks if not t.paused]
     failures = taskguard_settings.HEALTH_FAILURES
-    facts = ledger.task_facts(asks, now - window, failures)
+    late_runs = _late_runs(tasks)
+    facts = ledger.task_facts(asks, now - window, failures, late_runs)
     for health in tasks:
         if health.task in facts:
             judge(health, facts[health.task], now, failures)
+            if late_runs is not None and (late := _late_starts(health, facts[health.task])):
+                health.problems.append(late)
     return Verdict(now, tasks, window, kept)
 
 
@@ -322,6 +330,7 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
         resumed_at=None if row.paused else row.resumed_at,
         registered=True,
         acknowledged_until=row.acknowledged_until,
+        late_after=row.late_after,
     )
 
 
@@ -390,6 +399,44 @@ def judge(health: TaskHealth, facts: ledger.TaskFacts, now: datetime, failures: 
         health.problems.append(_no_success_problem(health, facts, failures))
     if (hung := _running_too_long(health, now, failures)) is not None:
         health.problems.append(hung)
+
+
+def late_bound(health: TaskHealth) -> timedelta | None:
+    """The task's late-start bound: its schedule's ``late_after``, else
+    ``LATE_START_SECONDS`` (None: no bound; a task without a registered schedule has none)."""
+    if not health.registered:
+        return None
+    if health.late_after is not None:
+        return health.late_after
+    seconds = taskguard_settings.LATE_START_SECONDS
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+def _late_runs(tasks: Sequence[TaskHealth]) -> int | None:
+    """How many starts the late-start rule reads per task (None: no task has a bound, so
+    the verdict reads none)."""
+    if any(late_bound(t) is not None for t in tasks if not t.paused):
+        return taskguard_settings.LATE_START_RUNS
+    return None
+
+
+def _late_starts(health: TaskHealth, facts: ledger.TaskFacts) -> Problem | None:
+    """Its last ``LATE_START_RUNS`` first starts all came later than its bound after their
+    slots (an acknowledgement of its latest due slot covers them)."""
+    bound, found = late_bound(health), facts.late_starts
+    if bound is None or found is None or health.acknowledged(health.latest_due):
+        return None
+    least, greatest = found
+    if least <= bound.total_seconds():
+        return None
+    count = taskguard_settings.LATE_START_RUNS
+    spread = f"{least:.0f}" if round(least) == round(greatest) else f"{least:.0f}-{greatest:.0f}"
+    detail = ngettext(
+        "its last slot started %(spread)s s after its time (bound %(bound)s s)",
+        "the last %(n)d slots started %(spread)s s after their time (bound %(bound)s s)",
+        count,
+    ) % {"n": count, "spread": spread, "bound": f"{bound.total_seconds():g}"}
+    return Problem(LATE, detail)
 
 
 def _streak_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:
