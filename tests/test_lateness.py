@@ -341,3 +341,59 @@ def test_late_after__out_of_bounds_refused_at_decoration(bad):
     with pytest.raises(TaskGuardError, match=r"late_after= is .*from 1 to 86400 seconds"):
         once_per_schedule(every=MINUTE, name="tests.lateness.bad", late_after=bad)
     assert "tests.lateness.bad" not in registry.entries()
+
+
+# -- data schedules: late_after is part of the definition ---------------------------------
+
+TARGET = "tests.support.data_targets.send_report"
+
+
+def test_define_schedule__late_after_is_kept_in_the_definition_and_its_history():
+    from django_taskguard import define_schedule
+    from django_taskguard.models import ScheduleEvent
+
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], late_after=45)
+    assert row.late_after == timedelta(seconds=45)
+    created = ScheduleEvent.objects.get(task_name=row.task_name, kind="created")
+    assert created.changes["late_after"] == [None, 45.0]
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], late_after=timedelta(minutes=2))
+    edited = ScheduleEvent.objects.get(task_name=row.task_name, kind="edited")
+    assert edited.changes == {"late_after": [45.0, 120.0]}
+    assert row.late_after == timedelta(minutes=2)
+    # Judged by its own bound (no setting).
+    for slot in slots(3):
+        started(slot, 150, task=row.task_name)
+    assert late_problems(judged(row.task_name)) == [
+        "the last 3 slots started 150 s after their time (bound 120 s)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"late_after": 0}, "late_after= is 0"),
+        ({"late_after": "soon"}, "a number of seconds or a timedelta"),
+        ({"late_after": 10, "jitter": timedelta(seconds=20)}, "longer than the jitter"),
+    ],
+)
+def test_define_schedule__a_bad_late_after_is_refused_with_its_field(given, says):
+    from django_taskguard import define_schedule
+    from django_taskguard.data_schedules import ScheduleDefinitionError
+
+    with pytest.raises(ScheduleDefinitionError, match=says) as raised:
+        define_schedule("t1", TARGET, every=MINUTE, args=[1], **given)
+    assert raised.value.field == "late_after"
+    assert not TaskSchedule.objects.filter(task_name=f"{TARGET}[t1]").exists()
+
+
+def test_data_schedule_admin__late_after_field_saved_and_checked():
+    from .test_data_schedule_admin import ADD, EDITOR_PERMS, errors, form_data, login
+
+    editor = login("eve", *EDITOR_PERMS)
+    refused = editor.post(ADD, form_data(late_after="0"))
+    assert refused.status_code == 200
+    assert "late_after= is" in str(errors(refused).get("late_after"))
+    response = editor.post(ADD, form_data(late_after="00:01:30"))
+    assert response.status_code == 302, errors(response)
+    row = TaskSchedule.objects.get(task_name=f"{TARGET}[tenant-42]")
+    assert row.late_after == timedelta(seconds=90)

@@ -580,6 +580,7 @@ DEFINITION_FIELDS = (
     "max_catchup",
     "pause_after_failures",
     "jitter",
+    "late_after",
     "description",
 )
 # The fields that move a schedule's slots: an edit of one is judged from the edit on.
