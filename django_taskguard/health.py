@@ -50,7 +50,7 @@ from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from . import ledger
+from . import lateness, ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .ledger import upkeep as upkeep_store
@@ -228,12 +228,12 @@ def check(*, task: str | None = None, schedules: Sequence[str] | None = None) ->
             health.next_slot = _next_slot(health, now)
     asks = [(t.task, t.latest_due if _expected(t) else None) for t in tasks if not t.paused]
     failures = taskguard_settings.HEALTH_FAILURES
-    late_runs = _late_runs(tasks)
+    late_runs = lateness.runs_to_read(late_bound(t) for t in tasks if not t.paused)
     facts = ledger.task_facts(asks, now - window, failures, late_runs)
     for health in tasks:
         if health.task in facts:
             judge(health, facts[health.task], now, failures)
-            if late_runs is not None and (late := _late_starts(health, facts[health.task])):
+            if (late := _late_starts(health, facts[health.task])) is not None:
                 health.problems.append(late)
     return Verdict(now, tasks, window, kept)
 
@@ -402,41 +402,18 @@ def judge(health: TaskHealth, facts: ledger.TaskFacts, now: datetime, failures: 
 
 
 def late_bound(health: TaskHealth) -> timedelta | None:
-    """The task's late-start bound: its schedule's ``late_after``, else
-    ``LATE_START_SECONDS`` (None: no bound; a task without a registered schedule has none)."""
-    if not health.registered:
-        return None
-    if health.late_after is not None:
-        return health.late_after
-    seconds = taskguard_settings.LATE_START_SECONDS
-    return None if seconds is None else timedelta(seconds=seconds)
-
-
-def _late_runs(tasks: Sequence[TaskHealth]) -> int | None:
-    """How many starts the late-start rule reads per task (None: no task has a bound, so
-    the verdict reads none)."""
-    if any(late_bound(t) is not None for t in tasks if not t.paused):
-        return taskguard_settings.LATE_START_RUNS
-    return None
+    """The task's late-start bound (:func:`lateness.bound`; a task without a registered
+    schedule has none)."""
+    return lateness.bound(health.late_after) if health.registered else None
 
 
 def _late_starts(health: TaskHealth, facts: ledger.TaskFacts) -> Problem | None:
-    """Its last ``LATE_START_RUNS`` first starts all came later than its bound after their
-    slots (an acknowledgement of its latest due slot covers them)."""
-    bound, found = late_bound(health), facts.late_starts
-    if bound is None or found is None or health.acknowledged(health.latest_due):
+    """Its last ``LATE_START_RUNS`` slots all started late (an acknowledgement of its latest
+    due slot covers them)."""
+    if health.acknowledged(health.latest_due):
         return None
-    least, greatest = found
-    if least <= bound.total_seconds():
-        return None
-    count = taskguard_settings.LATE_START_RUNS
-    spread = f"{least:.0f}" if round(least) == round(greatest) else f"{least:.0f}-{greatest:.0f}"
-    detail = ngettext(
-        "its last slot started %(spread)s s after its time (bound %(bound)s s)",
-        "the last %(n)d slots started %(spread)s s after their time (bound %(bound)s s)",
-        count,
-    ) % {"n": count, "spread": spread, "bound": f"{bound.total_seconds():g}"}
-    return Problem(LATE, detail)
+    detail = lateness.late_detail(facts.late_starts, late_bound(health))
+    return None if detail is None else Problem(LATE, detail)
 
 
 def _streak_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:
