@@ -155,7 +155,7 @@ def test_late_starts__the_last_n_all_late_is_unhealthy():
         assert judged().healthy  # the 4th latest started on time
 
 
-def test_late_starts__check_schedules_and_the_health_url_say_it():
+def test_late_starts__check_schedules_the_health_url_and_the_overview_say_it():
     from .support.monitoring import run_check
 
     schedule(TASK, every=MINUTE)
@@ -179,6 +179,12 @@ def test_late_starts__check_schedules_and_the_health_url_say_it():
                 "detail": "the last 3 slots started 50 s after their time (bound 30 s)",
             }
         ]
+        staff = Client()
+        user = User.objects.create_user("viewer", password="pw", is_staff=True)
+        user.user_permissions.add(Permission.objects.get(codename="view_taskrun"))
+        staff.force_login(user)
+        page = staff.get(reverse("admin:taskguard_taskrun_overview")).content.decode()
+        assert "the last 3 slots started 50 s after their time (bound 30 s)" in page
 
 
 def test_late_starts__on_time_or_mixed_is_healthy():
