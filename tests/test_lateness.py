@@ -224,6 +224,12 @@ def test_late_starts__retried_slots_are_passed_over():
         started(slot, 5)
     with late_settings(LATE_START_SECONDS=30):
         assert judged().healthy
+    with late_settings(LATE_START_SECONDS=30, LATE_START_RUNS=1):
+        assert judged().healthy  # the latest first start is the 5 s one
+        TaskRun.objects.filter(slot=newest).update(attempt=1)
+        assert late_problems(judged()) == [
+            "its last slot started 500 s after its time (bound 30 s)"
+        ]
 
 
 def test_late_starts__a_paused_task_is_not_judged():
