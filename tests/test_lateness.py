@@ -18,7 +18,7 @@ from django_taskguard.ledger import schedules as schedule_store
 from django_taskguard.metrics import LATENESS_BUCKETS
 from django_taskguard.models import RunState, ScheduleEventKind, TaskRun, TaskSchedule
 
-from .support.monitoring import due_slot, schedule, upkeep_ran
+from .support.monitoring import DAY, due_slot, schedule, upkeep_ran
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MINUTE = timedelta(minutes=1)
@@ -57,10 +57,11 @@ def started(
     )
 
 
-def slots(count: int) -> list[datetime]:
-    """The latest ``count`` due slots of an every-minute schedule, newest first."""
-    due = due_slot(MINUTE)
-    return [due - n * MINUTE for n in range(count)]
+def slots(count: int, every: timedelta = DAY) -> list[datetime]:
+    """The latest ``count`` due slots of an ``every`` schedule, newest first (the health
+    tests' schedules are daily: a new slot falling due mid-test would be late, no run)."""
+    due = due_slot(every)
+    return [due - n * every for n in range(count)]
 
 
 def judged(task: str = TASK) -> health.TaskHealth:
@@ -95,7 +96,7 @@ def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_lateness_histogram__first_starts_of_slots_by_bucket():
     schedule(TASK, every=MINUTE)
-    newest, *older = slots(7)
+    newest, *older = slots(7, MINUTE)
     started(newest, 0.3)
     started(older[0], 7, state=RunState.FAILED)
     started(older[1], 45, state=RunState.RUNNING)
@@ -122,7 +123,7 @@ def test_lateness_histogram__first_starts_of_slots_by_bucket():
 
 
 def test_lateness_histogram__read_in_the_window_summary_scan(django_assert_num_queries):
-    for slot in slots(3):
+    for slot in slots(3, MINUTE):
         started(slot, 12)
     with django_assert_num_queries(1):
         summary = ledger.window_summary(
@@ -138,7 +139,7 @@ def test_lateness_histogram__read_in_the_window_summary_scan(django_assert_num_q
 
 
 def test_late_starts__the_last_n_all_late_is_unhealthy():
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     for slot, seconds in zip(slots(4), (42, 97, 60, 1), strict=True):
         started(slot, seconds)
     with late_settings(LATE_START_SECONDS=30):
@@ -158,7 +159,7 @@ def test_late_starts__the_last_n_all_late_is_unhealthy():
 def test_late_starts__check_schedules_the_health_url_and_the_overview_say_it():
     from .support.monitoring import run_check
 
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     for slot in slots(3):
         started(slot, 50)
     with late_settings(LATE_START_SECONDS=30, HEALTH_TOKEN="probe-token-0123456789"):
@@ -188,7 +189,7 @@ def test_late_starts__check_schedules_the_health_url_and_the_overview_say_it():
 
 
 def test_late_starts__on_time_or_mixed_is_healthy():
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     on_time = slots(3)
     for slot in on_time:
         started(slot, 5)
@@ -203,7 +204,7 @@ def test_late_starts__on_time_or_mixed_is_healthy():
 
 
 def test_late_starts__fewer_started_than_the_count_is_not_judged():
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     newest, second, third = slots(3)
     started(newest, 100)
     started(second, 100)
@@ -217,7 +218,7 @@ def test_late_starts__fewer_started_than_the_count_is_not_judged():
 
 
 def test_late_starts__retried_slots_are_passed_over():
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     newest, *older = slots(4)
     started(newest, 500, attempt=2)  # its row keeps the retry's start
     for slot in older:
@@ -233,7 +234,7 @@ def test_late_starts__retried_slots_are_passed_over():
 
 
 def test_late_starts__a_paused_task_is_not_judged():
-    schedule(TASK, every=MINUTE, paused=True)
+    schedule(TASK, every=DAY, paused=True)
     for slot in slots(3):
         started(slot, 500)
     with late_settings(LATE_START_SECONDS=30):
@@ -242,7 +243,7 @@ def test_late_starts__a_paused_task_is_not_judged():
 
 
 def test_late_starts__no_bound_no_rule_and_nothing_read():
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     for slot in slots(3):
         started(slot, 500)
     assert judged().healthy  # LATE_START_SECONDS is None by default
@@ -260,7 +261,7 @@ def test_late_starts__a_task_without_a_schedule_is_not_judged():
 
 
 def test_late_starts__the_schedule_s_own_bound_wins():
-    row = schedule(TASK, every=MINUTE)
+    row = schedule(TASK, every=DAY)
     for slot in slots(3):
         started(slot, 50)
     row.late_after = timedelta(seconds=120)
@@ -277,7 +278,7 @@ def test_late_starts__the_schedule_s_own_bound_wins():
 def test_late_starts__an_acknowledgement_of_the_due_slot_covers_them():
     from django_taskguard import acknowledgements
 
-    schedule(TASK, every=MINUTE)
+    schedule(TASK, every=DAY)
     for slot in slots(3):
         started(slot, 50)
     with late_settings(LATE_START_SECONDS=30):
@@ -290,16 +291,16 @@ def test_late_starts__an_acknowledgement_of_the_due_slot_covers_them():
 def test_late_starts__every_task_past_the_200th_in_a_bounded_number_of_statements(
     django_assert_max_num_queries,
 ):
-    due = due_slot(MINUTE)
+    due = due_slot(DAY)
     for n in range(3):
-        schedule(f"tests.lateness.t{n}", every=MINUTE)
+        schedule(f"tests.lateness.t{n}", every=DAY)
         started(due, 50, task=f"tests.lateness.t{n}")
     with late_settings(LATE_START_SECONDS=30, LATE_START_RUNS=1):
         health.check()
         with django_assert_max_num_queries(20) as few:
             health.check()
         for n in range(3, 250):
-            schedule(f"tests.lateness.t{n}", every=MINUTE)
+            schedule(f"tests.lateness.t{n}", every=DAY)
             started(due, 50, task=f"tests.lateness.t{n}")
         # Two more statements per 200 tasks where names are not one array (as before).
         with django_assert_max_num_queries(len(few.captured_queries) + 2):
@@ -364,11 +365,11 @@ def test_define_schedule__late_after_is_kept_in_the_definition_and_its_history()
     from django_taskguard import define_schedule
     from django_taskguard.models import ScheduleEvent
 
-    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], late_after=45)
+    row = define_schedule("t1", TARGET, every=DAY, args=[1], late_after=45)
     assert row.late_after == timedelta(seconds=45)
     created = ScheduleEvent.objects.get(task_name=row.task_name, kind="created")
     assert created.changes["late_after"] == [None, 45.0]
-    row = define_schedule("t1", TARGET, every=MINUTE, args=[1], late_after=timedelta(minutes=2))
+    row = define_schedule("t1", TARGET, every=DAY, args=[1], late_after=timedelta(minutes=2))
     edited = ScheduleEvent.objects.get(task_name=row.task_name, kind="edited")
     assert edited.changes == {"late_after": [45.0, 120.0]}
     assert row.late_after == timedelta(minutes=2)
