@@ -191,6 +191,15 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             "the nominal time."
         ),
     )
+    late_after = forms.DurationField(
+        label=gettext_lazy("late after"),
+        required=False,
+        help_text=gettext_lazy(
+            "Health: its last LATE_START_RUNS slots all starting later than this after their "
+            "time make it unhealthy. Empty: the target's, else TASKGUARD['LATE_START_SECONDS'] "
+            "(seconds, or HH:MM:SS)."
+        ),
+    )
     description = forms.CharField(
         label=gettext_lazy("description"),
         required=False,
@@ -223,6 +232,7 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             "max_catchup",
             "pause_after_failures",
             "jitter",
+            "late_after",
             "description",
         )
 
@@ -276,6 +286,7 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
                 max_catchup=cleaned.get("max_catchup"),
                 pause_after_failures=cleaned.get("pause_after_failures"),
                 jitter=cleaned.get("jitter"),
+                late_after=cleaned.get("late_after"),
                 description=cleaned.get("description", ""),
             )
         except ScheduleDefinitionError as exc:
@@ -322,6 +333,7 @@ def define(form: DataScheduleForm, user: str) -> TaskSchedule:
         max_catchup=values["max_catchup"],
         pause_after_failures=values["pause_after_failures"],
         jitter=values["jitter"],
+        late_after=values["late_after"],
         description=values["description"],
         by=user,
         reason=reason,

@@ -96,7 +96,7 @@ def data_fieldsets(*, add: bool, editable: bool) -> list[tuple[Any, dict[str, An
                 "fields": (
                     ("catchup", "grace"),
                     ("max_catchup", "pause_after_failures"),
-                    "jitter",
+                    ("jitter", "late_after"),
                 )
             },
         ),
@@ -170,6 +170,7 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
         ("source_display", "function"),
         "schedule_display",
         ("catchup", "grace", "max_catchup", "pause_after_failures"),
+        "late_after",
         ("next_slot_display", "last_success_display"),
         "health_display",
         "paused_display",
@@ -185,6 +186,7 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
         "grace",
         "max_catchup",
         "pause_after_failures",
+        "late_after",
         "next_slot_display",
         "last_success_display",
         "health_display",

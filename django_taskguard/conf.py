@@ -176,6 +176,28 @@ def late_problem(name: str, value: Any) -> str | None:
     return f"{problem}, or None (no lateness rule)" if problem else None
 
 
+def late_after_problem(value: Any, argument: str = "late_after=") -> str | None:
+    """Why ``value`` cannot be a schedule's late-start bound (seconds, or a timedelta, in
+    ``LATE_START_SECONDS``' bounds), or None (None is no bound of its own)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if number_problem("LATE_START_SECONDS", seconds) is None:
+        return None
+    low, high, _unit = BOUNDS["LATE_START_SECONDS"]
+    return (
+        f"{argument} is {value!r}; it must be a number of seconds or a timedelta from "
+        f"{low:g} to {high:g} seconds (how late after its slot a start counts as late), or None"
+    )
+
+
+def late_after_delta(value: float | timedelta | None) -> timedelta | None:
+    """A checked (:func:`late_after_problem`) late-start bound as a timedelta."""
+    if value is None or isinstance(value, timedelta):
+        return value
+    return timedelta(seconds=value)
+
+
 OPENTELEMETRY_FLAGS = ("traces", "metrics", "ledger_metrics")
 OPENTELEMETRY_KEYS = ("digest", "plain")
 

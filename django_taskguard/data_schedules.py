@@ -31,6 +31,7 @@ from django.utils.module_loading import import_string
 from django.utils.timezone import get_default_timezone_name
 
 from . import registry, schedules
+from .conf import late_after_delta, late_after_problem
 from .cron import CronSchedule
 from .decorating import guarded_named, guarded_policy, task_identity
 from .exceptions import InvalidSchedule, TaskGuardError
@@ -239,6 +240,25 @@ def _duration(
     raise ScheduleDefinitionError(f"{field} must be from {low} to {high}; got {value}", field)
 
 
+def _late_after(
+    given: float | timedelta | None, policy: Policy, jitter: timedelta | None
+) -> timedelta | None:
+    """The schedule's late-start bound: ``given``, else its target's (None: the setting's).
+    A bound given here must be longer than the jitter, which delays starts by design."""
+    if given is None:
+        return policy.late_after
+    if (problem := late_after_problem(given)) is not None:
+        raise ScheduleDefinitionError(problem, "late_after")
+    bound = late_after_delta(given)
+    if jitter and bound is not None and bound <= jitter:
+        raise ScheduleDefinitionError(
+            f"late_after ({bound}) must be longer than the jitter ({jitter}): a start that "
+            "late is by design",
+            "late_after",
+        )
+    return bound
+
+
 def _whole(value: Any, field: str, bounds: tuple[int, int]) -> int:
     low, high = bounds
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -304,14 +324,16 @@ def validate(
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
     jitter: timedelta | None = None,
+    late_after: float | timedelta | None = None,
     description: str = "",
 ) -> tuple[str, dict[str, Any]]:
     """Check a definition; return its task name (``target[name]``) and the values
     :func:`ledger.schedules.define` saves. Raises :class:`ScheduleDefinitionError`.
 
-    Unset ``catchup``/``grace``/``max_catchup``/``pause_after_failures`` take the target's
-    decorator's values. ``cron_day_or=False``: a slot's day must match both the day of month
-    and the day of week when both are restricted (celery's crontab), not either (cron's)."""
+    Unset ``catchup``/``grace``/``max_catchup``/``pause_after_failures``/``late_after``
+    take the target's decorator's values. ``cron_day_or=False``: a slot's day must match
+    both the day of month and the day of week when both are restricted (celery's crontab),
+    not either (cron's)."""
     if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_LENGTH:
         raise ScheduleDefinitionError(
             f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
@@ -376,6 +398,7 @@ def validate(
                 "jitter",
             )
         jitter = jitter or None
+    late_after = _late_after(late_after, policy, jitter)
     if not isinstance(enabled, bool):
         raise ScheduleDefinitionError(f"enabled must be True or False, not {enabled!r}", "enabled")
     if not isinstance(description, str) or len(description) > DESCRIPTION_MAX_LENGTH:
@@ -405,6 +428,7 @@ def validate(
         "max_catchup": max_catchup,
         "pause_after_failures": pause_after_failures,
         "jitter": jitter,
+        "late_after": late_after,
         "description": description.replace("\x00", ""),
     }
     return task_name, values
@@ -428,6 +452,7 @@ def define_schedule(
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
     jitter: timedelta | None = None,
+    late_after: float | timedelta | None = None,
     description: str = "",
     by: str = "",
     reason: str = "",
@@ -459,6 +484,7 @@ def define_schedule(
         max_catchup=max_catchup,
         pause_after_failures=pause_after_failures,
         jitter=jitter,
+        late_after=late_after,
         description=description,
     )
     try:
@@ -507,6 +533,7 @@ def policy_of(row: TaskSchedule, target_policy: Policy) -> Policy:
         grace=row.grace,
         max_catchup=row.max_catchup,
         pause_after_failures=row.pause_after_failures,
+        late_after=row.late_after,
     )
 
 

@@ -16,7 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from . import coroutines, guard, ledger, registry, schedules
-from .conf import lease_problem, taskguard_settings
+from .conf import late_after_delta, late_after_problem, lease_problem, taskguard_settings
 
 # A slot source's hooks stay importable from here too (docs/architecture.md).
 from .decorating import SLOT_SOURCES as SLOT_SOURCES
@@ -309,6 +309,7 @@ def once_per_schedule(
     grace: timedelta | None = None,
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
+    late_after: float | timedelta | None = None,
 ) -> ScheduleDecorator: ...
 
 
@@ -328,6 +329,7 @@ def once_per_schedule(
     grace: timedelta | None = None,
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
+    late_after: float | timedelta | None = None,
 ) -> Any:
     """Run the decorated function at most once per schedule slot, across every instance.
 
@@ -342,7 +344,9 @@ def once_per_schedule(
 
     ``catchup``/``grace``/``max_catchup``: what happens to slots that fell due while
     nothing fired them (see docs/schedules.md); ``pause_after_failures=N`` pauses the
-    task after N failures in a row. A function with a schedule is registered (in
+    task after N failures in a row; ``late_after`` (seconds or a timedelta): the task is
+    unhealthy when its last ``LATE_START_RUNS`` slots all started later than this after
+    their time (default ``LATE_START_SECONDS``). A function with a schedule is registered (in
     memory) for ``run_schedules`` and the missed-slot sweep.
     """
     # Raised when the function is known, so the message can name it.
@@ -357,6 +361,8 @@ def once_per_schedule(
         problem = lease_problem(lease_seconds, "lease_seconds=")
         if problem is not None:
             raise InvalidSchedule(problem)
+    if (problem := late_after_problem(late_after)) is not None:
+        raise InvalidSchedule(problem)
     policy = Policy(
         on_duplicate=choose("on_duplicate", on_duplicate, ("skip", "raise")),
         overlap=choose("overlap", overlap, ("allow", "skip")),
@@ -368,6 +374,7 @@ def once_per_schedule(
         pause_after_failures=_bounded(
             "pause_after_failures", pause_after_failures, PAUSE_AFTER_FAILURES_BOUNDS
         ),
+        late_after=late_after_delta(late_after),
     )
     if built is None and (catchup == "all" or max_catchup is not None):
         raise InvalidSchedule(

@@ -17,6 +17,10 @@ A task is unhealthy when it is
   is not running. Slots due while a run of it was alive are not counted (skipped behind
   a long run under ``overlap="skip"``: a long body is not a failing one): not while a
   run is alive, nor those due before its latest success finished;
+- **late** too: a registered schedule whose last ``LATE_START_RUNS`` started slots
+  all started later after their slot than its bound (``late_after=``, else
+  ``LATE_START_SECONDS``; no bound: no rule). A slot's start is its first attempt's (a
+  retried slot is passed over: its row keeps only the latest attempt's start);
 - **running** too long: a run alive (its lease renewed) for longer than
   ``HEALTH_FAILURES`` intervals of its schedule and at least ``HUNG_AFTER`` ("running
   for 1h 10m: hung?"): a hung body and a long one look alike until then.
@@ -46,7 +50,7 @@ from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from . import ledger
+from . import lateness, ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .ledger import upkeep as upkeep_store
@@ -88,6 +92,7 @@ class TaskHealth:
     acknowledged_until: datetime | None = None
     acknowledgement: ScheduleEvent | None = None  # the latest one
     missed_in_window: int = 0  # slots recorded missed within MONITOR_WINDOW_HOURS
+    late_after: timedelta | None = None  # its own late-start bound (None: the setting's)
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -223,10 +228,13 @@ def check(*, task: str | None = None, schedules: Sequence[str] | None = None) ->
             health.next_slot = _next_slot(health, now)
     asks = [(t.task, t.latest_due if _expected(t) else None) for t in tasks if not t.paused]
     failures = taskguard_settings.HEALTH_FAILURES
-    facts = ledger.task_facts(asks, now - window, failures)
+    late_runs = lateness.runs_to_read(late_bound(t) for t in tasks if not t.paused)
+    facts = ledger.task_facts(asks, now - window, failures, late_runs)
     for health in tasks:
         if health.task in facts:
             judge(health, facts[health.task], now, failures)
+            if (late := _late_starts(health, facts[health.task])) is not None:
+                health.problems.append(late)
     return Verdict(now, tasks, window, kept)
 
 
@@ -322,6 +330,7 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
         resumed_at=None if row.paused else row.resumed_at,
         registered=True,
         acknowledged_until=row.acknowledged_until,
+        late_after=row.late_after,
     )
 
 
@@ -390,6 +399,21 @@ def judge(health: TaskHealth, facts: ledger.TaskFacts, now: datetime, failures: 
         health.problems.append(_no_success_problem(health, facts, failures))
     if (hung := _running_too_long(health, now, failures)) is not None:
         health.problems.append(hung)
+
+
+def late_bound(health: TaskHealth) -> timedelta | None:
+    """The task's late-start bound (:func:`lateness.bound`; a task without a registered
+    schedule has none)."""
+    return lateness.bound(health.late_after) if health.registered else None
+
+
+def _late_starts(health: TaskHealth, facts: ledger.TaskFacts) -> Problem | None:
+    """Its last ``LATE_START_RUNS`` slots all started late (an acknowledgement of its latest
+    due slot covers them)."""
+    if health.acknowledged(health.latest_due):
+        return None
+    detail = lateness.late_detail(facts.late_starts, late_bound(health))
+    return None if detail is None else Problem(LATE, detail)
 
 
 def _streak_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:

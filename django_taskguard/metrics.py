@@ -10,7 +10,8 @@ counter reset. Lease losses are counted from the ledger for the same reason (a
 owner killed mid-run sends nothing): a run whose owner's lease lapsed is
 recorded ``abandoned``.
 
-A scrape costs one range scan of the window's rows (the slot index), one index
+The start lateness histogram (start less slot, of each slot's first attempt) comes from
+the same scan. A scrape costs one range scan of the window's rows (the slot index), one index
 probe per task for its last success, and the health verdict's probes per task
 (every task).
 """
@@ -30,6 +31,8 @@ from .states import TIMED_STATES, RunState
 
 # Bucket bounds of the duration histogram, in seconds.
 DURATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+# Bucket bounds of the start lateness histogram (start less slot), in seconds.
+LATENESS_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 
 class LedgerCollector(Collector):
@@ -38,7 +41,9 @@ class LedgerCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | GaugeHistogramMetricFamily]:
         window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
         verdict = health.check()
-        summary = ledger.window_summary(verdict.checked_at - window, DURATION_BUCKETS)
+        summary = ledger.window_summary(
+            verdict.checked_at - window, DURATION_BUCKETS, LATENESS_BUCKETS
+        )
         names = sorted({t.task for t in verdict.tasks} | {name for name, _ in summary})
         duplicates: dict[str, int] = {}  # per task, summed once (not a scan per task)
         for (name, _), found in summary.items():
@@ -104,6 +109,7 @@ class LedgerCollector(Collector):
             lambda name: _runs(summary, name, RunState.ABANDONED),
         )
         yield _durations(names, summary)
+        yield _lateness(names, summary)
 
 
 def _gauge(
@@ -154,6 +160,32 @@ def _durations(
         ]
         buckets.append(("+Inf", float(sum(p.duration_count for p in parts))))
         family.add_metric([name], buckets, gsum_value=sum(p.duration_sum for p in parts))
+    return family
+
+
+def _lateness(
+    names: list[str], summary: dict[tuple[str, str], ledger.StateSummary]
+) -> GaugeHistogramMetricFamily:
+    family = GaugeHistogramMetricFamily(
+        "taskguard_start_lateness_seconds",
+        "How long after its slot each slot's first attempt started (keyed runs left out), of "
+        "the slots in the window.",
+        labels=["task"],
+    )
+    timed: dict[str, list[ledger.StateSummary]] = {}  # per task, in one pass
+    for (task, _), found in summary.items():
+        if found.lateness_count:
+            timed.setdefault(task, []).append(found)
+    for name in names:
+        parts = timed.get(name)
+        if not parts:
+            continue
+        below = [sum(p.lateness_buckets[i] for p in parts) for i in range(len(LATENESS_BUCKETS))]
+        buckets = [
+            (f"{bound:g}", float(n)) for bound, n in zip(LATENESS_BUCKETS, below, strict=True)
+        ]
+        buckets.append(("+Inf", float(sum(p.lateness_count for p in parts))))
+        family.add_metric([name], buckets, gsum_value=sum(p.lateness_sum for p in parts))
     return family
 
 

@@ -311,6 +311,15 @@ class TaskSchedule(models.Model):
     pause_after_failures = models.PositiveIntegerField(
         _("pause after failures"), null=True, blank=True
     )
+    late_after = models.DurationField(
+        _("late after"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Its last LATE_START_RUNS slots all starting later than this after their time "
+            "make it unhealthy; empty: TASKGUARD['LATE_START_SECONDS']."
+        ),
+    )
     paused = models.BooleanField(_("paused"), default=False)
     paused_at = models.DateTimeField(
         _("paused at"),

@@ -39,3 +39,4 @@ class Policy:
     grace: timedelta = DEFAULT_GRACE  # how late a slot may be claimed before it is missed
     max_catchup: int = DEFAULT_MAX_CATCHUP  # catchup="all": at most this many slots
     pause_after_failures: int | None = None  # pause the task after this many failures in a row
+    late_after: timedelta | None = None  # health: slots starting later than this are late

@@ -79,6 +79,7 @@ class Entry:
             grace=policy.grace,
             max_catchup=policy.max_catchup,
             pause_after_failures=policy.pause_after_failures,
+            late_after=policy.late_after,
             default_zone=get_default_timezone_name(),
             declared_in=getattr(self.func, "__module__", None) or "",
             **describe(self.schedule),

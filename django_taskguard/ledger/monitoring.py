@@ -55,24 +55,38 @@ class StateSummary:
     duration_count: int = 0
     # How many durations are at most each bound (cumulative, as Prometheus has them).
     buckets: tuple[int, ...] = ()
+    # The start lateness (start less slot) of the slots' first attempts (keyed runs left
+    # out): sum, count, and how many are at most each lateness bound.
+    lateness_sum: float = 0.0
+    lateness_count: int = 0
+    lateness_buckets: tuple[int, ...] = ()
 
 
-def window_summary(since: datetime, bounds: Sequence[float]) -> dict[tuple[str, str], StateSummary]:
-    """Per (task, state), the runs whose slot is at or after ``since``: one statement,
-    a range scan of the slot index (its cost is the window's row count)."""
-    statement = dialect().window_summary(len(bounds))
+def window_summary(
+    since: datetime, bounds: Sequence[float], lateness: Sequence[float] = ()
+) -> dict[tuple[str, str], StateSummary]:
+    """Per (task, state), the runs whose slot is at or after ``since``, their durations
+    counted at most each of ``bounds`` and their start lateness at most each of ``lateness``:
+    one statement, a range scan of the slot index (its cost is the window's row count)."""
+    statement = dialect().window_summary(len(bounds), len(lateness))
+    params: dict[str, Any] = {"since": slot_param(since), "first": FIRST_ATTEMPT}
+    params.update({f"duration_{i}": bound for i, bound in enumerate(bounds)})
+    params.update({f"lateness_{i}": bound for i, bound in enumerate(lateness)})
     with translated:
-        rows = fetch_all(statement, [*bounds, slot_param(since)])
-    return {
-        (name, state): StateSummary(
+        rows = fetch_all(statement, params)
+    found = {}
+    for name, state, count, duplicates, total, timed, late_total, late, *below in rows:
+        found[(name, state)] = StateSummary(
             int(count),
             int(duplicates),
             float(total),
             int(timed),
-            tuple(int(n or 0) for n in below),
+            tuple(int(n or 0) for n in below[: len(bounds)]),
+            float(late_total),
+            int(late),
+            tuple(int(n or 0) for n in below[len(bounds) :]),
         )
-        for name, state, count, duplicates, total, timed, *below in rows
-    }
+    return found
 
 
 @dataclass(frozen=True)
@@ -91,8 +105,13 @@ class TaskFacts:
     outcome_slot: datetime | None = None
     outcome_state: str | None = None
     outcome_error: str = ""
+    # The least and greatest start lateness (seconds) of its last ``last`` first starts
+    # (None: fewer than that many started).
+    late_starts: tuple[float, float] | None = None
 
 
+# The attempt whose start is a slot's start (a retry's is later by its backoff).
+FIRST_ATTEMPT = 1
 FACTS_CHUNK = 200  # tasks per statement (where the names are not bound as one array)
 
 
@@ -116,10 +135,14 @@ def _names(part: Sequence[str]) -> list[Any]:
 
 
 def task_facts(
-    asks: Sequence[tuple[str, datetime | None]], since: datetime, last: int
+    asks: Sequence[tuple[str, datetime | None]],
+    since: datetime,
+    last: int,
+    late_runs: int | None = None,
 ) -> dict[str, TaskFacts]:
     """For each ``(task, due slot)``: its :class:`TaskFacts`, one statement (per 200 tasks
-    where names are not bound as arrays)."""
+    where names are not bound as arrays). ``late_runs``: read the lateness of each task's
+    last this many first starts too (None: not read, ``late_starts`` is None)."""
     d = dialect()
     found: dict[str, TaskFacts] = {}
     with translated:
@@ -135,9 +158,12 @@ def task_facts(
             recent = d.last_ended_params(ENDED_STATES, last)
             params += [*recent, *recent, RunState.SUCCEEDED]
             params += [*ENDED_STATES, *OUTCOME_STATES * 3]
-            for values in fetch_all(d.task_facts(_size(part)), params):
+            if late_runs is not None:
+                params += d.late_starts_params(late_runs, FIRST_ATTEMPT)
+            statement = d.task_facts(_size(part), late_runs is not None)
+            for values in fetch_all(statement, params):
                 name, due_state, missed, stale, stale_slot, stale_lease, ended, failed = values[:8]
-                latest, outcome_slot, outcome_state, outcome_error = values[8:]
+                latest, outcome_slot, outcome_state, outcome_error, *late = values[8:]
                 found[name] = TaskFacts(
                     due_state,
                     int(missed),
@@ -150,8 +176,17 @@ def task_facts(
                     aware(outcome_slot),
                     outcome_state,
                     outcome_error or "",
+                    _pair(late[0] if late else None),
                 )
     return found
+
+
+def _pair(text: str | None) -> tuple[float, float] | None:
+    """The "least greatest" text of :meth:`Backend.late_starts` (None: NULL or "")."""
+    if not text:
+        return None
+    least, greatest = text.split()
+    return float(least), float(greatest)
 
 
 def alive_since(now: datetime) -> dict[str, datetime]:

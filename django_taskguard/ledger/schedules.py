@@ -66,6 +66,7 @@ class Record:
     pause_after_failures: int | None
     entry: str = ""  # a beat entry's name (source celery)
     declared_in: str = ""  # the function's module, CELERY_BEAT_SCHEDULE, django-celery-beat
+    late_after: timedelta | None = None  # health's late-start bound (None: the setting's)
 
 
 _CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_name"]
@@ -579,6 +580,7 @@ DEFINITION_FIELDS = (
     "max_catchup",
     "pause_after_failures",
     "jitter",
+    "late_after",
     "description",
 )
 # The fields that move a schedule's slots: an edit of one is judged from the edit on.

@@ -112,6 +112,7 @@ def record_of(app: Any, entry: BeatEntry, declared_in: str) -> store.Record:
         grace=grace or policy.grace,
         max_catchup=policy.max_catchup,
         pause_after_failures=policy.pause_after_failures,
+        late_after=policy.late_after,
         default_zone=get_default_timezone_name(),
         entry=entry.name,
         declared_in=declared_in,

@@ -34,6 +34,7 @@ from .fragments import (
     CLAIMED_STATES,
     CLAIMED_VALUES,
     FENCE_SEQUENCE,
+    FIRST_START,
     REFUSED_EARLY,
     ROW,
     RUN,
@@ -117,6 +118,8 @@ class Backend:
     """The next fence."""
     duration: ClassVar[str]
     """A finished attempt's duration in seconds (NULL when it has no start or end)."""
+    lateness: ClassVar[str]
+    """A run's start less its slot, in seconds (NULL when it has not started)."""
     key: ClassVar[str] = '"key"'
     """The key column, quoted (a reserved word)."""
     min_slot: ClassVar[str] = "'0000-01-01'"
@@ -159,6 +162,7 @@ class Backend:
             fence=self.next_fence,
             row=ROW,
             left=self.lease_left,
+            lateness=self.lateness,
             key=self.key,
             min_slot=self.min_slot,
             hint=self.task_state_hint,
@@ -605,21 +609,29 @@ class Backend:
     # -- monitoring (health, metrics, the admin's overview) ----------------------------
 
     @lru_cache  # noqa: B019
-    def window_summary(self, buckets: int) -> str:
-        """Per (task, state) over the slots since ``%s``: runs, duplicates, duration sum and
-        count, and how many durations are at most each of ``buckets`` bounds.
+    def window_summary(self, durations: int, lateness: int) -> str:
+        """Per (task, state) over the slots since ``%(since)s``: runs, duplicates, duration
+        sum and count, how many durations are at most each of ``durations`` bounds
+        (``%(duration_0)s``...), then the same of the start lateness of the slots' first
+        attempts (:data:`FIRST_START`, ``%(first)s``; bounds ``%(lateness_0)s``...).
 
-        Parameters: the ``buckets`` bounds (seconds), then the window's start. A range
-        scan of the slot index: its cost is the number of runs in the window.
+        A range scan of the slot index: its cost is the number of runs in the window.
         """
         duration = self.duration
+        late = f"CASE WHEN {FIRST_START.format(r=RUN)} THEN {self.lateness} END"
+        late = late.replace("%s", "%(first)s").replace("{key}", self.key)
         counts = "".join(
-            f", SUM(CASE WHEN {duration} <= %s THEN 1 ELSE 0 END)" for _ in range(buckets)
+            f", SUM(CASE WHEN {duration} <= %(duration_{i})s THEN 1 ELSE 0 END)"
+            for i in range(durations)
+        ) + "".join(
+            f", SUM(CASE WHEN {late} <= %(lateness_{i})s THEN 1 ELSE 0 END)"
+            for i in range(lateness)
         )
         return (
             f"SELECT task_name, state, COUNT(*), COALESCE(SUM(duplicates), 0), "
-            f"COALESCE(SUM({duration}), 0), COUNT({duration}){counts} "
-            f"FROM {RUN} WHERE slot >= %s GROUP BY task_name, state"
+            f"COALESCE(SUM({duration}), 0), COUNT({duration}), "
+            f"COALESCE(SUM({late}), 0), COUNT({late}){counts} "
+            f"FROM {RUN} WHERE slot >= %(since)s GROUP BY task_name, state"
         )
 
     @lru_cache  # noqa: B019
@@ -642,7 +654,8 @@ class Backend:
     # correlated subqueries, planned once whatever the number of tasks. Parameters after
     # the VALUES: missed, since; running (x3); :meth:`last_ended_params` and the succeeded
     # state (the last N ended runs, and those of them not succeeded); the ended states; the
-    # outcome states three times (the latest outcome's slot, state and error).
+    # outcome states three times (the latest outcome's slot, state and error);
+    # :meth:`late_starts_params` (the last N first starts' lateness).
     ENDED = "r.state IN (%s, %s, %s)"
 
     def last_ended(self, failed: bool) -> str:
@@ -662,9 +675,10 @@ class Backend:
         return [*ended, last]
 
     @lru_cache  # noqa: B019
-    def task_facts(self, tasks: int) -> str:
+    def task_facts(self, tasks: int, late_starts: bool = False) -> str:
         """The health facts of ``tasks`` tasks, one row each: every value an index probe on
-        (task_name, slot) or (task_name, state, slot). See :meth:`last_ended_params`."""
+        (task_name, slot) or (task_name, state, slot). See :meth:`last_ended_params`;
+        ``late_starts``: :meth:`late_starts` last."""
         return self.format(
             f"WITH t(name, due) AS ({self.tasks_table(tasks)}) SELECT t.name, "
             "(SELECT r.state FROM {run} r WHERE r.task_name = t.name AND r.slot = t.due), "
@@ -681,8 +695,27 @@ class Backend:
             + self.ENDED
             + " ORDER BY r.slot DESC LIMIT 1), "
             + ", ".join(self.latest_outcome(column) for column in ("slot", "state", "error"))
+            + (", " + self.late_starts() if late_starts else "")
             + " FROM t"
         )
+
+    def late_starts(self) -> str:
+        """The least and the greatest start lateness (seconds) of the task's last N first
+        starts (:data:`FIRST_START`), as one text "least greatest" (a scalar subquery has
+        one column: one probe of (task_name, slot), not two); NULL or "" when it has fewer
+        than N. Parameters: :meth:`late_starts_params`."""
+        return (
+            "(SELECT CASE WHEN COUNT(*) = %s THEN "
+            "CAST(MIN(e.l) AS TEXT) || ' ' || CAST(MAX(e.l) AS TEXT) END FROM "
+            "(SELECT {lateness} AS l FROM {run} r WHERE r.task_name = t.name AND "
+            + FIRST_START.format(r="r")
+            + " ORDER BY r.slot DESC LIMIT %s) AS e)"
+        )
+
+    def late_starts_params(self, last: int, first: int) -> list[Any]:
+        """The parameters of :meth:`late_starts` for the last ``last`` starts of attempt
+        ``first``."""
+        return [last, first, last]
 
     OUTCOME = "r.state IN (%s, %s, %s, %s)"
 

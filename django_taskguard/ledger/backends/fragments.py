@@ -34,6 +34,9 @@ CLAIMED = (
     "INSERT INTO {transition} ({columns}) "
     "SELECT id, %(pending)s, %(running)s, {now}, 'claimed', owner "
 )
+# A run of a slot (no key) whose first attempt started: its start is its first (a retry
+# moves ``started_at`` on). ``{r}``: the table's alias; parameter: the first attempt (1).
+FIRST_START = "{r}.started_at IS NOT NULL AND {r}.attempt = %s AND {r}.{{key}} IS NULL"
 # One transition row: run, from, to, reason, actor (at = the database's now).
 TRANSITION_ROW = "(%s, %s, %s, {now}, %s, %s)"
 

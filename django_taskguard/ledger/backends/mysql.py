@@ -22,6 +22,7 @@ from .fragments import (
     CLAIMED_COLUMNS,
     CLAIMED_VALUES,
     FENCE_SEQUENCE,
+    FIRST_START,
     RUN,
     TRANSITION_ROW,
     Sets,
@@ -126,6 +127,7 @@ class MariaDBBackend(Backend):
     # A MariaDB SEQUENCE (migration 0009): not transactional, never goes back.
     next_fence = f"NEXTVAL({FENCE_SEQUENCE})"
     duration = "TIMESTAMPDIFF(MICROSECOND, started_at, finished_at) / 1000000"
+    lateness = "TIMESTAMPDIFF(MICROSECOND, slot, started_at) / 1000000"
     key = "`key`"
     min_slot = "'1000-01-01'"
     # Probe (task_name, state, slot) for a task's latest run in a state. Left to itself it
@@ -297,3 +299,18 @@ class MariaDBBackend(Backend):
 
     def last_ended_params(self, ended: tuple[str, ...], last: int) -> list[Any]:
         return [*ended, last - 1, *ended]
+
+    def late_starts(self) -> str:
+        """As :meth:`last_ended`: the first starts from the N-th latest one's slot on (none
+        when there are fewer than N: the bound is NULL). ``CONCAT_WS`` gives "" for no row.
+        Parameters: the first attempt, N less one, the first attempt again."""
+        started = FIRST_START.format(r="q")
+        return (
+            "(SELECT CONCAT_WS(' ', MIN({lateness}), MAX({lateness})) FROM {run} r "
+            "WHERE r.task_name = t.name AND r.slot >= "
+            f"(SELECT q.slot FROM {{run}} q WHERE q.task_name = t.name AND {started} "
+            "ORDER BY q.slot DESC LIMIT 1 OFFSET %s) AND " + FIRST_START.format(r="r") + ")"
+        )
+
+    def late_starts_params(self, last: int, first: int) -> list[Any]:
+        return [first, last - 1, first]

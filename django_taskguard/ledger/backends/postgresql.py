@@ -243,6 +243,7 @@ class PostgreSQLBackend(Backend):
     lease_left = "EXTRACT(EPOCH FROM lease_until - statement_timestamp())"
     next_fence = f"nextval('{FENCE_SEQUENCE}')"
     duration = "EXTRACT(EPOCH FROM (finished_at - started_at))"
+    lateness = "EXTRACT(EPOCH FROM (started_at - slot))"
     # PostgreSQL cannot infer a parameter's type in a VALUES row.
     name_row = "(CAST(%s AS varchar))"
     task_row = "(CAST(%s AS varchar), CAST(%s AS timestamp with time zone))"

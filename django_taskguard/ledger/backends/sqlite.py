@@ -26,6 +26,7 @@ class SQLiteBackend(Backend):
     # when retention deletes the newest rows.
     next_fence = f"(SELECT fence FROM {LEDGER} WHERE id = 1)"
     duration = "(julianday(finished_at) - julianday(started_at)) * 86400.0"
+    lateness = "(julianday(started_at) - julianday(slot)) * 86400.0"
 
     # :attr:`now`, run without parameters (its ``%`` not doubled).
     read_now = "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"
