@@ -7,6 +7,10 @@ set its global providers once): no other test sees them.
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,11 +29,13 @@ from opentelemetry.trace import StatusCode
 
 from django_taskguard import current_run, once_per_key, once_per_schedule, otel
 from django_taskguard.cleanup import cleanup_locks
+from django_taskguard.context import ActiveRun
 from django_taskguard.exceptions import LeaseLost
 from django_taskguard.locks.keys import key_digest
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun
-from django_taskguard.signals import checkin_failed
+from django_taskguard.otel import spans
+from django_taskguard.signals import checkin_failed, run_started, run_succeeded
 
 from .support.runs import make_run
 from .support.slots import BASE_SLOT
@@ -271,3 +277,88 @@ def test_ledger_metrics__gauges_mirror_the_ledger(recorded):
     assert missed.value == 1
     [window] = recorded.points("taskguard.ledger.window").values()
     assert window.value == 24 * 3600
+
+
+def orphan(task: str, run_id: int) -> ActiveRun:
+    return ActiveRun(run_id, task, SLOT, attempt=1, fence=run_id, owner="h:1:t", lease_seconds=30)
+
+
+def test_span__an_attempt_whose_end_was_never_signalled_ends_when_it_is_dropped(recorded):
+    """The database failed while the end was recorded: no end signal; the span ends as the
+    attempt's ``ActiveRun`` goes away, result ``error``."""
+    run = orphan("tests.otel.orphan", 41)
+    run_started.send(sender=run.task_name, run=run)
+    assert recorded.finished() == []
+    del run
+    gc.collect()
+    [span] = recorded.finished()
+    assert attrs(span)["taskguard.result"] == "error"
+    assert span.status.status_code == StatusCode.ERROR
+    assert runs_of(recorded, "tests.otel.orphan") == {"error": 1}
+
+
+def test_span__open_spans_are_bounded(recorded, monkeypatch, caplog):
+    monkeypatch.setattr(spans, "MAX_OPEN", 2)
+    runs = [orphan("tests.otel.bounded", n) for n in range(3)]
+    for run in runs:
+        run_started.send(sender=run.task_name, run=run)
+    assert "attempts have an open span; no more" in caplog.text
+    for run in runs:
+        run_succeeded.send(sender=run.task_name, run=run, result=None)
+    assert [attrs(s)["taskguard.run_id"] for s in recorded.finished()] == [0, 1]
+
+
+def test_span__ended_once_when_a_late_end_follows_the_lease_loss(recorded):
+    run = orphan("tests.otel.once", 7)
+    run_started.send(sender=run.task_name, run=run)
+    run.mark_lost("fenced out")
+    run_succeeded.send(sender=run.task_name, run=run, result=None)
+    [span] = recorded.finished()
+    assert attrs(span)["taskguard.result"] == "timeout"
+    assert attrs(span)["taskguard.reason"] == "fenced out"
+    assert runs_of(recorded, "tests.otel.once") == {"timeout": 1}
+
+
+def test_off__nothing_imported_and_nothing_connected():
+    """With OPENTELEMETRY off (the test settings), a guarded call imports no opentelemetry."""
+    code = (
+        "import sys, django; django.setup()\n"
+        "import django_taskguard.apps\n"
+        "from django_taskguard import signals\n"
+        "assert not signals.run_started.has_listeners(), 'a run_started receiver is connected'\n"
+        "found = sorted(m for m in sys.modules if m.partition('.')[0] == 'opentelemetry')\n"
+        "assert found == [], found\n"
+        "print('clean')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "clean", done.stderr
+
+
+def test_span__an_attempt_given_back_before_its_function_is_a_skip(recorded):
+    def refuse(sender: str, **kwargs: Any) -> None:
+        raise RuntimeError("not now")
+
+    ran = []
+
+    @once_per_schedule(name="tests.otel.given_back")
+    def body() -> None:
+        ran.append(1)
+
+    run_started.connect(refuse, sender="tests.otel.given_back")  # after otel's receiver
+    try:
+        with pytest.raises(RuntimeError, match="not now"):
+            body.run_for_slot(SLOT)
+    finally:
+        run_started.disconnect(refuse, sender="tests.otel.given_back")
+    assert ran == []
+    [span] = recorded.finished()
+    assert attrs(span)["taskguard.result"] == "skip"
+    assert attrs(span)["taskguard.state"] == "pending"  # the row is back where its claim found it
+    assert "not now" in attrs(span)["taskguard.reason"]
+    assert span.status.status_code == StatusCode.UNSET

@@ -24,7 +24,7 @@ from ..context import ActiveRun, active_run, add_function_hook, remove_function_
 from ..ledger import clip
 from .gauges import register as register_gauges
 from .meters import Meters
-from .spans import Ended, Key, Spans, key_of
+from .spans import Ended, Open, Spans, key_of
 
 NAME = "django_taskguard"
 REASON_MAX_LENGTH = 1000
@@ -44,18 +44,18 @@ class Receivers:
         self.spans.start(run)
 
     def succeeded(self, sender: str, run: ActiveRun, **kwargs: Any) -> None:
-        self.end(run.task_name, key_of(run), Ended("success", "succeeded"))
+        self.spans.end(key_of(run), Ended("success", "succeeded"))
 
     def failed(self, sender: str, run: ActiveRun, exception: BaseException, state: str = "failed",
                **kwargs: Any) -> None:  # fmt: skip
         reason = clip(f"{type(exception).__name__}: {exception}", REASON_MAX_LENGTH)
-        self.end(run.task_name, key_of(run), Ended("failure", state, reason, exception))
+        self.spans.end(key_of(run), Ended("failure", state, reason, exception))
 
     def given_back(self, sender: str, run: ActiveRun, reason: str = "", **kwargs: Any) -> None:
-        self.end(run.task_name, key_of(run), Ended("skip", run.claimed_from, reason))
+        self.spans.end(key_of(run), Ended("skip", run.claimed_from, reason))
 
     def lease_lost(self, sender: str, run: ActiveRun, **kwargs: Any) -> None:
-        self.end(run.task_name, key_of(run), Ended("timeout", "lease_lost", run.lost_reason))
+        self.spans.end(key_of(run), Ended("timeout", "lease_lost", run.lost_reason))
 
     def skipped(self, sender: str, slot: datetime, reason: str = "", **kwargs: Any) -> None:
         """A recorded ``skipped``: the end of the attempt running here, if it is that slot's
@@ -63,7 +63,7 @@ class Receivers:
         not an attempt and has no span."""
         run = active_run()
         if run is not None and (run.task_name, run.slot) == (sender, slot):
-            self.end(sender, key_of(run), Ended("skip", "skipped", reason))
+            self.spans.end(key_of(run), Ended("skip", "skipped", reason))
 
     def abandoned(self, sender: str, run_id: int, slot: datetime, reason: str = "",
                   **kwargs: Any) -> None:  # fmt: skip
@@ -72,7 +72,7 @@ class Receivers:
         ended = Ended("abandoned", "abandoned", reason)
         key = self.spans.find(lambda key, found: key[0] == run_id)
         if key is not None:
-            self.end(sender, key, ended)
+            self.spans.end(key, ended)
             return
         attributes = {"taskguard.run_id": run_id, "taskguard.slot": slot.isoformat()}
         self.spans.short(sender, "abandoned", attributes, ended)
@@ -95,11 +95,9 @@ class Receivers:
             attributes = {"taskguard.service": service, "taskguard.event": event}
             self.meters.checkin_failures.add(1, attributes)
 
-    def end(self, task: str, key: Key, ended: Ended) -> None:
-        """End the attempt ``key`` (nothing if it is not open here: ended already)."""
-        found = self.spans.end(key, ended)
-        if found is not None and self.meters is not None:
-            self.meters.ended(task, ended.result, found.elapsed())
+    def counted(self, found: Open, ended: Ended) -> None:
+        if self.meters is not None:
+            self.meters.ended(found.task, ended.result, found.elapsed())
 
 
 # signal -> the Receivers method connected to it
@@ -141,6 +139,7 @@ def install(
         if wanted["ledger_metrics"]:
             register_gauges(meter)
     receivers = Receivers(spans, meters)
+    spans.ended = receivers.counted
     for signal, method in CONNECTIONS.items():
         signal.connect(
             getattr(receivers, method), weak=False, dispatch_uid=f"taskguard.otel.{method}"

@@ -67,9 +67,12 @@ def key_of(run: ActiveRun) -> Key:
 class Spans:
     """The attempts' spans of this process, through one tracer."""
 
-    def __init__(self, tracer: Tracer, plain_keys: bool) -> None:
+    def __init__(
+        self, tracer: Tracer, plain_keys: bool, ended: Callable[[Open, Ended], None] | None = None
+    ) -> None:
         self.tracer = tracer
         self.plain_keys = plain_keys
+        self.ended = ended  # told of every attempt that ends (the metrics), on every path
         self._open: dict[Key, Open] = {}
         self._lock = threading.Lock()
         self._full_logged = False
@@ -115,6 +118,8 @@ class Spans:
             return None
         found.finalizer.detach()
         close(found.span, ended)
+        if self.ended is not None:
+            self.ended(found, ended)
         return found
 
     def find(self, match: Callable[[Key, Open], bool]) -> Key | None:
