@@ -22,7 +22,7 @@ from django.utils import timezone
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -163,13 +163,22 @@ def test_span__current_while_the_function_runs_so_user_spans_nest(recorded):
         with user.start_as_current_span("user async work"):
             await asyncio.sleep(0)
 
-    body.run_for_slot(SLOT)
-    asyncio.run(async_body.run_for_slot(SLOT))
+    async def called_from_a_span() -> None:
+        with user.start_as_current_span("async caller"):
+            await async_body.run_for_slot(SLOT)
+
+    with user.start_as_current_span("caller"):
+        body.run_for_slot(SLOT)
+    asyncio.run(called_from_a_span())
     spans = {s.name: s for s in recorded.finished()}
-    for attempt, work in [("nest", "user work"), ("nest_async", "user async work")]:
-        parent = spans[f"taskguard tests.otel.{attempt}"]
+    for caller, attempt, work in [
+        ("caller", "nest", "user work"),
+        ("async caller", "nest_async", "user async work"),
+    ]:
+        ours = spans[f"taskguard tests.otel.{attempt}"]
+        assert ours.parent is not None and ours.parent.span_id == spans[caller].context.span_id
         assert spans[work].parent is not None
-        assert spans[work].parent.span_id == parent.context.span_id
+        assert spans[work].parent.span_id == ours.context.span_id
     # and nothing is left current after the call
     assert not trace.get_current_span().get_span_context().is_valid
 
@@ -362,3 +371,20 @@ def test_span__an_attempt_given_back_before_its_function_is_a_skip(recorded):
     assert attrs(span)["taskguard.state"] == "pending"  # the row is back where its claim found it
     assert "not now" in attrs(span)["taskguard.reason"]
     assert span.status.status_code == StatusCode.UNSET
+
+
+class Broken(SpanProcessor):
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        raise RuntimeError("a broken span processor")
+
+
+def test_span__a_failing_tracer_never_fails_the_task(recorded, caplog):
+    recorded.tracer_provider.add_span_processor(Broken())
+
+    @once_per_schedule(name="tests.otel.broken")
+    def body() -> str:
+        return "ran"
+
+    assert body.run_for_slot(SLOT) == "ran"
+    assert TaskRun.objects.get().state == RunState.SUCCEEDED
+    assert "OpenTelemetry receiver started failed" in caplog.text

@@ -10,6 +10,9 @@ after :func:`install` is used); tests pass their own providers instead.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +28,8 @@ from ..ledger import clip
 from .gauges import register as register_gauges
 from .meters import Meters
 from .spans import Ended, Open, Spans, key_of
+
+logger = logging.getLogger("taskguard.otel")
 
 NAME = "django_taskguard"
 REASON_MAX_LENGTH = 1000
@@ -117,6 +122,19 @@ CONNECTIONS: dict[Signal, str] = {
 _installed: Receivers | None = None
 
 
+def never_raising(receiver: Callable[..., None]) -> Callable[..., None]:
+    """``receiver``, its errors logged: a span or a count never fails or ends a task."""
+
+    @functools.wraps(receiver)
+    def guarded(sender: Any, **kwargs: Any) -> None:
+        try:
+            receiver(sender, **kwargs)
+        except Exception:
+            logger.exception("taskguard's OpenTelemetry receiver %s failed", receiver.__name__)
+
+    return guarded
+
+
 def install(
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
@@ -141,9 +159,8 @@ def install(
     receivers = Receivers(spans, meters)
     spans.ended = receivers.counted
     for signal, method in CONNECTIONS.items():
-        signal.connect(
-            getattr(receivers, method), weak=False, dispatch_uid=f"taskguard.otel.{method}"
-        )
+        receiver = never_raising(getattr(receivers, method))
+        signal.connect(receiver, weak=False, dispatch_uid=f"taskguard.otel.{method}")
     if wanted["traces"]:
         add_function_hook(spans.current)
     global _installed

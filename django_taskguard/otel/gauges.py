@@ -16,12 +16,21 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from .. import figures
+from .. import figures, ledger
 from ..states import RunState
 
 logger = logging.getLogger("taskguard.otel")
 
 REUSE_SECONDS = 5.0
+
+
+def settle() -> None:
+    """Drop this thread's ledger connection after a failed reading (the next one reconnects)."""
+    try:
+        ledger.settle_connection()
+    except Exception:
+        logger.exception("taskguard could not close the ledger connection")
+
 
 Reader = Callable[[figures.Figures], Iterable[Observation]]
 
@@ -42,6 +51,7 @@ class Reading:
                 except Exception:  # a collection must go on without the ledger's figures
                     logger.exception("taskguard could not read the ledger's figures")
                     self._figures = None
+                    settle()
                 self._taken = time.monotonic()
             return self._figures
 
