@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db.models import F
-from django.utils import timezone
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import StatusCode
 
 from django_taskguard import current_run, once_per_key, once_per_schedule, otel
@@ -35,72 +26,21 @@ from django_taskguard.locks.keys import key_digest
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.otel import spans
-from django_taskguard.signals import checkin_failed, run_started, run_succeeded
+from django_taskguard.signals import run_started, run_succeeded
 
+from .support.otel import SETTINGS, Recorded, attrs, events, recording, runs_of
 from .support.runs import make_run
 from .support.slots import BASE_SLOT
 from .test_missed import every_second
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SLOT = BASE_SLOT + timedelta(hours=3)
-SETTINGS = {"traces": True, "metrics": True, "ledger_metrics": False, "key": "digest"}
-
-
-@dataclass
-class Recorded:
-    tracer_provider: TracerProvider
-    spans: InMemorySpanExporter
-    metrics: InMemoryMetricReader
-
-    def finished(self, name_part: str = "") -> list[ReadableSpan]:
-        return [s for s in self.spans.get_finished_spans() if name_part in s.name]
-
-    def points(self, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
-        """The metric's data points by their sorted attributes."""
-        data = self.metrics.get_metrics_data()
-        found: dict[tuple[tuple[str, Any], ...], Any] = {}
-        for resource in data.resource_metrics if data else []:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        for point in metric.data.data_points:
-                            found[tuple(sorted(point.attributes.items()))] = point
-        return found
-
-
-def start(settings: dict[str, Any] | None = None) -> Recorded:
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    otel.install(
-        tracer_provider, MeterProvider(metric_readers=[reader]), {**SETTINGS, **(settings or {})}
-    )
-    return Recorded(tracer_provider, exporter, reader)
 
 
 @pytest.fixture
 def recorded() -> Iterator[Recorded]:
-    try:
-        yield start()
-    finally:
-        otel.uninstall()
-
-
-def attrs(span: ReadableSpan) -> dict[str, Any]:
-    return dict(span.attributes or {})
-
-
-def events(span: ReadableSpan) -> list[str]:
-    return [event.name for event in span.events]
-
-
-def runs_of(recorded: Recorded, task: str) -> dict[str, int]:
-    return {
-        dict(key)["taskguard.result"]: point.value
-        for key, point in recorded.points("taskguard.runs").items()
-        if dict(key)["taskguard.task"] == task
-    }
+    with recording() as found:
+        yield found
 
 
 def test_span__one_per_attempt_with_its_attributes_events_and_result(recorded):
@@ -247,47 +187,6 @@ def test_span__a_missed_slot_and_an_abandoned_run_get_a_short_span_each(recorded
     assert abandoned.status.status_code == StatusCode.ERROR
 
 
-def test_metrics__checkin_failures_counted_by_service(recorded):
-    checkin_failed.send(sender="sentry", service="sentry", event="start", error="timed out")
-    [(key, point)] = recorded.points("taskguard.checkin.failures").items()
-    assert dict(key) == {"taskguard.service": "sentry", "taskguard.event": "start"}
-    assert point.value == 1
-
-
-def test_off__traces_off_counts_and_makes_no_span():
-    recorded = start({"traces": False})
-    try:
-
-        @once_per_schedule(name="tests.otel.untraced")
-        def body() -> None:
-            return None
-
-        body.run_for_slot(SLOT)
-    finally:
-        otel.uninstall()
-    assert recorded.finished() == []
-    assert runs_of(recorded, "tests.otel.untraced") == {"success": 1}
-    body.run_for_slot(SLOT + timedelta(hours=1))  # uninstalled: nothing more
-    assert runs_of(recorded, "tests.otel.untraced") == {"success": 1}
-
-
-def test_ledger_metrics__gauges_mirror_the_ledger(recorded):
-    otel.uninstall()
-    recorded = start({"ledger_metrics": True})
-    hour_ago = timezone.now().replace(microsecond=0) - timedelta(hours=1)
-    make_run("tests.otel.ledger", state=RunState.SUCCEEDED, slot=hour_ago)
-    make_run("tests.otel.ledger", state=RunState.MISSED, slot=hour_ago + timedelta(minutes=1))
-    points = recorded.points("taskguard.ledger.runs")
-    assert {dict(k)["taskguard.state"]: p.value for k, p in points.items()} == {
-        "succeeded": 1,
-        "missed": 1,
-    }
-    [missed] = recorded.points("taskguard.ledger.missed").values()
-    assert missed.value == 1
-    [window] = recorded.points("taskguard.ledger.window").values()
-    assert window.value == 24 * 3600
-
-
 def orphan(task: str, run_id: int) -> ActiveRun:
     return ActiveRun(run_id, task, SLOT, attempt=1, fence=run_id, owner="h:1:t", lease_seconds=30)
 
@@ -326,27 +225,6 @@ def test_span__ended_once_when_a_late_end_follows_the_lease_loss(recorded):
     assert attrs(span)["taskguard.result"] == "timeout"
     assert attrs(span)["taskguard.reason"] == "fenced out"
     assert runs_of(recorded, "tests.otel.once") == {"timeout": 1}
-
-
-def test_off__nothing_imported_and_nothing_connected():
-    """With OPENTELEMETRY off (the test settings), a guarded call imports no opentelemetry."""
-    code = (
-        "import sys, django; django.setup()\n"
-        "import django_taskguard.apps\n"
-        "from django_taskguard import signals\n"
-        "assert not signals.run_started.has_listeners(), 'a run_started receiver is connected'\n"
-        "found = sorted(m for m in sys.modules if m.partition('.')[0] == 'opentelemetry')\n"
-        "assert found == [], found\n"
-        "print('clean')\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stdout.strip() == "clean", done.stderr
 
 
 def test_span__an_attempt_given_back_before_its_function_is_a_skip(recorded):

@@ -20,9 +20,9 @@ from django_taskguard.models import RunState, TaskRun
 from tests.support import celery_tasks
 from tests.support.celery_app import app
 
+from .support.otel import Recorded, attrs, runs_of, start
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
-from .test_otel import Recorded, attrs, runs_of, start
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SLOT = BASE_SLOT + timedelta(hours=5)

@@ -168,6 +168,11 @@ def install(
     return receivers
 
 
+def installed() -> Receivers | None:
+    """What :func:`install` connected, or None."""
+    return _installed
+
+
 def uninstall() -> None:
     """Disconnect what :func:`install` connected (open spans are left to their attempts)."""
     global _installed
