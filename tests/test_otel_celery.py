@@ -94,8 +94,13 @@ def worker_app(redis_server) -> Iterator[Celery]:
         "tests-otel", broker=redis_server.url, include=["tests.support.celery_tasks"]
     )
     redis_app.conf.update(task_ignore_result=True, worker_hijack_root_logger=False)
-    with start_worker(redis_app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-        yield redis_app
+    try:
+        with start_worker(redis_app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+            yield redis_app
+    finally:
+        # start_worker made its app the current and default one: the tests' app is again.
+        app.set_current()
+        app.set_default()
 
 
 def test_celery_worker__the_span_is_a_child_of_the_worker_task_span(
