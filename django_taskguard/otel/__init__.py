@@ -51,9 +51,16 @@ class Receivers:
     def succeeded(self, sender: str, run: ActiveRun, **kwargs: Any) -> None:
         self.spans.end(key_of(run), Ended("success", "succeeded"))
 
-    def failed(self, sender: str, run: ActiveRun, exception: BaseException, state: str = "failed",
-               **kwargs: Any) -> None:  # fmt: skip
-        reason = clip(f"{type(exception).__name__}: {exception}", REASON_MAX_LENGTH)
+    def failed(
+        self,
+        sender: str,
+        run: ActiveRun,
+        exception: BaseException,
+        state: str = "failed",
+        **kw: Any,
+    ) -> None:
+        # Cut before formatting, as the ledger does: a huge message is never copied whole.
+        reason = f"{type(exception).__name__}: {clip(str(exception), REASON_MAX_LENGTH)}"
         self.spans.end(key_of(run), Ended("failure", state, reason, exception))
 
     def given_back(self, sender: str, run: ActiveRun, reason: str = "", **kwargs: Any) -> None:
@@ -70,8 +77,9 @@ class Receivers:
         if run is not None and (run.task_name, run.slot) == (sender, slot):
             self.spans.end(key_of(run), Ended("skip", "skipped", reason))
 
-    def abandoned(self, sender: str, run_id: int, slot: datetime, reason: str = "",
-                  **kwargs: Any) -> None:  # fmt: skip
+    def abandoned(
+        self, sender: str, run_id: int, slot: datetime, reason: str = "", **kwargs: Any
+    ) -> None:
         """The attempt running here was interrupted, or a run found dead (by upkeep, a later
         caller): a short span, since its owner can no longer say it."""
         ended = Ended("abandoned", "abandoned", reason)
@@ -88,14 +96,15 @@ class Receivers:
         slots = kwargs.get("slots") or [slot]
         self.spans.missed(sender, slots, reason)
         if self.meters is not None:
-            self.meters.ended(sender, "missed", None, count=int(kwargs.get("count") or 1))
+            self.meters.ended(sender, "missed", None, count=int(kwargs.get("count") or len(slots)))
 
     def duplicate(self, sender: str, **kwargs: Any) -> None:
         if self.meters is not None:
             self.meters.duplicates.add(1, {"taskguard.task": sender})
 
-    def checkin_failed(self, sender: Any = None, service: str = "", event: str = "",
-                       **kwargs: Any) -> None:  # fmt: skip
+    def checkin_failed(
+        self, sender: Any = None, service: str = "", event: str = "", **kwargs: Any
+    ) -> None:
         if self.meters is not None:
             attributes = {"taskguard.service": service, "taskguard.event": event}
             self.meters.checkin_failures.add(1, attributes)
