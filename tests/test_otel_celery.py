@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
-from django_taskguard import otel
+from django_taskguard import once_per_schedule, otel
 from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
 from django_taskguard.models import RunState, TaskRun
 from tests.support import celery_tasks
@@ -126,3 +127,21 @@ def test_celery_worker__the_span_is_a_child_of_the_worker_task_span(
         "taskguard.retrying",
         "exception",
     ]
+
+
+@app.task(bind=True, name="tests.otel.ignored")
+@once_per_schedule()
+def ignored(self: Any) -> None:
+    raise Ignore()
+
+
+def test_celery_eager__an_ignored_attempt_is_a_skip(instrumented):
+    app.conf.task_always_eager = True
+    try:
+        ignored.apply_async(headers=HEADERS)
+    finally:
+        app.conf.task_always_eager = False
+    [found] = assert_children_of_celery_runs(instrumented, "tests.otel.ignored")
+    assert (found["taskguard.state"], found["taskguard.result"]) == ("skipped", "skip")
+    assert "celery Ignore" in found["taskguard.reason"]
+    assert TaskRun.objects.get().state == RunState.SKIPPED
