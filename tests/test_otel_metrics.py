@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 from django.apps import apps as django_apps
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
@@ -109,3 +110,17 @@ def test_startup__ready_installs_what_the_setting_asks():
             assert (otel.installed() is not None) is installed, value
     finally:
         otel.uninstall()
+
+
+def test_startup__without_opentelemetry_api_names_the_extra(monkeypatch):
+    from django_taskguard import apps as taskguard_apps
+
+    real = taskguard_apps.find_spec
+    monkeypatch.setattr(
+        taskguard_apps, "find_spec", lambda name: None if name == "opentelemetry" else real(name)
+    )
+    missing = pytest.raises(ImproperlyConfigured, match=r"django-taskguard\[otel\]")
+    with override_settings(TASKGUARD={"OPENTELEMETRY": True}), missing:
+        taskguard_apps._opentelemetry_wanted()
+    with override_settings(TASKGUARD={"OPENTELEMETRY": False}):
+        assert taskguard_apps._opentelemetry_wanted() is False
