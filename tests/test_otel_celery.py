@@ -3,8 +3,14 @@ celery's ``CeleryInstrumentor``): eagerly, and in a worker consuming a private R
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,3 +151,84 @@ def test_celery_eager__an_ignored_attempt_is_a_skip(instrumented):
     assert (found["taskguard.state"], found["taskguard.result"]) == ("skipped", "skip")
     assert "celery Ignore" in found["taskguard.reason"]
     assert TaskRun.objects.get().state == RunState.SKIPPED
+
+
+def test_celery_worker_process__the_span_is_a_child_of_the_worker_task_span(
+    child_env, scratch, redis_server
+):
+    """A real prefork worker (its own processes): its spans are read from the line log."""
+    span_log = scratch / "spans.jsonl"
+    env = {
+        **child_env,
+        "TASKGUARD_TEST_BROKER_URL": redis_server.url,
+        "TASKGUARD_TEST_SPAN_LOG": str(span_log),
+    }
+    worker = start_worker_process(env, scratch)
+    try:
+        previous, app.conf.broker_url = app.conf.broker_url, redis_server.url
+        try:
+            with app.connection_for_write() as connection:
+                celery_tasks.flaky.apply_async(
+                    kwargs={"log": str(scratch / "log"), "failures": 1},
+                    headers=HEADERS,
+                    connection=connection,
+                )
+        finally:
+            app.conf.broker_url = previous
+
+        def ours() -> list[dict[str, Any]]:
+            lines = span_log.read_text().splitlines() if span_log.exists() else []
+            return [json.loads(line) for line in lines]
+
+        describe = lambda: (scratch / "worker.out").read_text(errors="replace")[-6000:]  # noqa: E731
+        wait_for(
+            lambda: len([s for s in ours() if s["name"].startswith("taskguard ")]) == 2,
+            timeout=90,
+            what="both attempts' spans from the worker",
+            describe=describe,
+        )
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(30)
+    spans = ours()
+    runs = {s["context"]["span_id"]: s for s in spans if s["kind"] == "SpanKind.CONSUMER"}
+    found = [s for s in spans if s["name"].startswith("taskguard ")]
+    for span in found:
+        carrier = runs[span["parent_id"]]
+        assert carrier["name"] == "run/tests.support.celery_tasks.flaky"
+        assert carrier["context"]["trace_id"] == span["context"]["trace_id"]
+    said = [
+        (s["attributes"]["taskguard.attempt"], s["attributes"]["taskguard.result"]) for s in found
+    ]
+    assert said == [(1, "failure"), (2, "success")]
+    assert TaskRun.objects.get().state == RunState.SUCCEEDED
+
+
+WORKER = [
+    "worker",
+    "-P",
+    "prefork",
+    "-c",
+    "1",
+    "--loglevel",
+    "INFO",
+    "--without-gossip",
+    "--without-mingle",
+]
+
+
+def start_worker_process(env: dict[str, str], scratch: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "celery", "-A", "tests.support.otel_celery_app", *WORKER]
+    with open(scratch / "worker.out", "ab") as out:
+        return subprocess.Popen(
+            [*command, "--without-heartbeat"],
+            env=env,
+            cwd=scratch,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
