@@ -1,6 +1,7 @@
 from importlib.util import find_spec
 
 from django.apps import AppConfig
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_lazy as _
 
 
@@ -31,3 +32,27 @@ class TaskguardConfig(AppConfig):
             from .contrib.tasks import register as register_tasks
 
             register_tasks()
+        if _opentelemetry_wanted():
+            # Spans and metrics (TASKGUARD["OPENTELEMETRY"]); opentelemetry is imported here only.
+            from .otel import install
+
+            install()
+
+
+def _opentelemetry_wanted() -> bool:
+    """Whether ``OPENTELEMETRY`` turns anything on (an invalid value: no; check E025 says
+    why); ``ImproperlyConfigured`` when it does and opentelemetry-api is missing."""
+    from .conf import taskguard_settings
+
+    try:
+        wanted = taskguard_settings.OPENTELEMETRY
+    except ImproperlyConfigured:
+        return False
+    if not (wanted["traces"] or wanted["metrics"] or wanted["ledger_metrics"]):
+        return False
+    if find_spec("opentelemetry") is None:
+        raise ImproperlyConfigured(
+            "TASKGUARD['OPENTELEMETRY'] needs opentelemetry-api: "
+            "pip install 'django-taskguard[otel]'"
+        )
+    return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -117,6 +117,49 @@ def activate(run: ActiveRun) -> Iterator[ActiveRun]:
         # which is gone, and this one never saw it: nothing to undo.
         with suppress(ValueError):
             _current.reset(token)
+
+
+# Called as a guarded function starts, in its caller's context (its thread; the awaiting
+# task's context for a coroutine function); returns what to call as it ends, in that same
+# context, or None. ``OPENTELEMETRY`` registers one: the attempt's span made current.
+FunctionHook = Callable[[ActiveRun], "Callable[[], None] | None"]
+_function_hooks: list[FunctionHook] = []
+
+
+def add_function_hook(hook: FunctionHook) -> None:
+    """Call ``hook`` around every guarded function from now on (once, however often added)."""
+    if hook not in _function_hooks:
+        _function_hooks.append(hook)
+
+
+def remove_function_hook(hook: FunctionHook) -> None:
+    """Stop calling ``hook`` (nothing happens if it was not added)."""
+    with suppress(ValueError):
+        _function_hooks.remove(hook)
+
+
+@contextmanager
+def calling(run: ActiveRun) -> Iterator[ActiveRun]:
+    """:func:`activate` ``run`` around the guarded function itself, with the function
+    hooks. A hook that fails is logged and the function runs anyway."""
+    undo: list[Callable[[], None]] = []
+    with activate(run):
+        for hook in tuple(_function_hooks):
+            try:
+                done = hook(run)
+            except Exception:
+                logger.exception("a taskguard function hook failed (run %s)", run.id)
+                continue
+            if done is not None:
+                undo.append(done)
+        try:
+            yield run
+        finally:
+            for done in reversed(undo):
+                try:
+                    done()
+                except Exception:
+                    logger.exception("a taskguard function hook failed to end (run %s)", run.id)
 
 
 def active_run() -> ActiveRun | None:

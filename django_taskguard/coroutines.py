@@ -49,7 +49,7 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.db import close_old_connections
 
 from . import ledger
-from .context import activate
+from .context import calling
 from .guard import REFUSED, Attempt, Refused, Started, not_started_reason
 from .process import per_process
 from .upkeep import maybe_upkeep
@@ -101,7 +101,7 @@ async def _execute(
     if cancelled is not None:  # cancelled while claiming: the function never started
         await _ending(functools.partial(started.give_back, not_started_reason(cancelled)))
         raise cancelled
-    with activate(started.active):
+    with calling(started.active):
         try:
             result = await func(*args, **kwargs)
         except GeneratorExit as exc:  # closed, never to be resumed: no awaiting now

@@ -14,7 +14,7 @@ from django.utils import timezone
 from . import ledger
 from .claim import Taken, claim_slot
 from .conf import taskguard_settings
-from .context import ActiveRun, activate
+from .context import ActiveRun, activate, calling
 from .endings import ClassifyRaise, RecordSuccess, finish, record_raised, succeed
 from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from .heartbeat import Beat, heartbeats
@@ -378,7 +378,7 @@ class Attempt:
         """Run the function in this thread as this attempt; record how it ended."""
         if not self.open():
             return None
-        with activate(self.active):
+        with calling(self.active):
             try:
                 result = func(*args, **kwargs)
             except BaseException as exc:

@@ -11,55 +11,43 @@ owner killed mid-run sends nothing): a run whose owner's lease lapsed is
 recorded ``abandoned``.
 
 The start lateness histogram (start less slot, of each slot's first attempt) comes from
-the same scan. A scrape costs one range scan of the window's rows (the slot index), one index
-probe per task for its last success, and the health verdict's probes per task
-(every task).
+the same scan. A scrape costs one reading of :mod:`figures` (shared with the OpenTelemetry
+ledger gauges).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 from prometheus_client.core import CollectorRegistry, GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from . import health, ledger
-from .conf import taskguard_settings
-from .states import TIMED_STATES, RunState
+from . import ledger
+from .figures import DURATION_BUCKETS, LATENESS_BUCKETS, read
+from .states import TIMED_STATES
 
-# Bucket bounds of the duration histogram, in seconds.
-DURATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
-# Bucket bounds of the start lateness histogram (start less slot), in seconds.
-LATENESS_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+__all__ = ["DURATION_BUCKETS", "LATENESS_BUCKETS", "LedgerCollector", "exposition"]
 
 
 class LedgerCollector(Collector):
     """Reads the ledger on every collect; register it in any ``CollectorRegistry``."""
 
     def collect(self) -> Iterator[GaugeMetricFamily | GaugeHistogramMetricFamily]:
-        window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
-        verdict = health.check()
-        summary = ledger.window_summary(
-            verdict.checked_at - window, DURATION_BUCKETS, LATENESS_BUCKETS
-        )
-        names = sorted({t.task for t in verdict.tasks} | {name for name, _ in summary})
-        duplicates: dict[str, int] = {}  # per task, summed once (not a scan per task)
-        for (name, _), found in summary.items():
-            duplicates[name] = duplicates.get(name, 0) + found.duplicates
+        figures = read()
+        verdict, summary, names = figures.verdict, figures.summary, figures.names
         yield _gauge(
             "taskguard_window_seconds",
             "The window of slots the run gauges cover.",
             [],
-            [([], window.total_seconds())],
+            [([], figures.window.total_seconds())],
         )
         yield _gauge(
             "taskguard_upkeep_age_seconds",
             "Seconds since the upkeep (automatic, or cleanup_locks) last finished; absent "
             "when it never ran.",
             [],
-            _upkeep_age(verdict),
+            [] if figures.upkeep_age is None else [([], figures.upkeep_age)],
         )
         yield _gauge(
             "taskguard_last_success_timestamp_seconds",
@@ -93,20 +81,20 @@ class LedgerCollector(Collector):
             names,
             "taskguard_duplicates_suppressed",
             "Calls that found their slot taken and did not run, of the slots in the window.",
-            lambda name: duplicates.get(name, 0),
+            lambda name: figures.duplicates.get(name, 0),
         )
         yield _per_task(
             names,
             "taskguard_missed_slots",
             "Slots recorded missed (due, and no instance fired them), in the window.",
-            lambda name: _runs(summary, name, RunState.MISSED),
+            figures.missed,
         )
         yield _per_task(
             names,
             "taskguard_lease_losses",
             "Runs recorded abandoned (their owner's lease lapsed: owner dead or cut off), "
             "in the window.",
-            lambda name: _runs(summary, name, RunState.ABANDONED),
+            figures.lease_losses,
         )
         yield _durations(names, summary)
         yield _lateness(names, summary)
@@ -119,21 +107,6 @@ def _gauge(
     for values, value in samples:
         family.add_metric(values, value)
     return family
-
-
-def _upkeep_age(verdict: health.Verdict) -> list[tuple[list[str], float]]:
-    """The age of the latest upkeep: the verdict read it (one query when it did not)."""
-    kept = (
-        verdict.upkeep if verdict.upkeep is not None else health.upkeep_health(verdict.checked_at)
-    )
-    if kept.finished_at is None:
-        return []
-    return [([], max((verdict.checked_at - kept.finished_at).total_seconds(), 0.0))]
-
-
-def _runs(summary: dict[tuple[str, str], ledger.StateSummary], name: str, state: str) -> int:
-    found = summary.get((name, state))
-    return found.runs if found is not None else 0
 
 
 def _per_task(

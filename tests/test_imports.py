@@ -139,3 +139,32 @@ def test_imports__the_core_never_imports_celery():
                 target for target in targets if target.partition(".")[0] == "celery"
             ]
     assert {name: targets for name, targets in found.items() if targets} == {}
+
+
+def test_imports__opentelemetry_only_behind_its_setting():
+    """opentelemetry is an extra, imported only when ``OPENTELEMETRY`` turns it on: the
+    ``otel`` package alone imports it, and only ``apps`` imports ``otel`` (in ``ready``,
+    when the setting asks; tests/test_otel.py checks that a default setup imports none)."""
+    importers: dict[str, set[str]] = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            if any(target.partition(".")[0] == "opentelemetry" for target in targets):
+                importers.setdefault("opentelemetry", set()).add(name)
+    assert {
+        n for n in importers["opentelemetry"] if not n.startswith("django_taskguard.otel")
+    } == set()
+    users = {
+        name
+        for name, targets in graph().items()
+        if any(
+            t == "django_taskguard.otel" or t.startswith("django_taskguard.otel.") for t in targets
+        )
+        and not name.startswith("django_taskguard.otel")
+    }
+    assert users == {"django_taskguard.apps"}
