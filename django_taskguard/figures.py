@@ -52,9 +52,7 @@ def read() -> Figures:
     """Read the figures from the ledger now."""
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
     verdict = health.check()
-    summary = ledger.window_summary(
-        verdict.checked_at - window, DURATION_BUCKETS, LATENESS_BUCKETS
-    )
+    summary = ledger.window_summary(verdict.checked_at - window, DURATION_BUCKETS, LATENESS_BUCKETS)
     duplicates: dict[str, int] = {}  # per task, summed once (not a scan per task)
     for (name, _), found in summary.items():
         duplicates[name] = duplicates.get(name, 0) + found.duplicates
