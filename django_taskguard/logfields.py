@@ -110,7 +110,6 @@ EVENTS = frozenset(
         "scheduler.data_loaded",
         "scheduler.data_read_failed",
         "scheduler.missed_recorded",
-        "enqueue.failed",
         # Celery
         "beat.already_sent",
         "beat.sent_elsewhere",
