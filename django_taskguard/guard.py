@@ -254,6 +254,26 @@ def _store_result(active: ActiveRun, result: Any) -> None:
         )
 
 
+def _say_given_back(active: ActiveRun, reason: str) -> None:
+    """Log the give-back and send ``run_given_back`` (a receiver's error is logged only)."""
+    logger.warning(
+        "taskguard %s slot %s: attempt %d given back (%s)",
+        active.task_name,
+        active.slot.isoformat(),
+        active.attempt,
+        reason,
+        extra=run_log_fields("run.given_back", active, reason=reason),
+    )
+    try:
+        run_given_back.send(sender=active.task_name, run=active, reason=reason)
+    except Exception:  # the caller raises what ended the attempt, not this
+        logger.exception(
+            "a run_given_back receiver failed (run %s)",
+            active.id,
+            extra=run_log_fields("receiver.failed", active, reason="run_given_back"),
+        )
+
+
 def run_claimed(
     active: ActiveRun,
     policy: Policy,
@@ -472,22 +492,7 @@ class Attempt:
         finally:
             self._free(ended=False)
         if given:
-            logger.warning(
-                "taskguard %s slot %s: attempt %d given back (%s)",
-                active.task_name,
-                active.slot.isoformat(),
-                active.attempt,
-                reason,
-                extra=run_log_fields("run.given_back", active, reason=reason),
-            )
-            try:
-                run_given_back.send(sender=active.task_name, run=active, reason=reason)
-            except Exception:  # the caller raises what ended the attempt, not this
-                logger.exception(
-                    "a run_given_back receiver failed (run %s)",
-                    active.id,
-                    extra=run_log_fields("receiver.failed", active, reason="run_given_back"),
-                )
+            _say_given_back(active, reason)
         return given
 
     def returned(self, result: R) -> R:
