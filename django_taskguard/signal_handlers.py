@@ -1,6 +1,7 @@
 """Receivers taskguard connects: the fence source moved past fences that arrive with
-imported rows, the ledger's row after ``migrate``; and the startup cleanup, which
-``contrib.celery`` connects to Celery's ``worker_ready``."""
+imported rows, the ledger's row after ``migrate``, the check-ins (``checkins.receivers``,
+idle unless ``CHECKINS`` is set); and the startup cleanup, which ``contrib.celery``
+connects to Celery's ``worker_ready``."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def connect(app_config: Any) -> None:
     """Connect the receivers that need no optional package."""
     from django.db.models.signals import post_migrate, post_save
 
+    from .checkins.receivers import connect as connect_checkins
     from .models import TaskRun
 
+    connect_checkins()
     post_save.connect(fence_imported, sender=TaskRun, dispatch_uid="taskguard.fence_imported")
     post_migrate.connect(keep_ledger_row, sender=app_config, dispatch_uid="taskguard.ledger_row")

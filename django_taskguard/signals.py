@@ -25,7 +25,8 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
 - ``checkin_failed(service, event, error)``: a check-in (``TASKGUARD["CHECKINS"]``) could not
   be delivered after its tries, or was dropped (the queue was full); ``service`` is
   ``"sentry"``, ``"healthchecks"``, ``"cronitor"`` or ``"webhook"``, ``event`` the check-in's
-  kind (``"start"``, ``"end"``, ``"missed"``, ``"abandoned"``). Sent from the sending thread.
+  kind (``"start"``, ``"end"``, ``"missed"``, ``"abandoned"``). Sent from the sending thread
+  (a drop: from the thread whose check-in found the queue full), with ``send_robust``.
 """
 
 from django.dispatch import Signal

@@ -9,6 +9,7 @@ database's name through ``TASKGUARD_TEST_DB_NAME``.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from importlib.util import find_spec
@@ -201,6 +202,15 @@ if os.environ.get("TASKGUARD_TEST_SLOT_TOLERANCE"):
     # A run_schedules child whose clock is moved on to fire a far slot now
     # (TASKGUARD_TEST_CLOCK_OFFSET) must not be refused as a fast clock.
     TASKGUARD["SLOT_TOLERANCE_SECONDS"] = int(os.environ["TASKGUARD_TEST_SLOT_TOLERANCE"])
+
+# Children of tests/test_checkins_e2e.py: check-ins (JSON of TASKGUARD["CHECKINS"]) to local
+# receivers, and a real sentry_sdk client, initialised here as a site does in its settings.
+if os.environ.get("TASKGUARD_TEST_CHECKINS"):
+    TASKGUARD["CHECKINS"] = json.loads(os.environ["TASKGUARD_TEST_CHECKINS"])
+if os.environ.get("TASKGUARD_TEST_SENTRY_DSN"):
+    import sentry_sdk
+
+    sentry_sdk.init(dsn=os.environ["TASKGUARD_TEST_SENTRY_DSN"])
 
 LOGGING = {
     "version": 1,

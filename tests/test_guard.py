@@ -461,8 +461,9 @@ def test_body_exception__recorded_failed_with_the_error_and_propagates(received,
     assert run.state == RunState.FAILED and run.finished_at is not None
     assert run.error == "ValueError: disk full"
     assert transitions(run.id)[-1] == (RunState.RUNNING, RunState.FAILED, "ValueError: disk full")
-    assert kwargs_of(failed.calls) == [{"sender", "run", "exception"}]
+    assert kwargs_of(failed.calls) == [{"sender", "run", "exception", "state"}]
     assert isinstance(failed.calls[0]["exception"], ValueError)
+    assert failed.calls[0]["state"] == RunState.FAILED
     assert body.run_for_slot(SLOT) is None, "a failed slot is not run again"
 
 

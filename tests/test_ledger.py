@@ -204,3 +204,18 @@ def test_renew__an_older_fence_is_refused_after_a_takeover():
     assert ledger.renew(row.id, row.fence, 300) is None, "the old attempt renewed the new one's"
     assert TaskRun.objects.get(pk=row.id).lease_until == lease
     assert ledger.renew(taken.id, taken.fence, 30) is not None
+
+
+def test_insert_unheld_many__returns_only_the_pairs_this_call_wrote():
+    """Two sweeps that both found a slot without a row: the second writes nothing and says
+    so, even though the row is now in the state it meant to write (each slot's ``missed``
+    is counted and signalled once: one missed check-in)."""
+    slot = BASE_SLOT + timedelta(minutes=7)
+    second = timedelta(seconds=1)
+    first = [("t.unheld", slot, "missed: nobody fired"), ("t.unheld", slot + second, "missed")]
+    written = ledger.insert_unheld_many(RunState.MISSED, first, actor="sweep@a:1")
+    assert written == {("t.unheld", slot), ("t.unheld", slot + second)}
+    again = [*first, ("t.unheld", slot + 2 * second, "missed")]
+    written = ledger.insert_unheld_many(RunState.MISSED, again, actor="sweep@b:2")
+    assert written == {("t.unheld", slot + 2 * second)}
+    assert TaskRun.objects.filter(task_name="t.unheld", state=RunState.MISSED).count() == 3

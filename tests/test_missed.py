@@ -25,6 +25,7 @@ from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
 from django_taskguard.schedules import IntervalSchedule
+from django_taskguard.signals import run_missed
 
 from .support.monitoring import finished, schedule
 from .support.waiting import wait_for
@@ -72,6 +73,27 @@ def test_sweep_missed__a_long_outage_records_every_slot_in_batches():
         batches = -(-len(expected) // missed.SWEEP_BATCH)
         assert len(queries) <= 4 * batches + 10, "statements bounded per batch, not per slot"
     TaskSchedule.objects.filter(task_name="tests.sweep.outage").get(swept_until=end)
+
+
+def test_sweep_missed__run_missed_names_every_slot_it_recorded():
+    """One ``run_missed`` per task and sweep, with every slot it recorded (oldest first):
+    what a check-in sender needs to push one ``missed`` per slot."""
+    row = every_second("tests.sweep.signal", 8)
+    sent: list[dict[str, object]] = []
+
+    def on_missed(**kwargs: object) -> None:
+        sent.append(kwargs)
+
+    run_missed.connect(on_missed, weak=False)
+    try:
+        result = sweep_missed()
+    finally:
+        run_missed.disconnect(on_missed)
+    recorded = sorted(s for s, state in states(row.task_name).items() if state == "missed")
+    assert len(recorded) == result.missed_slots >= 5
+    assert len(sent) == 1 and sent[0]["sender"] == row.task_name
+    assert sent[0]["slots"] == recorded and sent[0]["slot"] == recorded[-1]
+    assert sent[0]["count"] == len(recorded)
 
 
 def test_sweep_missed__swept_until_moves_only_over_what_was_judged(monkeypatch):

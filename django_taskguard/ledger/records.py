@@ -85,12 +85,16 @@ def insert_missed(task_name: str, slot: datetime, *, reason: str, actor: str) ->
     return insert_unheld(task_name, slot, RunState.MISSED, reason, 0, actor)
 
 
-def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *, actor: str) -> int:
+def insert_unheld_many(
+    state: str, rows: Sequence[tuple[str, datetime, str]], *, actor: str
+) -> set[tuple[str, datetime]]:
     """Record many slots no attempt held (``missed``, or ``skipped`` while paused) at once:
-    ``(task, slot, reason)`` each; a slot that has a row keeps it. Returns how many were new."""
+    ``(task, slot, reason)`` each; a slot that has a row keeps it. Returns the ``(task,
+    slot)`` pairs written by this call (not those another writer recorded first, even in the
+    same state: a concurrent sweep's)."""
     check_transition(RunState.PENDING, state)
     if not rows:
-        return 0
+        return set()
     params = [
         [task for task, _, _ in rows],
         [slot_param(slot) for _, slot, _ in rows],
@@ -101,13 +105,13 @@ def insert_unheld_many(state: str, rows: Sequence[tuple[str, datetime, str]], *,
         actor,
     ]
     with translated:
-        count = dialect().insert_unheld_many(connection(), params)
-        if count is not None:
-            return count
+        written = dialect().insert_unheld_many(connection(), params)
+        if written is not None:
+            return set(written)
         # Not in one statement: a row and its transition at a time, one commit for them all.
         with transaction.atomic(using=alias()):
-            inserted = [insert_unheld(t, s, state, r, 0, actor) for t, s, r in rows]
-    return sum(1 for run_id in inserted if run_id is not None)
+            inserted = [(t, s, insert_unheld(t, s, state, r, 0, actor)) for t, s, r in rows]
+    return {(task, slot) for task, slot, run_id in inserted if run_id is not None}
 
 
 def miss_refused_early(

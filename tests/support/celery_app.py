@@ -43,7 +43,14 @@ REDIS_TRANSPORT_OPTIONS = {
     "unacked_restore_throttle": 1,
 }
 
-app = Celery("tests", include=["tests.support.celery_tasks", "tests.support.celery_keyed_tasks"])
+app = Celery(
+    "tests",
+    include=[
+        "tests.support.celery_tasks",
+        "tests.support.celery_keyed_tasks",
+        "tests.support.celery_checkin_tasks",
+    ],
+)
 app.conf.update(
     broker_url=BROKER_URL,
     broker_transport_options=REDIS_TRANSPORT_OPTIONS if BROKER_URL.startswith("redis") else {},

@@ -20,6 +20,7 @@ rows and translates errors.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from functools import cached_property, lru_cache
 from typing import Any, ClassVar
 
@@ -253,8 +254,11 @@ class Backend:
         """Each task's row of one slot (None: not in one statement)."""
         return None
 
-    def insert_unheld_many(self, connection: Any, params: Sequence[Any]) -> int | None:
-        """Many rows no attempt held, with their transitions (None: not in one statement)."""
+    def insert_unheld_many(
+        self, connection: Any, params: Sequence[Any]
+    ) -> list[tuple[str, datetime]] | None:
+        """Many rows no attempt held, with their transitions; the ``(task, slot)`` of each
+        row written (None: not in one statement)."""
         return None
 
     # -- reading -----------------------------------------------------------------------

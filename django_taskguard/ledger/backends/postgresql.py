@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -127,9 +128,10 @@ INSERT_UNHELD_MANY = (
     "(SELECT * FROM unnest(%s::text[], %s::timestamptz[], %s::text[])), "
     "i AS (INSERT INTO {run} (task_name, slot, state, attempt, fence, owner, created_at, "
     "finished_at, error, duplicates) SELECT task_name, slot, %s, 0, NULL, '', {now}, {now}, "
-    "reason, 0 FROM c ON CONFLICT (task_name, slot) DO NOTHING RETURNING id, error), "
+    "reason, 0 FROM c ON CONFLICT (task_name, slot) DO NOTHING "
+    "RETURNING id, error, task_name, slot), "
     "t AS (INSERT INTO {transition} ({columns}) SELECT id, %s, %s, {now}, error, %s FROM i) "
-    "SELECT count(*) FROM i"
+    "SELECT task_name, slot FROM i"
 )
 # Tasks (text[]), a slot: each task's row of that slot (the batch claim's read-back after
 # a lost reply).
@@ -347,9 +349,11 @@ class PostgreSQLBackend(Backend):
     def read_slot_many_statement(self) -> str:
         return self.format(READ_SLOT_MANY)
 
-    def insert_unheld_many(self, connection: Any, params: Sequence[Any]) -> int | None:
-        found = one(connection, self.insert_unheld_many_statement, params)
-        return int(found[0]) if found else 0
+    def insert_unheld_many(
+        self, connection: Any, params: Sequence[Any]
+    ) -> list[tuple[str, datetime]] | None:
+        found = fetch_all(connection, self.insert_unheld_many_statement, params)
+        return [(str(task), slot) for task, slot in found]
 
     @cached_property
     def insert_unheld_many_statement(self) -> str:

@@ -1,0 +1,31 @@
+"""Cronitor's telemetry API: ``{url}/p/{api_key}/{monitor}?state=run|complete|fail``.
+
+``series`` is the check-in id (Cronitor pairs a run with its end by it), ``message`` the
+reason, ``env`` the ``environment`` setting. ``url`` defaults to ``https://cronitor.link``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .events import START, CheckIn
+from .http import request
+
+DEFAULT_URL = "https://cronitor.link"
+
+
+def send(
+    options: dict[str, Any], checkin: CheckIn, checkin_id: str, slug: str, timeout: float
+) -> None:
+    base = options.get("url") or DEFAULT_URL
+    url = f"{base.rstrip('/')}/p/{options['api_key']}/{slug}"
+    state = "run" if checkin.event == START else "complete" if checkin.ok else "fail"
+    query = {"state": state, "series": checkin_id}
+    message = checkin.reason or (checkin.state if checkin.event != START else "")
+    if message:
+        query["message"] = message
+    if options.get("environment"):
+        query["env"] = options["environment"]
+    if checkin.duration is not None and checkin.event != START:
+        query["duration"] = f"{checkin.duration:.3f}"
+    request(url, query=query, timeout=timeout)
