@@ -110,6 +110,15 @@ EVENTS = frozenset(
         "scheduler.data_loaded",
         "scheduler.data_read_failed",
         "scheduler.missed_recorded",
+        # check-ins
+        "checkin.failed",
+        "checkin.dropped",
+        "checkin.send_failed",
+        "checkin.not_queued",
+        "checkin.no_client",
+        "checkin.schedule_unread",
+        "checkin.counter_registered",
+        "checkin.flush_failed",
         # Celery
         "beat.already_sent",
         "beat.sent_elsewhere",

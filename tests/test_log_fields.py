@@ -39,6 +39,7 @@ from django_taskguard.owner import Owner, pid_space
 from django_taskguard.signal_handlers import run_startup_cleanup
 
 from .support import ROOT
+from .support.checkin_setup import running_checkins
 from .support.monitoring import schedule
 from .support.proc import BASE_SLOT
 from .support.redis_support import redis_backend
@@ -48,7 +49,6 @@ from .support.waiting import wait_for
 DOC = ROOT / "docs" / "logging.md"
 PACKAGE = ROOT / "django_taskguard"
 FORMAT = "%(levelname)s %(name)s %(message)s"  # the docs' formatter (plus the extra fields)
-BUILDERS = {"log_fields", "run_log_fields", "row_log_fields"}
 LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
 SECOND = timedelta(seconds=1)
 
@@ -163,10 +163,11 @@ def _logger_calls(tree: ast.AST) -> Iterator[ast.Call]:
 
 
 def _event_names(node: ast.expr) -> list[str]:
-    """The event literal(s) of an ``extra=`` built by logfields; [] if it is not one."""
+    """The event literal(s) of an ``extra=`` built by ``logfields.log_fields`` or a helper
+    named ``*log_fields`` that calls it; [] if it is not one."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
         return []
-    if node.func.id not in BUILDERS or not node.args:
+    if not node.func.id.endswith("log_fields") or not node.args:
         return []
     first = node.args[0]
     options = [first.body, first.orelse] if isinstance(first, ast.IfExp) else [first]
@@ -359,3 +360,23 @@ def test_log_fields__run_schedules_once(json_log):
     assert assert_as_documented(lines, "scheduler.fired")["task"] == name
     registry.sync(mark_removed=True)  # the schedule is no longer declared by the code
     assert assert_as_documented(json_log(), "schedule.removed")["task"] == name
+
+
+@pytest.mark.django_db(transaction=True)
+def test_log_fields__a_check_in_the_service_refuses(json_log):
+    """A local webhook endpoint answers 500: the check-in fails after its tries, logged with
+    the run it was about."""
+    with running_checkins() as kit:
+        kit.receiver.set_mode("webhook", "500")
+
+        @once_per_schedule(every=timedelta(hours=1), name="tests.logs.checkin")
+        def refused() -> str:
+            return "done"
+
+        assert refused.run_for_slot(BASE_SLOT) == "done"
+        kit.settle()
+    failed = [line for line in json_log() if line["event"] == "checkin.failed"]
+    line = assert_as_documented(failed, "checkin.failed")
+    assert (line["task"], line["slot"]) == ("tests.logs.checkin", BASE_SLOT.isoformat())
+    assert {row["state"] for row in failed} == {"running", "succeeded"}
+    assert line["run_id"] == TaskRun.objects.get().pk and "HTTP 500" in line["reason"]
