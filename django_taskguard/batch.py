@@ -17,6 +17,7 @@ from django.db import connections
 
 from . import ledger
 from .context import ActiveRun
+from .logfields import log_fields
 from .states import RunState
 
 logger = logging.getLogger("taskguard.batch")
@@ -95,7 +96,11 @@ def _settle() -> None:
     try:
         ledger.settle_connection()
     except Exception:
-        logger.warning("taskguard could not close the success writer's connection", exc_info=True)
+        logger.warning(
+            "taskguard could not close the success writer's connection",
+            exc_info=True,
+            extra=log_fields("connection.close_failed"),
+        )
 
 
 def _one(active: ActiveRun, reason: str) -> bool:

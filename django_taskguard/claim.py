@@ -19,6 +19,7 @@ from . import ledger
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import Row
+from .logfields import log_fields
 from .owner import new_owner, new_token
 from .signals import run_abandoned
 from .states import DUPLICATE_STATES, PRUNABLE_STATES, RunState
@@ -136,7 +137,12 @@ def _read_back_many(names: list[str], slot: datetime, exc: DatabaseError) -> dic
     back (a row with one of our owners is ours) instead of leaving won rows unrun."""
     if not ledger.connection_lost(exc):
         raise ledger.unreachable(exc) from exc
-    logger.warning("taskguard batch claim of slot %s interrupted (%s); reading back", slot, exc)
+    logger.warning(
+        "taskguard batch claim of slot %s interrupted (%s); reading back",
+        slot,
+        exc,
+        extra=log_fields("claim.interrupted", slot=slot, reason=exc),
+    )
     with ledger.translated:
         ledger.settle_connection()
         rows = ledger.read_many(names, slot)
@@ -169,7 +175,12 @@ def _claim_row(
         if not ledger.connection_lost(exc):
             raise _database_down(task_name, exc) from exc
         # The insert may or may not have committed: read back before deciding.
-        logger.warning("taskguard claim of %s interrupted (%s); reading back", task_name, exc)
+        logger.warning(
+            "taskguard claim of %s interrupted (%s); reading back",
+            task_name,
+            exc,
+            extra=log_fields("claim.interrupted", task=task_name, slot=slot, key=key, reason=exc),
+        )
         try:
             ledger.settle_connection()
             row = ledger.read(task_name, slot, key)

@@ -25,6 +25,7 @@ from . import ledger
 from .exceptions import BackendUnavailable
 from .ledger import RunRef
 from .locks import LockBackend, get_backend
+from .logfields import row_log_fields
 from .models import TaskRun
 from .owner import Owner, actor, clean_name, pid_space
 from .signals import run_abandoned
@@ -164,9 +165,19 @@ def abandon(run: RunRef, reason: str, *, lease: str, who: str | None = None) -> 
     with ledger.translated:
         changed = ledger.abandon(run.row, actor=who or actor("cleanup"), reason=reason, lease=lease)
     if changed is None:
-        logger.info("taskguard run %s changed meanwhile; left alone", run.id)
+        logger.info(
+            "taskguard run %s changed meanwhile; left alone",
+            run.id,
+            extra=row_log_fields("run.abandon_skipped", run),
+        )
         return False
-    logger.warning("taskguard run %s (%s) abandoned: %s", run.id, run.task_name, reason)
+    logger.warning(
+        "taskguard run %s (%s) abandoned: %s",
+        run.id,
+        run.task_name,
+        reason,
+        extra=row_log_fields("run.abandoned", run, state="abandoned", reason=reason),
+    )
     run_abandoned.send(sender=run.task_name, run_id=run.id, slot=run.slot, reason=reason)
     return True
 

@@ -14,6 +14,7 @@ from functools import cached_property
 
 from . import ledger
 from .exceptions import LeaseLost, TaskGuardError
+from .logfields import run_log_fields
 from .models import TaskRun
 from .owner import token_of
 from .signals import lease_lost
@@ -73,11 +74,20 @@ class ActiveRun:
                 return False
             self.lost_reason = reason
             self.lost.set()
-        logger.error("taskguard run %s (%s) lost its lease: %s", self.id, self.task_name, reason)
+        logger.error(
+            "taskguard run %s (%s) lost its lease: %s",
+            self.id,
+            self.task_name,
+            reason,
+            extra=run_log_fields("lease.lost", self, reason=reason),
+        )
         try:
             lease_lost.send(sender=self.task_name, run=self)
         except Exception:
-            logger.exception("a lease_lost receiver failed")
+            logger.exception(
+                "a lease_lost receiver failed",
+                extra=run_log_fields("receiver.failed", self, reason="lease_lost"),
+            )
         return True
 
     def check(self) -> None:

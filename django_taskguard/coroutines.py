@@ -51,6 +51,7 @@ from django.db import close_old_connections
 from . import ledger
 from .context import calling
 from .guard import REFUSED, Attempt, Refused, Started, not_started_reason
+from .logfields import log_fields
 from .process import per_process
 from .upkeep import maybe_upkeep
 
@@ -232,7 +233,10 @@ def _elsewhere(step: Callable[[], object]) -> None:
     try:
         thread.start()
     except RuntimeError:  # "can't start new thread"
-        logger.warning("taskguard could not start a thread to end an attempt; ending it here")
+        logger.warning(
+            "taskguard could not start a thread to end an attempt; ending it here",
+            extra=log_fields("attempt.end_failed"),
+        )
         _outside_the_loop(functools.partial(_logged, step))
 
 
@@ -241,7 +245,10 @@ def _logged(step: Callable[[], object]) -> None:
     try:
         _step(step)
     except Exception:
-        logger.exception("taskguard could not end an attempt after its event loop ended")
+        logger.exception(
+            "taskguard could not end an attempt after its event loop ended",
+            extra=log_fields("attempt.end_failed"),
+        )
 
 
 # The worker threads of every guarded coroutine call in this process (made per process:

@@ -47,6 +47,7 @@ from .decorators import SCHEDULE_KWARG, SLOT_KWARG, note_version
 from .exceptions import TaskGuardError
 from .handoff import hand_out
 from .ledger import schedules as store
+from .logfields import log_fields
 from .models import TargetKind, TaskSchedule
 from .policy import Policy
 from .schedules import Schedule, StoredSchedule, rebuild
@@ -207,7 +208,11 @@ class DataSchedules:
         self._next_poll = time.monotonic() + DATA_POLL_SECONDS
         self._next_reload = time.monotonic() + FULL_RELOAD_SECONDS
         if start:
-            logger.info("run_schedules: %d data schedules", len(self.states))
+            logger.info(
+                "run_schedules: %d data schedules",
+                len(self.states),
+                extra=log_fields("scheduler.data_loaded"),
+            )
         return due + self.pending()
 
     def poll(self, now: datetime) -> list[Due]:
@@ -367,6 +372,7 @@ class DataSchedules:
             row.task_name,
             row.version,
             why,
+            extra=log_fields("schedule.not_fired", task=row.task_name, reason=why),
         )
 
     # -- what is due -------------------------------------------------------------------

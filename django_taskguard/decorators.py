@@ -32,6 +32,7 @@ from .decorating import (
 )
 from .decorating import CallContext as CallContext
 from .exceptions import InvalidSchedule, TaskGuardError
+from .logfields import run_log_fields
 from .policy import (
     DEFAULT_GRACE,
     DEFAULT_MAX_CATCHUP,
@@ -217,6 +218,7 @@ def note_version(started: guard.Started, version: int) -> None:
             started.active.slot.isoformat(),
             version,
             exc,
+            extra=run_log_fields("version.record_failed", started.active, reason=exc),
         )
 
 

@@ -32,6 +32,7 @@ from .conf import taskguard_settings
 from .context import ActiveRun
 from .exceptions import BackendUnavailable
 from .guard import duplicate, run_claimed
+from .logfields import log_fields, run_log_fields
 from .pauses import paused_reason
 from .policy import Policy
 from .pool import Pool
@@ -156,7 +157,11 @@ class Dispatcher:
                 try:
                     self._claim(*taken)
                 except Exception:  # never: _claim decides every entry; but never die
-                    logger.exception("the batch claim of slot %s failed", taken[0])
+                    logger.exception(
+                        "the batch claim of slot %s failed",
+                        taken[0],
+                        extra=log_fields("claim.batch_failed", slot=taken[0]),
+                    )
                 finally:
                     with self._lock:
                         self._claiming = False
@@ -213,7 +218,11 @@ class Dispatcher:
         try:
             decided = claim_many(slot, wanted)
         except Exception:
-            logger.exception("the batch claim of slot %s failed; firing one by one", slot)
+            logger.exception(
+                "the batch claim of slot %s failed; firing one by one",
+                slot,
+                extra=log_fields("claim.batch_failed", slot=slot),
+            )
             decided = None
         return {} if decided is None else decided
 
@@ -288,6 +297,7 @@ def _note_versions(
             slot.isoformat(),
             len(versions),
             exc,
+            extra=log_fields("version.record_failed", slot=slot, reason=exc),
         )
 
 
@@ -303,6 +313,7 @@ def _give_back(entry: Entry, active: ActiveRun, why: str) -> bool:
             entry.task_name,
             active.slot.isoformat(),
             why,
+            extra=run_log_fields("run.give_back_failed", active, reason=why),
         )
         return False
     finally:
@@ -313,6 +324,7 @@ def _give_back(entry: Entry, active: ActiveRun, why: str) -> bool:
             entry.task_name,
             active.slot.isoformat(),
             why,
+            extra=run_log_fields("run.given_back", active, reason=why),
         )
     else:
         logger.warning(
@@ -320,5 +332,6 @@ def _give_back(entry: Entry, active: ActiveRun, why: str) -> bool:
             entry.task_name,
             active.slot.isoformat(),
             why,
+            extra=run_log_fields("run.give_back_refused", active, reason=why),
         )
     return given

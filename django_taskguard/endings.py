@@ -17,6 +17,7 @@ from . import ledger
 from .conf import taskguard_settings
 from .context import ActiveRun
 from .exceptions import BackendUnavailable, LeaseLost
+from .logfields import log_fields, run_log_fields
 from .signals import run_abandoned, run_failed, run_skipped
 from .states import TERMINAL_STATES, RunState
 
@@ -87,7 +88,10 @@ def record_raised(
             run_failed.send(sender=active.task_name, run=active, exception=exc, state=state)
     except LeaseLost:
         logger.warning(
-            "taskguard run %s was taken over; its end (%s) is not recorded", active.id, state
+            "taskguard run %s was taken over; its end (%s) is not recorded",
+            active.id,
+            state,
+            extra=run_log_fields("run.taken_over", active, state=state),
         )
         return False
     except Exception:
@@ -96,6 +100,7 @@ def record_raised(
             "exception is raised",
             active.id,
             state,
+            extra=run_log_fields("record.failed", active, state=state),
         )
         return False
     return state in TERMINAL_STATES
@@ -107,7 +112,10 @@ def _classify(classify_raise: ClassifyRaise | None, exc: BaseException) -> Endin
     try:
         return classify_raise(exc)
     except Exception:
-        logger.exception("taskguard classify_raise hook failed; recording the attempt as failed")
+        logger.exception(
+            "taskguard classify_raise hook failed; recording the attempt as failed",
+            extra=log_fields("hook.failed", reason="classify_raise"),
+        )
         return None
 
 

@@ -20,6 +20,7 @@ from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from .heartbeat import Beat, heartbeats
 from .locks import Acquired, LockBackend, get_backend
 from .locks.database import DatabaseLock
+from .logfields import log_fields, run_log_fields
 from .models import ScheduleEventOrigin
 from .owner import actor, new_owner, new_token
 from .pauses import pause, paused_reason
@@ -228,6 +229,7 @@ def _store_result(active: ActiveRun, result: Any) -> None:
             active.task_name,
             active.key,
             exc,
+            extra=run_log_fields("result.not_json", active, reason=exc),
         )
         return
     if len(text) > RESULT_MAX_BYTES:  # ASCII (json.dumps escapes the rest): chars = bytes
@@ -238,12 +240,38 @@ def _store_result(active: ActiveRun, result: Any) -> None:
             active.key,
             len(text),
             RESULT_MAX_BYTES,
+            extra=run_log_fields("result.too_large", active),
         )
         return
     try:
         ledger.store_result(active.id, active.fence, text)
     except BackendUnavailable as exc:
-        logger.warning("taskguard could not store the result of run %s (%s)", active.id, exc)
+        logger.warning(
+            "taskguard could not store the result of run %s (%s)",
+            active.id,
+            exc,
+            extra=run_log_fields("result.store_failed", active, reason=exc),
+        )
+
+
+def _say_given_back(active: ActiveRun, reason: str) -> None:
+    """Log the give-back and send ``run_given_back`` (a receiver's error is logged only)."""
+    logger.warning(
+        "taskguard %s slot %s: attempt %d given back (%s)",
+        active.task_name,
+        active.slot.isoformat(),
+        active.attempt,
+        reason,
+        extra=run_log_fields("run.given_back", active, reason=reason),
+    )
+    try:
+        run_given_back.send(sender=active.task_name, run=active, reason=reason)
+    except Exception:  # the caller raises what ended the attempt, not this
+        logger.exception(
+            "a run_given_back receiver failed (run %s)",
+            active.id,
+            extra=run_log_fields("receiver.failed", active, reason="run_given_back"),
+        )
 
 
 def run_claimed(
@@ -330,7 +358,19 @@ def _record_refusal(
         raise type(exc)(f"{task_name!r} did not run: {exc}") from exc  # NotMigrated stays so
     if not recorded:
         return False
-    logger.warning("taskguard %s slot %s: %s", task_name, slot.isoformat(), reason)
+    logger.warning(
+        "taskguard %s slot %s: %s",
+        task_name,
+        slot.isoformat(),
+        reason,
+        extra=log_fields(
+            "run.missed" if state == RunState.MISSED else "run.skipped",
+            task=task_name,
+            slot=slot,
+            state=state,
+            reason=reason,
+        ),
+    )
     signal = run_missed if state == RunState.MISSED else run_skipped
     signal.send(sender=task_name, slot=slot, reason=reason)
     return True
@@ -346,10 +386,22 @@ def _duplicate(
 ) -> None:
     if key is None:
         duplicate_suppressed.send(sender=task_name, slot=slot, state=state)
-        logger.info("taskguard %s slot %s already taken (%s)", task_name, slot, state)
+        logger.info(
+            "taskguard %s slot %s already taken (%s)",
+            task_name,
+            slot,
+            state,
+            extra=log_fields("run.duplicate", task=task_name, slot=slot, state=state),
+        )
     else:
         duplicate_suppressed.send(sender=task_name, slot=slot, state=state, key=key)
-        logger.info("taskguard %s key %r already taken (%s)", task_name, key, state)
+        logger.info(
+            "taskguard %s key %r already taken (%s)",
+            task_name,
+            key,
+            state,
+            extra=log_fields("run.duplicate", task=task_name, key=key, state=state),
+        )
     if policy.on_duplicate == "raise":
         raise DuplicateRun(task_name, slot, state, key)
 
@@ -428,23 +480,19 @@ class Attempt:
                 logger.warning(
                     "taskguard run %s no longer running (ended or taken over); not given back",
                     active.id,
+                    extra=run_log_fields("run.give_back_refused", active, reason=reason),
                 )
         except Exception:
-            logger.exception("taskguard could not give back run %s (%s)", active.id, reason)
+            logger.exception(
+                "taskguard could not give back run %s (%s)",
+                active.id,
+                reason,
+                extra=run_log_fields("run.give_back_failed", active, reason=reason),
+            )
         finally:
             self._free(ended=False)
         if given:
-            logger.warning(
-                "taskguard %s slot %s: attempt %d given back (%s)",
-                active.task_name,
-                active.slot.isoformat(),
-                active.attempt,
-                reason,
-            )
-            try:
-                run_given_back.send(sender=active.task_name, run=active, reason=reason)
-            except Exception:  # the caller raises what ended the attempt, not this
-                logger.exception("a run_given_back receiver failed (run %s)", active.id)
+            _say_given_back(active, reason)
         return given
 
     def returned(self, result: R) -> R:
@@ -532,7 +580,10 @@ def _free(active: ActiveRun, lock: LockBackend, key: str, ended: bool, policy: P
             ledger.add_duplicates(active.task_name, active.slot, duplicates, active.key)
         except BackendUnavailable:
             logger.warning(
-                "taskguard could not add %d duplicate calls to run %s", duplicates, active.id
+                "taskguard could not add %d duplicate calls to run %s",
+                duplicates,
+                active.id,
+                extra=run_log_fields("duplicates.record_failed", active, duplicates=duplicates),
             )
 
 
@@ -552,9 +603,18 @@ def _pause_after_failures(task_name: str, failures: int) -> None:
         if ledger.failed_streak(task_name, failures):
             reason = f"paused after {failures} failures in a row (pause_after_failures)"
             if pause(task_name, reason, by=actor("guard"), origin=ScheduleEventOrigin.POLICY):
-                logger.warning("taskguard %s %s", task_name, reason)
+                logger.warning(
+                    "taskguard %s %s",
+                    task_name,
+                    reason,
+                    extra=log_fields("task.paused", task=task_name, reason=reason),
+                )
     except Exception:
-        logger.exception("taskguard could not check the failures of %s", task_name)
+        logger.exception(
+            "taskguard could not check the failures of %s",
+            task_name,
+            extra=log_fields("pause.check_failed", task=task_name),
+        )
 
 
 def _skip_for_overlap(active: ActiveRun) -> str | None:

@@ -27,6 +27,7 @@ from django.utils import timezone
 from . import ledger
 from .exceptions import TaskGuardError
 from .guard import refused_late
+from .logfields import log_fields
 from .models import ScheduleSource, TaskSchedule
 from .owner import actor
 from .registry import Entry
@@ -118,6 +119,9 @@ def _give_back(task_name: str, slot: datetime, run_id: int, error: BaseException
             slot.isoformat(),
             run_id,
             exc,
+            extra=log_fields(
+                "run.give_back_failed", task=task_name, slot=slot, run_id=run_id, reason=exc
+            ),
         )
         return
     if given == "missed":
@@ -125,9 +129,17 @@ def _give_back(task_name: str, slot: datetime, run_id: int, error: BaseException
             "taskguard %s slot %s: the enqueue failed, past the slot's grace; recorded missed",
             task_name,
             slot,
+            extra=log_fields(
+                "run.missed", task=task_name, slot=slot, run_id=run_id, state="missed", reason=error
+            ),
         )
         run_missed.send(sender=task_name, slot=slot, reason=reason)
     elif given is not None:
         logger.warning(
-            "taskguard %s slot %s: the enqueue failed; the slot was given back", task_name, slot
+            "taskguard %s slot %s: the enqueue failed; the slot was given back",
+            task_name,
+            slot,
+            extra=log_fields(
+                "run.given_back", task=task_name, slot=slot, run_id=run_id, reason=error
+            ),
         )

@@ -44,6 +44,7 @@ from django.db import connections
 from . import ledger
 from .context import ActiveRun
 from .locks import LockBackend
+from .logfields import log_fields, run_log_fields
 from .process import per_process
 
 logger = logging.getLogger("taskguard.heartbeat")
@@ -159,7 +160,7 @@ class Heartbeats:
                 for beat in overdue:  # outside the lock: lease_lost receivers run here
                     _lost(beat, _overdue(beat, in_flight=True))
         except BaseException:
-            logger.exception("taskguard heartbeat crashed")
+            logger.exception("taskguard heartbeat crashed", extra=log_fields("heartbeat.crashed"))
             with self._lock:
                 orphans, self._beats = list(self._beats), set()
                 self._scheduler = False
@@ -215,7 +216,10 @@ class Heartbeats:
             start_thread(lambda: self._renew_loop(renewer), "taskguard-renewer")
         except Exception:
             # Its deadline still applies: the scheduler declares it lost if nobody renews it.
-            logger.exception("taskguard could not start a heartbeat renewer")
+            logger.exception(
+                "taskguard could not start a heartbeat renewer",
+                extra=run_log_fields("heartbeat.start_failed", beat.active),
+            )
             return False
         self._renewers.append(renewer)
         return True
@@ -228,7 +232,11 @@ class Heartbeats:
                 try:
                     renew(beat)
                 except BaseException as exc:
-                    logger.exception("taskguard heartbeat failed for run %s", beat.active.id)
+                    logger.exception(
+                        "taskguard heartbeat failed for run %s",
+                        beat.active.id,
+                        extra=run_log_fields("heartbeat.failed", beat.active),
+                    )
                     _lost(beat, "the heartbeat failed unexpectedly")
                     if not isinstance(exc, Exception):
                         raise
@@ -290,7 +298,11 @@ def renew(beat: Beat) -> None:
     if beat.stopped:
         return  # ended meanwhile: its lock is released or marked finished; leave it
     if not beat.lock.extend(beat.key, active.token, active.lease_seconds):
-        logger.info("taskguard fast-path lock for run %s could not be extended", active.id)
+        logger.info(
+            "taskguard fast-path lock for run %s could not be extended",
+            active.id,
+            extra=run_log_fields("lock.extend_failed", active),
+        )
 
 
 def _failed(beat: Beat) -> None:
@@ -299,7 +311,11 @@ def _failed(beat: Beat) -> None:
     try:
         ledger.settle_connection()  # this renewer's connection: the next renewal reconnects
     except Exception:
-        logger.warning("taskguard heartbeat could not close a failed connection", exc_info=True)
+        logger.warning(
+            "taskguard heartbeat could not close a failed connection",
+            exc_info=True,
+            extra=log_fields("connection.close_failed"),
+        )
     if beat.stopped:
         beat.next_at = NEVER
         return
@@ -308,6 +324,7 @@ def _failed(beat: Beat) -> None:
         beat.active.id,
         beat.failures,
         exc_info=True,
+        extra=run_log_fields("heartbeat.renew_failed", beat.active),
     )
     retry_in = min(beat.interval, beat.timeout)
     beat.next_at = min(time.monotonic() + retry_in, beat.active.deadline)

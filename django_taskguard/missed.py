@@ -38,6 +38,7 @@ from .conf import taskguard_settings
 from .cron import NEXT_SLOT_HORIZON
 from .exceptions import BackendUnavailable
 from .ledger import schedules as store
+from .logfields import log_fields
 from .models import TaskSchedule
 from .owner import actor
 from .schedules import StoredSchedule, rebuild
@@ -86,7 +87,9 @@ def sweep_missed(
             ledger.settle_connection()
         except Exception:
             logger.warning(
-                "taskguard: the sweep could not close a failed connection", exc_info=True
+                "taskguard: the sweep could not close a failed connection",
+                exc_info=True,
+                extra=log_fields("connection.close_failed"),
             )
         raise
     return result
@@ -158,6 +161,9 @@ def _sweep_page(
                         work.row.task_name,
                         work.judged.isoformat(),
                         work.end.isoformat(),
+                        extra=log_fields(
+                            "sweep.partial", task=work.row.task_name, slot=work.judged
+                        ),
                     )
                 work.found.report(result, dry_run)
 
@@ -256,6 +262,7 @@ def _skip(row: TaskSchedule) -> None:
     logger.exception(
         "taskguard %s: the sweep skipped this schedule (its slots are judged again next sweep)",
         row.task_name,
+        extra=log_fields("sweep.schedule_failed", task=row.task_name),
     )
 
 
@@ -314,7 +321,18 @@ class _Found:
         result.missed_slots += self.missed
         result.paused_slots += self.paused
         if self.missed and not dry_run and self.last_missed is not None:
-            logger.warning("taskguard %s: %d due slots were missed", name, self.missed)
+            logger.warning(
+                "taskguard %s: %d due slots were missed",
+                name,
+                self.missed,
+                extra=log_fields(
+                    "sweep.missed",
+                    task=name,
+                    slot=self.last_missed,
+                    state="missed",
+                    reason=self.missed_reason,
+                ),
+            )
             run_missed.send(
                 sender=name,
                 slot=self.last_missed,
@@ -361,6 +379,7 @@ def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
         "their grace",
         row.task_name,
         len(ended),
+        extra=log_fields("sweep.pending_expired", task=row.task_name, state="missed"),
     )
     run_missed.send(sender=row.task_name, slot=ended[-1], reason=why, count=len(ended), slots=ended)
 
@@ -408,7 +427,12 @@ def _miss_refused_early(works: list[_Work], result: SweepResult) -> None:
     for name, count in changed.items():
         result.missed_slots += count
         _count(result, name, count)
-        logger.warning("taskguard %s: %d due slots were only called early", name, count)
+        logger.warning(
+            "taskguard %s: %d due slots were only called early",
+            name,
+            count,
+            extra=log_fields("sweep.called_early", task=name, state="missed"),
+        )
 
 
 def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) -> None:

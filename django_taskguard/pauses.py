@@ -14,6 +14,7 @@ import time
 
 from .exceptions import BackendUnavailable
 from .ledger import schedules as store
+from .logfields import log_fields
 from .models import ScheduleEventKind, ScheduleEventOrigin
 
 logger = logging.getLogger("taskguard.pauses")
@@ -36,7 +37,11 @@ def paused_reason(task_name: str) -> str | None:
                     paused = store.paused()
                 except BackendUnavailable as exc:
                     # The claim just went through, so this is rare: keep the last answer.
-                    logger.warning("taskguard could not read the paused tasks (%s)", exc)
+                    logger.warning(
+                        "taskguard could not read the paused tasks (%s)",
+                        exc,
+                        extra=log_fields("pause.read_failed", task=task_name, reason=exc),
+                    )
                 _cache = (time.monotonic(), paused)
     return paused.get(task_name)
 

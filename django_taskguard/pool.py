@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from django.db import connections
 
+from .logfields import log_fields
+
 logger = logging.getLogger("taskguard.scheduler")
 
 Job = Callable[[], None]
@@ -99,7 +101,10 @@ class Pool:
                 try:
                     job()
                 except BaseException:  # SystemExit from a body too: this worker goes on
-                    logger.exception("a run_schedules job raised; the worker goes on")
+                    logger.exception(
+                        "a run_schedules job raised; the worker goes on",
+                        extra=log_fields("scheduler.job_failed"),
+                    )
                 finally:
                     with self._lock:
                         self._running -= 1

@@ -35,6 +35,7 @@ from django.utils.timezone import get_default_timezone_name
 
 from .conf import taskguard_settings
 from .ledger import schedules as store
+from .logfields import log_fields
 from .models import ScheduleSource
 from .policy import Policy
 from .schedules import Schedule, describe
@@ -117,6 +118,7 @@ def register(entry: Entry, wrapper: Any) -> None:
                 entry.task_name,
                 known.function,
                 entry.function,
+                extra=log_fields("schedule.duplicate_name", task=entry.task_name),
             )
         _entries[entry.task_name] = entry
         _by_wrapper[id(wrapper)] = entry.task_name
@@ -257,6 +259,7 @@ def _mark_removed(declared: Collection[str], now: datetime) -> None:
             "taskguard: schedule %s is no longer declared by the code: marked removed (not "
             "swept nor judged); retire it in the admin to delete its row, its runs stay",
             name,
+            extra=log_fields("schedule.removed", task=name),
         )
 
 
@@ -273,6 +276,7 @@ def _say_zone_conflicts(registered: Collection[str]) -> None:
             task_name,
             theirs,
             zone,
+            extra=log_fields("schedule.zone_conflict", task=task_name),
         )
 
 

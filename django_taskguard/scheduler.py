@@ -39,6 +39,7 @@ from .dispatch import Entry as DueEntry
 from .exceptions import BackendUnavailable
 from .guard import refused_early
 from .handoff import hand_off
+from .logfields import log_fields
 from .missed import sweep_missed
 from .pool import Pool
 from .registry import Entry
@@ -164,6 +165,7 @@ class Scheduler:
                 (self._clock - now).total_seconds(),
                 self._clock.isoformat(),
                 now.isoformat(),
+                extra=log_fields("scheduler.clock_back"),
             )
         self._clock = now
 
@@ -252,7 +254,14 @@ class Scheduler:
 
     def _say(self, task_name: str, slot: datetime, outcome: str, took: float) -> None:
         self._fired += 1
-        logger.info("fired %s slot %s: %s in %.3fs", task_name, slot.isoformat(), outcome, took)
+        logger.info(
+            "fired %s slot %s: %s in %.3fs",
+            task_name,
+            slot.isoformat(),
+            outcome,
+            took,
+            extra=log_fields("scheduler.fired", task=task_name, slot=slot, reason=outcome),
+        )
 
     # -- data schedules ------------------------------------------------------------
 
@@ -269,10 +278,14 @@ class Scheduler:
                 "run_schedules: the data schedules could not be read (%s); the next tick "
                 "tries again, and the sweep records a slot nobody fired",
                 exc,
+                extra=log_fields("scheduler.data_read_failed", reason=exc),
             )
             return
         except Exception:  # never the loop's end: the next tick, and the sweep, go on
-            logger.exception("run_schedules: reading the data schedules failed")
+            logger.exception(
+                "run_schedules: reading the data schedules failed",
+                extra=log_fields("scheduler.data_read_failed"),
+            )
             return
         if not jobs:
             return
@@ -388,7 +401,11 @@ class Scheduler:
         self.stopping.set()
         dropped = self.dispatcher.clear()
         if dropped:
-            logger.info("run_schedules stopping: %d slots left unclaimed", dropped)
+            logger.info(
+                "run_schedules stopping: %d slots left unclaimed",
+                dropped,
+                extra=log_fields("scheduler.stopping"),
+            )
         finished = self.pool.drain(stop_timeout)
         self._close(finished, stop_timeout)
         return finished
@@ -400,6 +417,7 @@ class Scheduler:
                 "lapse and cleanup_locks records them abandoned",
                 self.pool.busy,
                 timeout,
+                extra=log_fields("scheduler.stop_timeout"),
             )
         self.dispatcher.close()
         self.pool.close()
@@ -426,7 +444,10 @@ class Scheduler:
         try:
             result = sweep_missed()
         except Exception:
-            logger.exception("the missed-slot sweep failed; the next one tries again")
+            logger.exception(
+                "the missed-slot sweep failed; the next one tries again",
+                extra=log_fields("sweep.failed"),
+            )
             return
         mine = {
             name: count
@@ -434,4 +455,8 @@ class Scheduler:
             if name in names or (data is not None and name in data.states)
         }
         if mine:
-            logger.warning("missed slots recorded: %s", mine)
+            logger.warning(
+                "missed slots recorded: %s",
+                mine,
+                extra=log_fields("scheduler.missed_recorded", state="missed"),
+            )

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import ledger
 from .conf import taskguard_settings
+from .logfields import log_fields
 
 logger = logging.getLogger("taskguard.cleanup")
 
@@ -27,14 +28,20 @@ def run_startup_cleanup(**kwargs: Any) -> None:
     try:
         count = startup_cleanup()
     except Exception:
-        logger.exception("taskguard startup cleanup failed")
+        logger.exception(
+            "taskguard startup cleanup failed", extra=log_fields("cleanup.startup_failed")
+        )
         return
     finally:
         # The Celery main process forks pool children later: leave no
         # connection behind for them to inherit.
         ledger.settle_connection()
     if count:
-        logger.warning("taskguard startup cleanup abandoned %d run(s) of dead processes", count)
+        logger.warning(
+            "taskguard startup cleanup abandoned %d run(s) of dead processes",
+            count,
+            extra=log_fields("cleanup.startup", state="abandoned"),
+        )
 
 
 def fence_imported(

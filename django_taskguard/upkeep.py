@@ -47,6 +47,7 @@ from .cleanup import call_backend, cleanup_locks
 from .conf import taskguard_settings
 from .ledger import upkeep as store
 from .locks import get_backend
+from .logfields import log_fields
 from .missed import sweep_missed
 from .owner import actor, new_token
 
@@ -86,7 +87,11 @@ def run_upkeep(holder: str | None = None, interval: float | None = None) -> dict
     try:
         taken = store.take(holder, hold_for(seconds), every)
     except Exception as exc:
-        logger.warning("taskguard upkeep: the lease could not be taken (%s)", exc)
+        logger.warning(
+            "taskguard upkeep: the lease could not be taken (%s)",
+            exc,
+            extra=log_fields("upkeep.lease_failed", reason=exc),
+        )
         _settle()
         return {"taken": False, "errors": [f"lease: {exc}"]}
     if not taken:
@@ -104,9 +109,15 @@ def finish(holder: str, result: dict[str, Any], errors: list[str]) -> None:
                 "taskguard upkeep by %s outlived its lease: another process took it; its "
                 "result is not recorded",
                 holder,
+                extra=log_fields("upkeep.lease_lost", owner=holder),
             )
     except Exception as exc:
-        logger.warning("taskguard upkeep by %s could not record its end (%s)", holder, exc)
+        logger.warning(
+            "taskguard upkeep by %s could not record its end (%s)",
+            holder,
+            exc,
+            extra=log_fields("upkeep.record_failed", owner=holder, reason=exc),
+        )
         _settle()
 
 
@@ -115,7 +126,12 @@ def give_back(holder: str) -> None:
     try:
         store.release(holder)
     except Exception as exc:
-        logger.warning("taskguard upkeep by %s could not give its lease back (%s)", holder, exc)
+        logger.warning(
+            "taskguard upkeep by %s could not give its lease back (%s)",
+            holder,
+            exc,
+            extra=log_fields("upkeep.give_back_failed", owner=holder, reason=exc),
+        )
         _settle()
 
 
@@ -134,7 +150,11 @@ def work() -> tuple[dict[str, Any], list[str]]:
         try:
             result.update(part())
         except Exception as exc:
-            logger.exception("taskguard upkeep: %s failed; the other parts go on", name)
+            logger.exception(
+                "taskguard upkeep: %s failed; the other parts go on",
+                name,
+                extra=log_fields("upkeep.part_failed", reason=name),
+            )
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             _settle()
     return result, errors
@@ -178,7 +198,11 @@ def _settle() -> None:
     try:
         ledger.settle_connection()
     except Exception:
-        logger.debug("taskguard upkeep: a failed connection could not be closed", exc_info=True)
+        logger.debug(
+            "taskguard upkeep: a failed connection could not be closed",
+            exc_info=True,
+            extra=log_fields("connection.close_failed"),
+        )
 
 
 # -- the per-process gate ---------------------------------------------------------
@@ -257,7 +281,9 @@ def _interval() -> float | None:
     try:
         return taskguard_settings.UPKEEP_INTERVAL_SECONDS
     except Exception as exc:  # ImproperlyConfigured: said, never replaced by a default
-        logger.error("taskguard upkeep: not run (%s)", exc)
+        logger.error(
+            "taskguard upkeep: not run (%s)", exc, extra=log_fields("upkeep.not_run", reason=exc)
+        )
         return None
 
 
@@ -272,7 +298,9 @@ def maybe_upkeep() -> bool:
         thread.start()
         return True
     except Exception:
-        logger.exception("taskguard upkeep: could not start its thread")
+        logger.exception(
+            "taskguard upkeep: could not start its thread", extra=log_fields("upkeep.start_failed")
+        )
         return False
 
 
@@ -286,7 +314,7 @@ def _in_thread() -> None:
     try:
         run_upkeep()
     except BaseException:
-        logger.exception("taskguard upkeep failed")
+        logger.exception("taskguard upkeep failed", extra=log_fields("upkeep.failed"))
     finally:
         connections.close_all()  # this thread's own connections
 

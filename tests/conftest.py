@@ -7,6 +7,7 @@ tests import (servers, children, job modules, ``wait_for``) lives in ``tests/sup
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from pathlib import Path
 import django
 import pytest
 from django.db import connections
+
+from django_taskguard.logfields import EVENTS, FIELDS
 
 from .support import ROOT
 from .support.redis_server import RedisServer
@@ -42,6 +45,43 @@ def _no_automatic_upkeep() -> None:
     from django_taskguard import upkeep
 
     upkeep.forget(off=True)
+
+
+class FieldsGuard(logging.Handler):
+    """Notes each ``taskguard`` record that lacks a field of ``logfields.FIELDS`` or whose
+    ``event`` is not one of ``logfields.EVENTS`` (what docs/logging.md promises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lacking: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        missing = [name for name in FIELDS if name not in record.__dict__]
+        event = record.__dict__.get("event")
+        if missing or event not in EVENTS:
+            where = f"{record.name} at {record.pathname}:{record.lineno}"
+            self.lacking.append(f"{where} {record.msg!r}: missing {missing}, event {event!r}")
+
+
+FIELDS_GUARD = FieldsGuard()
+
+
+@pytest.fixture(autouse=True)
+def _log_fields_guard() -> Iterator[None]:
+    """Fail the test during which a taskguard record without the stable fields was logged.
+
+    It sees the records the suite's logging levels let through (WARNING and up, the
+    scheduler's INFO, and what a test's ``caplog`` turns on); tests/test_log_fields.py
+    checks every logger call of the package statically, whatever its level.
+    """
+    logger = logging.getLogger("taskguard")
+    if FIELDS_GUARD not in logger.handlers:  # a LOGGING dictConfig replaces handlers
+        logger.addHandler(FIELDS_GUARD)
+    FIELDS_GUARD.lacking.clear()
+    yield
+    lacking, FIELDS_GUARD.lacking = FIELDS_GUARD.lacking, []
+    if lacking:
+        pytest.fail("taskguard records without their extra fields:\n" + "\n".join(lacking))
 
 
 @pytest.fixture

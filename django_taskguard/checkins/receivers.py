@@ -31,6 +31,7 @@ from typing import Any
 
 from ..conf import taskguard_settings
 from ..context import ActiveRun
+from ..logfields import log_fields
 from ..signals import run_abandoned, run_failed, run_missed, run_skipped, run_started, run_succeeded
 from ..states import RunState
 from .events import ABANDONED, END, MISSED, START, CheckIn, clipped
@@ -56,7 +57,11 @@ def _never_raises(receiver: Callable[..., None]) -> Callable[..., None]:
         try:
             receiver(*args, **kwargs)
         except Exception:
-            logger.exception("taskguard check-in not queued (%s)", receiver.__name__)
+            logger.exception(
+                "taskguard check-in not queued (%s)",
+                receiver.__name__,
+                extra=log_fields("checkin.not_queued", reason=receiver.__name__),
+            )
 
     return guarded
 

@@ -31,6 +31,7 @@ from django.db import connections
 
 from .. import ledger
 from ..conf import taskguard_settings
+from ..logfields import log_fields
 from ..process import PerProcess, per_process
 from ..signals import checkin_failed
 from . import cronitor, healthchecks, monitors, sentry, webhook
@@ -85,7 +86,10 @@ class _Worker:
                     connections.close_all()  # this thread's own connections only
             except Exception as exc:  # the ledger unreachable, a bug: never let the thread die
                 logger.exception(
-                    "taskguard check-in of %s to %s could not be sent", checkin.task, self.service
+                    "taskguard check-in of %s to %s could not be sent",
+                    checkin.task,
+                    self.service,
+                    extra=_checkin_log_fields("checkin.send_failed", checkin),
                 )
                 _count(self.service)
                 _signal(self.service, checkin.event, f"{type(exc).__name__}: {exc}")
@@ -133,6 +137,7 @@ def _dropped(worker: _Worker, checkin: CheckIn) -> None:
             checkin.event,
             checkin.task,
             checkin.slot.isoformat(),
+            extra=_checkin_log_fields("checkin.dropped", checkin),
         )
     _count(worker.service)
     _signal(worker.service, checkin.event, "dropped: the check-in queue is full")
@@ -193,8 +198,15 @@ def _send(
         checkin.task,
         checkin.slot.isoformat(),
         error,
+        extra=_checkin_log_fields("checkin.failed", checkin, reason=error),
     )
     _signal(service, checkin.event, str(error))
+
+
+def _checkin_log_fields(event: str, checkin: CheckIn, **more: Any) -> dict[str, Any]:
+    """The log record's fields of one check-in (``logfields``)."""
+    fields: dict[str, Any] = {"task": checkin.task, "slot": checkin.slot, "run_id": checkin.run_id}
+    return log_fields(event, **fields, attempt=checkin.attempt, state=checkin.state, **more)
 
 
 def _count(service: str) -> None:
@@ -221,7 +233,10 @@ def _prometheus_counter() -> Any:
             registry=REGISTRY,
         )
     except ValueError:  # registered already, by someone else: counted here only
-        logger.warning("taskguard_checkin_failures_total is registered already; not counted")
+        logger.warning(
+            "taskguard_checkin_failures_total is registered already; not counted",
+            extra=log_fields("checkin.counter_registered"),
+        )
         return False
 
 
@@ -230,7 +245,12 @@ def _signal(service: str, event: str, error: str) -> None:
         sender=service, service=service, event=event, error=error
     ):
         if isinstance(answer, Exception):
-            logger.error("a checkin_failed receiver (%r) raised: %r", receiver, answer)
+            logger.error(
+                "a checkin_failed receiver (%r) raised: %r",
+                receiver,
+                answer,
+                extra=log_fields("receiver.failed", reason="checkin_failed"),
+            )
 
 
 def failures() -> dict[str, int]:
@@ -277,4 +297,7 @@ def _flush_at_exit() -> None:
         try:
             flush(number(taskguard_settings.CHECKINS, "timeout"))
         except Exception:  # the interpreter is going away: never fail its exit
-            logger.exception("taskguard check-ins: the flush at exit failed")
+            logger.exception(
+                "taskguard check-ins: the flush at exit failed",
+                extra=log_fields("checkin.flush_failed"),
+            )

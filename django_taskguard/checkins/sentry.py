@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..logfields import log_fields
 from . import monitors
 from .events import START, CheckIn
 from .http import SendError
@@ -38,7 +39,8 @@ def send(
             _said_no_client = True
             logger.warning(
                 "taskguard check-ins: TASKGUARD['CHECKINS']['sentry'] is set but sentry_sdk "
-                "has no client in this process (call sentry_sdk.init); check-ins not sent"
+                "has no client in this process (call sentry_sdk.init); check-ins not sent",
+                extra=log_fields("checkin.no_client"),
             )
         raise SendError("no sentry_sdk client (sentry_sdk.init was not called)")
     status = "in_progress" if checkin.event == START else "ok" if checkin.ok else "error"
@@ -58,7 +60,12 @@ def config(options: dict[str, Any], task_name: str) -> dict[str, Any] | None:
     try:
         schedule = monitors.schedule_of(task_name)
     except Exception as exc:  # the ledger away: the check-in goes, without a schedule
-        logger.warning("taskguard check-ins: the schedule of %s not read (%s)", task_name, exc)
+        logger.warning(
+            "taskguard check-ins: the schedule of %s not read (%s)",
+            task_name,
+            exc,
+            extra=log_fields("checkin.schedule_unread", task=task_name, reason=exc),
+        )
         return None
     if schedule is None:
         return None

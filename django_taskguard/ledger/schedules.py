@@ -33,6 +33,7 @@ from django.db.models.functions import Coalesce, Greatest, RowNumber
 from django.utils import timezone
 
 from ..exceptions import BackendUnavailable
+from ..logfields import log_fields
 from ..models import (
     DatabaseNow,
     ScheduleEvent,
@@ -154,6 +155,7 @@ def _not_data(records: Sequence[Record]) -> Sequence[Record]:
         "taskguard: %s are data schedules (imported from django-celery-beat, or defined with "
         "that name): not saved as declared schedules; stop the beats that still declare them",
         ", ".join(sorted(taken)),
+        extra=log_fields("schedule.data_conflict", reason=", ".join(sorted(taken))),
     )
     return [record for record in records if record.task_name not in taken]
 

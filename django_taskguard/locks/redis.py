@@ -38,6 +38,7 @@ from redis.sentinel import SentinelConnectionPool
 from .. import ledger
 from ..conf import taskguard_settings
 from ..exceptions import BackendUnavailable
+from ..logfields import log_fields
 from ..process import PerProcess, per_process
 from .base import Acquired, LockBackend
 from .keys import (
@@ -208,6 +209,7 @@ class RedisLock(LockBackend):
             key,
             type(exc).__name__,
             exc,
+            extra=log_fields("redis.acquire_failed", task=task_name, reason=exc),
         )
         return Acquired.BYPASSED
 
@@ -308,6 +310,7 @@ class RedisLock(LockBackend):
             self.alias,
             exc,
             taskguard_settings.ON_REDIS_ERROR,
+            extra=log_fields("redis.unavailable", reason=exc),
         )
 
     def _up(self) -> None:
@@ -320,6 +323,7 @@ class RedisLock(LockBackend):
                 "taskguard Redis (CACHES[%r]) answers again after %.1f s",
                 self.alias,
                 time.monotonic() - since,
+                extra=log_fields("redis.available"),
             )
 
     def _unavailable(self, task_name: str, exc: BaseException | None) -> Acquired:

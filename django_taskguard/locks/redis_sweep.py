@@ -33,6 +33,7 @@ from redis.lock import Lock
 
 from .. import ledger
 from ..exceptions import BackendUnavailable
+from ..logfields import log_fields
 from ..owner import actor
 from ..signals import run_abandoned
 from .keys import SlotKey, task_digest
@@ -111,7 +112,10 @@ def record_claims(lock: RedisLock, task: str | None, dry_run: bool) -> int:
         thread_local=False,
     )
     if not _redis(guard.acquire):
-        logger.info("taskguard claim records are being recorded by another cleanup_locks")
+        logger.info(
+            "taskguard claim records are being recorded by another cleanup_locks",
+            extra=log_fields("cleanup.busy"),
+        )
         return 0
     try:
         # Scanned under the guard, and each record read just before it is
@@ -121,7 +125,11 @@ def record_claims(lock: RedisLock, task: str | None, dry_run: bool) -> int:
         try:
             guard.release()
         except RedisError as exc:  # lapsed or unreachable: it expires on its own
-            logger.warning("taskguard cleanup could not release its claim guard (%s)", exc)
+            logger.warning(
+                "taskguard cleanup could not release its claim guard (%s)",
+                exc,
+                extra=log_fields("cleanup.guard_release_failed", reason=exc),
+            )
 
 
 def _claims(lock: RedisLock, task: str | None) -> Iterator[ClaimRecord]:
@@ -139,7 +147,10 @@ def _while_held(guard: Lock, claims: Iterator[ClaimRecord]) -> Iterator[ClaimRec
             try:
                 guard.reacquire()
             except LockError:  # (a RedisError too: caught first)
-                logger.warning("taskguard cleanup lost its claim guard; the rest is left")
+                logger.warning(
+                    "taskguard cleanup lost its claim guard; the rest is left",
+                    extra=log_fields("cleanup.guard_lost"),
+                )
                 return
             except RedisError as exc:
                 raise BackendUnavailable(
@@ -165,7 +176,11 @@ def _record(lock: RedisLock, claim: ClaimRecord) -> bool:
         # (or the next sweep does, if it dies too): take our count back so it is
         # not counted twice. The abandoned row, if we made it, stays recorded.
         ledger.add_duplicates(claim.task_name, claim.when, -claim.duplicates, claim.run_key)
-        logger.info("taskguard claim %s is held again; its count is left to it", claim.key)
+        logger.info(
+            "taskguard claim %s is held again; its count is left to it",
+            claim.key,
+            extra=log_fields("claim.held_again", task=claim.task_name),
+        )
     return created
 
 
@@ -188,7 +203,22 @@ def _write(claim: ClaimRecord) -> bool:
         ledger.add_duplicates(claim.task_name, slot, claim.duplicates, key)
         return False
     what = f"key {key!r}" if key is not None else f"slot {slot}"
-    logger.warning("taskguard %s %s recorded abandoned: %s", claim.task_name, what, reason)
+    logger.warning(
+        "taskguard %s %s recorded abandoned: %s",
+        claim.task_name,
+        what,
+        reason,
+        extra=log_fields(
+            "run.abandoned",
+            task=claim.task_name,
+            slot=slot,
+            key=key,
+            run_id=run_id,
+            state="abandoned",
+            reason=reason,
+            duplicates=claim.duplicates,
+        ),
+    )
     run_abandoned.send(sender=claim.task_name, run_id=run_id, slot=slot, reason=reason)
     return True
 

@@ -26,6 +26,7 @@ from ... import schedules
 from ...conf import taskguard_settings
 from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.keys import beat_key
+from ...logfields import log_fields
 from ...owner import new_owner
 from ...upkeep import maybe_upkeep, upkeep_wait
 from .data_entries import DataEntry, DataSchedulesMixin
@@ -174,14 +175,24 @@ class StampingMixin:
         if slot is not None and sent.get(entry.name) == slot:
             # django-celery-beat reloads entries from rows that other beats may not
             # have synced yet; never publish the same slot of an entry twice.
-            logger.info("taskguard beat: %s slot %s already sent by this beat", entry.name, slot)
+            logger.info(
+                "taskguard beat: %s slot %s already sent by this beat",
+                entry.name,
+                slot,
+                extra=log_fields("beat.already_sent", task=entry.task, slot=slot),
+            )
             return None
         claim = None
         if slot is not None and taskguard_settings.BEAT_CLAIM:
             name = schedule_name(entry)
             claim = beat_claim(entry.task, name, datetime.fromisoformat(slot))
             if claim is None:
-                logger.info("taskguard beat: %s slot %s was sent by another beat", entry.name, slot)
+                logger.info(
+                    "taskguard beat: %s slot %s was sent by another beat",
+                    entry.name,
+                    slot,
+                    extra=log_fields("beat.sent_elsewhere", task=entry.task, slot=slot),
+                )
                 return None
         try:
             result = super().apply_async(  # type: ignore[misc]
@@ -210,7 +221,11 @@ class StampingMixin:
         try:
             slot = slot or slot_for(entry.schedule, now)
         except Exception:
-            logger.exception("taskguard could not compute the slot of beat entry %s", entry.name)
+            logger.exception(
+                "taskguard could not compute the slot of beat entry %s",
+                entry.name,
+                extra=log_fields("beat.slot_failed", task=entry.task),
+            )
             slot = None
         headers = dict(entry.options.get("headers") or {})
         headers[SCHEDULE_HEADER] = schedule_name(entry)
@@ -234,6 +249,7 @@ class StampingMixin:
                 "carry no taskguard_slot, so a guarded task needs its own cron=/every=",
                 entry.name,
                 entry.schedule,
+                extra=log_fields("beat.no_slots", task=entry.task),
             )
 
 
@@ -282,6 +298,9 @@ def warn_timezone(app: Any) -> None:
             settings.TIME_ZONE,
             beat_zone,
             settings.TIME_ZONE,
+            extra=log_fields(
+                "beat.timezone_mismatch", reason=f"{beat_zone} != {settings.TIME_ZONE}"
+            ),
         )
 
 
@@ -307,6 +326,7 @@ class BeatClaim:
                 self.key,
                 exc,
                 BEAT_CLAIM_TTL,
+                extra=log_fields("beat.give_back_failed", owner=self.owner, reason=exc),
             )
 
 
@@ -329,5 +349,6 @@ def beat_claim(task_name: str, entry_name: str, slot: datetime) -> BeatClaim | N
             identity,
             slot.isoformat(),
             exc,
+            extra=log_fields("beat.claim_failed", task=task_name, slot=slot, reason=exc),
         )
         return BeatClaim(None, owner)

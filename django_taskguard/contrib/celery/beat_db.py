@@ -13,6 +13,7 @@ from typing import Any
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 from django_celery_beat.tzcrontab import TzAwareCrontab
 
+from ...logfields import log_fields
 from .beat import SlotDue, StampingMixin, aligned, slot_due, warn_timezone
 from .data_entries import DataSchedulesMixin
 from .entries import DJANGO_CELERY_BEAT, BeatEntry, RegisteringMixin
@@ -83,6 +84,11 @@ def row_entry(model: Any) -> BeatEntry | None:
         schedule = aligned_db(model.schedule)
         headers = json.loads(model.headers or "{}")
     except Exception:
-        logger.warning("taskguard beat: periodic task %s cannot be read", model.name, exc_info=True)
+        logger.warning(
+            "taskguard beat: periodic task %s cannot be read",
+            model.name,
+            exc_info=True,
+            extra=log_fields("beat.entry_unreadable", task=model.task),
+        )
         return None
     return BeatEntry(model.name, model.task, schedule, headers if isinstance(headers, dict) else {})

@@ -39,6 +39,7 @@ from django.utils import timezone
 from ... import data_schedules, ledger
 from ...ledger import schedules as store
 from ...ledger.core import translated
+from ...logfields import log_fields
 from ...models import Catchup, TargetKind, TaskSchedule
 from ...schedules import StoredSchedule, rebuild
 from .headers import (
@@ -257,6 +258,7 @@ class DataSchedules:
             logger.exception(
                 "taskguard beat could not read the data schedules; trying again in %g s",
                 RETRY_SECONDS,
+                extra=log_fields("beat.data_read_failed"),
             )
             return None
         self.next_poll = clock + POLL_SECONDS
@@ -352,7 +354,12 @@ class DataSchedules:
         if row.task_name in self.warned:
             return
         self.warned.add(row.task_name)
-        logger.warning("taskguard beat: data schedule %s is not sent: %s", row.task_name, why)
+        logger.warning(
+            "taskguard beat: data schedule %s is not sent: %s",
+            row.task_name,
+            why,
+            extra=log_fields("beat.data_not_sent", task=row.task_name, reason=why),
+        )
 
 
 class DataSchedulesMixin:
@@ -403,7 +410,10 @@ class DataSchedulesMixin:
         if put or gone:
             self._update_schedule(put, gone)
             logger.info(
-                "taskguard beat: %d data schedules updated, %d removed", len(put), len(gone)
+                "taskguard beat: %d data schedules updated, %d removed",
+                len(put),
+                len(gone),
+                extra=log_fields("beat.data_refreshed"),
             )
 
     def _update_schedule(self, put: list[DataEntry], gone: list[str]) -> None:
@@ -419,7 +429,10 @@ class DataSchedulesMixin:
                 self.send_slot(entry, slot)  # type: ignore[attr-defined]
             except Exception:
                 logger.exception(
-                    "taskguard beat could not send %s slot %s", entry.task_name, slot.isoformat()
+                    "taskguard beat could not send %s slot %s",
+                    entry.task_name,
+                    slot.isoformat(),
+                    extra=log_fields("beat.send_failed", task=entry.task_name, slot=slot),
                 )
 
     def apply_async(self, entry: Any, *args: Any, **kwargs: Any) -> Any:
@@ -442,7 +455,11 @@ class DataSchedulesMixin:
             try:
                 data.read_at_send({entry.key, *self._data_due_now()})
             except Exception:
-                logger.exception("taskguard beat could not read %s before sending", entry.key)
+                logger.exception(
+                    "taskguard beat could not read %s before sending",
+                    entry.key,
+                    extra=log_fields("beat.data_read_failed", task=entry.task_name),
+                )
                 return True
         row = data.checked.get(entry.key)
         if row is not None and row.version <= entry.version:
@@ -457,7 +474,11 @@ class DataSchedulesMixin:
             gone = [entry.key]
         else:
             put, gone = data.apply([row])
-        logger.info("taskguard beat: %s changed since the last poll; not sent", entry.task_name)
+        logger.info(
+            "taskguard beat: %s changed since the last poll; not sent",
+            entry.task_name,
+            extra=log_fields("beat.data_changed", task=entry.task_name),
+        )
         self._update_schedule(put, gone)
         return False
 

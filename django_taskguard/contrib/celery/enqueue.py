@@ -48,6 +48,7 @@ from ... import ledger
 from ...exceptions import InvalidSchedule, TaskGuardError
 from ...keyed import check_key, keep_seconds
 from ...locks import claim_or_read, enqueue_key, extend_claim, redis_key_prefix, release_claim
+from ...logfields import log_fields
 from ...owner import actor
 from ...signals import run_skipped
 from .headers import ENQUEUE_HEADER, message_headers
@@ -88,7 +89,11 @@ def apply_once(
     holder = claim_or_read(record, task_id, ttl_seconds)
     if holder is not None:
         logger.info(
-            "taskguard %s key %r is queued as %s: not published", task.name, run_key, holder
+            "taskguard %s key %r is queued as %s: not published",
+            task.name,
+            run_key,
+            holder,
+            extra=log_fields("enqueue.queued", task=task.name, key=run_key),
         )
         return task.AsyncResult(holder)
     headers = dict(options.pop("headers", None) or {})
@@ -100,7 +105,14 @@ def apply_once(
         try:
             release_claim(record, task_id)
         except Exception as exc:
-            logger.warning("taskguard could not give back %s (%s); it lapses", record, exc)
+            logger.warning(
+                "taskguard could not give back %s (%s); it lapses",
+                record,
+                exc,
+                extra=log_fields(
+                    "enqueue.give_back_failed", task=task.name, key=run_key, reason=exc
+                ),
+            )
         raise
 
 
@@ -176,7 +188,11 @@ class OnceTask(Task):  # type: ignore[type-arg]
         if refused is not None:
             if exc is None:
                 raise TaskGuardError(refused)
-            logger.error("%s; the task fails with its own error instead", refused)
+            logger.error(
+                "%s; the task fails with its own error instead",
+                refused,
+                extra=log_fields("enqueue.retry_refused", task=self.name, reason=refused),
+            )
             raise exc
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
@@ -226,7 +242,11 @@ def started(task_id: str = "", task: Task[Any, Any] | None = None, **kwargs: Any
         if found is not None:
             extend_claim(found[0], task_id, float(found[1].get("ttl") or 0) or 1.0)
     except Exception:
-        logger.exception("taskguard could not renew the enqueue record of %s", task_id)
+        logger.exception(
+            "taskguard could not renew the enqueue record of %s",
+            task_id,
+            extra=log_fields("enqueue.renew_failed", task=task.name if task else None),
+        )
 
 
 def ended(
@@ -254,7 +274,11 @@ def ended(
         else:
             release_claim(record, task_id)
     except Exception:
-        logger.exception("taskguard could not free the enqueue record of %s", task_id)
+        logger.exception(
+            "taskguard could not free the enqueue record of %s",
+            task_id,
+            extra=log_fields("enqueue.free_failed", task=task.name if task else None, state=state),
+        )
 
 
 def revoked(
@@ -277,7 +301,11 @@ def revoked(
         if expired:
             _record_expired(sender.name, task_id, header, int(request.retries or 0))
     except Exception:
-        logger.exception("taskguard could not record the discarded message %s", request)
+        logger.exception(
+            "taskguard could not record the discarded message %s",
+            request,
+            extra=log_fields("enqueue.discard_failed", task=sender.name if sender else None),
+        )
 
 
 def _record_expired(task_name: str, task_id: str, header: dict[str, Any], retries: int) -> None:
@@ -292,7 +320,12 @@ def _record_expired(task_name: str, task_id: str, header: dict[str, Any], retrie
         f"worker ran it (ttl {ttl:g}s: the workers were down or busy that long)"
     )
     reason = f"expired: {why}; its key is free"
-    logger.warning("taskguard %s: %s", task_name, reason, extra={"task": task_name})
+    logger.warning(
+        "taskguard %s: %s",
+        task_name,
+        reason,
+        extra=log_fields("enqueue.expired", task=task_name, state="skipped", reason=reason),
+    )
     ledger.ensure_autocommit()
     slot = timezone.now()
     if ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("worker")) is not None:

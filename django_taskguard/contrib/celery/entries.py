@@ -30,6 +30,7 @@ from django.utils.timezone import get_default_timezone_name
 from ... import schedules
 from ...decorating import guarded_policy
 from ...ledger import schedules as store
+from ...logfields import log_fields
 from ...models import ScheduleSource
 from .headers import cron_of, grace_of, task_identity
 
@@ -210,6 +211,7 @@ class Registrar:
             logger.exception(
                 "taskguard beat could not save its entries as schedules; trying again in %g s",
                 RETRY_SECONDS,
+                extra=log_fields("beat.save_failed"),
             )
             return
         self.pending = None
@@ -219,6 +221,7 @@ class Registrar:
                 "(not swept nor judged)",
                 name,
                 self.declared_in,
+                extra=log_fields("schedule.removed", task=name),
             )
 
     def _warn_once(self, entry: BeatEntry, why: str) -> None:
@@ -229,6 +232,7 @@ class Registrar:
             "taskguard beat: entry %s is not monitored (no missed-slot alarm, no pause): %s",
             entry.name,
             why,
+            extra=log_fields("beat.not_monitored", task=entry.task, reason=why),
         )
 
 
@@ -247,7 +251,10 @@ class RegisteringMixin:
         try:
             entries = self.taskguard_entries()
         except Exception:
-            logger.exception("taskguard beat could not read its entries to save them")
+            logger.exception(
+                "taskguard beat could not read its entries to save them",
+                extra=log_fields("beat.read_failed"),
+            )
             return
         self._registrar().declare(entries)
 

@@ -24,6 +24,7 @@ from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
 from ...exceptions import TaskGuardError
+from ...logfields import log_fields
 from ...owner import actor
 from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
@@ -206,6 +207,7 @@ def defer(task: Task[Any, Any], request: Any, seconds_left: float) -> NoReturn:
         headers.get(SLOT_HEADER),
         request.id,
         countdown,
+        extra=log_fields("message.deferred", task=task.name, slot=headers.get(SLOT_HEADER)),
     )
     raise Retry(
         f"taskguard: the slot is held by a live attempt; checking again in {countdown:.1f}s",

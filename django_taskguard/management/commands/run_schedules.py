@@ -20,6 +20,7 @@ from ... import ledger, registry
 from ...data_firing import KINDS, DataSchedules
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
+from ...logfields import log_fields
 from ...models import ScheduleSource
 from ...registry import Entry
 from ...scheduler import Scheduler, logger
@@ -149,6 +150,7 @@ class Command(BaseCommand):
             "run_schedules: %d schedules (%s)",
             len(entries),
             ", ".join(entry.task_name for entry in entries) or "none registered",
+            extra=log_fields("scheduler.started"),
         )
         scheduler = Scheduler(
             entries,
@@ -161,7 +163,9 @@ class Command(BaseCommand):
         )
         if options["once"]:
             fired, finished = scheduler.run_once(options["once_timeout"])
-            logger.info("run_schedules --once: %d fires", fired)
+            logger.info(
+                "run_schedules --once: %d fires", fired, extra=log_fields("scheduler.once_done")
+            )
             if not finished:
                 raise CommandError(
                     f"--once: calls still running after {options['once_timeout']}s (see the log)"
@@ -171,7 +175,7 @@ class Command(BaseCommand):
         stop.install()
         if not scheduler.run(stop, options["stop_timeout"]):
             raise CommandError("stopped with calls still running (see the log)")
-        logger.info("run_schedules stopped")
+        logger.info("run_schedules stopped", extra=log_fields("scheduler.stopped"))
 
 
 class SignalStop:
@@ -208,7 +212,11 @@ class SignalStop:
     def wait(self, timeout: float | None = None) -> bool:
         readable, _, _ = select.select([self._read], [], [], timeout)
         if readable and self._logged.acquire(blocking=False):  # once, never in the handler
-            logger.info("run_schedules: %s, no new fires", signal.Signals(self.signum).name)
+            logger.info(
+                "run_schedules: %s, no new fires",
+                signal.Signals(self.signum).name,
+                extra=log_fields("scheduler.stopping", reason=signal.Signals(self.signum).name),
+            )
         return bool(readable)
 
 
