@@ -158,7 +158,11 @@ def calling(run: ActiveRun) -> Iterator[ActiveRun]:
             try:
                 done = hook(run)
             except Exception:
-                logger.exception("a taskguard function hook failed (run %s)", run.id)
+                logger.exception(
+                    "a taskguard function hook failed (run %s)",
+                    run.id,
+                    extra=run_log_fields("hook.failed", run, reason="function hook"),
+                )
                 continue
             if done is not None:
                 undo.append(done)
@@ -169,7 +173,11 @@ def calling(run: ActiveRun) -> Iterator[ActiveRun]:
                 try:
                     done()
                 except Exception:
-                    logger.exception("a taskguard function hook failed to end (run %s)", run.id)
+                    logger.exception(
+                        "a taskguard function hook failed to end (run %s)",
+                        run.id,
+                        extra=run_log_fields("hook.failed", run, reason="function hook end"),
+                    )
 
 
 def active_run() -> ActiveRun | None:

@@ -119,6 +119,10 @@ EVENTS = frozenset(
         "checkin.schedule_unread",
         "checkin.counter_registered",
         "checkin.flush_failed",
+        # OpenTelemetry (OPENTELEMETRY)
+        "otel.figures_failed",
+        "otel.spans_full",
+        "otel.span_end_failed",
         # Celery
         "beat.already_sent",
         "beat.sent_elsewhere",

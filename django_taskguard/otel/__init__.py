@@ -25,6 +25,7 @@ from .. import __version__, signals
 from ..conf import taskguard_settings
 from ..context import ActiveRun, active_run, add_function_hook, remove_function_hook
 from ..ledger import clip
+from ..logfields import log_fields
 from .gauges import register as register_gauges
 from .meters import Meters
 from .spans import Ended, Open, Spans, key_of
@@ -139,7 +140,11 @@ def never_raising(receiver: Callable[..., None]) -> Callable[..., None]:
         try:
             receiver(sender, **kwargs)
         except Exception:
-            logger.exception("taskguard's OpenTelemetry receiver %s failed", receiver.__name__)
+            logger.exception(
+                "taskguard's OpenTelemetry receiver %s failed",
+                receiver.__name__,
+                extra=log_fields("receiver.failed", reason=receiver.__name__),
+            )
 
     return guarded
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from .. import figures, ledger
+from ..logfields import log_fields
 from ..states import RunState
 
 logger = logging.getLogger("taskguard.otel")
@@ -29,7 +30,10 @@ def settle() -> None:
     try:
         ledger.settle_connection()
     except Exception:
-        logger.exception("taskguard could not close the ledger connection")
+        logger.exception(
+            "taskguard could not close the ledger connection",
+            extra=log_fields("connection.close_failed"),
+        )
 
 
 Reader = Callable[[figures.Figures], Iterable[Observation]]
@@ -49,7 +53,10 @@ class Reading:
                 try:
                     self._figures = figures.read()
                 except Exception:  # a collection must go on without the ledger's figures
-                    logger.exception("taskguard could not read the ledger's figures")
+                    logger.exception(
+                        "taskguard could not read the ledger's figures",
+                        extra=log_fields("otel.figures_failed"),
+                    )
                     self._figures = None
                     settle()
                 self._taken = time.monotonic()

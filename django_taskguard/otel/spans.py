@@ -24,6 +24,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from ..context import ActiveRun
 from ..locks.keys import key_digest
+from ..logfields import log_fields
 
 logger = logging.getLogger("taskguard.otel")
 
@@ -84,7 +85,11 @@ class Spans:
                 return
             if len(self._open) >= MAX_OPEN:
                 if not self._full_logged:
-                    logger.warning("taskguard: %d attempts have an open span; no more", MAX_OPEN)
+                    logger.warning(
+                        "taskguard: %d attempts have an open span; no more",
+                        MAX_OPEN,
+                        extra=log_fields("otel.spans_full"),
+                    )
                     self._full_logged = True
                 return
         span = self.tracer.start_span(
@@ -166,7 +171,11 @@ class Spans:
         try:
             self.end(key, Ended("error", "unknown", reason))
         except Exception:  # a finalizer must not raise
-            logger.exception("taskguard could not end the span of run %s", key[0])
+            logger.exception(
+                "taskguard could not end the span of run %s",
+                key[0],
+                extra=log_fields("otel.span_end_failed", run_id=key[0], reason=reason),
+            )
 
     def open_count(self) -> int:
         with self._lock:
