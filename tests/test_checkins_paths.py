@@ -169,6 +169,23 @@ def test_checkins__a_sigkilled_owner_is_pushed_abandoned_by_cleanup(
     assert "expired" in pushed["reason"]
 
 
+def test_checkins__a_retry_of_an_abandoned_run_is_a_checkin_of_its_own(checkins: CheckIns) -> None:
+    """The ``abandoned`` check-in closed the slot's id at the services: the attempt that takes
+    the run over (``on_stale="retry"``) starts and ends another one, under one id."""
+
+    @once_per_schedule(every=HOUR, name="tests.checkins.retaken", on_stale="retry")
+    def retaken() -> str:
+        return "done"
+
+    make_run(retaken.task_name, slot=BASE_SLOT, state=RunState.ABANDONED)
+    assert retaken.run_for_slot(BASE_SLOT) == "done"
+    checkins.settle()
+    found = seen(checkins.receiver)
+    ids = {ident for _, _, ident, _ in found}
+    assert len(ids) == 1 and ids != {expected_id(retaken.task_name, BASE_SLOT)}
+    assert found == every_service(["ok", "start"], ids.pop(), "tests-checkins-retaken")
+
+
 def _cleanup() -> str:
     out = StringIO()
     call_command("cleanup_locks", "--json", stdout=out)

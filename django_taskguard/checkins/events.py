@@ -11,7 +11,10 @@ and a start and its end (sent by different processes after a retry) meet at the 
 slot's row is unique per task, so the (ledger, task, slot) triple names the row even where a
 signal carries no run id (``run_skipped``). A ``missed`` check-in gets its own id (the same
 triple and ``"missed"``): a slot recorded missed may still be claimed late and run, and that
-run's start must not land on a check-in the service already closed.
+run's start must not land on a check-in the service already closed. For the same reason an
+attempt that takes over a run recorded ``abandoned`` (``on_stale="retry"``: the ``abandoned``
+check-in closed the slot's id) starts and ends a check-in of its own: the triple and the
+take-over's fence (``generation``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class CheckIn:
     # The signal carried no run (``run_skipped``, ``run_abandoned``): the sending thread
     # reads whether the slot's row is a keyed run's (then no check-in).
     verify_key: bool = False
+    # Set when the attempt took over a run recorded abandoned: its check-in is a new one.
+    generation: str = ""
 
     def payload(self, checkin_id: str) -> dict[str, object]:
         """The webhook's JSON body (docs/monitoring.md)."""
@@ -70,6 +75,8 @@ def checkin_id(ledger_identity: str, checkin: CheckIn) -> str:
     name = f"{ledger_identity}\n{checkin.task}\n{checkin.slot.isoformat()}"
     if checkin.event == MISSED:
         name += "\nmissed"
+    elif checkin.generation:
+        name += f"\n{checkin.generation}"
     return str(uuid.uuid5(NAMESPACE, name))
 
 

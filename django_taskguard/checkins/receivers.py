@@ -137,7 +137,13 @@ def _of_run(event: str, run: ActiveRun, state: str, *, ok: bool, reason: str = "
         attempt=run.attempt,
         reason=clipped(reason),
         duration=duration,
+        generation=_generation(run),
     )
+
+
+def _generation(run: ActiveRun) -> str:
+    """A take-over of a run recorded ``abandoned`` is a check-in of its own (``events``)."""
+    return f"taken over at fence {run.fence}" if run.claimed_from == RunState.ABANDONED else ""
 
 
 def _of_slot(
