@@ -7,7 +7,8 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
 - ``run_started(run)``: an attempt won its slot and is about to call the function.
 - ``run_succeeded(run, result)``; ``run_failed(run, exception, state)``: ``state`` is
   ``failed``, or ``retrying`` when another attempt of the same run follows (a Celery retry).
-- ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``.
+- ``run_skipped(task_name, slot, reason)``: the slot was recorded ``skipped``; with ``key``
+  when it was an ``@once_per_key`` message that expired (``apply_once``: no slot of a schedule).
 - ``duplicate_suppressed(task_name, slot, state)``: this call found the slot taken;
   ``state`` is the row's, or ``"finished"`` when Redis's finished-slot marker decided
   (the row was not read); and ``key``, for an ``@once_per_key`` call.

@@ -3,6 +3,7 @@ failures, hangs and a full queue never reach the task (docs/monitoring.md)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -19,9 +20,9 @@ from django_taskguard import checkins as checkins_api
 from django_taskguard import current_run, ledger, once_per_key, once_per_schedule, pauses, registry
 from django_taskguard.checkins import events, sending
 from django_taskguard.models import RunState, TaskRun
-from django_taskguard.signals import checkin_failed
+from django_taskguard.signals import checkin_failed, run_skipped
 
-from .support.checkin_receivers import Receiver
+from .support.checkin_receivers import SERVICES, Receiver
 from .support.checkin_setup import CheckIns, running_checkins
 
 HOUR = timedelta(hours=1)
@@ -250,6 +251,24 @@ def test_checkins__a_hanging_receiver_does_not_hold_the_task(checkins: CheckIns)
         "start",
         "tests-checkins-hung",
     ]
+
+
+def test_checkins__an_expired_keyed_message_sends_none(checkins: CheckIns) -> None:
+    """An ``apply_once`` message that expired is recorded skipped at now with its key in
+    the signal: a keyed task is not a schedule, nothing is checked in."""
+    run_skipped.send(sender="tests.checkins.keyed", slot=SLOT, reason="expired", key="k")
+    run_skipped.send(sender="tests.checkins.slotted", slot=SLOT, reason="paused")
+    checkins.settle()
+    assert {r["service"] for r in checkins.receiver.records} == set(SERVICES)
+    assert all("keyed" not in json.dumps(r, default=str) for r in checkins.receiver.records)
+
+
+def test_checkins_config__sentry_without_sentry_sdk_is_refused(monkeypatch) -> None:
+    from django_taskguard.checkins import config
+
+    monkeypatch.setattr(config, "find_spec", lambda name: None)
+    assert "pip install" in (config.problem({"sentry": {}}) or "")
+    assert config.problem({"webhook": {"url": "http://127.0.0.1:1/"}}) is None
 
 
 def test_checkins__a_full_queue_drops_counts_and_signals__for_that_service_only(

@@ -60,6 +60,8 @@ def shown(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _placeholder(key: str, value: Any) -> Any:
+    if key == "metric" and isinstance(value, str) and value.startswith("duration:"):
+        return "duration:<seconds>"
     return {
         "rid": "<check-in id>",
         "series": "<check-in id>",

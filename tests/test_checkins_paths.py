@@ -217,6 +217,19 @@ def test_monitor_config__crontab_in_a_zone_and_intervals(transactional_db: None)
     assert sentry.config({}, "tests.mc.unknown") is None
 
 
+def test_monitor_config__day_and_mode_and_uneven_slots(transactional_db: None) -> None:
+    """Celery's ``day_or=False`` ("the first Monday") reads both day fields with AND, Sentry
+    with OR: no ``monitor_config`` then. Uneven slots: the shortest gap, whatever the hour."""
+    first_monday = schedule("tests.mc.first_monday", cron="0 9 1-7 * 1")
+    weekly = schedule("tests.mc.mondays", cron="0 9 * * 1")
+    TaskSchedule.objects.filter(pk__in=[first_monday.pk, weekly.pk]).update(cron_day_or=False)
+    schedule("tests.mc.twice", cron="0 9,10 * * *")
+    monitors.forget_schedules()
+    assert sentry.config({}, "tests.mc.first_monday") is None
+    assert sentry.config({}, "tests.mc.mondays")["schedule"]["value"] == "0 9 * * 1"
+    assert sentry.config({}, "tests.mc.twice")["max_runtime"] == 60
+
+
 def test_monitor_config__sent_with_every_sentry_checkin(checkins: CheckIns) -> None:
     @once_per_schedule(every=HOUR, name="tests.checkins.configured")
     def configured() -> None:

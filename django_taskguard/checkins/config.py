@@ -19,6 +19,7 @@ the setting, and a site without check-ins must not pay for a sender's imports::
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Any
 
 SENDERS = ("sentry", "healthchecks", "cronitor", "webhook")
@@ -54,6 +55,11 @@ def problem(value: Any) -> str | None:
             trouble = f"{where} has the unknown key {key!r}; use {known}"
         if trouble is not None:
             return trouble
+    if "sentry" in value and find_spec("sentry_sdk") is None:
+        return (
+            f"{where}['sentry'] needs sentry_sdk, which is not installed: "
+            f'pip install "django-taskguard[sentry]"'
+        )
     return None
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from .events import START, CheckIn
 from .http import request
@@ -16,7 +17,7 @@ from .http import request
 def send(
     options: dict[str, Any], checkin: CheckIn, checkin_id: str, slug: str, timeout: float
 ) -> None:
-    base = f"{options['ping_url'].rstrip('/')}/{slug}"
+    base = f"{options['ping_url'].rstrip('/')}/{quote(slug, safe='')}"
     url = f"{base}/start" if checkin.event == START else base if checkin.ok else f"{base}/fail"
     query = {"rid": checkin_id}
     if options.get("create"):

@@ -15,6 +15,7 @@ import math
 import re
 import time
 from datetime import timedelta
+from itertools import pairwise
 from typing import Any
 
 from django.utils import timezone
@@ -25,6 +26,7 @@ from ..schedules import rebuild
 SLUG_MAX_LENGTH = 50  # Sentry's limit; Healthchecks and Cronitor take these too
 SCHEDULE_TTL = 300.0
 MAX_RUNTIME_MINUTES = 10_080  # what Sentry accepts (a week)
+GAP_SLOTS = 100  # slots read to find the shortest gap between two (the derived max_runtime)
 # Interval units Sentry's monitor_config takes, largest first, in minutes.
 _UNITS = (("day", 1440), ("hour", 60), ("minute", 1))
 
@@ -95,6 +97,8 @@ def monitor_config(
     """Sentry's ``monitor_config`` for a stored schedule, without ``max_runtime`` (see
     :func:`with_runtime`); None for an interval Sentry cannot express (under a minute, or
     not a whole number of minutes): Sentry counts intervals in whole minutes at least."""
+    if cron and not day_or and _both_days_restricted(cron):
+        return None  # Celery's day_or=False: Sentry would read the days with OR
     if cron:
         config: dict[str, Any] = {"schedule": {"type": "crontab", "value": cron}}
         config["timezone"] = zone or timezone.get_default_timezone_name()
@@ -115,14 +119,25 @@ def monitor_config(
     return config
 
 
+def _both_days_restricted(cron: str) -> bool:
+    """Whether both day fields of ``cron`` are restricted: only then do AND (Celery's
+    ``day_or=False``) and OR (standard cron, Sentry) read them differently."""
+    fields = cron.split()
+    return len(fields) >= 5 and fields[2] != "*" and fields[4] != "*"
+
+
 def _gap_minutes(cron: str, day_or: bool, zone: str, every: timedelta | None) -> int | None:
-    """The time between two slots, in whole minutes (a run longer than that overlaps its next
-    slot: the derived ``max_runtime``), within what Sentry accepts."""
+    """The shortest time between two of the next ``GAP_SLOTS`` slots, in whole minutes (a run
+    longer than that may overlap its next slot: the derived ``max_runtime``), within what
+    Sentry accepts; the shortest, so that it does not change with the time of day."""
     try:
         built = rebuild(cron, day_or, zone, every)
         now = timezone.now()
-        first, second = built.slots_between(now, now + timedelta(days=400), 2)
-    except Exception:  # a schedule that fires less than twice a year: Sentry's default
+        slots = built.slots_between(now, now + timedelta(days=400), GAP_SLOTS)
+    except Exception:  # a schedule that cannot be read: Sentry's default
         return None
-    minutes = math.ceil((second - first).total_seconds() / 60)
+    if len(slots) < 2:  # fires less than twice a year
+        return None
+    shortest = min(b - a for a, b in pairwise(slots))
+    minutes = math.ceil(shortest.total_seconds() / 60)
     return max(1, min(MAX_RUNTIME_MINUTES, minutes))

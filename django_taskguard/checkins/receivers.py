@@ -101,7 +101,7 @@ def on_failed(sender: str, run: ActiveRun, exception: BaseException, **kwargs: A
 
 @_never_raises
 def on_skipped(sender: str, slot: datetime, reason: str = "", **kwargs: Any) -> None:
-    if _wanted(sender):
+    if kwargs.get("key") is None and _wanted(sender):  # a keyed message's expiry: no slot
         submit(_of_slot(END, sender, slot, RunState.SKIPPED, ok=True, reason=reason))
 
 

@@ -185,14 +185,16 @@ def _send(
             error = exc
         except Exception as exc:  # a bug or a library's surprise: counted the same
             error = SendError(f"{type(exc).__name__}: {exc}")
-        if attempt < tries:
+        if attempt < tries and _worth_another_try(error):
             time.sleep(pause)
             pause *= 2
+            continue
+        break
     _count(service)
     logger.warning(
         "taskguard check-in to %s failed after %d tries (status %s): %s %s slot %s: %s",
         service,
-        tries,
+        attempt,
         error.status,
         checkin.event,
         checkin.task,
@@ -207,6 +209,13 @@ def _checkin_log_fields(event: str, checkin: CheckIn, **more: Any) -> dict[str, 
     """The log record's fields of one check-in (``logfields``)."""
     fields: dict[str, Any] = {"task": checkin.task, "slot": checkin.slot, "run_id": checkin.run_id}
     return log_fields(event, **fields, attempt=checkin.attempt, state=checkin.state, **more)
+
+
+def _worth_another_try(error: SendError) -> bool:
+    """No answer, a 5xx or a 429 may pass; another 4xx (an unknown slug, a bad request)
+    answers the same to every try."""
+    status = error.status
+    return status is None or status == 429 or not 400 <= status < 500
 
 
 def _count(service: str) -> None:

@@ -329,7 +329,7 @@ def _record_expired(task_name: str, task_id: str, header: dict[str, Any], retrie
     ledger.ensure_autocommit()
     slot = timezone.now()
     if ledger.insert_skipped(task_name, slot, reason=reason, actor=actor("worker")) is not None:
-        run_skipped.send(sender=task_name, slot=slot, reason=reason)
+        run_skipped.send(sender=task_name, slot=slot, reason=reason, key=header["key"])
 
 
 def register() -> None:

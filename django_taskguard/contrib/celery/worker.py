@@ -16,10 +16,11 @@ from typing import Any, NoReturn, cast
 
 from celery import Task, current_app
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import task_postrun, worker_ready
+from celery.signals import task_postrun, worker_process_shutdown, worker_ready
 from django.utils import timezone
 
-from ... import ledger, schedules
+from ... import checkins, ledger, schedules
+from ...conf import taskguard_settings
 from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
@@ -238,6 +239,14 @@ def upkeep_after_task(**kwargs: Any) -> None:
     maybe_upkeep()
 
 
+def flush_checkins(**kwargs: Any) -> None:
+    """A prefork pool process leaves through ``os._exit`` (no ``atexit``): its queued
+    check-ins are sent first, for at most the check-ins' ``timeout``."""
+    settings = taskguard_settings.CHECKINS
+    if settings:
+        checkins.flush(float(settings.get("timeout", 5)))
+
+
 def register() -> None:
     """Wire Celery in (idempotent): guarded tasks find their slot in the message,
     ``schedule=`` takes a celery ``crontab``/``schedule``, a worker that is ready runs
@@ -248,3 +257,4 @@ def register() -> None:
         schedules.TRANSLATORS.append(from_celery)
     worker_ready.connect(run_startup_cleanup, dispatch_uid="taskguard.startup_cleanup")
     task_postrun.connect(upkeep_after_task, dispatch_uid="taskguard.upkeep", weak=False)
+    worker_process_shutdown.connect(flush_checkins, dispatch_uid="taskguard.checkins", weak=False)
