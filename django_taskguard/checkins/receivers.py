@@ -32,6 +32,7 @@ from typing import Any
 from ..conf import taskguard_settings
 from ..context import ActiveRun
 from ..logfields import log_fields
+from ..process import PerProcess, per_process
 from ..signals import run_abandoned, run_failed, run_missed, run_skipped, run_started, run_succeeded
 from ..states import RunState
 from .events import ABANDONED, END, MISSED, START, CheckIn, clipped
@@ -43,7 +44,7 @@ _STARTS_KEPT = 10_000
 
 # When this process saw each run start (time.monotonic()), for the end's duration.
 _started: dict[int, float] = {}
-_started_lock = threading.Lock()
+_started_locks: PerProcess[threading.Lock] = per_process(threading.Lock)  # (sending.py)
 
 logger = logging.getLogger("taskguard.checkins")
 
@@ -75,7 +76,7 @@ def _wanted(task_name: str) -> bool:
 def on_started(sender: str, run: ActiveRun, **kwargs: Any) -> None:
     if run.key is not None or not _wanted(run.task_name):
         return
-    with _started_lock:
+    with _started_locks.get():
         if len(_started) >= _STARTS_KEPT:
             _started.clear()
         _started.setdefault(run.id, time.monotonic())
@@ -161,7 +162,7 @@ def _of_slot(
 
 
 def _duration(run_id: int) -> float | None:
-    with _started_lock:
+    with _started_locks.get():
         began = _started.pop(run_id, None)
     return None if began is None else round(time.monotonic() - began, 3)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import queue
 import threading
 import time
@@ -50,17 +49,9 @@ SEND: dict[str, Send] = {
 }
 RETRY_PAUSE = 0.5  # seconds between two tries of one send (doubled each time)
 
-_lock = threading.Lock()
-
-
-def _unlock_in_child() -> None:
-    """A forked child gets a lock of its own (its parent's may be held by a thread that does
-    not exist in the child)."""
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_unlock_in_child)
+# A lock per process: a forked child's copy of its parent's lock may be held by a thread
+# that does not exist in the child (uWSGI forks without running at-fork hooks).
+_locks: PerProcess[threading.Lock] = per_process(threading.Lock)
 _failures: PerProcess[Counter[str]] = per_process(Counter)  # a forked child counts its own
 _prometheus: Any = None  # the Counter, once a failure was counted with prometheus_client
 
@@ -101,7 +92,7 @@ _workers: PerProcess[dict[str, _Worker]] = per_process(dict)
 
 
 def _current(service: str) -> _Worker:
-    with _lock:  # one thread per service and process, whichever thread queues first
+    with _locks.get():  # one thread per service and process, whichever thread queues first
         workers = _workers.get()
         worker = workers.get(service)
         if worker is None:
@@ -220,7 +211,7 @@ def _worth_another_try(error: SendError) -> bool:
 
 def _count(service: str) -> None:
     global _prometheus
-    with _lock:
+    with _locks.get():
         _failures.get()[service] += 1
         if _prometheus is None:
             _prometheus = _prometheus_counter()
@@ -264,14 +255,14 @@ def _signal(service: str, event: str, error: str) -> None:
 
 def failures() -> dict[str, int]:
     """Check-ins this process could not deliver (or dropped), per service."""
-    with _lock:
+    with _locks.get():
         return dict(_failures.get())
 
 
 def reset() -> None:
     """Forget the counts, and the threads: the next check-in starts them anew, with queues
     of the ``queue`` setting then (tests; the old threads send what they hold, then idle)."""
-    with _lock:
+    with _locks.get():
         _failures.forget()
         _workers.forget()
 
@@ -280,7 +271,7 @@ def flush(timeout: float = 5.0) -> bool:
     """Wait up to ``timeout`` seconds until every queued check-in was sent (and Sentry's
     transport flushed); True when every queue drained in time."""
     deadline = time.monotonic() + timeout
-    with _lock:
+    with _locks.get():
         workers = list((_workers.mine() or {}).values())
     drained = all(_drain(worker, deadline) for worker in workers)
     if "sentry" in taskguard_settings.CHECKINS:
