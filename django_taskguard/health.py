@@ -59,6 +59,7 @@ from .schedules import Schedule, StoredSchedule, rebuild
 from .states import LIVE_STATES, RunState
 
 LATE, MISSED, FAILING, RUNNING = "late", "missed", "failing", "running"
+LATE_START = "late_start"  # its slots keep starting late (``lateness``); ``late``: overdue
 # A run alive for longer than this (and than HEALTH_FAILURES intervals) is reported.
 HUNG_AFTER = timedelta(hours=1)
 OK, PAUSED, UNHEALTHY = "ok", "paused", "unhealthy"
@@ -413,7 +414,7 @@ def _late_starts(health: TaskHealth, facts: ledger.TaskFacts) -> Problem | None:
     if health.acknowledged(health.latest_due):
         return None
     detail = lateness.late_detail(facts.late_starts, late_bound(health))
-    return None if detail is None else Problem(LATE, detail)
+    return None if detail is None else Problem(LATE_START, detail)
 
 
 def _streak_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int) -> Problem | None:

@@ -147,7 +147,7 @@ def test_late_starts__the_last_n_all_late_is_unhealthy():
         assert late_problems(found) == [
             "the last 3 slots started 42-97 s after their time (bound 30 s)"
         ]
-        assert [p.code for p in found.problems] == [health.LATE]
+        assert [p.code for p in found.problems] == [health.LATE_START]
         metrics = scrape()
         assert metrics[("taskguard_task_healthy", (("task", TASK),))] == 0
     with late_settings(LATE_START_SECONDS=30, LATE_START_RUNS=1):
@@ -166,7 +166,8 @@ def test_late_starts__check_schedules_the_health_url_and_the_overview_say_it():
         status, out = run_check()
         assert status == 1
         assert (
-            "LATE" in out and "the last 3 slots started 50 s after their time (bound 30 s)" in out
+            "LATE_START" in out
+            and "the last 3 slots started 50 s after their time (bound 30 s)" in out
         )
         response = Client().get(
             reverse("taskguard:health"),
@@ -176,7 +177,7 @@ def test_late_starts__check_schedules_the_health_url_and_the_overview_say_it():
         [task] = response.json()["tasks"]
         assert task["problems"] == [
             {
-                "code": "late",
+                "code": "late_start",
                 "detail": "the last 3 slots started 50 s after their time (bound 30 s)",
             }
         ]
