@@ -17,7 +17,7 @@ ledger gauges).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CollectorRegistry, GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
@@ -118,47 +118,56 @@ def _per_task(
 def _durations(
     names: list[str], summary: dict[tuple[str, str], ledger.StateSummary]
 ) -> GaugeHistogramMetricFamily:
-    family = GaugeHistogramMetricFamily(
+    per_task: dict[str, list[Counts]] = {
+        name: [
+            (p.buckets, p.duration_count, p.duration_sum)
+            for p in (summary[(name, state)] for state in TIMED_STATES if (name, state) in summary)
+        ]
+        for name in names
+    }
+    return _histogram(
         "taskguard_run_duration_seconds",
         "How long finished attempts (succeeded, failed) ran, of the slots in the window.",
-        labels=["task"],
+        DURATION_BUCKETS,
+        per_task,
     )
-    for name in names:
-        parts = [summary[(name, state)] for state in TIMED_STATES if (name, state) in summary]
-        if not parts:
-            continue
-        below = [sum(p.buckets[i] for p in parts) for i in range(len(DURATION_BUCKETS))]
-        buckets = [
-            (f"{bound:g}", float(n)) for bound, n in zip(DURATION_BUCKETS, below, strict=True)
-        ]
-        buckets.append(("+Inf", float(sum(p.duration_count for p in parts))))
-        family.add_metric([name], buckets, gsum_value=sum(p.duration_sum for p in parts))
-    return family
 
 
 def _lateness(
     names: list[str], summary: dict[tuple[str, str], ledger.StateSummary]
 ) -> GaugeHistogramMetricFamily:
-    family = GaugeHistogramMetricFamily(
+    timed: dict[str, list[Counts]] = {}  # per task, in one pass
+    for (task, _), found in summary.items():
+        if found.lateness_count:
+            timed.setdefault(task, []).append(
+                (found.lateness_buckets, found.lateness_count, found.lateness_sum)
+            )
+    return _histogram(
         "taskguard_start_lateness_seconds",
         "How long after its slot each slot's first attempt started (keyed runs left out), of "
         "the slots in the window.",
-        labels=["task"],
+        LATENESS_BUCKETS,
+        {name: timed.get(name, []) for name in names},
     )
-    timed: dict[str, list[ledger.StateSummary]] = {}  # per task, in one pass
-    for (task, _), found in summary.items():
-        if found.lateness_count:
-            timed.setdefault(task, []).append(found)
-    for name in names:
-        parts = timed.get(name)
+
+
+# One state's share of a histogram: (counts at or below each bound, count, sum).
+Counts = tuple[tuple[int, ...], int, float]
+
+
+def _histogram(
+    metric: str, documentation: str, bounds: Sequence[float], per_task: dict[str, list[Counts]]
+) -> GaugeHistogramMetricFamily:
+    """A gauge histogram per task, its parts (one per state) added up; a task with no part
+    is left out."""
+    family = GaugeHistogramMetricFamily(metric, documentation, labels=["task"])
+    for name, parts in per_task.items():
         if not parts:
             continue
-        below = [sum(p.lateness_buckets[i] for p in parts) for i in range(len(LATENESS_BUCKETS))]
-        buckets = [
-            (f"{bound:g}", float(n)) for bound, n in zip(LATENESS_BUCKETS, below, strict=True)
-        ]
-        buckets.append(("+Inf", float(sum(p.lateness_count for p in parts))))
-        family.add_metric([name], buckets, gsum_value=sum(p.lateness_sum for p in parts))
+        below = [sum(counts[i] for counts, _, _ in parts) for i in range(len(bounds))]
+        buckets = [(f"{bound:g}", float(n)) for bound, n in zip(bounds, below, strict=True)]
+        buckets.append(("+Inf", float(sum(count for _, count, _ in parts))))
+        family.add_metric([name], buckets, gsum_value=sum(total for _, _, total in parts))
     return family
 
 
