@@ -274,9 +274,11 @@ class DataSchedules:
         built.fired = known.fired
         if moved:
             # Never lost: the old schedule's slots due by the edit that this copy has not
-            # fired yet still fire. Never early: the new one's start after the edit.
+            # fired yet still fire, up to the edit itself, whatever ``now`` says (read before
+            # the poll waited on the database, it can be older than an edit the poll found).
+            # Never early: the new one's start after the edit.
             edit = row.changed_at or now
-            owed = slots_after(known.schedule, known.policy, known.fired, min(edit, now))
+            owed = slots_after(known.schedule, known.policy, known.fired, edit)
             due = [
                 Due(row.task_name, slot, version=known.version)
                 for slot in owed

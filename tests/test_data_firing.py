@@ -110,6 +110,26 @@ def test_data__an_edit_that_moves_the_slots_fires_the_owed_ones_and_none_early()
     assert data.due(start - timedelta(microseconds=1)) == []
 
 
+def test_data__a_moving_edit_newer_than_the_copys_clock_still_owes_the_slots_before_it() -> None:
+    # The copy read its clock, then its poll waited on the database (SQLite's writer: the
+    # edit's own transaction) and found the edit, committed after a slot of the old schedule
+    # that this copy had not fired yet: that slot is owed, never skipped by the new schedule.
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    real = timezone.now()
+    data.load(real - 3 * MINUTE, start=True)
+    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    assert edited.changed_at is not None
+    last = _minute(edited.changed_at)  # due before the edit
+    stale = last - timedelta(milliseconds=5)  # the copy's clock, read before its poll
+    owed = _slots(data.apply(edited, stale), row.task_name)
+    assert owed[-1] == last
+    assert owed == [_minute(real - 3 * MINUTE) + n * MINUTE for n in range(1, len(owed) + 1)]
+    start = data.next_start()
+    assert start is not None and start > edited.changed_at
+
+
 def test_data__a_slot_a_moving_edit_took_back_is_not_fired() -> None:
     row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
     data = DataSchedules()
