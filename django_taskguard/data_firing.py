@@ -30,11 +30,13 @@ row ``running``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import logging
+import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,7 +46,7 @@ from django.utils import timezone
 from . import data_schedules, guard, ledger
 from .conf import taskguard_settings
 from .decorators import SCHEDULE_KWARG, SLOT_KWARG, note_version
-from .exceptions import TaskGuardError
+from .exceptions import BackendUnavailable, TaskGuardError
 from .handoff import hand_out
 from .ledger import schedules as store
 from .logfields import log_fields
@@ -67,6 +69,11 @@ KINDS = (TargetKind.FUNCTION, TargetKind.DJANGO_TASKS)
 PENDING_LIMIT = 500
 # How far ahead a next slot is looked for (a cron that fires once a year).
 LOOKAHEAD = timedelta(days=400)
+# A due slot that was not fired because the database failed (reading it, or its claim) is
+# tried again this long after, while within its grace; at most CARRY_LIMIT of them are kept
+# (the oldest dropped first: the sweep judges those).
+RETRY_SECONDS = 1.0
+CARRY_LIMIT = 10_000
 _TICK = timedelta(microseconds=1)
 
 
@@ -138,6 +145,7 @@ class Job:
     kwargs: dict[str, Any]
     version: int
     manual: bool
+    due: Due | None = None  # what made it due (tried again from it when its claim fails)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +195,10 @@ class DataSchedules:
         # The newest version of each schedule this copy applied (those it fires, and those
         # it dropped: disabled, deleted, a target not found): a poll skips them at once.
         self._applied: dict[str, int] = {}
+        # Due slots not fired because the database failed: tried again (:meth:`carry`).
+        self._carried: dict[tuple[str, datetime], Due] = {}
+        self._carried_lock = threading.Lock()  # the pool's threads carry claims refused
+        self._retry_at = 0.0
 
     # -- reading the rows ------------------------------------------------------------
 
@@ -197,9 +209,11 @@ class DataSchedules:
         seen = set()
         self._targets.clear()  # a module installed since is found now
         self._applied.clear()  # and a row dropped for it is applied again at the next poll
-        for row in store.live_data(KINDS, self.names):
-            seen.add(row.task_name)
-            due.extend(self.apply(row, now, start=start))
+        with self._carrying(due):
+            for row in store.live_data(KINDS, self.names):
+                seen.add(row.task_name)
+                due.extend(self.apply(row, now, start=start))
+            due.extend(self.pending())
         for name in set(self.states) - seen:
             del self.states[name]
         self._heap = [(s.start_at, n) for n, s in self.states.items() if s.start_at is not None]
@@ -213,7 +227,7 @@ class DataSchedules:
                 len(self.states),
                 extra=log_fields("scheduler.data_loaded"),
             )
-        return due + self.pending()
+        return due
 
     def poll(self, now: datetime) -> list[Due]:
         """The changes since the last poll applied, and the slots they make due now (a
@@ -227,13 +241,16 @@ class DataSchedules:
         due: list[Due] = []
         # The last minute again, without the arguments (read when a slot is due); the
         # versions this copy applied already cost nothing more.
-        for row in store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS, light=True):
-            if self._applied.get(row.task_name, 0) >= row.version:
-                continue
-            if self.names is None or row.task_name in self.names:
-                due.extend(self.apply(row, now))
-        self._cursor = polled
-        return due + self.pending()
+        changed = store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS, light=True)
+        with self._carrying(due):
+            for row in changed:
+                if self._applied.get(row.task_name, 0) >= row.version:
+                    continue
+                if self.names is None or row.task_name in self.names:
+                    due.extend(self.apply(row, now))
+            self._cursor = polled
+            due.extend(self.pending())
+        return due
 
     def pending(self) -> list[Due]:
         """The "run now" slots waiting for a copy (``pending``)."""
@@ -432,6 +449,59 @@ class DataSchedules:
     def next_poll_in(self) -> float:
         return max(self._next_poll - time.monotonic(), 0.0)
 
+    # -- slots the database failed ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _carrying(self, due: list[Due]) -> Iterator[None]:
+        """Should reading fail, the slots ``due`` gathered so far (a moving edit's owed ones:
+        this copy counts them as fired already) are tried again, not lost."""
+        try:
+            yield
+        except BaseException:
+            self.carry(due)
+            raise
+
+    def carry(self, due: Iterable[Due]) -> None:
+        """Slots due and not fired because the database failed (reading them, or refusing
+        their claim): tried again after :data:`RETRY_SECONDS` while within their grace
+        (older: the sweep judges them). A "run now" slot is not carried: its ``pending``
+        row is found again by the next poll."""
+        with self._carried_lock:
+            for item in due:
+                if not item.manual:
+                    self._carried[(item.task_name, item.slot)] = item
+            while len(self._carried) > CARRY_LIMIT:
+                del self._carried[next(iter(self._carried))]
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+
+    def carried(self, now: datetime) -> list[Due]:
+        """The carried slots to try again now (none before :data:`RETRY_SECONDS`), those
+        of schedules this copy still fires and within their grace."""
+        with self._carried_lock:
+            if not self._carried or time.monotonic() < self._retry_at:
+                return []
+            taken, self._carried = list(self._carried.values()), {}
+        kept = []
+        for item in taken:
+            state = self.states.get(item.task_name)
+            if state is not None and now - item.slot <= state.policy.grace:
+                kept.append(item)
+        if len(kept) < len(taken):
+            logger.warning(
+                "run_schedules: %d due slots the database failed were past their grace when "
+                "tried again; the sweep records them",
+                len(taken) - len(kept),
+                extra=log_fields("scheduler.retry_dropped"),
+            )
+        return kept
+
+    def retry_in(self) -> float | None:
+        """Seconds until carried slots are tried again (None: none are)."""
+        with self._carried_lock:
+            if not self._carried:
+                return None
+            return max(self._retry_at - time.monotonic(), 0.0)
+
     # -- firing --------------------------------------------------------------------------
 
     def jobs(self, due: list[Due], now: datetime) -> list[Job]:
@@ -439,11 +509,31 @@ class DataSchedules:
         polled yet is applied first, and a slot it took back is dropped."""
         if not due:
             return []
-        rows = store.data_rows({item.task_name for item in due})
-        jobs: list[Job] = []
         work = list(due)
+        taken: list[Due] = []  # popped from ``work``: with it, what a failure carries
+        jobs: list[Job] = []
+        try:
+            rows = store.data_rows({item.task_name for item in due})
+            self._make_jobs(work, taken, rows, now, jobs)
+        except BaseException:
+            # None of them ran: all of them (and the slots an edit made owed) go round again.
+            self.handed -= {(item.task_name, item.slot) for item in taken if item.manual}
+            self.carry(taken + work)
+            raise
+        jobs.reverse()
+        return jobs
+
+    def _make_jobs(
+        self,
+        work: list[Due],
+        taken: list[Due],
+        rows: dict[str, TaskSchedule],
+        now: datetime,
+        jobs: list[Job],
+    ) -> None:
         while work:
             item = work.pop()
+            taken.append(item)
             row = rows.get(item.task_name)
             if row is None or row.removed_at is not None:
                 continue
@@ -476,10 +566,9 @@ class DataSchedules:
                     kwargs,
                     version,
                     item.manual,
+                    item,
                 )
             )
-        jobs.reverse()
-        return jobs
 
     def _still_due(self, item: Due, row: TaskSchedule, now: datetime) -> tuple[bool, list[Due]]:
         """Whether ``item`` still fires under ``row`` (a newer version is applied first),
@@ -516,7 +605,8 @@ class DataSchedules:
                 except BaseException:
                     self.handed.discard((job.task_name, job.slot))  # tried again next poll
                     raise
-            return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
+            with self._carried_on_refusal(job):
+                return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
         if job.manual:  # run here: should the claim fail, the next poll tries again
             self.handed.discard((job.task_name, job.slot))
         ran = False
@@ -527,10 +617,22 @@ class DataSchedules:
             ran = True
             return func(*args, **kwargs)
 
-        started = guard.begin(job.task_name, job.slot, policy)
+        with self._carried_on_refusal(job):
+            started = guard.begin(job.task_name, job.slot, policy)
         note_version(started, job.version)
         guard.run(started, body, job.args, dict(job.kwargs))
         return "ran" if ran else "not run here (another call has it, or it is recorded)"
+
+    @contextlib.contextmanager
+    def _carried_on_refusal(self, job: Job) -> Iterator[None]:
+        """The claim (or hand-out) refused because the database failed: nothing was claimed
+        (the guard fails closed), so the slot is tried again (:meth:`carry`)."""
+        try:
+            yield
+        except BackendUnavailable:
+            if job.due is not None and not job.manual:
+                self.carry([job.due])
+            raise
 
 
 def _enqueue(job: Job) -> str:

@@ -109,6 +109,7 @@ EVENTS = frozenset(
         "scheduler.job_failed",
         "scheduler.data_loaded",
         "scheduler.data_read_failed",
+        "scheduler.retry_dropped",
         "scheduler.missed_recorded",
         # check-ins
         "checkin.failed",

@@ -271,12 +271,15 @@ class Scheduler:
             return
         now = timezone.now()
         try:
-            jobs = self.data.jobs(read(now), now)
+            # Slots the database failed before (reading them, or their claim) first; should
+            # this read fail, its slots are carried in turn (DataSchedules.carry).
+            due = read(now)
+            jobs = self.data.jobs(self.data.carried(now) + due, now)
         except (BackendUnavailable, DatabaseError) as exc:
             ledger.settle_connection()
             logger.warning(
-                "run_schedules: the data schedules could not be read (%s); the next tick "
-                "tries again, and the sweep records a slot nobody fired",
+                "run_schedules: the data schedules could not be read (%s); their due slots "
+                "are tried again within their grace",
                 exc,
                 extra=log_fields("scheduler.data_read_failed", reason=exc),
             )
@@ -394,6 +397,8 @@ class Scheduler:
                 self._fire_data(data.poll)
                 self._fire_data(data.due)
                 wait = min(wait, data.next_poll_in())
+                if (retry := data.retry_in()) is not None:
+                    wait = min(wait, retry)
             wakeup = self.next_wakeup()
             if wakeup is not None:
                 wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), wait)
