@@ -77,6 +77,7 @@ EVENTS = frozenset(
         "sweep.called_early",
         "sweep.pending_expired",
         "sweep.partial",
+        "sweep.owed_dropped",
         "sweep.schedule_failed",
         "sweep.failed",
         "cleanup.startup",

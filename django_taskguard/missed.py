@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from django.db import DatabaseError
@@ -76,6 +76,7 @@ def sweep_missed(
         result = SweepResult()
         if not dry_run:
             _end_pending_of_all(now, task, result)
+            _judge_owed(now, floor, task, result)
         due = store.sweep_due(now, task)
         for start in range(0, len(due), SWEEP_PAGE):
             rows = store.sweep_page(due[start : start + SWEEP_PAGE])
@@ -444,6 +445,62 @@ def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) ->
         names = [name for name in names if name == task]
     for row in store.judged_named(names, every=True):
         _end_pending(row, now - row.grace, result)
+
+
+def _judge_owed(now: datetime, floor: datetime, task: str | None, result: SweepResult) -> None:
+    """The owed windows whose grace has passed (the slots of a data schedule's definition
+    that an edit of its slots, a disable or a deletion ended before the sweep had judged
+    them): each of their slots without a row is recorded as any other (missed, or skipped
+    while paused). At most ``SWEEP_BATCH * MAX_BATCHES`` slots per window and sweep: the
+    rest of a window stays owed."""
+    for row in store.owed_due(now, task):
+        windows = store.pause_windows(row)
+        left: list[store.Owed] = []
+        for value in row.owed:
+            try:
+                owed = store.Owed.of(value)
+            except Exception:  # not ours to read (written by hand): dropped, said
+                _skip(row)
+                continue
+            if owed.due_at > now:
+                left.append(owed)
+                continue
+            try:
+                slots = _owed_slots(owed, floor)
+            except Exception:  # a zone this copy's tzdata lacks: another copy may judge it
+                _skip(row)
+                left.append(owed)
+                continue
+            if len(slots) == SWEEP_BATCH * MAX_BATCHES:
+                left.append(replace(owed, since=slots[-1]))
+            found = _Found(row, windows)
+            found.missed_reason = (
+                f"missed: no instance claimed it within its grace ({owed.grace.total_seconds():g}s)"
+                f"; its schedule (version {owed.version}) was changed since"
+            )
+            for start in range(0, len(slots), SWEEP_BATCH):
+                pairs = [(row.task_name, slot) for slot in slots[start : start + SWEEP_BATCH]]
+                missed: list[tuple[str, datetime, str]] = []
+                skipped: list[tuple[str, datetime, str]] = []
+                found.sort([slot for _, slot in ledger.pairs_without_row(pairs)], missed, skipped)
+                found.count(
+                    _write(RunState.MISSED, missed, False), _write(RunState.SKIPPED, skipped, False)
+                )
+            found.report(result, False)
+        store.settle_owed(row, left)
+
+
+def _owed_slots(owed: store.Owed, floor: datetime) -> list[datetime]:
+    """The slots of an owed window (within its definition's ``starts``/``ends``, none older
+    than the retention floor), at most ``SWEEP_BATCH * MAX_BATCHES``."""
+    schedule = rebuild(owed.cron, owed.day_or, owed.zone, owed.every)
+    since = max(owed.since, floor)
+    if owed.starts is not None:
+        since = max(since, owed.starts - EPSILON)
+    until = owed.until if owed.ends is None else min(owed.until, owed.ends)
+    if until <= since:
+        return []
+    return schedule.slots_between(since, until, SWEEP_BATCH * MAX_BATCHES)
 
 
 def _count(result: SweepResult, task_name: str, slots: int) -> None:

@@ -700,6 +700,10 @@ def _define(
                 )
             else:
                 kind = ScheduleEventKind.EDITED
+            if any(name in changes for name in SLOT_FIELDS) or not values["enabled"]:
+                # The definition judged until now ends here: its slots not judged yet are
+                # owed to the sweep (the new one is judged from now).
+                _owe(row, now)
             if any(name in changes for name in SLOT_FIELDS) or (
                 "enabled" in changes and values["enabled"]
             ):
@@ -858,6 +862,7 @@ def delete_data(
         if row is None:
             return None
         now = timezone.now()
+        _owe(row, now)
         row.removed_at = now
         row.enabled = False
         row.version += 1
@@ -874,6 +879,127 @@ def delete_data(
             version=row.version,
         ).save(using=alias())
     return row
+
+
+# -- owed windows: the slots of a definition a change ended, judged after their grace -------
+
+# Windows kept per schedule (many edits within one grace): beyond, the oldest is dropped, said.
+OWED_LIMIT = 50
+
+
+@dataclass(frozen=True)
+class Owed:
+    """A window of slots a data schedule's earlier definition owes the sweep: ``(since,
+    until]`` of that definition (its cron or interval, zone, window, grace)."""
+
+    cron: str
+    day_or: bool
+    zone: str
+    every: timedelta | None
+    starts: datetime | None
+    ends: datetime | None
+    grace: timedelta
+    since: datetime
+    until: datetime
+    version: int
+
+    @property
+    def due_at(self) -> datetime:
+        return self.until + self.grace
+
+    def as_json(self) -> dict[str, Any]:
+        def moment(value: datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+
+        return {
+            "cron": self.cron,
+            "day_or": self.day_or,
+            "zone": self.zone,
+            "every": None if self.every is None else self.every.total_seconds(),
+            "starts": moment(self.starts),
+            "ends": moment(self.ends),
+            "grace": self.grace.total_seconds(),
+            "since": moment(self.since),
+            "until": moment(self.until),
+            "version": self.version,
+        }
+
+    @classmethod
+    def of(cls, value: dict[str, Any]) -> Owed:
+        def moment(text: str | None) -> datetime | None:
+            return None if text is None else datetime.fromisoformat(text)
+
+        since, until = moment(value["since"]), moment(value["until"])
+        assert since is not None and until is not None
+        return cls(
+            cron=value["cron"],
+            day_or=value["day_or"],
+            zone=value["zone"],
+            every=None if value["every"] is None else timedelta(seconds=value["every"]),
+            starts=moment(value["starts"]),
+            ends=moment(value["ends"]),
+            grace=timedelta(seconds=value["grace"]),
+            since=since,
+            until=until,
+            version=value["version"],
+        )
+
+
+def _owe(row: TaskSchedule, now: datetime) -> None:
+    """``row``'s definition (before the change being saved) stops being judged at ``now``:
+    its slots after the sweep's mark, up to ``now``, become an owed window (nothing when it
+    was not judged: disabled, deleted). The caller saves the row."""
+    if row.removed_at is not None or not row.enabled:
+        return
+    since = row.swept_until or row.first_seen
+    if since >= now:
+        return
+    owed = Owed(
+        cron=row.cron,
+        day_or=row.cron_day_or,
+        zone=zone_of(row),
+        every=row.every,
+        starts=row.starts,
+        ends=row.ends,
+        grace=row.grace,
+        since=since,
+        until=now,
+        version=row.version,
+    )
+    windows = [*row.owed, owed.as_json()]
+    if len(windows) > OWED_LIMIT:
+        dropped = windows.pop(0)
+        logger.warning(
+            "taskguard %s: more than %d changes within a grace: the slots of version %s up to "
+            "%s are not judged by the sweep",
+            row.task_name,
+            OWED_LIMIT,
+            dropped["version"],
+            dropped["until"],
+            extra=log_fields("sweep.owed_dropped", task=row.task_name),
+        )
+    row.owed = windows
+    due = min(Owed.of(window).due_at for window in windows)
+    row.owed_due_at = due
+
+
+def owed_due(now: datetime, task: str | None = None) -> list[TaskSchedule]:
+    """The schedules with an owed window whose grace has passed by ``now`` (indexed)."""
+    rows = TaskSchedule.objects.using(alias()).filter(owed_due_at__lte=now)
+    if task is not None:
+        rows = rows.filter(task_name=task)
+    with translated:
+        return list(rows.defer("args", "kwargs", "description").order_by("id"))
+
+
+def settle_owed(row: TaskSchedule, left: Sequence[Owed]) -> bool:
+    """Keep only ``left`` of ``row``'s owed windows, if the row is still at the version the
+    sweep read (a change since may have added one: the next sweep judges again, and finds
+    the slots it wrote recorded). False: not settled."""
+    due = min((owed.due_at for owed in left), default=None)
+    rows = TaskSchedule.objects.using(alias()).filter(id=row.id, version=row.version)
+    with translated:
+        return bool(rows.update(owed=[owed.as_json() for owed in left], owed_due_at=due))
 
 
 def data_schedules(target_kinds: Collection[str] | None = None) -> QuerySet[TaskSchedule]:
