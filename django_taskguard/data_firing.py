@@ -474,23 +474,32 @@ class DataSchedules:
                 del self._carried[next(iter(self._carried))]
             self._retry_at = time.monotonic() + RETRY_SECONDS
 
-    def carried(self, now: datetime) -> list[Due]:
+    def carried(self, now: datetime, besides: Iterable[Due] = ()) -> list[Due]:
         """The carried slots to try again now (none before :data:`RETRY_SECONDS`), those
-        of schedules this copy still fires and within their grace."""
+        of schedules this copy still fires, within their grace and not among ``besides``
+        (due again by themselves: a moving edit's owed slots)."""
         with self._carried_lock:
             if not self._carried or time.monotonic() < self._retry_at:
                 return []
             taken, self._carried = list(self._carried.values()), {}
-        kept = []
+        again = {(item.task_name, item.slot) for item in besides}
+        kept: list[Due] = []
+        late = 0
         for item in taken:
+            if (item.task_name, item.slot) in again:
+                continue
             state = self.states.get(item.task_name)
-            if state is not None and now - item.slot <= state.policy.grace:
+            if state is None:
+                continue  # disabled or deleted since: nothing more fires
+            if now - item.slot <= state.policy.grace:
                 kept.append(item)
-        if len(kept) < len(taken):
+            else:
+                late += 1
+        if late:
             logger.warning(
                 "run_schedules: %d due slots the database failed were past their grace when "
                 "tried again; the sweep records them",
-                len(taken) - len(kept),
+                late,
                 extra=log_fields("scheduler.retry_dropped"),
             )
         return kept

@@ -274,7 +274,7 @@ class Scheduler:
             # Slots the database failed before (reading them, or their claim) first; should
             # this read fail, its slots are carried in turn (DataSchedules.carry).
             due = read(now)
-            jobs = self.data.jobs(self.data.carried(now) + due, now)
+            jobs = self.data.jobs(self.data.carried(now, due) + due, now)
         except (BackendUnavailable, DatabaseError) as exc:
             ledger.settle_connection()
             logger.warning(
