@@ -34,16 +34,17 @@ import contextlib
 import functools
 import heapq
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from . import data_schedules, guard, ledger
+from .carried import Carried
 from .conf import taskguard_settings
 from .decorators import SCHEDULE_KWARG, SLOT_KWARG, note_version
 from .exceptions import BackendUnavailable, TaskGuardError
@@ -69,11 +70,6 @@ KINDS = (TargetKind.FUNCTION, TargetKind.DJANGO_TASKS)
 PENDING_LIMIT = 500
 # How far ahead a next slot is looked for (a cron that fires once a year).
 LOOKAHEAD = timedelta(days=400)
-# A due slot that was not fired because the database failed (reading it, or its claim) is
-# tried again this long after, while within its grace; at most CARRY_LIMIT of them are kept
-# (the oldest dropped first: the sweep judges those).
-RETRY_SECONDS = 1.0
-CARRY_LIMIT = 10_000
 _TICK = timedelta(microseconds=1)
 
 
@@ -196,9 +192,7 @@ class DataSchedules:
         # it dropped: disabled, deleted, a target not found): a poll skips them at once.
         self._applied: dict[str, int] = {}
         # Due slots not fired because the database failed: tried again (:meth:`carry`).
-        self._carried: dict[tuple[str, datetime], Due] = {}
-        self._carried_lock = threading.Lock()  # the pool's threads carry claims refused
-        self._retry_at = 0.0
+        self._carried: Carried[tuple[str, datetime], Due] = Carried()
 
     # -- reading the rows ------------------------------------------------------------
 
@@ -453,44 +447,35 @@ class DataSchedules:
 
     @contextlib.contextmanager
     def _carrying(self, due: list[Due]) -> Iterator[None]:
-        """Should reading fail, the slots ``due`` gathered so far (a moving edit's owed ones:
-        this copy counts them as fired already) are tried again, not lost."""
+        """Should the database fail while reading, the slots ``due`` gathered so far (a
+        moving edit's owed ones: this copy counts them fired already) are tried again."""
         try:
             yield
-        except BaseException:
+        except (BackendUnavailable, DatabaseError):
             self.carry(due)
             raise
 
     def carry(self, due: Iterable[Due]) -> None:
         """Slots due and not fired because the database failed (reading them, or refusing
-        their claim): tried again after :data:`RETRY_SECONDS` while within their grace
-        (older: the sweep judges them). A "run now" slot is not carried: its ``pending``
-        row is found again by the next poll."""
-        with self._carried_lock:
-            for item in due:
-                if not item.manual:
-                    self._carried[(item.task_name, item.slot)] = item
-            while len(self._carried) > CARRY_LIMIT:
-                del self._carried[next(iter(self._carried))]
-            self._retry_at = time.monotonic() + RETRY_SECONDS
+        their claim): tried again (:mod:`.carried`) while this copy fires their schedule and
+        within their grace; the sweep judges the others. A "run now" slot is not carried:
+        its ``pending`` row is found again by the next poll."""
+        self._carried.carry(((item.task_name, item.slot), item) for item in due if not item.manual)
 
     def carried(self, now: datetime, besides: Iterable[Due] = ()) -> list[Due]:
-        """The carried slots to try again now (none before :data:`RETRY_SECONDS`), those
-        of schedules this copy still fires, within their grace and not among ``besides``
-        (due again by themselves: a moving edit's owed slots)."""
-        with self._carried_lock:
-            if not self._carried or time.monotonic() < self._retry_at:
-                return []
-            taken, self._carried = list(self._carried.values()), {}
+        """The carried slots to try again now (none before their retry time), those of
+        schedules this copy still fires, within their grace and not among ``besides`` (due
+        again by themselves: a moving edit's owed slots)."""
+        taken = self._carried.take()
+        if not taken:
+            return []
         again = {(item.task_name, item.slot) for item in besides}
         kept: list[Due] = []
         late = 0
         for item in taken:
-            if (item.task_name, item.slot) in again:
-                continue
             state = self.states.get(item.task_name)
-            if state is None:
-                continue  # disabled or deleted since: nothing more fires
+            if (item.task_name, item.slot) in again or state is None:
+                continue  # due again anyway; or disabled or deleted since: nothing fires
             if now - item.slot <= state.policy.grace:
                 kept.append(item)
             else:
@@ -506,10 +491,7 @@ class DataSchedules:
 
     def retry_in(self) -> float | None:
         """Seconds until carried slots are tried again (None: none are)."""
-        with self._carried_lock:
-            if not self._carried:
-                return None
-            return max(self._retry_at - time.monotonic(), 0.0)
+        return self._carried.retry_in()
 
     # -- firing --------------------------------------------------------------------------
 
@@ -524,10 +506,13 @@ class DataSchedules:
         try:
             rows = store.data_rows({item.task_name for item in due})
             self._make_jobs(work, taken, rows, now, jobs)
-        except BaseException:
-            # None of them ran: all of them (and the slots an edit made owed) go round again.
+        except BaseException as exc:
+            # None of them ran; a "run now" is found again by the next poll. The database
+            # failed: all of them (and the slots an edit made owed) go round again, each
+            # judged again then (_still_due).
             self.handed -= {(item.task_name, item.slot) for item in taken if item.manual}
-            self.carry(taken + work)
+            if isinstance(exc, (BackendUnavailable, DatabaseError)):
+                self.carry(taken + work)
             raise
         jobs.reverse()
         return jobs
@@ -581,14 +566,18 @@ class DataSchedules:
 
     def _still_due(self, item: Due, row: TaskSchedule, now: datetime) -> tuple[bool, list[Due]]:
         """Whether ``item`` still fires under ``row`` (a newer version is applied first),
-        and the slots the old schedule owes that the edit makes due."""
-        state = self.states.get(item.task_name)
-        if state is None or row.version <= state.version:
-            return state is not None, []
-        owed = self.apply(row, now)
+        and the slots the old schedule owes that the edit makes due. A slot after the
+        latest change is judged by the schedule as it is now (a carried slot too, whose
+        edit this copy applied since)."""
         state = self.states.get(item.task_name)
         if state is None:
-            return False, []  # disabled or deleted meanwhile: nothing more fires
+            return False, []
+        owed: list[Due] = []
+        if row.version > state.version:
+            owed = self.apply(row, now)
+            state = self.states.get(item.task_name)
+            if state is None:
+                return False, []  # disabled or deleted meanwhile: nothing more fires
         if item.slot <= (row.changed_at or now):
             return True, owed  # due before the edit: never lost
         ours = state.schedule.latest_slot(item.slot) == item.slot and state.in_window(item.slot)

@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_taskguard import (
-    data_firing,
+    carried,
     define_schedule,
     delete_schedule,
     once_per_schedule,
@@ -154,6 +154,22 @@ def test_data__a_slot_a_moving_edit_took_back_is_not_fired() -> None:
     # A slot after the edit that the new schedule does not have is dropped.
     assert len(jobs) == (1 if hourly else 0)
     assert data.states[row.task_name].version == 2
+
+
+def test_data__a_slot_popped_before_an_edit_that_took_it_back_is_dropped_once_applied() -> None:
+    # The edit applied in between (a poll, or a read the database failed, the slot carried):
+    # the slot is judged by the schedule as it is now when it is read, not fired.
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    next_slot = _minute(now) + MINUTE
+    due = data.due(next_slot)
+    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    data.apply(edited, next_slot)
+    assert data.states[row.task_name].version == edited.version
+    jobs = data.jobs(due, next_slot)
+    assert len(jobs) == (1 if next_slot.minute == 0 else 0)
 
 
 def test_data__disabled_fires_nothing_and_enabled_again_only_after() -> None:
@@ -541,7 +557,7 @@ def test_run_schedules__a_due_slot_whose_read_failed_is_fired_when_the_database_
     # is carried and fired at a later tick, once (it used to be left to the sweep, which
     # never judges a slot that a moving edit took from the schedule).
     _postgres_only()
-    monkeypatch.setattr(data_firing, "RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(carried, "RETRY_SECONDS", 0.0)
     row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
     _back(row.task_name, timedelta(hours=1))
     data = DataSchedules()
@@ -573,7 +589,7 @@ def test_run_schedules__a_claim_the_database_refused_is_tried_again_within_the_g
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _postgres_only()
-    monkeypatch.setattr(data_firing, "RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(carried, "RETRY_SECONDS", 0.0)
     row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
     _back(row.task_name, timedelta(hours=1))
     data = DataSchedules()

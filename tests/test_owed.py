@@ -11,6 +11,7 @@ import pytest
 from django.utils import timezone
 
 from django_taskguard import define_schedule, delete_schedule
+from django_taskguard.ledger import owed as owed_store
 from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
@@ -30,9 +31,9 @@ def _minute(moment: datetime) -> datetime:
     return moment.replace(second=0, microsecond=0)
 
 
-def _every_minute(name: str = "t1") -> TaskSchedule:
+def _every_minute(name: str = "t1", grace: timedelta = GRACE) -> TaskSchedule:
     """A one-minute schedule created an hour ago and swept up to its grace ago."""
-    row = define_schedule(name, TARGET, every=MINUTE, args=[1], grace=GRACE)
+    row = define_schedule(name, TARGET, every=MINUTE, args=[1], grace=grace)
     TaskSchedule.objects.filter(task_name=row.task_name).update(
         first_seen=timezone.now() - timedelta(hours=1), swept_until=None
     )
@@ -103,7 +104,7 @@ def test_owed__a_disable_or_a_deletion_leaves_the_slots_before_it_judged(change:
         at = TaskSchedule.objects.get(task_name=row.task_name).changed_at
     assert at is not None
     stored = TaskSchedule.objects.get(task_name=row.task_name)
-    owed = _owed_slots(row, stored.owed and store.Owed.of(stored.owed[0]).until)
+    owed = _owed_slots(row, stored.owed and owed_store.Owed.of(stored.owed[0]).until)
     sweep_missed(now=at + GRACE + MINUTE)
     assert {_state(row.task_name, slot) for slot in owed} == {RunState.MISSED}
     stored = TaskSchedule.objects.get(task_name=row.task_name)
@@ -111,18 +112,19 @@ def test_owed__a_disable_or_a_deletion_leaves_the_slots_before_it_judged(change:
 
 
 def test_owed__slots_due_while_paused_are_recorded_skipped() -> None:
-    row = _every_minute()
+    grace = timedelta(minutes=6)  # the window holds about six slots
+    row = _every_minute(grace=grace)
     assert pause(row.task_name, "maintenance")
-    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1], grace=GRACE)
+    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1], grace=grace)
     assert edited.changed_at is not None
     stored = TaskSchedule.objects.get(task_name=row.task_name)
-    owed = _owed_slots(row, store.Owed.of(stored.owed[0]).until)
-    sweep_missed(now=edited.changed_at + GRACE + MINUTE)
-    paused_at = stored.paused_at
-    assert paused_at is not None
-    states = {slot: _state(row.task_name, slot) for slot in owed}
-    assert {state for slot, state in states.items() if slot >= paused_at} <= {RunState.SKIPPED}
-    assert {state for slot, state in states.items() if slot < paused_at} <= {RunState.MISSED}
+    owed = _owed_slots(row, owed_store.Owed.of(stored.owed[0]).until)
+    assert len(owed) >= 4
+    paused_at = owed[2]  # the pause began at the third owed slot
+    TaskSchedule.objects.filter(task_name=row.task_name).update(paused_at=paused_at)
+    sweep_missed(now=edited.changed_at + grace + MINUTE)
+    states = [_state(row.task_name, slot) for slot in owed]
+    assert states == [RunState.MISSED] * 2 + [RunState.SKIPPED] * (len(owed) - 2)
 
 
 def test_owed__an_edit_of_the_arguments_owes_nothing_and_a_disabled_schedule_owes_nothing() -> None:
@@ -142,7 +144,7 @@ def test_owed__a_change_between_the_sweeps_read_and_its_write_keeps_the_window()
     assert edited.changed_at is not None
     stale = TaskSchedule.objects.get(task_name=row.task_name)
     define_schedule("t1", TARGET, every=timedelta(hours=1), args=[9], grace=GRACE)  # version +1
-    assert not store.settle_owed(stale, [])  # read before the change: not settled
+    assert owed_store.settle([(stale, [])]) == 0  # read before the change: not settled
     assert len(TaskSchedule.objects.get(task_name=row.task_name).owed) == 1
 
 
@@ -150,9 +152,43 @@ def test_owed__at_most_owed_limit_windows_are_kept_and_the_dropped_one_is_said(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     row = _every_minute()
-    for n in range(store.OWED_LIMIT + 1):  # each moves the slots: each leaves a window
+    hour_ago = timezone.now() - timedelta(hours=1)
+    for n in range(owed_store.OWED_LIMIT + 1):  # each moves the slots: each leaves a window
+        # (of the last hour's slots: as if no sweep had run since)
+        TaskSchedule.objects.filter(task_name=row.task_name).update(swept_until=hour_ago)
         define_schedule("t1", TARGET, every=MINUTE * (2 + n % 2), args=[1], grace=GRACE)
     stored = TaskSchedule.objects.get(task_name=row.task_name)
-    assert len(stored.owed) == store.OWED_LIMIT
+    assert len(stored.owed) == owed_store.OWED_LIMIT
     assert stored.owed[0]["version"] == row.version + 1  # the oldest went
     assert "are not judged by the sweep" in caplog.text
+
+
+def test_owed__a_deleted_schedule_is_not_retired_before_its_owed_slots_are_judged() -> None:
+    row = _every_minute()
+    assert delete_schedule("t1", TARGET)
+    stored = TaskSchedule.objects.get(task_name=row.task_name)
+    assert stored.owed_due_at is not None
+    assert not store.retire(row.task_name)  # its owed window would go with the row
+    sweep_missed(now=stored.owed_due_at + MINUTE)
+    assert store.retire(row.task_name)
+
+
+def test_owed__a_definition_before_a_deletion_and_a_new_creation_keeps_its_arguments() -> None:
+    # The schedule's name defined again after a deletion: its history's "created" says
+    # nothing of the arguments before it; they are the ones known (not a TypeError).
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    assert delete_schedule("t1", TARGET)
+    again = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[2], kwargs={"fmt": "csv"})
+    assert again.version == row.version + 2
+    assert store.arguments_at(again, row.version) == ([2], {"fmt": "csv"})
+
+
+def test_owed__a_change_between_two_sweeps_that_ends_no_slot_owes_nothing() -> None:
+    # A daily report edited a minute after its last sweep: no slot in between, no window
+    # (nothing waits for its grace, a deleted one is retired at once).
+    row = define_schedule("t1", TARGET, cron="0 9 * * *", args=[1], grace=GRACE)
+    define_schedule("t1", TARGET, cron="30 9 * * *", args=[1], grace=GRACE)
+    stored = TaskSchedule.objects.get(task_name=row.task_name)
+    assert (stored.owed, stored.owed_due_at) == ([], None)
+    assert delete_schedule("t1", TARGET)
+    assert store.retire(row.task_name)

@@ -35,13 +35,13 @@ from django.utils import timezone
 from ..exceptions import BackendUnavailable
 from ..logfields import log_fields
 from ..models import (
-    DatabaseNow,
     ScheduleEvent,
     ScheduleEventKind,
     ScheduleEventOrigin,
     ScheduleSource,
     TaskSchedule,
 )
+from . import owed
 from .core import alias, clip, database_now, dialect, translated
 
 logger = logging.getLogger("taskguard.ledger")
@@ -77,7 +77,7 @@ def stored() -> list[TaskSchedule]:
     """Every known schedule, by task name, without a data schedule's arguments and
     description (read on access: what health and the schedulers' bookkeeping never need, at
     100,000 schedules most of the bytes)."""
-    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
+    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description", "owed")
     with translated:
         return list(rows.order_by("task_name"))
 
@@ -301,7 +301,7 @@ def _judged() -> QuerySet[TaskSchedule]:
     rows = rows.exclude(
         Q(source=ScheduleSource.CELERY, entry="", task_name__in=Subquery(beat_entries))
     )
-    return rows.defer("args", "kwargs", "description")
+    return rows.defer("args", "kwargs", "description", "owed")
 
 
 def sweep_due(now: datetime, task: str | None = None) -> list[int]:
@@ -326,7 +326,7 @@ def judged_named(task_names: Sequence[str], *, every: bool = False) -> list[Task
     the removed and disabled ones too: a slot handed out before a schedule was deleted or
     disabled still has to end)."""
     found: list[TaskSchedule] = []
-    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
+    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description", "owed")
     rows = every_row if every else _judged()
     with translated:
         for start in range(0, len(task_names), 500):
@@ -523,9 +523,12 @@ def _mark(rows: QuerySet[TaskSchedule], declared: Collection[str], now: datetime
 
 
 def retire(task_name: str) -> bool:
-    """Delete a removed schedule's row (its runs and its events stay); False when unknown
-    or declared again (a sync may have declared it since the admin's page was drawn)."""
-    rows = TaskSchedule.objects.using(alias()).filter(task_name=task_name, removed_at__isnull=False)
+    """Delete a removed schedule's row (its runs and its events stay); False when unknown,
+    declared again (a sync may have declared it since the admin's page was drawn), or
+    still owing the sweep slots before its deletion (``owed_due_at``: retire it after)."""
+    rows = TaskSchedule.objects.using(alias()).filter(
+        task_name=task_name, removed_at__isnull=False, owed_due_at__isnull=True
+    )
     with translated:
         deleted, _ = rows.delete()
     return bool(deleted)
@@ -662,6 +665,10 @@ def _define(
         _write_first(rows.filter(task_name=task_name))
         row = rows.select_for_update().filter(task_name=task_name).first()
         now = timezone.now()
+        # The change's instant by the database's clock, read under the row's lock: its
+        # ``changed_at`` (what the schedulers take as the edit), and where the sweep stops
+        # judging the old definition and starts the new one.
+        changed = database_now()
         if row is not None and row.source != ScheduleSource.DATA:
             if row.declared_in not in adopt:
                 raise NotDataSchedule(row)
@@ -688,8 +695,8 @@ def _define(
                 )
             else:
                 row.removed_at = None
-                row.first_seen = first_seen or now
-                row.swept_until = now
+                row.first_seen = first_seen or changed
+                row.swept_until = changed
         else:
             changes = _edits(row, values)
             if not changes:
@@ -701,24 +708,26 @@ def _define(
             else:
                 kind = ScheduleEventKind.EDITED
             if any(name in changes for name in SLOT_FIELDS) or not values["enabled"]:
-                # The definition judged until now ends here: its slots not judged yet are
-                # owed to the sweep (the new one is judged from now).
-                _owe(row, now)
+                # The definition judged until now ends here: its slots the sweep has not
+                # judged yet are owed (ledger/owed.py); the new one is judged from here.
+                window = owed.ending(row, zone_of(row))
+                if window is not None:
+                    owed.owe(row, window, changed)
             if any(name in changes for name in SLOT_FIELDS) or (
                 "enabled" in changes and values["enabled"]
             ):
-                row.swept_until = now if row.swept_until is None else max(row.swept_until, now)
+                mark = row.swept_until
+                row.swept_until = changed if mark is None else max(mark, changed)
                 # Its slots count from now: health does not wait for a slot of the new
                 # definition from before the edit (never fired, by design).
-                row.first_seen = max(row.first_seen, now)
+                row.first_seen = max(row.first_seen, changed)
         row.sweep_due_at = None  # its slots or its mark may have moved: the sweep looks next time
         for name in DEFINITION_FIELDS:
             setattr(row, name, values[name])
         row.version += 1
         row.last_seen = now
-        row.changed_at = DatabaseNow()
+        row.changed_at = changed
         row.save(using=alias())
-        row.refresh_from_db(using=alias(), fields=["changed_at"])
         ScheduleEvent(
             task_name=task_name,
             kind=kind,
@@ -862,13 +871,15 @@ def delete_data(
         if row is None:
             return None
         now = timezone.now()
-        _owe(row, now)
+        changed = database_now()  # as in _define
+        window = owed.ending(row, zone_of(row))
+        if window is not None:
+            owed.owe(row, window, changed)
         row.removed_at = now
         row.enabled = False
         row.version += 1
-        row.changed_at = DatabaseNow()
+        row.changed_at = changed
         row.save(using=alias())
-        row.refresh_from_db(using=alias(), fields=["changed_at"])
         ScheduleEvent(
             task_name=task_name,
             kind=ScheduleEventKind.DELETED,
@@ -879,127 +890,6 @@ def delete_data(
             version=row.version,
         ).save(using=alias())
     return row
-
-
-# -- owed windows: the slots of a definition a change ended, judged after their grace -------
-
-# Windows kept per schedule (many edits within one grace): beyond, the oldest is dropped, said.
-OWED_LIMIT = 50
-
-
-@dataclass(frozen=True)
-class Owed:
-    """A window of slots a data schedule's earlier definition owes the sweep: ``(since,
-    until]`` of that definition (its cron or interval, zone, window, grace)."""
-
-    cron: str
-    day_or: bool
-    zone: str
-    every: timedelta | None
-    starts: datetime | None
-    ends: datetime | None
-    grace: timedelta
-    since: datetime
-    until: datetime
-    version: int
-
-    @property
-    def due_at(self) -> datetime:
-        return self.until + self.grace
-
-    def as_json(self) -> dict[str, Any]:
-        def moment(value: datetime | None) -> str | None:
-            return None if value is None else value.isoformat()
-
-        return {
-            "cron": self.cron,
-            "day_or": self.day_or,
-            "zone": self.zone,
-            "every": None if self.every is None else self.every.total_seconds(),
-            "starts": moment(self.starts),
-            "ends": moment(self.ends),
-            "grace": self.grace.total_seconds(),
-            "since": moment(self.since),
-            "until": moment(self.until),
-            "version": self.version,
-        }
-
-    @classmethod
-    def of(cls, value: dict[str, Any]) -> Owed:
-        def moment(text: str | None) -> datetime | None:
-            return None if text is None else datetime.fromisoformat(text)
-
-        since, until = moment(value["since"]), moment(value["until"])
-        assert since is not None and until is not None
-        return cls(
-            cron=value["cron"],
-            day_or=value["day_or"],
-            zone=value["zone"],
-            every=None if value["every"] is None else timedelta(seconds=value["every"]),
-            starts=moment(value["starts"]),
-            ends=moment(value["ends"]),
-            grace=timedelta(seconds=value["grace"]),
-            since=since,
-            until=until,
-            version=value["version"],
-        )
-
-
-def _owe(row: TaskSchedule, now: datetime) -> None:
-    """``row``'s definition (before the change being saved) stops being judged at ``now``:
-    its slots after the sweep's mark, up to ``now``, become an owed window (nothing when it
-    was not judged: disabled, deleted). The caller saves the row."""
-    if row.removed_at is not None or not row.enabled:
-        return
-    since = row.swept_until or row.first_seen
-    if since >= now:
-        return
-    owed = Owed(
-        cron=row.cron,
-        day_or=row.cron_day_or,
-        zone=zone_of(row),
-        every=row.every,
-        starts=row.starts,
-        ends=row.ends,
-        grace=row.grace,
-        since=since,
-        until=now,
-        version=row.version,
-    )
-    windows = [*row.owed, owed.as_json()]
-    if len(windows) > OWED_LIMIT:
-        dropped = windows.pop(0)
-        logger.warning(
-            "taskguard %s: more than %d changes within a grace: the slots of version %s up to "
-            "%s are not judged by the sweep",
-            row.task_name,
-            OWED_LIMIT,
-            dropped["version"],
-            dropped["until"],
-            extra=log_fields("sweep.owed_dropped", task=row.task_name),
-        )
-    row.owed = windows
-    due = min(Owed.of(window).due_at for window in windows)
-    row.owed_due_at = due
-
-
-def owed_due(now: datetime, task: str | None = None) -> list[TaskSchedule]:
-    """The schedules with an owed window whose grace has passed by ``now`` (indexed)."""
-    rows = TaskSchedule.objects.using(alias()).filter(owed_due_at__lte=now)
-    if task is not None:
-        rows = rows.filter(task_name=task)
-    with translated:
-        return list(rows.defer("args", "kwargs", "description").order_by("id"))
-
-
-def settle_owed(row: TaskSchedule, left: Sequence[Owed]) -> bool:
-    """Keep only ``left`` of ``row``'s owed windows, if the row is still at the version the
-    sweep read (a change since may have added one: the next sweep judges again, and finds
-    the slots it wrote recorded). False: not settled."""
-    due = min((owed.due_at for owed in left), default=None)
-    rows = TaskSchedule.objects.using(alias()).filter(id=row.id, version=row.version)
-    with translated:
-        return bool(rows.update(owed=[owed.as_json() for owed in left], owed_due_at=due))
 
 
 def data_schedules(target_kinds: Collection[str] | None = None) -> QuerySet[TaskSchedule]:
@@ -1032,7 +922,7 @@ def data_changed_since(
     when due: :func:`data_rows`)."""
     rows = data_schedules(target_kinds).filter(changed_at__gte=since)
     if light:
-        rows = rows.defer("args", "kwargs", "description")
+        rows = rows.defer("args", "kwargs", "description", "owed")
     with translated:
         return list(rows.order_by("id"))
 
@@ -1052,7 +942,7 @@ def live_data(
         rows = rows.filter(task_name__in=list(names))
     with translated:
         yield from (
-            rows.defer("args", "kwargs", "description")
+            rows.defer("args", "kwargs", "description", "owed")
             .order_by("id")
             .iterator(chunk_size=READ_CHUNK)
         )
@@ -1082,9 +972,10 @@ def arguments_at(row: TaskSchedule, version: int) -> tuple[list[object], dict[st
     )
     with translated:
         for changes in later.order_by("-version", "-id").values_list("changes", flat=True):
-            if "args" in changes:
+            # A creation (a deleted schedule's name defined again) says nothing before it.
+            if "args" in changes and changes["args"][0] is not None:
                 args = list(changes["args"][0])
-            if "kwargs" in changes:
+            if "kwargs" in changes and changes["kwargs"][0] is not None:
                 kwargs = dict(changes["kwargs"][0])
     return args, kwargs
 
