@@ -1,0 +1,237 @@
+"""Huey in this process, on a private Redis: ``@huey.task()`` over ``@once_per_schedule``,
+the slot carried in the task's keyword arguments, ``run_schedules --enqueue`` sending
+slots to Huey, Huey's retries as attempts of one row, a message delivered twice counted
+as a duplicate, and ``periodic()``'s stamped slots. The consumer's part is played by
+Huey's own ``Huey.dequeue`` and ``Huey.execute`` (what a consumer's worker calls); real
+consumer processes: tests/test_huey_e2e.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from io import StringIO
+from types import ModuleType
+from typing import Any
+
+import pytest
+from huey import MemoryHuey
+from huey.api import TaskWrapper
+from django.core.management import call_command
+from django.test import override_settings
+from django.utils import timezone as dj_timezone
+
+from django_taskguard import once_per_schedule, registry
+from django_taskguard.contrib.huey import (
+    SLOT_KWARG,
+    enqueue_for_slot,
+    find,
+    message_id,
+    periodic,
+    signature_for_slot,
+)
+from django_taskguard.contrib.huey import periodic_tasks
+from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
+from django_taskguard.models import RunState, TaskRun, TaskSchedule
+
+from .support import huey_app
+from .support.redis_server import RedisServer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SECOND = timedelta(seconds=1)
+MINUTE = timedelta(minutes=1)
+JOBS_MODULE = "tests.support.huey_jobs"
+JOBS = {"TASKGUARD": {"BACKEND": "database", "SCHEDULE_MODULES": [JOBS_MODULE]}}
+
+
+@pytest.fixture
+def queue(redis_server: RedisServer) -> Iterator[Any]:
+    """tests/support/huey_app.py's Huey instance, on a private Redis."""
+    huey_app.connect(redis_server.url)
+    try:
+        yield huey_app.huey
+    finally:
+        huey_app.connect(huey_app.NOWHERE)
+
+
+@pytest.fixture
+def jobs(queue: Any) -> Iterator[ModuleType]:
+    """tests/support/huey_jobs.py, freshly decorated; its schedules and Huey tasks
+    forgotten afterwards."""
+    before = set(registry.entries())
+    module = sys.modules.get(JOBS_MODULE)
+    if module is None:
+        module = importlib.import_module(JOBS_MODULE)
+    else:
+        forget_tasks(module)
+        module = importlib.reload(module)
+    periodic_tasks.forget()
+    yield module
+    forget_tasks(module)
+    for name in set(registry.entries()) - before:
+        registry.unregister(name)
+
+
+def forget_tasks(module: ModuleType) -> None:
+    """Unregister the module's Huey tasks (a reload registers them again)."""
+    for value in vars(module).values():
+        if isinstance(value, TaskWrapper):
+            value.unregister()
+
+
+def latest(every: timedelta) -> datetime:
+    now = dj_timezone.now()
+    epoch = datetime(1970, 1, 1, tzinfo=now.tzinfo)
+    return now - (now - epoch) % every
+
+
+def consume(huey: Any) -> int:
+    """Run what the queue holds, as a consumer's worker does, until it is empty; how many
+    messages ran."""
+    ran = 0
+    while (task := huey.dequeue()) is not None:
+        huey.execute(task)
+        ran += 1
+    return ran
+
+
+def row(name: str) -> TaskRun:
+    return TaskRun.objects.get(task_name=name)
+
+
+# -- composition --------------------------------------------------------------------
+
+
+def test_find__a_huey_task_over_a_scheduled_function(jobs):
+    assert find(jobs.tick).func is jobs.tick.func
+    assert find(jobs.beat).func is jobs.beat.func  # periodic() makes a Huey task too
+    assert find(jobs.djtick) is None  # a django.tasks task: contrib.tasks' recogniser
+    assert find(MemoryHuey("plain").task()(lambda: None)) is None  # not guarded
+    assert find(jobs.tick.func) is None  # the function itself is no task
+
+
+def test_enqueue_for_slot__the_slot_travels_in_the_kwargs_and_is_claimed(jobs, queue):
+    slot = latest(SECOND) - 30 * SECOND
+    enqueue_for_slot(jobs.tick, slot)
+    (message,) = queue.pending()
+    assert message.kwargs == {SLOT_KWARG: slot.isoformat()}
+    assert consume(queue) == 1
+    run = row("tests.huey.tick")
+    assert (run.slot, run.state, run.attempt) == (slot, RunState.SUCCEEDED, 1)
+    assert jobs.executed == [f"tests.huey.tick {slot.isoformat()} 1"]
+
+
+def test_enqueue_for_slot__refuses_what_it_cannot_carry(jobs, queue):
+    with pytest.raises(InvalidSchedule, match="timezone-aware"):
+        enqueue_for_slot(jobs.tick, datetime(2024, 1, 1, 12))
+    with pytest.raises(TaskGuardError, match="decorated with @once_per_schedule"):
+        enqueue_for_slot(MemoryHuey("plain").task()(lambda: None), latest(SECOND))
+    with pytest.raises(TaskGuardError, match="decorated with @once_per_schedule"):
+        enqueue_for_slot(jobs.djtick, latest(SECOND))
+    with pytest.raises(TaskGuardError, match="not _taskguard_slot="):
+        enqueue_for_slot(jobs.tick, latest(SECOND), _taskguard_slot="2024-01-01T00:00:00Z")
+    assert queue.pending_count() == 0
+
+
+@override_settings(**JOBS)
+def test_run_schedules_enqueue__sends_each_slot_to_huey_once_across_copies(jobs, queue):
+    registry.sync()
+    TaskSchedule.objects.filter(task_name="tests.huey.tick").update(
+        first_seen=dj_timezone.now() - 2 * MINUTE, swept_until=None
+    )
+    for _ in range(2):  # two copies
+        args = ["--enqueue", "--once", "--task", "tests.huey.tick"]
+        call_command("run_schedules", *args, stdout=StringIO())
+    sent = [message.kwargs[SLOT_KWARG] for message in queue.pending()]
+    assert sent and len(sent) == len(set(sent)), f"a slot was sent twice: {sent}"
+    rows = TaskRun.objects.filter(task_name="tests.huey.tick")
+    assert sorted(run.slot.isoformat() for run in rows) == sorted(sent)
+    assert set(rows.values_list("state", flat=True)) == {RunState.PENDING}
+
+    assert consume(queue) == len(sent)
+    assert set(rows.values_list("state", flat=True)) == {RunState.SUCCEEDED}
+    assert sorted(jobs.executed) == sorted(f"tests.huey.tick {slot} 1" for slot in sent)
+
+
+# -- retries and copies ---------------------------------------------------------------
+
+
+def test_retries__each_retry_is_the_next_attempt_of_one_row(jobs, queue):
+    slot = latest(SECOND) - 10 * SECOND
+    enqueue_for_slot(jobs.flaky, slot, failures=1)
+    assert consume(queue) == 2  # the failure, then Huey's retry
+    run = row("tests.huey.flaky")
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 2, 0)
+    assert jobs.executed == [f"tests.huey.flaky {slot.isoformat()} {n}" for n in (1, 2)]
+    states = list(run.transitions.order_by("id").values_list("to_state", flat=True))
+    assert states == ["running", "retrying", "running", "succeeded"]
+
+
+def test_retries__the_last_failure_ends_the_row_failed(jobs, queue):
+    slot = latest(SECOND) - 10 * SECOND
+    enqueue_for_slot(jobs.flaky, slot, failures=5)
+    assert consume(queue) == 3  # retries=2: three attempts
+    run = row("tests.huey.flaky")
+    assert (run.state, run.attempt) == (RunState.FAILED, 3)
+    assert "attempt 3 fails" in run.error
+
+
+def test_delivered_twice__the_copy_is_a_counted_duplicate(jobs, queue):
+    slot = latest(SECOND) - 10 * SECOND
+    message = signature_for_slot(jobs.once, slot)
+    queue.enqueue(message)
+    queue.enqueue(message)  # the same message (id, retries) delivered again
+    assert consume(queue) == 2
+    run = row("tests.huey.once")
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 1)
+    assert jobs.executed == [f"tests.huey.once {slot.isoformat()} 1"]
+
+
+def test_delivered_twice__a_copy_of_the_failed_attempt_is_not_its_retry(jobs, queue):
+    """The first message fails (its retry, one retry fewer, goes to the queue's end); the
+    copy of the first message comes before the retry: a duplicate, not attempt 2."""
+    slot = latest(SECOND) - 10 * SECOND
+    message = signature_for_slot(jobs.flaky, slot, failures=1)
+    assert message_id(message) == f"{message.id}/2"
+    queue.enqueue(message)
+    queue.enqueue(message)
+    assert consume(queue) == 3
+    run = row("tests.huey.flaky")
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 2, 1)
+    assert [line.split()[2] for line in jobs.executed] == ["1", "2"]
+
+
+# -- periodic() -----------------------------------------------------------------------
+
+
+def test_periodic__stamps_each_slot_once_per_process_and_the_ledger_runs_it(jobs, queue):
+    now = datetime.now(timezone.utc).replace(tzinfo=None)  # Huey's clock: naive UTC
+    slot = latest(MINUTE)
+    due = [task for task in queue.read_periodic(now) if type(task).__name__ == "beat"]
+    assert [task.kwargs for task in due] == [{SLOT_KWARG: slot.isoformat()}]
+    assert not [t for t in queue.read_periodic(now) if type(t).__name__ == "beat"]  # said once
+    # Another consumer stamps the same slot: the ledger runs one of the two.
+    queue.enqueue(due[0])
+    queue.enqueue(jobs.beat.s(**{SLOT_KWARG: slot.isoformat()}))
+    assert consume(queue) == 2
+    run = row("tests.huey.beat")
+    assert (run.slot, run.state, run.duplicates) == (slot, RunState.SUCCEEDED, 1)
+    later = [t for t in queue.read_periodic(now + MINUTE) if type(t).__name__ == "beat"]
+    assert [task.kwargs for task in later] == [{SLOT_KWARG: (slot + MINUTE).isoformat()}]
+
+
+def test_periodic__refuses_what_has_no_schedule_or_is_too_frequent(queue):
+    with pytest.raises(InvalidSchedule, match="goes above @once_per_schedule"):
+        periodic(queue)(lambda: None)
+    with pytest.raises(InvalidSchedule, match="goes above @once_per_schedule"):
+        periodic(queue)(once_per_schedule(name="tests.huey.noschedule")(lambda: None))
+    frequent = once_per_schedule(every=10 * SECOND, name="tests.huey.frequent")(lambda: None)
+    try:
+        with pytest.raises(InvalidSchedule, match="closer together than a Huey consumer"):
+            periodic(queue)(frequent)
+    finally:
+        registry.unregister("tests.huey.frequent")
+    with pytest.raises(InvalidSchedule, match="sets validate_datetime itself"):
+        periodic(queue, validate_datetime=lambda timestamp: True)
