@@ -42,7 +42,8 @@ def enqueue_for_slot(task: Any, slot: datetime | str, /, *args: Any, **kwargs: A
     task's keyword arguments; the consumer's call claims it (not the slot current when
     it runs). Returns what ``Huey.enqueue`` returns (a ``Result``, or None without results).
     """
-    return task.huey.enqueue(signature_for_slot(task, slot, *args, **kwargs))
+    signature = signature_for_slot(task, slot, *args, **kwargs)
+    return task.huey.enqueue(signature)
 
 
 def signature_for_slot(task: Any, slot: datetime | str, /, *args: Any, **kwargs: Any) -> Any:
