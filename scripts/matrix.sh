@@ -39,6 +39,7 @@ WIDE_SKIP=(
   tests/test_celery_apply_once.py
   tests/test_celery_retry_copies.py
   tests/test_checkins_e2e.py
+  tests/test_huey_e2e.py
   tests/test_demo_check.py
   tests/test_mariadb.py
 )

@@ -8,8 +8,6 @@ consumer processes: tests/test_huey_e2e.py.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from io import StringIO
@@ -18,7 +16,6 @@ from typing import Any
 
 import pytest
 from huey import MemoryHuey
-from huey.api import TaskWrapper
 from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone as dj_timezone
@@ -32,53 +29,30 @@ from django_taskguard.contrib.huey import (
     periodic,
     signature_for_slot,
 )
-from django_taskguard.contrib.huey import periodic_tasks
 from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 
 from .support import huey_app
+from .support.huey_support import JOBS_MODULE, fresh_jobs
 from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SECOND = timedelta(seconds=1)
 MINUTE = timedelta(minutes=1)
-JOBS_MODULE = "tests.support.huey_jobs"
 JOBS = {"TASKGUARD": {"BACKEND": "database", "SCHEDULE_MODULES": [JOBS_MODULE]}}
 
 
 @pytest.fixture
-def queue(redis_server: RedisServer) -> Iterator[Any]:
-    """tests/support/huey_app.py's Huey instance, on a private Redis."""
-    huey_app.connect(redis_server.url)
-    try:
-        yield huey_app.huey
-    finally:
-        huey_app.connect(huey_app.NOWHERE)
+def jobs(redis_server: RedisServer) -> Iterator[ModuleType]:
+    """tests/support/huey_jobs.py, freshly decorated, on a private Redis."""
+    with fresh_jobs(redis_server.url) as module:
+        yield module
 
 
 @pytest.fixture
-def jobs(queue: Any) -> Iterator[ModuleType]:
-    """tests/support/huey_jobs.py, freshly decorated; its schedules and Huey tasks
-    forgotten afterwards."""
-    before = set(registry.entries())
-    module = sys.modules.get(JOBS_MODULE)
-    if module is None:
-        module = importlib.import_module(JOBS_MODULE)
-    else:
-        forget_tasks(module)
-        module = importlib.reload(module)
-    periodic_tasks.forget()
-    yield module
-    forget_tasks(module)
-    for name in set(registry.entries()) - before:
-        registry.unregister(name)
-
-
-def forget_tasks(module: ModuleType) -> None:
-    """Unregister the module's Huey tasks (a reload registers them again)."""
-    for value in vars(module).values():
-        if isinstance(value, TaskWrapper):
-            value.unregister()
+def queue(jobs: ModuleType) -> Any:
+    """tests/support/huey_app.py's Huey instance, on the private Redis."""
+    return huey_app.huey
 
 
 def latest(every: timedelta) -> datetime:
