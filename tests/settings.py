@@ -52,7 +52,7 @@ if TASKS_MODULE is not None:
 # Children of tests/test_huey_e2e.py: huey.contrib.djhuey (run_huey, and Huey's own
 # django.tasks backend) on the test's private Redis.
 if os.environ.get("TASKGUARD_TEST_HUEY_URL"):
-    from tests.support.huey_app import huey as HUEY
+    from tests.support.huey_app import huey as HUEY  # noqa: F401  (read by djhuey)
 
     INSTALLED_APPS.insert(-1, "huey.contrib.djhuey")
     if TASKS_MODULE is not None:

@@ -15,10 +15,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from huey import MemoryHuey
 from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone as dj_timezone
+from huey import MemoryHuey
 
 from django_taskguard import once_per_schedule, registry
 from django_taskguard.contrib.huey import (

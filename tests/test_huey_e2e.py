@@ -121,8 +121,11 @@ def test_huey__two_copies_two_consumers_each_slot_once(child_env, scratch, redis
         outputs = "".join((scratch / f"copy{n}.out").read_text() for n in range(2))
         assert "raised" not in outputs, outputs[-3000:]
         wait_for(
-            lambda: huey.pending_count() == 0 and huey.scheduled_count() == 0
-            and not TaskRun.objects.filter(task_name__in=SENT, state__in=["pending", "running"]),
+            lambda: (
+                huey.pending_count() == 0
+                and huey.scheduled_count() == 0
+                and not TaskRun.objects.filter(task_name__in=SENT, state__in=["pending", "running"])
+            ),
             timeout=60,
             what="the consumers to empty the queue",
         )

@@ -14,8 +14,9 @@ import django
 
 def main() -> None:
     django.setup()
-    import tests.support.huey_jobs  # noqa: F401  (the tasks this consumer runs)
     from django.core.management import call_command
+
+    import tests.support.huey_jobs  # noqa: F401  (the tasks this consumer runs)
 
     call_command("run_huey", *sys.argv[1:])
 
