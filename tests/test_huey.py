@@ -18,13 +18,14 @@ import pytest
 from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone as dj_timezone
-from huey import MemoryHuey
+from huey import MemoryHuey, RedisHuey
 
 from django_taskguard import once_per_schedule, registry
 from django_taskguard.contrib.huey import (
     SLOT_KWARG,
     enqueue_for_slot,
     find,
+    install,
     message_id,
     periodic,
     signature_for_slot,
@@ -150,6 +151,51 @@ def test_retries__the_last_failure_ends_the_row_failed(jobs, queue):
     run = row("tests.huey.flaky")
     assert (run.state, run.attempt) == (RunState.FAILED, 3)
     assert "attempt 3 fails" in run.error
+
+
+def test_retry_task__the_next_attempt_of_one_row(jobs, queue):
+    slot = latest(SECOND) - 10 * SECOND
+    enqueue_for_slot(jobs.raising, slot, kind="retry")  # retries=0: RetryTask still retries
+    assert consume(queue) == 2
+    run = row("tests.huey.raising")
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 2, 0)
+    assert "RetryTask" in run.transitions.get(to_state=RunState.RETRYING).reason
+
+
+def test_cancel_execution__the_slot_is_skipped_with_the_reason(jobs, queue):
+    slot = latest(SECOND) - 10 * SECOND
+    enqueue_for_slot(jobs.raising, slot, kind="cancel")
+    assert consume(queue) == 1  # Huey does not retry it
+    run = row("tests.huey.raising")
+    assert (run.state, run.attempt) == (RunState.SKIPPED, 1)
+    assert "CancelExecution" in run.transitions.get(to_state=RunState.SKIPPED).reason
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["not-installed", "installed"])
+def test_install__without_the_hooks_a_retry_is_a_duplicate_with_them_an_attempt(
+    redis_server: RedisServer, hooked: bool
+):
+    """A Huey instance of one's own: before install(), the retry finds its slot failed."""
+    slot = latest(SECOND) - 10 * SECOND
+    own = RedisHuey("own", url=redis_server.url)
+    if hooked:
+        install(own)
+    ran: list[int] = []
+
+    def body() -> None:
+        ran.append(1)
+        if len(ran) == 1:
+            raise OSError("the first attempt fails")
+
+    task = own.task(retries=1)(once_per_schedule(name="tests.huey.own")(body))
+    enqueue_for_slot(task, slot)
+    assert consume(own) == 2
+    run = row("tests.huey.own")
+    seen = (len(ran), run.state, run.attempt, run.duplicates)
+    if hooked:
+        assert seen == (2, RunState.SUCCEEDED, 2, 0)
+    else:
+        assert seen == (1, RunState.FAILED, 1, 1)
 
 
 def test_delivered_twice__the_copy_is_a_counted_duplicate(jobs, queue):

@@ -9,8 +9,9 @@ child imports it).
   second with ``TASKGUARD_TEST_HUEY_FAST_PERIODIC`` (the consumers' scheduler then looks
   at periodic tasks every second: Huey's ``Scheduler.periodic_task_seconds``, set here
   because Huey has no switch for it; only this test module does that);
-- ``flaky``, ``once``, ``hold``: slots sent by the test itself (no schedule): a task that
-  fails its first attempts (Huey retries), one sent twice, one that holds its slot.
+- ``flaky``, ``raising``, ``once``, ``hold``: slots sent by the test itself (no schedule): a
+  task that fails its first attempts (Huey retries), one that raises Huey's ``RetryTask`` or
+  ``CancelExecution``, one sent twice, one that holds its slot.
 
 Every execution appends ``TASK SLOT ATTEMPT PID TIME`` to ``TASKGUARD_TEST_SCHEDULE_LOG``
 with O_APPEND: executions counted outside the ledger.
@@ -22,6 +23,7 @@ import os
 import time
 from datetime import timedelta
 
+from huey import CancelExecution, RetryTask
 from huey.consumer import Scheduler
 
 from django_taskguard import current_run, once_per_schedule
@@ -77,6 +79,15 @@ def flaky(failures: int) -> None:
     _note()
     if current_run().attempt <= failures:
         raise OSError(f"attempt {current_run().attempt} fails")
+
+
+@huey.task()
+@once_per_schedule(name="tests.huey.raising")
+def raising(kind: str) -> None:
+    """Raises Huey's ``RetryTask`` or ``CancelExecution`` in its first attempt."""
+    _note()
+    if current_run().attempt == 1:
+        raise {"retry": RetryTask, "cancel": CancelExecution}[kind](f"{kind} asked")
 
 
 @huey.task()
