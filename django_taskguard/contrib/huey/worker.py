@@ -2,7 +2,9 @@
 
 Huey has no "current task" of its own: :func:`install` adds a pre-execute and a
 post-execute hook to a Huey instance (public ``Huey.pre_execute`` / ``post_execute``),
-which note the task a consumer thread is running. The guard's slot source
+which note the task a consumer thread is running (the post-execute hook also starts the
+upkeep when this process is due, as Celery's ``task_postrun`` does), and a start-up hook
+(``Huey.on_startup``, each worker) for the startup cleanup of this host's dead runs. The guard's slot source
 (:func:`huey_call_context`, in ``decorating.SLOT_SOURCES``) then gives the call its
 message and its retry rule:
 
@@ -29,7 +31,9 @@ from huey.exceptions import CancelExecution, RateLimitExceeded, RetryTask
 from ...context import active_run
 from ...decorating import CallContext
 from ...endings import Ending
+from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
+from ...upkeep import maybe_upkeep
 
 HOOK = "taskguard"  # the name of the hooks install() adds (Huey keeps one per name)
 
@@ -46,6 +50,7 @@ def install(huey: Any) -> None:
     """
     huey.pre_execute(name=HOOK)(_executing)
     huey.post_execute(name=HOOK)(_executed)
+    huey.on_startup(name=HOOK)(run_startup_cleanup)
 
 
 def _executing(task: Any) -> None:
@@ -53,7 +58,9 @@ def _executing(task: Any) -> None:
 
 
 def _executed(task: Any, value: Any, exception: BaseException | None) -> None:
+    """After a task: forget it, and start the upkeep (a thread) when this process is due."""
     _current.task = None
+    maybe_upkeep()
 
 
 def current_task() -> Any:
