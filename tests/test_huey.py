@@ -15,6 +15,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+pytest.importorskip("huey")  # the [huey] extra: the version matrix's smoke venvs lack it
+
 from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone as dj_timezone

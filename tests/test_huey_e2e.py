@@ -28,6 +28,9 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("huey")
+
 from django.core.management import call_command
 from django.db import connections
 
