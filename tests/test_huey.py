@@ -21,7 +21,8 @@ pytest.importorskip("huey")  # the [huey] extra: the version matrix's smoke venv
 from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone as dj_timezone
-from huey import MemoryHuey, RedisHuey
+from huey import CancelExecution, MemoryHuey, RedisHuey, RetryTask
+from huey.exceptions import RateLimitExceeded
 
 from django_taskguard import once_per_schedule, registry
 from django_taskguard.contrib.huey import (
@@ -33,6 +34,7 @@ from django_taskguard.contrib.huey import (
     periodic,
     signature_for_slot,
 )
+from django_taskguard.contrib.huey.worker import classify_raise
 from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 
@@ -133,6 +135,22 @@ def test_run_schedules_enqueue__sends_each_slot_to_huey_once_across_copies(jobs,
     assert sorted(jobs.executed) == sorted(f"tests.huey.tick {slot} 1" for slot in sent)
 
 
+@override_settings(**JOBS)
+def test_backfill_enqueue__each_slot_without_a_row_sent_to_huey_once(jobs, queue):
+    registry.discover()
+    end = latest(SECOND) - 30 * SECOND
+    start = end - 3 * SECOND
+    span = ["--from", start.isoformat(), "--to", end.isoformat()]
+    out = StringIO()
+    call_command("backfill", "tests.huey.tick", *span, "--enqueue", stdout=out)
+    assert "Enqueued 4 slots" in out.getvalue()
+    call_command("backfill", "tests.huey.tick", *span, "--enqueue", stdout=StringIO())
+    sent = sorted(message.kwargs[SLOT_KWARG] for message in queue.pending())
+    assert sent == [(start + n * SECOND).isoformat() for n in range(4)]
+    assert consume(queue) == 4
+    assert sorted(jobs.executed) == [f"tests.huey.tick {slot} 1" for slot in sent]
+
+
 # -- retries and copies ---------------------------------------------------------------
 
 
@@ -172,6 +190,33 @@ def test_cancel_execution__the_slot_is_skipped_with_the_reason(jobs, queue):
     run = row("tests.huey.raising")
     assert (run.state, run.attempt) == (RunState.SKIPPED, 1)
     assert "CancelExecution" in run.transitions.get(to_state=RunState.SKIPPED).reason
+
+
+@pytest.mark.parametrize(
+    ("exc", "retries", "expected"),
+    [
+        (OSError("down"), 2, ("retrying", 1, 0.0)),
+        (OSError("down"), 0, None),
+        (RetryTask("again", delay=5), 0, ("retrying", 0, 5.0)),  # Huey adds one, takes one
+        (CancelExecution("no", retry=False), 2, ("skipped", None, None)),
+        (CancelExecution("no"), 2, ("retrying", 1, 0.0)),
+        (CancelExecution("no"), 0, ("skipped", None, None)),
+        (RateLimitExceeded("k", 3, retry=True), 0, ("retrying", 0, 3.0)),
+        (RateLimitExceeded("k", 3, retry=False), 1, ("retrying", 0, 3.0)),
+        (RateLimitExceeded("k", 3, retry=False), 0, None),
+    ],
+)
+def test_classify_raise__what_huey_does_next(exc, retries, expected):
+    """Each outcome as Huey's ``_execute`` treats the exception (the retry's count left)."""
+    task = MemoryHuey("classify").task()(lambda: None).s(retries=retries)
+    ending = classify_raise(task, exc)
+    if expected is None:
+        assert ending is None
+        return
+    state, left, within = expected
+    assert ending.state == state
+    assert ending.retry_by == (None if left is None else f"{task.id}/{left}")
+    assert ending.retry_within == within
 
 
 @pytest.mark.parametrize("hooked", [False, True], ids=["not-installed", "installed"])

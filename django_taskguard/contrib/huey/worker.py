@@ -4,9 +4,9 @@ Huey has no "current task" of its own: :func:`install` adds a pre-execute and a
 post-execute hook to a Huey instance (public ``Huey.pre_execute`` / ``post_execute``),
 which note the task a consumer thread is running (the post-execute hook also starts the
 upkeep when this process is due, as Celery's ``task_postrun`` does), and a start-up hook
-(``Huey.on_startup``, each worker) for the startup cleanup of this host's dead runs. The guard's slot source
-(:func:`huey_call_context`, in ``decorating.SLOT_SOURCES``) then gives the call its
-message and its retry rule:
+(``Huey.on_startup``, each worker) for the startup cleanup of this host's dead runs.
+The guard's slot source (:func:`huey_call_context`, in ``decorating.SLOT_SOURCES``) then
+gives the call its message and its retry rule:
 
 - the message is the task id and its retries left (``"<id>/<retries>"``): Huey's retry
   of a failed task is the same id with one retry fewer, so the retry is the attempt
@@ -103,8 +103,10 @@ def classify_raise(task: Any, exc: BaseException) -> Ending | None:
         if exc.retry or (exc.retry is None and left):
             return _retry(task, max(left, 1) - 1, f"cancelled, to be retried: {exc}")
         return Ending(RunState.SKIPPED, f"cancelled by the task (huey CancelExecution): {exc}")
-    if isinstance(exc, RateLimitExceeded) and exc.retry:
-        return _retry(task, left, f"rate limited: {exc}", task.retry_delay or exc.delay)
+    if isinstance(exc, RateLimitExceeded) and (exc.retry or left):
+        # Huey waits retry_delay, else the limit's own delay, for either retry.
+        delay = task.retry_delay or exc.delay
+        return _retry(task, left if exc.retry else left - 1, f"rate limited: {exc}", delay)
     if left and isinstance(exc, Exception):
         reason = f"{type(exc).__name__}: {exc}; a retry will follow ({left} left)"
         return _retry(task, left - 1, reason)
