@@ -8,6 +8,7 @@ consumer processes: tests/test_huey_e2e.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from io import StringIO
@@ -90,6 +91,29 @@ def test_find__a_huey_task_over_a_scheduled_function(jobs):
     assert find(jobs.djtick) is None  # a django.tasks task: contrib.tasks' recogniser
     assert find(MemoryHuey("plain").task()(lambda: None)) is None  # not guarded
     assert find(jobs.tick.func) is None  # the function itself is no task
+
+
+def test_find__through_a_wrapping_decorator_like_djhueys_db_task():
+    """djhuey's ``db_task`` gives Huey ``close_db(function)``, a ``functools.wraps`` copy."""
+
+    def close_db(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return inner
+
+    guarded = once_per_schedule(every=MINUTE, name="tests.huey.wrapped")(lambda: "ran")
+    try:
+        own = MemoryHuey("wrapped")
+        task = own.task()(close_db(guarded))
+        assert find(task).func is guarded
+        slot = latest(MINUTE)
+        enqueue_for_slot(task, slot)
+        (message,) = own.pending()
+        assert message.kwargs == {SLOT_KWARG: slot.isoformat()}
+    finally:
+        registry.unregister("tests.huey.wrapped")
 
 
 def test_enqueue_for_slot__the_slot_travels_in_the_kwargs_and_is_claimed(jobs, queue):

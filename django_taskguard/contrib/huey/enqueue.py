@@ -26,10 +26,16 @@ from ...exceptions import TaskGuardError
 
 
 def scheduled_function(value: Any) -> Any:
-    """The ``@once_per_schedule`` function a Huey task wraps, or None."""
+    """The ``@once_per_schedule`` function a Huey task wraps, or None.
+
+    Through decorators that keep it as ``__wrapped__`` (``functools.wraps``), such as
+    djhuey's ``db_task``, whose ``close_db`` wraps the function it is given.
+    """
     if not isinstance(value, TaskWrapper):
         return None
     func = value.func
+    while guarded_policy(getattr(func, "__wrapped__", None)) is not None:
+        func = func.__wrapped__
     if guarded_policy(func) is None or not callable(getattr(func, "run_for_slot", None)):
         return None
     return func
