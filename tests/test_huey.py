@@ -9,6 +9,10 @@ consumer processes: tests/test_huey_e2e.py.
 from __future__ import annotations
 
 import functools
+import socket
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from io import StringIO
@@ -23,6 +27,7 @@ from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone as dj_timezone
 from huey import CancelExecution, MemoryHuey, RedisHuey, RetryTask
+from huey.consumer import Worker
 from huey.exceptions import RateLimitExceeded
 
 from django_taskguard import once_per_schedule, registry
@@ -38,10 +43,12 @@ from django_taskguard.contrib.huey import (
 from django_taskguard.contrib.huey.worker import classify_raise
 from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.owner import Owner, pid_space
 
 from .support import huey_app
 from .support.huey_support import JOBS_MODULE, fresh_jobs
 from .support.redis_server import RedisServer
+from .support.runs import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SECOND = timedelta(seconds=1)
@@ -268,6 +275,23 @@ def test_install__without_the_hooks_a_retry_is_a_duplicate_with_them_an_attempt(
         assert seen == (2, RunState.SUCCEEDED, 2, 0)
     else:
         assert seen == (1, RunState.FAILED, 1, 1)
+
+
+def test_install__a_workers_start_runs_the_startup_cleanup_when_it_is_on():
+    """Huey's worker calls its start-up hooks (``Worker.initialize``): this host's runs
+    whose process is gone are abandoned, with STARTUP_CLEANUP on only."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = Owner(socket.gethostname(), int(gone.stdout), pid_space(), "aa").format()
+    run = make_run(minute=0, owner=dead, lease=3600)
+    own = MemoryHuey("startup")
+    install(own)
+    worker = Worker(own, threading.Event(), 0.1, 1.0, 1.15)
+    worker.initialize()
+    assert TaskRun.objects.get(pk=run.pk).state == RunState.RUNNING
+    with override_settings(TASKGUARD={"BACKEND": "database", "STARTUP_CLEANUP": True}):
+        worker.initialize()
+    assert TaskRun.objects.get(pk=run.pk).state == RunState.ABANDONED
 
 
 def test_delivered_twice__the_copy_is_a_counted_duplicate(jobs, queue):
