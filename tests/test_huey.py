@@ -338,6 +338,23 @@ def test_periodic__stamps_each_slot_once_per_process_and_the_ledger_runs_it(jobs
     assert [task.kwargs for task in later] == [{SLOT_KWARG: (slot + MINUTE).isoformat()}]
 
 
+def test_periodic__slots_between_two_looks_are_sent_within_the_grace(jobs, queue):
+    """A scheduler that fell behind: the slots it passed are sent as run_schedules would
+    (catchup="latest": those within the grace, 5 minutes by default)."""
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    slot = latest(MINUTE)
+    assert [t for t in queue.read_periodic(now) if type(t).__name__ == "beat"]
+    later = [t for t in queue.read_periodic(now + 8 * MINUTE) if type(t).__name__ == "beat"]
+    assert [task.kwargs[SLOT_KWARG] for task in later] == [(slot + 8 * MINUTE).isoformat()]
+    between = sorted(message.kwargs[SLOT_KWARG] for message in queue.pending())
+    # 8 minutes later: slots +1 .. +7 passed; those within 5 minutes of the look are sent.
+    look = now.replace(tzinfo=timezone.utc) + 8 * MINUTE
+    passed = [slot + n * MINUTE for n in range(1, 8)]
+    within = [each.isoformat() for each in passed if look - each <= 5 * MINUTE]
+    assert between == within
+    assert 4 <= len(within) <= 5
+
+
 def test_periodic__refuses_what_has_no_schedule_or_is_too_frequent(queue):
     with pytest.raises(InvalidSchedule, match="goes above @once_per_schedule"):
         periodic(queue)(lambda: None)

@@ -17,6 +17,7 @@ from typing import Any
 from huey.api import PeriodicTask
 from huey.consumer import Scheduler
 
+from ...data_firing import slots_after
 from ...decorating import guarded_policy
 from ...decorators import SLOT_KWARG
 from ...exceptions import InvalidSchedule
@@ -40,7 +41,8 @@ def periodic(huey: Any, **options: Any) -> Callable[[Any], Any]:
 
     Each time a consumer's scheduler looks at its periodic tasks (once a minute), it
     enqueues this one when a slot of the schedule came due since it last did, with that
-    slot in the task's keyword arguments. Any number of consumers may do so. A schedule
+    slot in the task's keyword arguments (and, after a scheduler that fell behind, the
+    slots between, as ``run_schedules`` fires them). Any number of consumers may do so. A schedule
     with slots closer together than that minute is refused: ``run_schedules --enqueue``
     sends those.
     """
@@ -57,7 +59,7 @@ def periodic(huey: Any, **options: Any) -> Callable[[Any], Any]:
                 f"schedule gives the slots; got {func!r}"
             )
         _refuse_frequent(func.task_name, schedule)
-        stamp = _stamper(func.task_name, schedule, huey.utc)
+        stamp = _stamper(huey, func, schedule)
         return huey.task(task_base=PeriodicTask, validate_datetime=stamp, **options)(func)
 
     return decorate
@@ -79,19 +81,31 @@ def _refuse_frequent(task_name: str, schedule: Any) -> None:
         )
 
 
-def _stamper(task_name: str, schedule: Any, utc: bool) -> Callable[[Any, datetime], bool]:
+def _stamper(huey: Any, func: Any, schedule: Any) -> Callable[[Any, datetime], bool]:
+    task_name, policy = func.task_name, func.policy
+
     def validate_datetime(task: Any, timestamp: datetime) -> bool:
         """Huey's question "enqueue it now?": yes when a slot came due since this process
-        last said yes (or, the first time, within one check period), stamped on the task."""
-        now = timestamp.replace(tzinfo=timezone.utc) if utc else timestamp.astimezone()
-        slot = schedule.latest_slot(now)
+        last said yes (or, the first time, within one check period), the slot stamped on
+        the task. Slots that came due between two looks (a scheduler that fell behind)
+        are sent too, as ``run_schedules`` would: those still within the grace under
+        ``catchup="latest"``, the newest ``max_catchup`` otherwise."""
+        now = timestamp.replace(tzinfo=timezone.utc) if huey.utc else timestamp.astimezone()
+        latest = schedule.latest_slot(now)
         with _lock:
             last = _stamped.get(task_name)
-            due = slot > last if last is not None else now - slot < check_period()
+            if last is None:
+                due = [latest] if now - latest < check_period() else []
+            else:
+                due = slots_after(schedule, policy, last, latest) if latest > last else []
             if not due:
                 return False
-            _stamped[task_name] = slot
-        task.kwargs[SLOT_KWARG] = slot.isoformat()
+            _stamped[task_name] = latest
+        if policy.catchup == "latest":
+            due = [slot for slot in due[:-1] if now - slot <= policy.grace] + [latest]
+        for slot in due[:-1]:
+            huey.enqueue(type(task)(kwargs={SLOT_KWARG: slot.isoformat()}))
+        task.kwargs[SLOT_KWARG] = due[-1].isoformat()
         return True
 
     return validate_datetime
