@@ -9,6 +9,7 @@ consumer processes: tests/test_huey_e2e.py.
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 import subprocess
 import sys
@@ -73,6 +74,11 @@ def latest(every: timedelta) -> datetime:
     now = dj_timezone.now()
     epoch = datetime(1970, 1, 1, tzinfo=now.tzinfo)
     return now - (now - epoch) % every
+
+
+def minute_of(now: datetime) -> datetime:
+    """The minute slot of Huey's naive UTC ``now``, aware."""
+    return now.replace(second=0, microsecond=0, tzinfo=timezone.utc)
 
 
 def consume(huey: Any) -> int:
@@ -324,7 +330,7 @@ def test_delivered_twice__a_copy_of_the_failed_attempt_is_not_its_retry(jobs, qu
 
 def test_periodic__stamps_each_slot_once_per_process_and_the_ledger_runs_it(jobs, queue):
     now = datetime.now(timezone.utc).replace(tzinfo=None)  # Huey's clock: naive UTC
-    slot = latest(MINUTE)
+    slot = minute_of(now)
     due = [task for task in queue.read_periodic(now) if type(task).__name__ == "beat"]
     assert [task.kwargs for task in due] == [{SLOT_KWARG: slot.isoformat()}]
     assert not [t for t in queue.read_periodic(now) if type(t).__name__ == "beat"]  # said once
@@ -342,7 +348,7 @@ def test_periodic__slots_between_two_looks_are_sent_within_the_grace(jobs, queue
     """A scheduler that fell behind: the slots it passed are sent as run_schedules would
     (catchup="latest": those within the grace, 5 minutes by default)."""
     now = datetime.now(timezone.utc).replace(tzinfo=None)
-    slot = latest(MINUTE)
+    slot = minute_of(now)
     assert [t for t in queue.read_periodic(now) if type(t).__name__ == "beat"]
     later = [t for t in queue.read_periodic(now + 8 * MINUTE) if type(t).__name__ == "beat"]
     assert [task.kwargs[SLOT_KWARG] for task in later] == [(slot + 8 * MINUTE).isoformat()]
@@ -353,6 +359,25 @@ def test_periodic__slots_between_two_looks_are_sent_within_the_grace(jobs, queue
     within = [each.isoformat() for each in passed if look - each <= 5 * MINUTE]
     assert between == within
     assert 4 <= len(within) <= 5
+
+
+def test_periodic__a_passed_slot_that_cannot_be_sent_is_logged_not_raised(caplog):
+    """Raising would end the consumer's scheduler: the newest slot is still returned."""
+    down = RedisHuey("down", url=huey_app.NOWHERE)  # nothing listens there
+    guarded = once_per_schedule(every=MINUTE, name="tests.huey.down")(lambda: None)
+    try:
+        task = periodic(down)(guarded)
+        now = datetime.now(timezone.utc).replace(tzinfo=None)
+        assert down.read_periodic(now)
+        with caplog.at_level(logging.ERROR, logger="taskguard.huey"):
+            (due,) = down.read_periodic(now + 2 * MINUTE)
+        slot = minute_of(now)
+        assert due.kwargs == {SLOT_KWARG: (slot + 2 * MINUTE).isoformat()}
+        failed = [r for r in caplog.records if r.event == "huey.send_failed"]
+        assert [r.slot for r in failed] == [(slot + MINUTE).isoformat()]
+        task.unregister()
+    finally:
+        registry.unregister("tests.huey.down")
 
 
 def test_periodic__refuses_what_has_no_schedule_or_is_too_frequent(queue):

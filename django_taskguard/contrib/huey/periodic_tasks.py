@@ -9,6 +9,7 @@ one copy run each slot; the others are counted duplicates.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -21,7 +22,10 @@ from ...data_firing import slots_after
 from ...decorating import guarded_policy
 from ...decorators import SLOT_KWARG
 from ...exceptions import InvalidSchedule
+from ...logfields import log_fields
 from .worker import install
+
+logger = logging.getLogger("taskguard.huey")
 
 RESERVED = ("task_base", "validate_datetime")
 
@@ -104,11 +108,26 @@ def _stamper(huey: Any, func: Any, schedule: Any) -> Callable[[Any, datetime], b
         if policy.catchup == "latest":
             due = [slot for slot in due[:-1] if now - slot <= policy.grace] + [latest]
         for slot in due[:-1]:
-            huey.enqueue(type(task)(kwargs={SLOT_KWARG: slot.isoformat()}))
+            _send(huey, type(task)(kwargs={SLOT_KWARG: slot.isoformat()}), task_name, slot)
         task.kwargs[SLOT_KWARG] = due[-1].isoformat()
         return True
 
     return validate_datetime
+
+
+def _send(huey: Any, task: Any, task_name: str, slot: datetime) -> None:
+    """Enqueue a passed slot; never raises (an exception here would end the consumer's
+    scheduler): a slot not sent is recorded ``missed`` by the sweep unless it runs."""
+    try:
+        huey.enqueue(task)
+    except Exception:
+        logger.exception(
+            "taskguard %s slot %s could not be sent to Huey; the sweep records it missed "
+            "unless another consumer sends it",
+            task_name,
+            slot.isoformat(),
+            extra=log_fields("huey.send_failed", task=task_name, slot=slot),
+        )
 
 
 def forget() -> None:
