@@ -211,6 +211,21 @@ def test_retries__the_last_failure_ends_the_row_failed(jobs, queue):
     assert "attempt 3 fails" in run.error
 
 
+def test_once_per_key__a_retry_is_the_next_attempt_a_second_send_a_duplicate(jobs, queue):
+    jobs.charge(order_id=7)
+    assert consume(queue) == 2  # the failure, then Huey's retry
+    jobs.charge(order_id=7)  # sent again after it succeeded: the key is done
+    assert consume(queue) == 1
+    run = TaskRun.objects.get(task_name="tests.huey.charge")
+    assert (run.key, run.state, run.attempt, run.duplicates) == (
+        "order:7",
+        RunState.SUCCEEDED,
+        2,
+        1,
+    )
+    assert jobs.executed == ["tests.huey.charge order:7 1", "tests.huey.charge order:7 2"]
+
+
 def test_retry_task__the_next_attempt_of_one_row(jobs, queue):
     slot = latest(SECOND) - 10 * SECOND
     enqueue_for_slot(jobs.raising, slot, kind="retry")  # retries=0: RetryTask still retries

@@ -9,6 +9,7 @@ child imports it).
   second with ``TASKGUARD_TEST_HUEY_FAST_PERIODIC`` (the consumers' scheduler then looks
   at periodic tasks every second: Huey's ``Scheduler.periodic_task_seconds``, set here
   because Huey has no switch for it; only this test module does that);
+- ``charge``: ``@once_per_key`` under ``@huey.task(retries=1)``, failing its first attempt;
 - ``flaky``, ``raising``, ``once``, ``hold``: slots sent by the test itself (no schedule): a
   task that fails its first attempts (Huey retries), one that raises Huey's ``RetryTask`` or
   ``CancelExecution``, one sent twice, one that holds its slot.
@@ -26,7 +27,7 @@ from datetime import timedelta
 from huey import CancelExecution, RetryTask
 from huey.consumer import Scheduler
 
-from django_taskguard import current_run, once_per_schedule
+from django_taskguard import current_run, once_per_key, once_per_schedule
 from django_taskguard.contrib.huey import periodic
 from tests.support.huey_app import huey
 from tests.support.proc import record
@@ -79,6 +80,16 @@ def flaky(failures: int) -> None:
     _note()
     if current_run().attempt <= failures:
         raise OSError(f"attempt {current_run().attempt} fails")
+
+
+@huey.task(retries=1)
+@once_per_key(key="order:{order_id}", name="tests.huey.charge")
+def charge(order_id: int) -> None:
+    """Fails its first attempt: Huey's retry is attempt 2 of the key's row."""
+    run = current_run()
+    executed.append(f"{run.task_name} {run.key} {run.attempt}")
+    if run.attempt == 1:
+        raise OSError("the card network is down")
 
 
 @huey.task()
