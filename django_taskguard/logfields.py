@@ -125,6 +125,8 @@ EVENTS = frozenset(
         "otel.figures_failed",
         "otel.spans_full",
         "otel.span_end_failed",
+        # Huey
+        "huey.send_failed",
         # Celery
         "beat.already_sent",
         "beat.sent_elsewhere",
