@@ -36,6 +36,7 @@ WIDE_SKIP=(
   tests/test_faults_wire.py
   tests/test_run_schedules_chaos.py
   tests/test_celery_e2e.py
+  tests/test_rq_e2e.py
   tests/test_celery_apply_once.py
   tests/test_celery_retry_copies.py
   tests/test_checkins_e2e.py
