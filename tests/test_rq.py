@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import ModuleType
 from zoneinfo import ZoneInfo
 
@@ -37,6 +39,7 @@ from django_taskguard.contrib.rq import (  # noqa: E402
 )
 from django_taskguard.contrib.rq.enqueue import Target  # noqa: E402
 
+from .support import ROOT  # noqa: E402
 from .support.redis_server import RedisServer  # noqa: E402
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -225,3 +228,40 @@ def test_worker__a_retry_that_another_copy_of_the_job_meets_is_a_duplicate(jobs:
     assert jobs.executed == [f"{jobs.FLAKY} {slot.isoformat()} 1"]
     run = TaskRun.objects.get(task_name=jobs.FLAKY)
     assert (run.state, run.attempt, run.duplicates) == (RunState.RETRYING, 1, 1)
+
+
+@pytest.fixture
+def docs_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """docs/rq.md's ``myapp/jobs.py`` block, as written, as the module ``rq_docs_jobs``."""
+    text = (ROOT / "docs" / "rq.md").read_text()
+    found = re.search(r"```python\n# myapp/jobs\.py[^\n]*\n(.*?)^```", text, re.S | re.M)
+    assert found, "docs/rq.md has no myapp/jobs.py block"
+    (tmp_path / "rq_docs_jobs.py").write_text(found[1])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(registry.entries())
+    yield "rq_docs_jobs"
+    sys.modules.pop("rq_docs_jobs", None)
+    for name in set(registry.entries()) - before:
+        registry.unregister(name)
+
+
+def test_docs__the_rq_page_example_runs_as_written(docs_jobs: str, redis_server: RedisServer):
+    """The page's jobs, their queues named in django-rq's RQ_QUEUES: each slot handed to its
+    queue, and run by RQ's worker through the guard."""
+    django_rq = pytest.importorskip("django_rq")
+    queues = {"default": {"URL": redis_server.url}, "reports": {"URL": redis_server.url}}
+    taskguard = {"BACKEND": "database", "SCHEDULE_MODULES": [docs_jobs]}
+    with override_settings(RQ_QUEUES=queues, TASKGUARD=taskguard):
+        entries = registry.discover()
+        sync, nightly = entries[f"{docs_jobs}.sync_prices"], entries[f"{docs_jobs}.nightly_report"]
+        assert sync.enqueue is not None and nightly.enqueue is not None
+        slot = recent(timedelta(minutes=5))
+        said = hand_off(sync, slot)
+        assert said == f"enqueued (RQ job {job_id_for(sync.task_name, slot)} on queue 'default')"
+        queue = django_rq.get_queue("default")
+        SimpleWorker([queue], connection=queue.connection).work(burst=True)
+        run = TaskRun.objects.get(task_name=sync.task_name)
+        assert (run.slot, run.state) == (slot, RunState.SUCCEEDED)
+        job = Job.fetch(job_id_for(sync.task_name, slot), connection=queue.connection)
+        assert job.meta[RETRY_MAX_META] == 3
+        queue.connection.close()
