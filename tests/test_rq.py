@@ -8,6 +8,7 @@ Real worker processes: tests/test_rq_e2e.py."""
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from django_taskguard import once_per_schedule, registry
+from django_taskguard import once_per_schedule, registry, upkeep
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.handoff import hand_off
 from django_taskguard.models import RunState, TaskRun
@@ -265,3 +266,20 @@ def test_docs__the_rq_page_example_runs_as_written(docs_jobs: str, redis_server:
         job = Job.fetch(job_id_for(sync.task_name, slot), connection=queue.connection)
         assert job.meta[RETRY_MAX_META] == 3
         queue.connection.close()
+
+
+@override_settings(**JOBS)
+def test_worker__a_process_running_rq_jobs_starts_no_upkeep(jobs: ModuleType):
+    """RQ's work horse ends with os._exit right after its job: an upkeep thread started
+    there would die holding the fleet-wide lease (tests/test_rq_e2e.py watches the lease)."""
+    taskguard = {**JOBS["TASKGUARD"], "UPKEEP_INTERVAL_SECONDS": 5}
+    with override_settings(TASKGUARD=taskguard):
+        upkeep.forget()  # on, as in a worker outside the test environment
+        try:
+            enqueue_for_slot(jobs.tick, recent(timedelta(seconds=1)))
+            work(jobs, "tg-tick")
+            assert len(jobs.executed) == 1
+            assert upkeep.upkeep_wait() == math.inf  # off: never due again in this process
+        finally:
+            upkeep.join(timeout=30)
+            upkeep.forget(off=True)  # as conftest leaves the test process

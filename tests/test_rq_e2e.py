@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,8 +27,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from django.db import connections
 
-from django_taskguard.models import RunState, TaskRun
+from django_taskguard.models import RunState, TaskRun, Upkeep
 
 from .support.children import executions, python
 from .support.redis_server import RedisServer
@@ -91,6 +93,31 @@ def processes(child_env: dict[str, str], scratch: Path) -> Iterator[Processes]:
         started.kill_all()
 
 
+class UpkeepHolders:
+    """Every process that held the fleet-wide upkeep lease while it watched (sampled every
+    50 ms: a holder that dies with it holds it 10 s at least)."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        try:
+            while not self._halt.wait(0.05):
+                for holder in Upkeep.objects.exclude(holder="").values_list("holder", flat=True):
+                    # upkeep@HOST:PID#TOKEN
+                    self.pids.add(int(holder.rpartition("#")[0].rpartition(":")[2]))
+        finally:
+            connections.close_all()
+
+    def stop(self) -> set[int]:
+        self._halt.set()
+        self._thread.join(timeout=10)
+        return self.pids
+
+
 @pytest.fixture
 def jobs(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """tests/support/rq_jobs.py in this process, its queues on the private Redis."""
@@ -120,9 +147,13 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
         TASKGUARD_TEST_RQ_URL=redis_server.url,
     )
     redis = jobs.REDIS
+    holders = UpkeepHolders()
+    # The automatic upkeep on, every 5 s, in every process: the copies run it; a work
+    # horse, which RQ ends with os._exit, must not take its lease (and die holding it).
+    upkeep = {"TASKGUARD_TEST_UPKEEP": "5"}
     worker = ["-m", "rq.cli", "worker", "-c", "tests.support.rq_config", "--logging_level"]
     for n in range(2):
-        processes.start(f"worker{n}", *worker, "INFO", "--name", f"w{n}", *QUEUES)
+        processes.start(f"worker{n}", *worker, "INFO", "--name", f"w{n}", *QUEUES, **upkeep)
     wait_for(lambda: len(Worker.all(connection=redis)) == 2, timeout=60, what="two rq workers")
 
     # RQ's retry: attempt 1 fails, attempt 2 (the retry) succeeds; one row.
@@ -135,7 +166,6 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
 
     copy = ["-m", "tests.support.scheduler_child", "--enqueue", "--task", jobs.TICK]
     copy += ["--sweep-every", "1"]
-    upkeep = {"TASKGUARD_TEST_UPKEEP": "5"}  # the copies run the upkeep, every 5 s
     for n in range(2):
         processes.start(f"copy{n}", *copy, **upkeep)
 
@@ -185,7 +215,9 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
     )
     wait_for(lambda: row(jobs.FLAKY) and row(jobs.FLAKY).state == RunState.SUCCEEDED,
              timeout=60, what="the retried job's second attempt")  # fmt: skip
+    copies = {processes.started[f"copy{n}"].pid for n in range(2)}
     assert processes.stop("worker0", "worker1") == [0, 0]
+    assert holders.stop() <= copies and holders.pids, (holders.pids, copies)
 
     # Every attempt of every slot ran once, counted outside the ledger (a slot has one
     # attempt but the retried one), and every slot from the first to the last of the window ran.

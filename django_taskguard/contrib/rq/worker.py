@@ -16,6 +16,7 @@ from functools import partial
 from rq import get_current_job
 from rq.job import Job
 
+from ... import upkeep
 from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
@@ -28,10 +29,17 @@ def rq_call_context() -> CallContext | None:
 
     Answers only inside a job whose own function is a guarded one, and only when no
     guarded run is active yet (a guarded function called *from* a job's body keeps its own
-    slot and name).
+    slot and name). Inside any RQ job, it turns this process's automatic upkeep off.
     """
     job = get_current_job()
-    if job is None or active_run() is not None:
+    if job is None:
+        return None
+    # RQ's work horse ends with os._exit as soon as its job ends: an upkeep thread started
+    # there (guard.run starts one when this process is due) would die holding the
+    # fleet-wide upkeep lease, and keep every other process's upkeep off until it lapsed.
+    # A process that runs RQ jobs leaves the upkeep to others (run_schedules copies).
+    upkeep.forget(off=True)
+    if active_run() is not None:
         return None
     try:
         func = job.func
