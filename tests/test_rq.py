@@ -39,6 +39,7 @@ from django_taskguard.contrib.rq import (  # noqa: E402
     job_id_for,
 )
 from django_taskguard.contrib.rq.enqueue import Target  # noqa: E402
+from django_taskguard.contrib.rq.worker import flush_checkins  # noqa: E402
 
 from .support import ROOT  # noqa: E402
 from .support.redis_server import RedisServer  # noqa: E402
@@ -103,6 +104,9 @@ def test_enqueue_for_slot__job_id_meta_and_function(jobs: ModuleType):
     assert fetched.func_name == "tests.support.rq_jobs.flaky"
     assert fetched.retries_left == 2
     assert fetched.origin == "tg-other"
+    # Run in the work horse after the job: the check-ins it queued are sent before os._exit.
+    assert fetched.success_callback is fetched.failure_callback is flush_checkins
+    assert fetched.stopped_callback is flush_checkins
     assert Queue("tg-other", connection=jobs.REDIS).job_ids == [job.id]
 
 

@@ -14,6 +14,7 @@ Executions are counted outside the ledger: each appends a line to a log with O_A
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import signal
@@ -31,6 +32,7 @@ from django.db import connections
 
 from django_taskguard.models import RunState, TaskRun, Upkeep
 
+from .support.checkin_receivers import Receiver
 from .support.children import executions, python
 from .support.redis_server import RedisServer
 from .support.waiting import wait_for
@@ -119,6 +121,12 @@ class UpkeepHolders:
 
 
 @pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with Receiver() as started:
+        yield started
+
+
+@pytest.fixture
 def jobs(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """tests/support/rq_jobs.py in this process, its queues on the private Redis."""
     monkeypatch.setenv("TASKGUARD_TEST_RQ_URL", redis_server.url)
@@ -138,13 +146,20 @@ def row(task: str, slot: datetime | None = None) -> TaskRun | None:
 
 
 def test_rq__two_enqueuers_two_workers_each_slot_once(
-    processes: Processes, jobs: ModuleType, redis_server: RedisServer, scratch: Path
+    processes: Processes,
+    jobs: ModuleType,
+    redis_server: RedisServer,
+    scratch: Path,
+    receiver: Receiver,
 ) -> None:
     log = scratch / "executions.log"
     processes.env.update(
         TASKGUARD_TEST_SCHEDULE_MODULES="tests.support.rq_jobs",
         TASKGUARD_TEST_SCHEDULE_LOG=str(log),
         TASKGUARD_TEST_RQ_URL=redis_server.url,
+        # A webhook check-in per start and end of a slot, sent from the work horse (which
+        # RQ ends with os._exit right after the job) and per abandoned run from the upkeep.
+        TASKGUARD_TEST_CHECKINS=json.dumps({"webhook": {"url": f"{receiver.url}/webhook"}}),
     )
     redis = jobs.REDIS
     holders = UpkeepHolders()
@@ -246,6 +261,18 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
     assert list(flaky.transitions.order_by("id").values_list("to_state", flat=True)) == [
         RunState.RUNNING, RunState.RETRYING, RunState.RUNNING, RunState.SUCCEEDED,
     ]  # fmt: skip
+
+    # Exactly one start and one end check-in per slot (the retried slot's too: its retry is
+    # not a new check-in), from the work horses; the abandoned run's from the upkeep.
+    sent = Counter(
+        (hook["task"], datetime.fromisoformat(hook["slot"]), hook["event"])
+        for hook in (record["json"] for record in receiver.of("webhook"))
+    )
+    ends = ("start", "end")
+    wanted = {(jobs.TICK, slot, event): 1 for slot in slots for event in ends}
+    wanted.update({(jobs.FLAKY, retried, event): 1 for event in ends})
+    assert {key: n for key, n in sent.items() if key[0] != jobs.HOLD} == wanted
+    assert sent[(jobs.HOLD, held, "abandoned")] == 1
 
     # The killed horse's run: one execution, abandoned, its requeued job a duplicate.
     assert len(lines(jobs.HOLD)) == 1

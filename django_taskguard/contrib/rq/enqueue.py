@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
-from rq import Queue, Retry
+from rq import Callback, Queue, Retry
 from rq.exceptions import DuplicateJobError
 from rq.job import Job
 
@@ -39,6 +39,9 @@ logger = logging.getLogger("taskguard.rq")
 # retry count, which names the message carrying each attempt, see ``worker.message_id``).
 SLOT_META = "taskguard_slot"
 RETRY_MAX_META = "taskguard_retry_max"
+# RQ's callback, by its dotted path (the worker imports it), run after each job taskguard
+# enqueues (``worker`` imports this module: the path is named, not imported).
+FLUSH_CALLBACK = "django_taskguard.contrib.rq.worker.flush_checkins"
 # The attribute ``@enqueue_on`` sets on the guarded function.
 TARGET_ATTRIBUTE = "taskguard_rq"
 
@@ -181,9 +184,21 @@ def enqueue_for_slot(func: Any, slot: datetime | str, /, *args: Any, **kwargs: A
     meta = {SLOT_META: utc.isoformat(), RETRY_MAX_META: retry.max if retry is not None else 0}
     job_id = job_id_for(task_name_of(func), utc)
     queue = target.resolve()
+    # Run in the work horse after the job, whatever its end: the check-ins it queued are
+    # sent before RQ's os._exit (see worker.flush_checkins).
+    after = Callback(FLUSH_CALLBACK)
     try:
         return queue.enqueue_call(
-            func, args=args, kwargs=kwargs, job_id=job_id, meta=meta, unique=True, **options
+            func,
+            args=args,
+            kwargs=kwargs,
+            job_id=job_id,
+            meta=meta,
+            unique=True,
+            on_success=after,
+            on_failure=after,
+            on_stopped=after,
+            **options,
         )
     except DuplicateJobError:
         logger.info(

@@ -12,11 +12,13 @@ a counted duplicate, never a second success.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from rq import get_current_job
 from rq.job import Job
 
-from ... import upkeep
+from ... import checkins, upkeep
+from ...conf import taskguard_settings
 from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
@@ -79,6 +81,15 @@ def classify_raise(job: Job, exc: BaseException) -> Ending | None:
     interval = float(job.get_retry_interval())
     reason = f"{type(exc).__name__}: {exc}; RQ retries the job ({job.retries_left} retries left)"
     return Ending(RunState.RETRYING, reason, interval, message_id(job, retries=1))
+
+
+def flush_checkins(job: Job, connection: Any, *result_or_exc_info: Any) -> None:
+    """RQ's success, failure and stopped callback of the jobs taskguard enqueues: in the work
+    horse, which RQ ends with ``os._exit`` right after its job, the check-ins the attempt
+    queued are sent first, for at most the check-ins' ``timeout``. Never raises."""
+    settings = taskguard_settings.CHECKINS
+    if settings:
+        checkins.flush(float(settings.get("timeout", 5)))
 
 
 def register() -> None:
