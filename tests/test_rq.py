@@ -13,12 +13,14 @@ import re
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from io import StringIO
 from pathlib import Path
 from types import ModuleType
 from zoneinfo import ZoneInfo
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.test import override_settings
 
 from django_taskguard import once_per_schedule, registry, upkeep
@@ -287,3 +289,22 @@ def test_worker__a_process_running_rq_jobs_starts_no_upkeep(jobs: ModuleType):
         finally:
             upkeep.join(timeout=30)
             upkeep.forget(off=True)  # as conftest leaves the test process
+
+
+@override_settings(**JOBS)
+def test_backfill__enqueue_hands_each_slot_to_rq_once(jobs: ModuleType):
+    """``backfill --enqueue`` of an ``@enqueue_on`` schedule: a job per slot of the range,
+    named by the slot; a second backfill of the same range enqueues nothing."""
+    end = recent(timedelta(seconds=1))
+    start = end - 2 * timedelta(seconds=1)
+    for _ in range(2):
+        call_command(
+            "backfill", jobs.TICK, "--from", start.isoformat(), "--to", end.isoformat(),
+            "--enqueue", stdout=StringIO(),
+        )  # fmt: skip
+    slots = [start + n * timedelta(seconds=1) for n in range(3)]
+    assert Queue("tg-tick", connection=jobs.REDIS).job_ids == [
+        job_id_for(jobs.TICK, slot) for slot in slots
+    ]
+    work(jobs, "tg-tick")
+    assert sorted(jobs.executed) == [f"{jobs.TICK} {slot.isoformat()} 1" for slot in slots]
