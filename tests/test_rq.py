@@ -30,6 +30,7 @@ from django_taskguard.models import RunState, TaskRun
 
 rq = pytest.importorskip("rq")
 
+from redis import Redis  # noqa: E402
 from rq import Queue, SimpleWorker  # noqa: E402
 from rq.job import Job, JobStatus  # noqa: E402
 
@@ -143,6 +144,8 @@ def test_enqueue_on__refuses_what_it_cannot_enqueue():
         enqueue_on("  ")
     with pytest.raises(TaskGuardError, match=r"queue name or an rq\.Queue"):
         enqueue_on(42)  # type: ignore[arg-type]
+    with pytest.raises(TaskGuardError, match=r"an rq\.Queue has its own"):
+        enqueue_on(Queue("default", connection=Redis()), connection=Redis())
     with pytest.raises(TaskGuardError, match=r"rq\.Retry"):
         enqueue_on("default", retry=3)  # type: ignore[arg-type]
 

@@ -14,6 +14,7 @@ and the slot in the job's ``meta`` (:data:`SLOT_META`), where the worker reads i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -105,6 +106,10 @@ def enqueue_on(
             raise TaskGuardError("enqueue_on() needs a queue name, not an empty string")
     elif not isinstance(queue, Queue):
         raise TaskGuardError(f"enqueue_on() takes a queue name or an rq.Queue, not {queue!r}")
+    elif connection is not None:
+        raise TaskGuardError(
+            "enqueue_on(): give connection= with a queue name; an rq.Queue has its own"
+        )
     if retry is not None and not isinstance(retry, Retry):
         raise TaskGuardError(f"enqueue_on(retry=) takes an rq.Retry, not {retry!r}")
     options = {
@@ -224,7 +229,7 @@ def _find(value: Any) -> registry.Queued | None:
     """A ``@enqueue_on`` function: its slots go to its RQ queue (``run_schedules --enqueue``)."""
     if target_of(value) is None or guarded_policy(value) is None:
         return None
-    return registry.Queued(func=value, enqueue=lambda slot: _enqueue(value, slot))
+    return registry.Queued(func=value, enqueue=functools.partial(_enqueue, value))
 
 
 def register() -> None:
