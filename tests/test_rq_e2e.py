@@ -1,11 +1,13 @@
 """RQ end to end, in real processes: two ``run_schedules --enqueue`` copies hand a
 one-second schedule's slots to an RQ queue on a private Redis, and two real ``rq worker``
 processes (forking a work horse per job) run them, for ``TASKGUARD_SCHEDULER_TEST_SECONDS``
-(default 10) after the first slot ran. Meanwhile: a job whose first attempt fails is
-retried by RQ (``Retry(max=2)``) as the second attempt of its row; a job's work horse is
-SIGKILLed mid-run and the copies' upkeep records its run ``abandoned``; that job requeued
-(``rq requeue``'s ``Job.requeue()``), and a finished tick's job enqueued again, run as
-counted duplicates.
+(default 10) after the first slot ran. Meanwhile: jobs whose first attempt fails are
+retried by RQ (``Retry``, at once and after an interval, through the scheduler of a worker
+started with ``--with-scheduler``) as the second attempt of their row; a job's work horse
+is SIGKILLed mid-run and the copies' upkeep records its run ``abandoned``; that job
+requeued (``rq requeue``'s ``Job.requeue()``), and a finished tick's job enqueued again,
+run as counted duplicates. Every slot gets one start and one end check-in (a webhook), sent
+from the work horse before RQ's ``os._exit``, and no work horse ever holds the upkeep lease.
 
 Executions are counted outside the ledger: each appends a line to a log with O_APPEND
 (tests/support/rq_jobs.py).
@@ -167,13 +169,17 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
     # horse, which RQ ends with os._exit, must not take its lease (and die holding it).
     upkeep = {"TASKGUARD_TEST_UPKEEP": "5"}
     worker = ["-m", "rq.cli", "worker", "-c", "tests.support.rq_config", "--logging_level"]
-    for n in range(2):
-        processes.start(f"worker{n}", *worker, "INFO", "--name", f"w{n}", *QUEUES, **upkeep)
+    # One worker runs RQ's scheduler too: it enqueues the retries that have an interval.
+    for n, scheduler in enumerate((["--with-scheduler"], [])):
+        processes.start(
+            f"worker{n}", *worker, "INFO", "--name", f"w{n}", *scheduler, *QUEUES, **upkeep
+        )
     wait_for(lambda: len(Worker.all(connection=redis)) == 2, timeout=60, what="two rq workers")
 
     # RQ's retry: attempt 1 fails, attempt 2 (the retry) succeeds; one row.
     retried = hour_slot()
     enqueue_for_slot(jobs.flaky, retried)
+    enqueue_for_slot(jobs.later, retried)  # the same, its retry scheduled 1 s later
     # A job whose work horse is SIGKILLed mid-run.
     held = hour_slot()
     held_job = enqueue_for_slot(jobs.hold, held)
@@ -228,8 +234,9 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
         timeout=60,
         what="the two copies counted as duplicates",
     )
-    wait_for(lambda: row(jobs.FLAKY) and row(jobs.FLAKY).state == RunState.SUCCEEDED,
-             timeout=60, what="the retried job's second attempt")  # fmt: skip
+    for task in (jobs.FLAKY, jobs.LATER):
+        wait_for(lambda: row(task) and row(task).state == RunState.SUCCEEDED,  # noqa: B023
+                 timeout=60, what=f"{task}'s second attempt")  # fmt: skip
     copies = {processes.started[f"copy{n}"].pid for n in range(2)}
     assert processes.stop("worker0", "worker1") == [0, 0]
     assert holders.stop() <= copies and holders.pids, (holders.pids, copies)
@@ -254,13 +261,16 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
     made = Counter(re.findall(r"enqueued \(RQ job (\S+) on queue", outputs))
     assert set(made) == finished and set(made.values()) == {1}
 
-    # The retry: two attempts of one row, the first failed and retried by RQ.
-    assert [words[3] for words in lines(jobs.FLAKY)] == ["1", "2"]
-    flaky = row(jobs.FLAKY, retried)
-    assert (flaky.attempt, flaky.duplicates) == (2, 0)
-    assert list(flaky.transitions.order_by("id").values_list("to_state", flat=True)) == [
-        RunState.RUNNING, RunState.RETRYING, RunState.RUNNING, RunState.SUCCEEDED,
-    ]  # fmt: skip
+    # The retries: two attempts of one row, the first failed and retried by RQ (at once,
+    # and scheduled by its scheduler).
+    for task in (jobs.FLAKY, jobs.LATER):
+        assert [words[3] for words in lines(task)] == ["1", "2"]
+        retried_run = row(task, retried)
+        assert (retried_run.attempt, retried_run.duplicates) == (2, 0)
+        states = retried_run.transitions.order_by("id").values_list("to_state", flat=True)
+        assert list(states) == [
+            RunState.RUNNING, RunState.RETRYING, RunState.RUNNING, RunState.SUCCEEDED,
+        ]  # fmt: skip
 
     # Exactly one start and one end check-in per slot (the retried slot's too: its retry is
     # not a new check-in), from the work horses; the abandoned run's from the upkeep.
@@ -270,7 +280,9 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
     )
     ends = ("start", "end")
     wanted = {(jobs.TICK, slot, event): 1 for slot in slots for event in ends}
-    wanted.update({(jobs.FLAKY, retried, event): 1 for event in ends})
+    wanted.update(
+        {(task, retried, event): 1 for task in (jobs.FLAKY, jobs.LATER) for event in ends}
+    )
     assert {key: n for key, n in sent.items() if key[0] != jobs.HOLD} == wanted
     assert sent[(jobs.HOLD, held, "abandoned")] == 1
 

@@ -25,6 +25,7 @@ LOG = os.environ.get("TASKGUARD_TEST_SCHEDULE_LOG", "")
 REDIS = Redis.from_url(os.environ.get("TASKGUARD_TEST_RQ_URL", "redis://127.0.0.1:1/0"))
 TICK = "tests.rq.tick"
 FLAKY = "tests.rq.flaky"
+LATER = "tests.rq.later"
 HOLD = "tests.rq.hold"
 executed: list[str] = []  # this process's executions: "TASK SLOT ATTEMPT"
 
@@ -51,6 +52,17 @@ def tick() -> str:
 @enqueue_on("tg-other", connection=REDIS, retry=Retry(max=2))
 @once_per_schedule(every=timedelta(hours=1), name=FLAKY)
 def flaky() -> int:
+    _note()
+    if current_run().attempt == 1:
+        raise OSError("the first attempt fails")
+    return current_run().attempt
+
+
+# The same, its retry scheduled a second later: RQ's scheduler (a worker started with
+# --with-scheduler) enqueues it.
+@enqueue_on("tg-other", connection=REDIS, retry=Retry(max=1, interval=1))
+@once_per_schedule(every=timedelta(hours=1), name=LATER)
+def later() -> int:
     _note()
     if current_run().attempt == 1:
         raise OSError("the first attempt fails")
