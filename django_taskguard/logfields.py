@@ -152,6 +152,8 @@ EVENTS = frozenset(
         "enqueue.free_failed",
         "enqueue.discard_failed",
         "enqueue.expired",
+        # RQ (contrib.rq)
+        "rq.job_exists",
     }
 )
 
