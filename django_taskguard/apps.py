@@ -1,6 +1,6 @@
 from importlib.util import find_spec
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_lazy as _
 
@@ -32,6 +32,11 @@ class TaskguardConfig(AppConfig):
             from .contrib.tasks import register as register_tasks
 
             register_tasks()
+        if find_spec("django_q") is not None and apps.is_installed("django_q"):
+            # django-q2's qcluster: its task id is the message's, its re-presentations retries.
+            from .contrib.django_q import register as register_django_q
+
+            register_django_q()
         if _opentelemetry_wanted():
             # Spans and metrics (TASKGUARD["OPENTELEMETRY"]); opentelemetry is imported here only.
             from .otel import install
