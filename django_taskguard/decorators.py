@@ -222,9 +222,7 @@ def _carried_slot(
     return named
 
 
-def _begin_call(
-    spec: _Spec[Any, Any], carried: Any, context: CallContext | None
-) -> guard.Started:
+def _begin_call(spec: _Spec[Any, Any], carried: Any, context: CallContext | None) -> guard.Started:
     """Claim the slot of a plain call: the one an enqueued task carried (``SLOT_KWARG``),
     else the slot source's, else the schedule's latest."""
     task_name, slot = spec.resolve(carried, context)

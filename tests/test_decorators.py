@@ -302,7 +302,7 @@ def test_slot_kwarg__the_slot_is_taken_from_the_argument_popped_and_never_recomp
     assert seen == [(SLOT, {"region": "eu"})]
     assert list(TaskRun.objects.values_list("slot", "state")) == [(SLOT, RunState.SUCCEEDED)]
     assert counted_duplicates() == 1
-    with pytest.raises(TaskGuardError, match="intended= .*this call has none: it did not run"):
+    with pytest.raises(TaskGuardError, match=r"intended= .*this call has none: it did not run"):
         guarded(region="eu")
     with pytest.raises(InvalidSchedule, match="aware"):
         guarded(intended=SLOT.replace(tzinfo=None))

@@ -73,26 +73,38 @@ def test_qcluster__two_clusters_two_schedulers_each_slot_once_redeliveries_count
     clusters = [
         start(env, scratch / f"cluster{n}.out", "-m", "django", "qcluster") for n in range(2)
     ]
-    outputs = lambda: "".join(  # noqa: E731
-        (scratch / f"cluster{n}.out").read_text()[-2000:] for n in range(2)
-    )
+
+    def outputs() -> str:
+        return "".join((scratch / f"cluster{n}.out").read_text()[-2000:] for n in range(2))
+
     try:
         # A long task (its own timeout beyond retry), a failing one, a hanging one.
         async_task("tests.support.q_jobs.slow", RETRY + 6, intended=SLOT.isoformat(), timeout=60)
         async_task("tests.support.q_jobs.flaky", intended=(SLOT + SECOND).isoformat())
-        async_task("tests.support.q_jobs.hang", intended=(SLOT + 2 * SECOND).isoformat(),
-                   timeout=60)  # fmt: skip
+        async_task(
+            "tests.support.q_jobs.hang", intended=(SLOT + 2 * SECOND).isoformat(), timeout=60
+        )
         seconds = float(os.environ.get("TASKGUARD_SCHEDULER_TEST_SECONDS", "12"))
         began = datetime.now(dt_timezone.utc)
         enqueuers = [
-            start(env, scratch / f"enqueuer{n}.out", "-m", "tests.support.q_enqueuer",
-                  str(seconds), str(scratch / f"fired{n}.txt"))  # fmt: skip
+            start(
+                env,
+                scratch / f"enqueuer{n}.out",
+                "-m",
+                "tests.support.q_enqueuer",
+                str(seconds),
+                str(scratch / f"fired{n}.txt"),
+            )
             for n in range(2)
         ]
 
         # The hanging task's worker is SIGKILLed mid-run: its run is abandoned, not re-run.
-        hung = wait_for(lambda: lines(log, "tests.q.hang"), timeout=60,
-                        what="the hanging task to start", describe=outputs)  # fmt: skip
+        hung = wait_for(
+            lambda: lines(log, "tests.q.hang"),
+            timeout=60,
+            what="the hanging task to start",
+            describe=outputs,
+        )
         os.kill(int(hung[0][2]), signal.SIGKILL)
 
         assert [proc.wait(timeout=seconds + 60) for proc in enqueuers] == [0, 0]
@@ -105,9 +117,13 @@ def test_qcluster__two_clusters_two_schedulers_each_slot_once_redeliveries_count
         slots = sorted(set(fired))
         # Each enqueued slot ran exactly once (its second message was a duplicate).
         wait_for(
-            lambda: len(lines(log, "tests.q.tick")) >= len(slots)
-            and TaskRun.objects.filter(task_name="tests.q.tick", state=RunState.SUCCEEDED).count()
-            >= len(slots),
+            lambda: (
+                len(lines(log, "tests.q.tick")) >= len(slots)
+                and TaskRun.objects.filter(
+                    task_name="tests.q.tick", state=RunState.SUCCEEDED
+                ).count()
+                >= len(slots)
+            ),
             timeout=60,
             what="every enqueued slot to run",
             describe=outputs,
@@ -125,36 +141,53 @@ def test_qcluster__two_clusters_two_schedulers_each_slot_once_redeliveries_count
         assert sorted(ticks.values_list("slot", "state", "attempt")) == [
             (slot, RunState.SUCCEEDED, 1) for slot in slots
         ]
-        wait_for(lambda: sum(ticks.values_list("duplicates", flat=True)) == len(twice),
-                 timeout=30, what="every second message counted")  # fmt: skip
+        wait_for(
+            lambda: sum(ticks.values_list("duplicates", flat=True)) == len(twice),
+            timeout=30,
+            what="every second message counted",
+        )
 
         # The long task: presented again after retry while it ran; one execution, and the
         # re-presentation counted on its row.
-        wait_for(lambda: (run := row("tests.q.slow")) is not None
-                 and run.state == RunState.SUCCEEDED, timeout=60,
-                 what="the long task to end", describe=outputs)  # fmt: skip
+        wait_for(
+            lambda: (run := row("tests.q.slow")) is not None and run.state == RunState.SUCCEEDED,
+            timeout=60,
+            what="the long task to end",
+            describe=outputs,
+        )
         slow = row("tests.q.slow")
         assert slow is not None and (slow.attempt, slow.duplicates) == (1, 1)
         assert len(lines(log, "tests.q.slow")) == 1
 
         # The failing task: its re-presentation is attempt 2 of the same row.
-        wait_for(lambda: (run := row("tests.q.flaky")) is not None
-                 and run.state == RunState.SUCCEEDED, timeout=60,
-                 what="the failing task's retry", describe=outputs)  # fmt: skip
+        wait_for(
+            lambda: (run := row("tests.q.flaky")) is not None and run.state == RunState.SUCCEEDED,
+            timeout=60,
+            what="the failing task's retry",
+            describe=outputs,
+        )
         flaky = row("tests.q.flaky")
         assert flaky is not None and (flaky.attempt, flaky.duplicates) == (2, 0)
         assert [words[3] for words in lines(log, "tests.q.flaky")] == ["1", "2"]
         assert list(flaky.transitions.values_list("to_state", flat=True).order_by("id")) == [
-            RunState.RUNNING, RunState.RETRYING, RunState.RUNNING, RunState.SUCCEEDED,
-        ]  # fmt: skip
+            RunState.RUNNING,
+            RunState.RETRYING,
+            RunState.RUNNING,
+            RunState.SUCCEEDED,
+        ]
 
         # The SIGKILLed run: once its lease (3 s) has lapsed, cleanup_locks (or the
         # re-presentation, whichever comes first) records it abandoned; it never runs again.
         hang = row("tests.q.hang")
         assert hang is not None
-        wait_for(lambda: TaskRun.objects.filter(pk=hang.pk, lease_until__lt=_db_now()).exists()
-                 or TaskRun.objects.get(pk=hang.pk).state == RunState.ABANDONED,
-                 timeout=30, what="the killed run's lease to lapse")  # fmt: skip
+        wait_for(
+            lambda: (
+                TaskRun.objects.filter(pk=hang.pk, lease_until__lt=_db_now()).exists()
+                or TaskRun.objects.get(pk=hang.pk).state == RunState.ABANDONED
+            ),
+            timeout=30,
+            what="the killed run's lease to lapse",
+        )
         call_command("cleanup_locks", stdout=io.StringIO())
         hang.refresh_from_db()
         assert hang.state == RunState.ABANDONED and hang.attempt == 1
