@@ -37,6 +37,12 @@ class TaskguardConfig(AppConfig):
             from .contrib.django_q import register as register_django_q
 
             register_django_q()
+        if find_spec("apscheduler") is not None:
+            # A guarded APScheduler job's slot: its scheduled time (TaskguardExecutor on
+            # APScheduler 3, current_job on APScheduler 4).
+            from .contrib.apscheduler import register as register_apscheduler
+
+            register_apscheduler()
         if _opentelemetry_wanted():
             # Spans and metrics (TASKGUARD["OPENTELEMETRY"]); opentelemetry is imported here only.
             from .otel import install
