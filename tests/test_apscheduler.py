@@ -120,7 +120,7 @@ def test_slot_source__a_guarded_job_outside_the_executor_has_no_slot():
 
 @pytest.mark.parametrize("workers", [0, 1001, True, "4", 2.5])
 def test_executor__max_workers_out_of_bounds_is_refused(workers):
-    with pytest.raises(TaskGuardError, match=r"\(max_workers=\) must be a whole number from 1 to 1000"):
+    with pytest.raises(TaskGuardError, match=r"\(max_workers=\) must be a whole number from 1 to"):
         TaskguardExecutor(max_workers=workers)
 
 

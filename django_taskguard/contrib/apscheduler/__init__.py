@@ -26,6 +26,8 @@ from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
 
+from django.db import close_old_connections
+
 from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext
 from ...exceptions import TaskGuardError
@@ -70,14 +72,20 @@ def _current_job_var() -> Any:
 def run_at_fire_times(
     run_job: Callable[..., list[Any]], job: Any, alias: str, run_times: list[datetime], logger: str
 ) -> list[Any]:
-    """APScheduler 3's ``run_job`` once per scheduled time, each told to the slot source."""
+    """APScheduler 3's ``run_job`` once per scheduled time, each told to the slot source.
+
+    Database connections are closed around each run as after a request (Django's
+    ``close_old_connections``: ``CONN_MAX_AGE`` applies), so a pool thread does not keep
+    one open, or broken, between runs."""
     events: list[Any] = []
     for run_time in run_times:
         token = _fire_time.set(run_time)
+        close_old_connections()
         try:
             events.extend(run_job(job, alias, [run_time], logger))
         finally:
             _fire_time.reset(token)
+            close_old_connections()
     return events
 
 
