@@ -41,6 +41,8 @@ WIDE_SKIP=(
   tests/test_checkins_e2e.py
   tests/test_demo_check.py
   tests/test_mariadb.py
+  tests/test_django_q2.py
+  tests/test_apscheduler.py
 )
 # The ledger's PostgreSQL SQL (its functions, prepared statements, claims and races).
 WIDE_POSTGRES=(
