@@ -1,13 +1,14 @@
-"""``python -m tests.support.aps_child SECONDS``: a process with its own APScheduler 3
+"""``python -m tests.support.aps_child STOPFILE``: a process with its own APScheduler 3
 ``BackgroundScheduler`` (as every web worker of a site has one) firing ``aps_jobs.tick``
-every second (an epoch-aligned interval) on ``TaskguardExecutor`` for ``SECONDS``.
-Prints ``ready`` once its scheduler runs, and ``done`` at the end."""
+every second (an epoch-aligned interval) on ``TaskguardExecutor`` until ``STOPFILE``
+exists. Prints ``ready`` once its scheduler runs, and ``done`` once it has stopped."""
 
 from __future__ import annotations
 
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import django
 
@@ -26,7 +27,9 @@ def main() -> None:
     scheduler.add_job(tick, epoch_interval(timedelta(seconds=1)))
     scheduler.start()
     print("ready", flush=True)
-    time.sleep(float(sys.argv[1]))
+    stop = Path(sys.argv[1])
+    while not stop.exists():
+        time.sleep(0.1)
     scheduler.shutdown(wait=True)
     print("done", flush=True)
 
