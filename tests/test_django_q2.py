@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
+from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun
 
 from .support.children import executions, python
@@ -255,3 +256,44 @@ def test_scheduler__a_schedules_intended_date_kwarg_is_the_slot_claimed():
     assert list(TaskRun.objects.values_list("task_name", "slot", "state")) == [
         ("tests.q.tick", due, RunState.SUCCEEDED)
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_classify_raise__a_raise_django_q2_hands_out_again_is_a_retry_of_that_task():
+    from django_q.models import Task
+
+    from django_taskguard.contrib.django_q import classify_raise
+
+    task = {"id": "6f1c", "name": "six-foxtrot"}
+    ending = classify_raise(task, OSError("boom"))
+    assert ending is not None and ending.state == RunState.RETRYING
+    assert (ending.retry_by, ending.retry_within) == ("6f1c", 60.0)  # the settings' retry
+    assert classify_raise({**task, "ack_failure": True}, OSError("boom")) is None
+    assert classify_raise(task, KeyboardInterrupt()) is None
+    # max_attempts=3 in the settings: after two recorded attempts, this one is the last.
+    Task.objects.create(
+        id="6f1c", name="six-foxtrot", func="f", started=SLOT, stopped=SLOT, success=False,
+        attempt_count=2,
+    )  # fmt: skip
+    assert classify_raise(task, OSError("boom")) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_for_slot__the_slot_travels_as_slot_kwarg_and_bad_calls_are_refused():
+    from django_q.models import OrmQ
+    from django_q.signing import SignedPackage
+
+    from django_taskguard.contrib.django_q import enqueue_for_slot
+    from django_taskguard.decorators import SLOT_KWARG
+    from tests.support import q_jobs
+
+    enqueue_for_slot(q_jobs.tick, SLOT.astimezone(dt_timezone(timedelta(hours=2))))
+    (package,) = [SignedPackage.loads(message.payload) for message in OrmQ.objects.all()]
+    assert package["kwargs"] == {SLOT_KWARG: SLOT.isoformat()}
+    assert q_jobs.tick(*package["args"], **package["kwargs"]) == "ticked"
+    assert list(TaskRun.objects.values_list("slot", flat=True)) == [SLOT]
+    with pytest.raises(TaskGuardError, match="decorated with @once_per_schedule"):
+        enqueue_for_slot(print, SLOT)
+    with pytest.raises(TaskGuardError, match="not _taskguard_slot="):
+        enqueue_for_slot(q_jobs.tick, SLOT, _taskguard_slot=SLOT.isoformat())
+    assert OrmQ.objects.count() == 1
