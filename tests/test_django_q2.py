@@ -17,6 +17,7 @@ import io
 import os
 import signal
 import subprocess
+import time
 from collections import Counter
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -214,6 +215,63 @@ def test_qcluster__two_clusters_two_schedulers_each_slot_once_redeliveries_count
     everything = "".join((scratch / f"cluster{n}.out").read_text() for n in range(2))
     for trouble in ("TaskGuardError", "LeaseLost", "Could not save", "Could not create", "Error:"):
         assert trouble not in everything.replace("OSError:", "OSError"), everything[-4000:]
+
+
+@pytest.mark.once
+@pytest.mark.timeout(240)
+def test_run_schedules_enqueue__two_copies_hand_each_slot_to_a_qcluster_once(child_env, scratch):
+    """``on_django_q``: two ``run_schedules --enqueue`` copies hand a one-second schedule's
+    slots to django-q2 (one task per slot: the pending row decides) and a qcluster runs
+    each once."""
+    from django_q.models import OrmQ, Task
+
+    log = scratch / "executions.log"
+    env = {
+        **child_env,
+        "TASKGUARD_TEST_SCHEDULE_LOG": str(log),
+        "TASKGUARD_TEST_SCHEDULE_MODULES": "tests.support.q_jobs",
+        "TASKGUARD_TEST_Q_WORKERS": "3",
+    }
+    cluster = start(env, scratch / "cluster.out", "-m", "django", "qcluster")
+    copy = ["-m", "tests.support.scheduler_child", "--enqueue", "--task", "tests.q.every"]
+    seconds = float(os.environ.get("TASKGUARD_SCHEDULER_TEST_SECONDS", "12"))
+    try:
+        began = datetime.now(dt_timezone.utc)
+        copies = [start(env, scratch / f"copy{n}.out", *copy) for n in range(2)]
+        time.sleep(seconds)  # the copies hand out slots for this long
+        ended = datetime.now(dt_timezone.utc)
+        for proc in copies:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(timeout=60) for proc in copies] == [0, 0]
+        wait_for(lambda: not OrmQ.objects.exists(), timeout=60, what="the queue to empty")
+        wait_for(
+            lambda: (
+                not TaskRun.objects.filter(task_name="tests.q.every")
+                .exclude(state=RunState.SUCCEEDED)
+                .exists()
+            ),
+            timeout=60,
+            what="every handed-out slot to end",
+        )
+    finally:
+        cluster.send_signal(signal.SIGTERM)
+        try:
+            cluster.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            cluster.kill()
+            cluster.wait(timeout=10)
+    outputs = "".join((scratch / f"copy{n}.out").read_text() for n in range(2))
+    assert "raised" not in outputs and "Traceback" not in outputs, outputs[-3000:]
+
+    done = Counter(datetime.fromisoformat(words[1]) for words in lines(log, "tests.q.every"))
+    assert set(done.values()) == {1}, [slot for slot, n in done.items() if n > 1]
+    slots = sorted(done)
+    assert slots and began <= slots[0] and slots[-1] <= ended
+    assert slots == [slots[0] + n * SECOND for n in range(len(slots))], "a slot was not run"
+    rows = TaskRun.objects.filter(task_name="tests.q.every")
+    assert sorted(rows.values_list("slot", flat=True)) == slots
+    # One django-q2 task per slot, not one per copy.
+    assert Task.objects.filter(func="tests.support.q_jobs.every_second").count() == len(slots)
 
 
 def _db_now() -> datetime:

@@ -1,7 +1,9 @@
 """Guarded functions that django-q2 qclusters run (tests/test_django_q2.py).
 
-Each takes its slot from the ``intended`` keyword argument (``slot_kwarg=``: what a
-django-q2 ``Schedule`` with ``intended_date_kwarg="intended"`` passes), and appends
+``every_second`` has a schedule of its own, whose slots ``run_schedules --enqueue`` copies
+hand to django-q2 (``on_django_q``). The others take their slot from the ``intended``
+keyword argument (``slot_kwarg=``: what a django-q2 ``Schedule`` with
+``intended_date_kwarg="intended"`` passes). Each appends
 ``TASK SLOT PID ATTEMPT`` to ``TASKGUARD_TEST_SCHEDULE_LOG`` with O_APPEND for every
 execution: executions counted outside the ledger.
 """
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 from django_taskguard import current_run, once_per_schedule
+from django_taskguard.contrib.django_q import on_django_q
 from tests.support.proc import record
 
 LOG = os.environ.get("TASKGUARD_TEST_SCHEDULE_LOG", "")
@@ -51,3 +55,12 @@ def hang() -> None:
     """Hangs until its worker is SIGKILLed."""
     _note("tests.q.hang")
     time.sleep(120)
+
+
+@once_per_schedule(every=timedelta(seconds=1), name="tests.q.every")
+def every_second() -> str:
+    _note("tests.q.every")
+    return "every second"
+
+
+every_second_on_q = on_django_q(every_second)

@@ -23,25 +23,36 @@ What this module adds in the worker (registered when ``django_q`` is an installe
   presentation is the next attempt of the same row; any other copy is a counted duplicate.
 
 ``enqueue_for_slot(func, slot)`` enqueues a guarded function for a slot from code (the
-slot travels as ``decorators.SLOT_KWARG``).
+slot travels as ``decorators.SLOT_KWARG``). ``on_django_q(func)`` instead of a django-q2
+``Schedule``: ``run_schedules --enqueue`` hands each due slot of the function's own
+``cron=``/``every=`` to django-q2 (any number of copies; one task per slot)::
+
+    @once_per_schedule(every=timedelta(seconds=30))
+    def refresh_rates(): ...
+
+    refresh_rates_on_q = on_django_q(refresh_rates, group="rates")
 """
 
 from __future__ import annotations
 
 import functools
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ... import schedules
+from ... import registry, schedules
 from ...context import active_run
-from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
+from ...decorating import SLOT_SOURCES, CallContext, dotted_name, guarded_policy
 from ...decorators import SLOT_KWARG
 from ...endings import Ending
 from ...exceptions import TaskGuardError
 from ...states import RunState
 
-__all__ = ["enqueue_for_slot", "q_call_context", "register"]
+__all__ = ["OnDjangoQ", "enqueue_for_slot", "on_django_q", "q_call_context", "register"]
+
+# What on_django_q() passes on to async_task for each slot.
+Q_OPTIONS = ("group", "timeout", "cluster", "hook", "ack_failure", "save", "task_name")
 
 # The task a worker process is executing (django-q2's ``pre_execute`` to
 # ``post_execute_in_worker``): the called function and the task's package.
@@ -129,11 +140,52 @@ def enqueue_for_slot(func: Any, slot: datetime | str, /, *args: Any, **kwargs: A
     return str(async_task(func, *args, **kwargs))
 
 
+@dataclass(frozen=True)
+class OnDjangoQ:
+    """A scheduled guarded function whose slots ``run_schedules --enqueue`` hands to
+    django-q2 (made by :func:`on_django_q`; found at module level, like a django.tasks task)."""
+
+    func: Any
+    q_options: dict[str, Any] = field(default_factory=dict)
+
+
+def on_django_q(func: Any, /, **q_options: Any) -> OnDjangoQ:
+    """Have ``run_schedules --enqueue`` run ``func``'s slots on django-q2; assign the result
+    to a module-level name of a module taskguard discovers (an app's ``jobs``/``tasks``).
+    ``q_options``: ``group``, ``timeout``, ``cluster``, ``hook``, ``ack_failure``, ``save``,
+    ``task_name``, passed to ``async_task``."""
+    if guarded_policy(func) is None or getattr(func, "schedule", None) is None:
+        raise TaskGuardError(
+            f"on_django_q() takes a function decorated with @once_per_schedule(cron=..., "
+            f"every=... or schedule=...); got {func!r}"
+        )
+    unknown = sorted(set(q_options) - set(Q_OPTIONS))
+    if unknown:
+        raise TaskGuardError(
+            f"on_django_q() passes {', '.join(Q_OPTIONS)} to async_task; not {', '.join(unknown)}"
+        )
+    return OnDjangoQ(func, dict(q_options))
+
+
+def _enqueue(queued: OnDjangoQ, slot: datetime) -> str:
+    task_id = enqueue_for_slot(dotted_name(queued.func), slot, **queued.q_options)
+    return f"django-q2 task {task_id}"
+
+
+def _find(value: Any) -> registry.Queued | None:
+    if not isinstance(value, OnDjangoQ):
+        return None
+    return registry.Queued(func=value.func, enqueue=functools.partial(_enqueue, value))
+
+
 def register() -> None:
-    """Wire django-q2 in (idempotent): the worker's current task is the slot source's."""
+    """Wire django-q2 in (idempotent): the worker's current task is the slot source's, and
+    ``run_schedules --enqueue`` finds the functions given to :func:`on_django_q`."""
     from django_q.signals import post_execute_in_worker, pre_execute
 
     if q_call_context not in SLOT_SOURCES:
         SLOT_SOURCES.append(q_call_context)
+    if _find not in registry.QUEUE_FINDERS:
+        registry.QUEUE_FINDERS.append(_find)
     pre_execute.connect(_started, dispatch_uid="taskguard.django_q.started", weak=False)
     post_execute_in_worker.connect(_ended, dispatch_uid="taskguard.django_q.ended", weak=False)
