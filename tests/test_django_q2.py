@@ -355,3 +355,17 @@ def test_enqueue_for_slot__the_slot_travels_as_slot_kwarg_and_bad_calls_are_refu
     with pytest.raises(TaskGuardError, match="not _taskguard_slot="):
         enqueue_for_slot(q_jobs.tick, SLOT, _taskguard_slot=SLOT.isoformat())
     assert OrmQ.objects.count() == 1
+
+
+def test_on_django_q__needs_a_scheduled_guarded_function_and_known_options():
+    from django_taskguard.contrib.django_q import on_django_q
+    from tests.support import q_jobs
+
+    with pytest.raises(TaskGuardError, match="with @once_per_schedule"):
+        on_django_q(q_jobs.tick)  # guarded, but no schedule of its own
+    with pytest.raises(TaskGuardError, match="with @once_per_schedule"):
+        on_django_q(print)
+    with pytest.raises(TaskGuardError, match="not broker, retry"):
+        on_django_q(q_jobs.every_second, retry=5, broker=None)
+    made = on_django_q(q_jobs.every_second, group="g")
+    assert (made.func, made.q_options) == (q_jobs.every_second, {"group": "g"})
