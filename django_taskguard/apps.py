@@ -1,6 +1,6 @@
 from importlib.util import find_spec
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_lazy as _
 
@@ -38,6 +38,17 @@ class TaskguardConfig(AppConfig):
             from .contrib.huey import register as register_huey
 
             register_huey()
+        if find_spec("django_q") is not None and apps.is_installed("django_q"):
+            # django-q2's qcluster: its task id is the message's, its re-presentations retries.
+            from .contrib.django_q import register as register_django_q
+
+            register_django_q()
+        if find_spec("apscheduler") is not None:
+            # A guarded APScheduler job's slot: its scheduled time (TaskguardExecutor on
+            # APScheduler 3, current_job on APScheduler 4).
+            from .contrib.apscheduler import register as register_apscheduler
+
+            register_apscheduler()
         if _opentelemetry_wanted():
             # Spans and metrics (TASKGUARD["OPENTELEMETRY"]); opentelemetry is imported here only.
             from .otel import install

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import keyword
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ SLOT_KWARG = "_taskguard_slot"
 # A data schedule's enqueued call (django.tasks): ``{"task_name": ..., "version": n}``, the
 # schedule's identity and version, popped like ``SLOT_KWARG``.
 SCHEDULE_KWARG = "_taskguard_schedule"
+# ``slot_kwarg=``: a keyword argument named by the user that carries the slot (django-q2's
+# ``Schedule.intended_date_kwarg``); at most as long as django-q2's column for that name.
+SLOT_KWARG_MAX_LENGTH = 100
 
 
 class Guarded(Protocol[P, R]):
@@ -69,6 +73,7 @@ class Guarded(Protocol[P, R]):
     task_name: str | None
     schedule: schedules.Schedule | None
     policy: Policy
+    slot_kwarg: str | None
     __wrapped__: Callable[P, R]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R | None: ...
@@ -84,6 +89,7 @@ class AsyncGuarded(Protocol[P, T]):
     task_name: str | None
     schedule: schedules.Schedule | None
     policy: Policy
+    slot_kwarg: str | None
     __wrapped__: Callable[P, Awaitable[T]]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T | None]: ...
@@ -112,6 +118,7 @@ class _Spec(Generic[P, R]):
     name: str | None
     schedule: schedules.Schedule | None
     policy: Policy
+    slot_kwarg: str | None = None
 
     def resolve(
         self, explicit: datetime | str | None, context: CallContext | None = None
@@ -175,9 +182,47 @@ def _bounded(argument: str, value: int | None, bounds: tuple[int, int]) -> int |
     return value
 
 
-def _begin_call(
-    spec: _Spec[Any, Any], carried: str | None, context: CallContext | None
-) -> guard.Started:
+def _slot_kwarg(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not value.isidentifier()
+        or keyword.iskeyword(value)
+        or len(value) > SLOT_KWARG_MAX_LENGTH
+    ):
+        raise InvalidSchedule(
+            f"slot_kwarg= must name a keyword argument (a Python identifier of at most "
+            f"{SLOT_KWARG_MAX_LENGTH} characters, not a keyword); got {value!r}"
+        )
+    if value == SCHEDULE_KWARG:
+        raise InvalidSchedule(f"slot_kwarg= cannot be {SCHEDULE_KWARG!r}: taskguard uses it")
+    return value
+
+
+def _carried_slot(
+    spec: _Spec[Any, Any], kwargs: dict[str, Any], context: CallContext | None
+) -> Any:
+    """The slot a plain call carries, popped from ``kwargs``: taskguard's own ``SLOT_KWARG``
+    (``run_schedules --enqueue``, ``backfill``), else the decorator's ``slot_kwarg=``. A call
+    of a function with ``slot_kwarg=`` that carries no slot at all is refused: its slot is
+    never recomputed from the clock."""
+    carried = kwargs.pop(SLOT_KWARG, None)
+    if spec.slot_kwarg is None or spec.slot_kwarg == SLOT_KWARG:
+        return carried
+    named = kwargs.pop(spec.slot_kwarg, None)
+    if carried is not None:
+        return carried
+    if named is None and (context is None or context.slot is None):
+        raise TaskGuardError(
+            f"{spec.name or dotted_name(spec.func)!r} takes its slot from the keyword argument "
+            f"{spec.slot_kwarg}= (slot_kwarg=), and this call has none: it did not run (give "
+            f"{spec.slot_kwarg}=<aware datetime or ISO-8601 string>, or call .run_for_slot())"
+        )
+    return named
+
+
+def _begin_call(spec: _Spec[Any, Any], carried: Any, context: CallContext | None) -> guard.Started:
     """Claim the slot of a plain call: the one an enqueued task carried (``SLOT_KWARG``),
     else the slot source's, else the schedule's latest."""
     task_name, slot = spec.resolve(carried, context)
@@ -258,8 +303,8 @@ def _plain_forms(
     # ``shared_task(bind=True)`` can bind ``self`` to it like any task body.
     @functools.wraps(spec.func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        carried = kwargs.pop(SLOT_KWARG, None)
         context = _carried_schedule(kwargs, call_context())
+        carried = _carried_slot(spec, kwargs, context)
         return guard.run(_begin_call(spec, carried, context), func, args, kwargs)
 
     def run_for_slot(slot: datetime | str, /, *args: Any, **kwargs: Any) -> Any:
@@ -274,8 +319,8 @@ def _async_forms(spec: _Spec[Any, Any]) -> tuple[Callable[..., Any], Callable[..
 
     @functools.wraps(target)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        carried = kwargs.pop(SLOT_KWARG, None)
         context = _carried_schedule(kwargs, call_context())  # the caller's task's
+        carried = _carried_slot(spec, kwargs, context)
         begin = functools.partial(_begin_call, spec, carried, context)
         return await coroutines.execute(begin, target, args, kwargs)
 
@@ -312,6 +357,7 @@ def once_per_schedule(
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
     late_after: float | timedelta | None = None,
+    slot_kwarg: str | None = None,
 ) -> ScheduleDecorator: ...
 
 
@@ -332,6 +378,7 @@ def once_per_schedule(
     max_catchup: int | None = None,
     pause_after_failures: int | None = None,
     late_after: float | timedelta | None = None,
+    slot_kwarg: str | None = None,
 ) -> Any:
     """Run the decorated function at most once per schedule slot, across every instance.
 
@@ -348,7 +395,10 @@ def once_per_schedule(
     nothing fired them (see docs/schedules.md); ``pause_after_failures=N`` pauses the
     task after N failures in a row; ``late_after`` (seconds or a timedelta): the task is
     unhealthy when its last ``LATE_START_RUNS`` slots all started later than this after
-    their time (default ``LATE_START_SECONDS``). A function with a schedule is registered (in
+    their time (default ``LATE_START_SECONDS``). ``slot_kwarg="name"``: a plain call takes
+    its slot from that keyword argument (an aware datetime or an ISO-8601 string with an
+    offset; django-q2's ``intended_date_kwarg``), pops it, and never recomputes it: a call
+    without it raises ``TaskGuardError``. A function with a schedule is registered (in
     memory) for ``run_schedules`` and the missed-slot sweep.
     """
     # Raised when the function is known, so the message can name it.
@@ -359,6 +409,7 @@ def once_per_schedule(
         built, bad_schedule = None, exc
     if name is not None:
         validate_task_name(name)
+    slot_kwarg = _slot_kwarg(slot_kwarg)
     if lease_seconds is not None:
         problem = lease_problem(lease_seconds, "lease_seconds=")
         if problem is not None:
@@ -392,7 +443,7 @@ def once_per_schedule(
             raise InvalidSchedule(
                 f"@once_per_schedule on {where}: {bad_schedule}"
             ) from bad_schedule
-        spec = _Spec(target, name, built, policy)
+        spec = _Spec(target, name, built, policy, slot_kwarg)
         if name is None:
             validate_task_name(dotted_name(target))
         note_on_stale(name or dotted_name(target), policy.on_stale)
@@ -424,6 +475,7 @@ def once_per_schedule(
         guarded.task_name = name
         guarded.schedule = built
         guarded.policy = policy
+        guarded.slot_kwarg = slot_kwarg
         guarded.run_for_slot = run_for_slot
         guarded.body = plain  # the undecorated function, callable in a thread (data schedules)
         note_guarded(name or dotted_name(target), guarded)

@@ -55,6 +55,8 @@ WIDE_SKIP=(
   tests/test_async_edges.py
   # Each documented example twice (database, Redis): the main passes run them.
   tests/test_docs_examples.py
+  tests/test_django_q2.py
+  tests/test_apscheduler.py
 )
 # The ledger's PostgreSQL SQL (its functions, prepared statements, claims and races).
 WIDE_POSTGRES=(

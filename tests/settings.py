@@ -57,6 +57,22 @@ if os.environ.get("TASKGUARD_TEST_HUEY_URL"):
     INSTALLED_APPS.insert(-1, "huey.contrib.djhuey")
     if TASKS_MODULE is not None:
         TASKS["huey"] = {"BACKEND": "huey.contrib.djhuey.tasks_backend.HueyBackend"}
+# django-q2 (the dev extra has it) with its ORM broker on the test database: the qcluster
+# children of tests/test_django_q2.py shorten retry/timeout through the environment. Here
+# timeout < retry, as django-q2 asks (it warns otherwise, and warnings are errors here).
+if find_spec("django_q"):
+    INSTALLED_APPS.insert(-1, "django_q")
+    Q_CLUSTER = {
+        "name": "taskguard-tests",
+        "orm": "default",
+        "workers": int(os.environ.get("TASKGUARD_TEST_Q_WORKERS", "2")),
+        "timeout": int(os.environ.get("TASKGUARD_TEST_Q_TIMEOUT", "30")),
+        "retry": int(os.environ.get("TASKGUARD_TEST_Q_RETRY", "60")),
+        "max_attempts": 3,
+        "poll": 0.1,
+        "catch_up": False,
+        "save_limit": 0,
+    }
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -64,6 +64,12 @@ LEASE_BOUNDS = r"lease_seconds= is .*; it must be a number of seconds from 1 to 
         ({"name": "x" * 256}, "at most 255"),
         ({"name": "nightly\x00report"}, "NUL"),
         ({"name": 12}, "non-empty string"),
+        ({"slot_kwarg": "intended-date"}, "slot_kwarg= must name a keyword argument"),
+        ({"slot_kwarg": "class"}, "slot_kwarg= must name a keyword argument"),
+        ({"slot_kwarg": ""}, "slot_kwarg= must name a keyword argument"),
+        ({"slot_kwarg": 5}, "slot_kwarg= must name a keyword argument"),
+        ({"slot_kwarg": "s" * 101}, "slot_kwarg= must name a keyword argument"),
+        ({"slot_kwarg": "_taskguard_schedule"}, "taskguard uses it"),
     ],
 )
 def test_once_per_schedule__bad_argument_raises_at_decoration(options, message):
@@ -276,3 +282,28 @@ def test_call__use_tz_false_says_e003_at_run_time(settings):
         ):
             call()
     assert calls == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_slot_kwarg__the_slot_is_taken_from_the_argument_popped_and_never_recomputed(
+    lock_backend,
+):
+    seen: list[tuple[datetime, dict[str, object]]] = []
+
+    @once_per_schedule(every=timedelta(minutes=1), slot_kwarg="intended", name="tests.slotkw")
+    def guarded(**kwargs: object) -> str:
+        seen.append((current_run().slot, kwargs))
+        return "ran"
+
+    # django-q2 passes the schedule's next_run as an ISO string; the schedule's own latest
+    # slot (now) is another one: the argument's wins.
+    assert guarded(intended=SLOT.isoformat(), region="eu") == "ran"
+    assert guarded(intended=SLOT.astimezone(dt_timezone(timedelta(hours=2)))) is None
+    assert seen == [(SLOT, {"region": "eu"})]
+    assert list(TaskRun.objects.values_list("slot", "state")) == [(SLOT, RunState.SUCCEEDED)]
+    assert counted_duplicates() == 1
+    with pytest.raises(TaskGuardError, match=r"intended= .*this call has none: it did not run"):
+        guarded(region="eu")
+    with pytest.raises(InvalidSchedule, match="aware"):
+        guarded(intended=SLOT.replace(tzinfo=None))
+    assert len(seen) == 1 and TaskRun.objects.count() == 1

@@ -16,6 +16,7 @@ the docs describe it and ``TIME_ZONE = "Asia/Shanghai"``.
 from __future__ import annotations
 
 import re
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ DEPLOYMENTS = [
     "docs/deployments/django-tasks.md",
 ]
 MIGRATING = "docs/migrating-from-django-celery-beat.md"
+DJANGO_Q2 = "docs/django-q2.md"
 PAGES = [
     "docs/testing.md",
     "docs/decorators.md",
@@ -38,6 +40,7 @@ PAGES = [
     "README.md",
     *DEPLOYMENTS,
     MIGRATING,
+    DJANGO_Q2,
 ]
 # Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
 NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md", MIGRATING}
@@ -85,7 +88,7 @@ PRELUDES = {
     ),
     "docs/schedules.md": "",
     "README.md": "",
-    **dict.fromkeys([*DEPLOYMENTS, MIGRATING], ""),
+    **dict.fromkeys([*DEPLOYMENTS, MIGRATING, DJANGO_Q2], ""),
 }
 
 RUN_TEST = """
@@ -134,6 +137,9 @@ def marked(page: str) -> Any:
     """``page``, marked ``celery_beat`` when its examples need django-celery-beat."""
     if page in NEEDS_CELERY_BEAT:
         return pytest.param(page, marks=pytest.mark.celery_beat)
+    if page == DJANGO_Q2:
+        missing = find_spec("django_q") is None
+        return pytest.param(page, marks=pytest.mark.skipif(missing, reason="needs django-q2"))
     return page
 
 
