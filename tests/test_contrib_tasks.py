@@ -159,15 +159,15 @@ def test_discover__knows_which_schedules_a_task_wraps(jobs):
 
 @override_settings(**JOBS)
 def test_run_schedules_enqueue__refuses_a_schedule_no_task_wraps(jobs):
-    with pytest.raises(CommandError, match=r"tests\.djtasks\.plain.* not wrapped by a django"):
+    with pytest.raises(CommandError, match=r"tests\.djtasks\.plain.* not wrapped by a task queue"):
         call_command("run_schedules", "--enqueue", "--once", stdout=StringIO())
     assert not TaskRun.objects.exists()
 
 
 @override_settings(**JOBS)
-def test_run_schedules_enqueue__without_django_tasks_is_a_command_error(jobs, monkeypatch):
+def test_run_schedules_enqueue__without_any_task_queue_is_a_command_error(jobs, monkeypatch):
     monkeypatch.setattr(registry, "QUEUE_FINDERS", [])
-    with pytest.raises(CommandError, match=r"needs Django 6\.0 or later, or the django-tasks"):
+    with pytest.raises(CommandError, match=r"hands slots to a task queue: django\.tasks"):
         call_command("run_schedules", "--enqueue", "--once", stdout=StringIO())
 
 
@@ -324,5 +324,5 @@ def test_backfill_enqueue__each_slot_without_a_row_once(jobs, enqueued):
     assert sorted(kwargs[SLOT_KWARG] for _, kwargs in enqueued) == [
         (start + n * MINUTE).isoformat() for n in range(4)
     ]
-    with pytest.raises(CommandError, match=r"not wrapped by a django\.tasks"):
+    with pytest.raises(CommandError, match=r"not wrapped by a task queue's task"):
         call_command("backfill", "tests.djtasks.plain", *span, "--enqueue", stdout=StringIO())

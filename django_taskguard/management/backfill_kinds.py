@@ -54,8 +54,9 @@ def of_entry(entry: Entry, enqueue: bool) -> Backfilled:
         )
     if enqueue and entry.enqueue is None:
         raise CommandError(
-            f"--enqueue: {entry.task_name} is not wrapped by a django.tasks @task() (put "
-            f"@task() above @once_per_schedule), so there is no backend to enqueue to"
+            f"--enqueue: {entry.task_name} is not wrapped by a task queue's task (django.tasks "
+            f"@task(), Huey @huey.task(), RQ @enqueue_on(queue), django-q2 on_django_q, a "
+            f"Dramatiq actor: above @once_per_schedule), so there is no queue to enqueue to"
         )
 
     def run(slot: datetime, policy: Policy) -> bool:

@@ -36,10 +36,10 @@ class Command(BaseCommand):
         "runs once. SIGTERM stops firing and waits for running calls (--stop-timeout). "
         "It also runs the upkeep (stale runs, Redis duplicate counts, the missed-slot "
         "sweep), one process at a time across the fleet. --enqueue hands each due slot to "
-        "its django.tasks backend instead (one task per slot across every copy); the "
-        "backend's workers run it. Data schedules (defined in the admin or by "
-        "define_schedule) of a guarded function or a django.tasks task are fired too, and "
-        "their changes picked up without a restart; with --enqueue a django.tasks "
+        "its task queue instead (django.tasks, Huey, RQ, django-q2, Dramatiq; one task per "
+        "slot across every copy); the queue's workers run it. Data schedules (defined in the "
+        "admin or by define_schedule) of a guarded function or a django.tasks task are fired "
+        "too, and their changes picked up without a restart; with --enqueue a django.tasks "
         "target's slots go to its backend, a function target (it has no queue) runs here."
     )
 
@@ -50,8 +50,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--enqueue",
             action="store_true",
-            help="Enqueue each due slot to the backend of the django.tasks task that wraps the "
-            "schedule (@task() above @once_per_schedule) instead of running it here.",
+            help="Enqueue each due slot to the task queue whose task wraps the schedule "
+            "(django.tasks @task(), Huey @huey.task(), RQ @enqueue_on, django-q2 "
+            "on_django_q, a Dramatiq actor above @once_per_schedule) instead of running it "
+            "here.",
         )
         parser.add_argument(
             "--max-workers",
@@ -225,14 +227,16 @@ def _check_enqueue(entries: list[Entry]) -> None:
     rather than run some in this process."""
     if not registry.QUEUE_FINDERS:
         raise CommandError(
-            "--enqueue hands slots to django.tasks: it needs Django 6.0 or later, or the "
-            "django-tasks backport (pip install django-tasks) on older Django"
+            "--enqueue hands slots to a task queue: django.tasks (Django 6.0 or later, or "
+            "pip install django-tasks), Huey, RQ, django-q2 or Dramatiq, and none is installed"
         )
     plain = sorted(entry.task_name for entry in entries if entry.enqueue is None)
     if plain:
         raise CommandError(
             f"--enqueue: {', '.join(plain)} {'is' if len(plain) == 1 else 'are'} not wrapped "
-            f"by a django.tasks @task(), so there is no backend to enqueue to. Put @task() "
-            f"above @once_per_schedule, or choose the schedules to enqueue with --task (and "
-            f"run the others with run_schedules --task NAME, without --enqueue)"
+            f"by a task queue's task (django.tasks @task(), Huey @huey.task(), RQ "
+            f"@enqueue_on(queue), django-q2 on_django_q, a Dramatiq actor), so there is no "
+            f"queue to enqueue to. Put one above @once_per_schedule, or choose the schedules "
+            f"to enqueue with --task (and run the others with run_schedules --task NAME, "
+            f"without --enqueue)"
         )
