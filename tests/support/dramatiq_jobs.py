@@ -17,7 +17,6 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 import django
 from django.apps import apps
@@ -26,7 +25,6 @@ if not apps.ready:  # a dramatiq worker imports this module first
     django.setup()
 
 import dramatiq
-from django.db import connections
 from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.brokers.stub import StubBroker
 
@@ -41,14 +39,6 @@ executed: list[str] = []  # this process's executions: "TASK SLOT-OR-KEY ATTEMPT
 release = threading.Event()  # lets ``hold`` return at once (tests in this process)
 
 
-class CloseConnections(dramatiq.Middleware):
-    """Close a worker thread's database connections when the thread stops (as
-    django-dramatiq's ``DbConnectionsMiddleware`` does)."""
-
-    def before_worker_thread_shutdown(self, broker: Any, thread: Any) -> None:
-        connections.close_all()
-
-
 broker: dramatiq.Broker
 if URL:
     heartbeat = int(os.environ.get("TASKGUARD_TEST_DRAMATIQ_HEARTBEAT", "60000"))
@@ -56,7 +46,6 @@ if URL:
 else:
     broker = StubBroker()
 broker.add_middleware(TaskguardMiddleware())
-broker.add_middleware(CloseConnections())
 dramatiq.set_broker(broker)
 
 

@@ -19,8 +19,9 @@ from dramatiq.broker import MessageProxy
 from dramatiq.errors import ActorNotFound, Retry
 from dramatiq.middleware import Retries
 from dramatiq.middleware.retries import DEFAULT_MAX_BACKOFF
-from dramatiq.worker import Worker
+from dramatiq.worker import Worker, WorkerThread
 
+from ... import ledger
 from ...context import active_run
 from ...decorating import CallContext, guarded_policy
 from ...endings import Ending
@@ -42,7 +43,7 @@ class TaskguardMiddleware(Middleware):
     (with django-dramatiq: ``"django_taskguard.contrib.dramatiq.TaskguardMiddleware"`` in
     ``DRAMATIQ_BROKER["MIDDLEWARE"]``). A worker's guarded actors then claim the slot their
     message carries; a worker process that boots runs the startup cleanup
-    (``STARTUP_CLEANUP``).
+    (``STARTUP_CLEANUP``); a worker thread that stops closes its ledger connection.
     """
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -63,6 +64,11 @@ class TaskguardMiddleware(Middleware):
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         run_startup_cleanup()
+
+    def before_worker_thread_shutdown(self, broker: Broker, thread: WorkerThread) -> None:
+        # The ledger's connection of this thread, opened by its guarded calls: closed with
+        # the thread, not left to the garbage collector (the database counts it until then).
+        ledger.settle_connection()
 
 
 def dramatiq_call_context() -> CallContext | None:
