@@ -268,3 +268,23 @@ def test_run_schedules_enqueue__refuses_a_schedule_no_actor_wraps(jobs):
     with pytest.raises(CommandError, match=r"tests\.dramatiq\.plain.* not wrapped"):
         call_command("run_schedules", "--enqueue", "--once", stdout=StringIO())
     assert not TaskRun.objects.exists()
+
+
+@override_settings(**JOBS)
+def test_backfill_enqueue__each_slot_without_a_row_is_sent_to_the_actor(jobs):
+    from dramatiq import Message
+
+    from django_taskguard.contrib.dramatiq import SLOT_OPTION
+
+    first_seen_ago("tests.dramatiq.tick", minutes=10)
+    end = latest(SECOND) - 60 * SECOND
+    start = end - 4 * SECOND
+    TaskRun.objects.create(task_name="tests.dramatiq.tick", slot=start, state=RunState.SUCCEEDED)
+    args = ["tests.dramatiq.tick", "--from", start.isoformat(), "--to", end.isoformat()]
+    call_command("backfill", *args, "--enqueue", stdout=StringIO())
+    sent = [Message.decode(data) for data in jobs.broker.queues["default"].queue]
+    assert [m.options[SLOT_OPTION] for m in sent] == [
+        (start + n * SECOND).isoformat() for n in range(1, 5)
+    ]
+    rows = TaskRun.objects.filter(task_name="tests.dramatiq.tick").exclude(slot=start)
+    assert set(rows.values_list("state", flat=True)) == {RunState.PENDING}

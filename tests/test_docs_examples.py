@@ -16,6 +16,7 @@ the docs describe it and ``TIME_ZONE = "Asia/Shanghai"``.
 from __future__ import annotations
 
 import re
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ PAGES = [
     "docs/decorators.md",
     "docs/schedules.md",
     "README.md",
+    "docs/dramatiq.md",
     *DEPLOYMENTS,
     MIGRATING,
 ]
@@ -85,6 +87,7 @@ PRELUDES = {
     ),
     "docs/schedules.md": "",
     "README.md": "",
+    "docs/dramatiq.md": "",
     **dict.fromkeys([*DEPLOYMENTS, MIGRATING], ""),
 }
 
@@ -134,6 +137,8 @@ def marked(page: str) -> Any:
     """``page``, marked ``celery_beat`` when its examples need django-celery-beat."""
     if page in NEEDS_CELERY_BEAT:
         return pytest.param(page, marks=pytest.mark.celery_beat)
+    if page == "docs/dramatiq.md" and not find_spec("dramatiq"):
+        return pytest.param(page, marks=pytest.mark.skip(reason="needs dramatiq"))
     return page
 
 
