@@ -288,3 +288,30 @@ def test_backfill_enqueue__each_slot_without_a_row_is_sent_to_the_actor(jobs):
     ]
     rows = TaskRun.objects.filter(task_name="tests.dramatiq.tick").exclude(slot=start)
     assert set(rows.values_list("state", flat=True)) == {RunState.PENDING}
+
+
+def test_async_actor__claims_the_slot_its_message_carries(jobs, worker):
+    from django_taskguard.contrib.dramatiq import send_for_slot
+
+    slot = latest(MINUTE) - 3 * MINUTE
+    send_for_slot(jobs.atick, slot)
+    send_for_slot(jobs.atick, slot)
+    drain(jobs, worker)
+    run = TaskRun.objects.get(task_name="tests.dramatiq.atick")
+    assert (run.slot, run.state, run.attempt, run.duplicates) == (slot, RunState.SUCCEEDED, 1, 1)
+    assert jobs.executed == [f"tests.dramatiq.atick {slot.isoformat()} 1"]
+
+
+@override_settings(**JOBS)
+def test_run_schedules_enqueue__finds_an_async_actor_too(jobs):
+    from dramatiq import Message
+
+    from django_taskguard.contrib.dramatiq import SLOT_OPTION
+
+    first_seen_ago("tests.dramatiq.atick", minutes=3)
+    args = ["--enqueue", "--once", "--task", "tests.dramatiq.atick"]
+    call_command("run_schedules", *args, stdout=StringIO())
+    (sent,) = [Message.decode(data) for data in jobs.broker.queues["default"].queue]
+    run = TaskRun.objects.get(task_name="tests.dramatiq.atick")
+    assert (sent.actor_name, sent.options[SLOT_OPTION]) == ("atick", run.slot.isoformat())
+    assert run.state == RunState.PENDING

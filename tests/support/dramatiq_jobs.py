@@ -13,6 +13,7 @@ executions counted outside the ledger.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -27,6 +28,7 @@ if not apps.ready:  # a dramatiq worker imports this module first
 import dramatiq
 from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import AsyncIO
 
 from django_taskguard import current_run, once_per_key, once_per_schedule
 from django_taskguard.contrib.dramatiq import TaskguardMiddleware
@@ -45,6 +47,7 @@ if URL:
     broker = RedisBroker(url=URL, heartbeat_timeout=heartbeat, maintenance_chance=MAINTENANCE_SCALE)
 else:
     broker = StubBroker()
+broker.add_middleware(AsyncIO())
 broker.add_middleware(TaskguardMiddleware())
 dramatiq.set_broker(broker)
 
@@ -110,6 +113,14 @@ def charge(order_id: int) -> int:
     if current_run().attempt == 1 and order_id < 0:
         raise OSError("the first attempt of a negative order fails")
     return order_id
+
+
+# A coroutine function under the guard, under an actor (Dramatiq's AsyncIO middleware).
+@dramatiq.actor(broker=broker, max_retries=0)
+@once_per_schedule(every=timedelta(minutes=1), name="tests.dramatiq.atick")
+async def atick() -> None:
+    await asyncio.sleep(0)
+    _note()
 
 
 # A schedule no actor wraps: run_schedules --enqueue has nowhere to send it.

@@ -12,6 +12,7 @@ guarded function::
 from __future__ import annotations
 
 import functools
+from inspect import iscoroutinefunction
 from datetime import datetime
 from typing import Any
 
@@ -25,10 +26,14 @@ from .options import message_options
 
 
 def scheduled_function(value: Any) -> Any:
-    """The ``@once_per_schedule`` function a Dramatiq actor wraps, or None."""
+    """The ``@once_per_schedule`` function a Dramatiq actor wraps, or None (for a coroutine
+    function, the guarded one that Dramatiq's own wrapper calls)."""
     if not isinstance(value, Actor):
         return None
     func = value.fn
+    inner = getattr(func, "__wrapped__", None)
+    if iscoroutinefunction(inner) and guarded_policy(inner) is not None:
+        func = inner
     if guarded_policy(func) is None or not callable(getattr(func, "run_for_slot", None)):
         return None
     return func
