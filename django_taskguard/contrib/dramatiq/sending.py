@@ -12,8 +12,8 @@ guarded function::
 from __future__ import annotations
 
 import functools
-from inspect import iscoroutinefunction
 from datetime import datetime
+from inspect import iscoroutinefunction
 from typing import Any
 
 from dramatiq import Actor, Message
