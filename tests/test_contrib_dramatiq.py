@@ -6,6 +6,7 @@ Real worker processes on a Redis broker: tests/test_dramatiq_e2e.py."""
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from importlib.util import find_spec
@@ -216,6 +217,39 @@ def test_stale_copy_of_a_retried_message__a_counted_duplicate_not_the_retry(jobs
     run.refresh_from_db()
     assert (run.state, run.attempt, run.duplicates) == (RunState.RETRYING, 1, 1)
     assert jobs.executed == [f"tests.dramatiq.later {slot.isoformat()} 1"]
+
+
+def test_put_back__on_stale_retry_a_copy_that_meets_a_live_run_comes_back_later(jobs, caplog):
+    """A copy delivered while the first delivery runs is sent again (same id and retry
+    count, ``taskguard_deferred``), due after the lease; back at a finished slot, counted."""
+    import dramatiq
+
+    from django_taskguard.contrib.dramatiq import message_options
+
+    worker = dramatiq.Worker(jobs.broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        slot = latest(SECOND) - 5 * SECOND
+        message = jobs.hold_retry.message_with_options(**message_options(slot))
+        jobs.broker.enqueue(message)
+        wait_for(lambda: jobs.executed, what="the first delivery's run")
+        jobs.broker.enqueue(message)  # delivered again while it runs
+
+        def deferred() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if getattr(r, "event", "") == "message.deferred"]
+
+        wait_for(deferred, what="the copy put back")
+        run = TaskRun.objects.get(task_name="tests.dramatiq.hold_retry")
+        assert (run.state, run.duplicates) == (RunState.RUNNING, 0)  # not counted: put back
+        assert message.message_id in deferred()[0].getMessage()
+        jobs.release.set()
+        drain(jobs, worker)
+    finally:
+        jobs.release.set()
+        worker.stop()
+    run.refresh_from_db()
+    assert (run.state, run.attempt, run.duplicates) == (RunState.SUCCEEDED, 1, 1)
+    assert jobs.executed == [f"tests.dramatiq.hold_retry {slot.isoformat()} 1"]
 
 
 def test_once_per_key__a_retry_is_an_attempt_and_a_second_send_a_duplicate(jobs, worker):

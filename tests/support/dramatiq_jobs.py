@@ -106,6 +106,14 @@ def hold() -> None:
     release.wait(HOLD_SECONDS)
 
 
+# The same under on_stale="retry": a copy that meets it live is put back, not counted.
+@dramatiq.actor(broker=broker, max_retries=0)
+@once_per_schedule(name="tests.dramatiq.hold_retry", lease_seconds=2, on_stale="retry")
+def hold_retry() -> None:
+    _note()
+    release.wait(HOLD_SECONDS)
+
+
 @dramatiq.actor(broker=broker, max_retries=2, min_backoff=100, max_backoff=200)
 @once_per_key(key="order:{order_id}", name="tests.dramatiq.charge")
 def charge(order_id: int) -> int:

@@ -10,24 +10,36 @@ retry starts the next attempt of the same row).
 
 from __future__ import annotations
 
+import logging
 from contextvars import ContextVar
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 from dramatiq import Actor, Broker, Middleware
 from dramatiq.broker import MessageProxy
+from dramatiq.common import q_name
 from dramatiq.errors import ActorNotFound, Retry
-from dramatiq.middleware import Retries
+from dramatiq.middleware import Retries, SkipMessage
 from dramatiq.middleware.retries import DEFAULT_MAX_BACKOFF
 from dramatiq.worker import Worker, WorkerThread
 
 from ... import ledger
 from ...context import active_run
-from ...decorating import CallContext, guarded_policy
+from ...decorating import CallContext, dotted_name, guarded_policy
 from ...endings import Ending
+from ...logfields import log_fields
 from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
-from .options import SLOT_OPTION, message_key, retries_of, schedule_of
+from .options import (
+    DEFERRED_OPTION,
+    SLOT_OPTION,
+    deferrals_of,
+    message_key,
+    retries_of,
+    schedule_of,
+)
+
+logger = logging.getLogger("taskguard.dramatiq")
 
 # The message this thread processes, with its broker (set by the middleware around it).
 _processing: ContextVar[tuple[Broker, MessageProxy] | None] = ContextVar(
@@ -88,18 +100,57 @@ def dramatiq_call_context() -> CallContext | None:
         actor = broker.get_actor(message.actor_name)
     except ActorNotFound:
         return None
-    if guarded_policy(actor.fn) is None:
+    guarded: Any = actor.fn
+    policy = guarded_policy(guarded)
+    if policy is None:
         return None
     options = message.options
     schedule = schedule_of(options)
     retries = retries_of(options)
+    slot = options.get(SLOT_OPTION)
+    name = schedule[0] if schedule else (guarded.task_name or dotted_name(guarded))
+    # on_stale="retry": a copy that meets a live attempt is put back, so that it takes the
+    # slot over if that attempt's owner turns out dead (under "abandon" it would only be
+    # counted later instead of now).
+    retry = policy.on_stale == "retry"
     return CallContext(
-        slot=options.get(SLOT_OPTION),
+        slot=slot,
         task_name=schedule[0] if schedule else None,
         classify_raise=partial(classify_raise, broker, actor, message),
+        on_busy=partial(put_back, broker, message, name, slot) if retry else None,
         message_id=message_key(message.message_id, retries),
         schedule_version=schedule[1] if schedule else None,
     )
+
+
+def put_back(
+    broker: Broker, message: MessageProxy, task_name: str, slot: Any, seconds_left: float
+) -> NoReturn:
+    """Send the message again, due once the live attempt's lease has run out, and skip this
+    delivery (``guard.OnBusy``).
+
+    The copy keeps the message id and retry count (it is the same message, not a retry of
+    it) and counts the put-back in ``taskguard_deferred``. When it comes back, the slot has
+    ended (the copy is a counted duplicate) or its owner is dead (its lease expired: the copy
+    takes it over). ``SkipMessage`` acks this delivery without ``Retries`` seeing it: the
+    worker treats it, raised while processing, as a skip.
+    """
+    delay = max(1.0, seconds_left + 1.0)
+    again = message.copy(
+        queue_name=q_name(message.queue_name),
+        options={DEFERRED_OPTION: deferrals_of(message.options) + 1},
+    )
+    again.options.pop("eta", None)
+    broker.enqueue(again, delay=int(delay * 1000))
+    logger.warning(
+        "taskguard: %s slot %s is held by a live attempt; message %s put back for %.1fs",
+        task_name,
+        slot,
+        message.message_id,
+        delay,
+        extra=log_fields("message.deferred", task=task_name, slot=slot),
+    )
+    raise SkipMessage(f"taskguard: the slot is held by a live attempt; again in {delay:.1f}s")
 
 
 def classify_raise(

@@ -5,7 +5,8 @@ arguments: the actor's function is called with the arguments it was sent. A data
 schedule's message also carries ``taskguard_schedule`` (``{"task_name": ..., "version":
 n}``: the schedule's identity and the version that fired it, as ``decorators.SCHEDULE_KWARG``
 does for django.tasks). Dramatiq keeps a message's options through its retries and
-redeliveries, so every attempt of a message claims the slot it was sent for.
+redeliveries, so every attempt of a message claims the slot it was sent for. A message the
+worker glue put back (it met a live attempt of its slot) carries ``taskguard_deferred``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ...exceptions import TaskGuardError
 
 SLOT_OPTION = "taskguard_slot"
 SCHEDULE_OPTION = "taskguard_schedule"
+# How often the worker glue put the message back (a copy that met a live attempt).
+DEFERRED_OPTION = "taskguard_deferred"
 
 
 def message_options(
@@ -53,6 +56,12 @@ def schedule_of(options: Mapping[str, Any]) -> tuple[str, int] | None:
             f"the {SCHEDULE_OPTION} option must be {{'task_name': ..., 'version': n}}, "
             f"not {carried!r}"
         ) from None
+
+
+def deferrals_of(options: Mapping[str, Any]) -> int:
+    """How many times the message was put back (``DEFERRED_OPTION``)."""
+    value = options.get(DEFERRED_OPTION) or 0
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def retries_of(options: Mapping[str, Any]) -> int:
