@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from importlib.util import find_spec
@@ -23,7 +26,9 @@ from django.utils import timezone
 from django_taskguard import registry
 from django_taskguard.exceptions import InvalidSchedule, TaskGuardError
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.owner import Owner, pid_space
 
+from .support.runs import make_run
 from .support.waiting import wait_for
 
 pytestmark = [
@@ -264,6 +269,24 @@ def test_once_per_key__a_retry_is_an_attempt_and_a_second_send_a_duplicate(jobs,
         1,
     )
     assert jobs.executed == ["tests.dramatiq.charge order:-1 1", "tests.dramatiq.charge order:-1 2"]
+
+
+def test_worker_boot__runs_the_startup_cleanup_when_the_setting_asks(jobs):
+    """A worker process that boots abandons this host's runs whose process is gone."""
+    import dramatiq
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    owner = Owner(socket.gethostname(), int(gone.stdout), pid_space(), "aa").format()
+    run = make_run(minute=0, owner=owner, lease=3600)
+    for wanted in (False, True):
+        settings = {"BACKEND": "database", "STARTUP_CLEANUP": wanted}
+        with override_settings(TASKGUARD=settings):
+            worker = dramatiq.Worker(jobs.broker, worker_timeout=50, worker_threads=1)
+            worker.start()
+            worker.stop()
+        run.refresh_from_db()
+        assert run.state == (RunState.ABANDONED if wanted else RunState.RUNNING)
 
 
 # -- run_schedules --enqueue --------------------------------------------------------------
