@@ -108,7 +108,7 @@ def dramatiq_call_context() -> CallContext | None:
     schedule = schedule_of(options)
     retries = retries_of(options)
     slot = options.get(SLOT_OPTION)
-    name = schedule[0] if schedule else (guarded.task_name or dotted_name(guarded))
+    name = schedule[0] if schedule else getattr(guarded, "task_name", None) or dotted_name(guarded)
     # on_stale="retry": a copy that meets a live attempt is put back, so that it takes the
     # slot over if that attempt's owner turns out dead (under "abandon" it would only be
     # counted later instead of now).
