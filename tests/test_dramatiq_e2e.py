@@ -42,9 +42,9 @@ SECOND = timedelta(seconds=1)
 TICK = "tests.dramatiq.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)
 # A worker that sent no heartbeat for this long is dead to the broker, which then requeues
-# its messages. Longer than the hold run's lease (2 s, renewed) by far, so that the
+# its messages. Longer than the hold run's lease (2 s, renewed) by 5 s, so that the
 # upkeep ends the killed run before the redelivery comes.
-HEARTBEAT_MS = 10_000
+HEARTBEAT_MS = 7_000
 
 
 class Processes:
@@ -77,7 +77,7 @@ class Processes:
             "--processes",
             "1",
             "--threads",
-            "2",
+            "1",
             "--worker-shutdown-timeout",
             "10000",
         )
@@ -174,6 +174,10 @@ def test_dramatiq__two_copies_two_workers_each_slot_once_retry_redelivery_sigkil
         TASKGUARD_TEST_SCHEDULE_LOG=str(log),
         TASKGUARD_TEST_DRAMATIQ_URL=redis_server.url,
         TASKGUARD_TEST_DRAMATIQ_HEARTBEAT=str(HEARTBEAT_MS),
+        # One message at a time per worker, and a tick longer than a slot: a busy worker
+        # fetches nothing, so the next slot goes to the other one (both run slots).
+        dramatiq_queue_prefetch="1",
+        TASKGUARD_TEST_TICK_SECONDS="1.3",
     )
     workers = ["worker0", "worker1"]
     for name in workers:
@@ -250,9 +254,9 @@ def test_dramatiq__two_copies_two_workers_each_slot_once_retry_redelivery_sigkil
     wait_for(lambda: TaskRun.objects.stale().filter(pk=run.pk).exists(), 30, "lease expiry")
     assert cleanup_locks().stale_runs == 1
     run.refresh_from_db()
-    # The upkeep ended it, before any redelivery came (the broker waits for the heartbeat,
-    # some 7 s more than the lease): a redelivery first would have abandoned it itself, and
-    # been counted.
+    # The upkeep ended it, before any redelivery came (the broker waits for the dead
+    # worker's heartbeat to time out: some 6 s after the kill, the lease 2 s). A redelivery
+    # first would have abandoned it itself, and been counted.
     assert (run.state, run.duplicates) == (RunState.ABANDONED, 0)
     (abandoned,) = run.transitions.filter(to_state=RunState.ABANDONED)
     assert abandoned.owner.startswith("cleanup@") and "expired" in abandoned.reason

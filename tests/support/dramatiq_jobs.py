@@ -37,6 +37,7 @@ from tests.support.proc import record
 LOG = os.environ.get("TASKGUARD_TEST_SCHEDULE_LOG", "")
 URL = os.environ.get("TASKGUARD_TEST_DRAMATIQ_URL", "")
 HOLD_SECONDS = float(os.environ.get("TASKGUARD_TEST_HOLD_SECONDS", "120"))
+TICK_SECONDS = float(os.environ.get("TASKGUARD_TEST_TICK_SECONDS", "0"))  # how long tick runs
 executed: list[str] = []  # this process's executions: "TASK SLOT-OR-KEY ATTEMPT"
 release = threading.Event()  # lets ``hold`` return at once (tests in this process)
 
@@ -64,6 +65,7 @@ def _note(*, key: str | None = None) -> None:
 @once_per_schedule(every=timedelta(seconds=1), name="tests.dramatiq.tick")
 def tick() -> None:
     _note()
+    time.sleep(TICK_SECONDS)
 
 
 # A failure at the first attempt, a success at the second: Retries' retry is attempt 2.
