@@ -1,6 +1,7 @@
-"""Dramatiq end to end: real ``dramatiq`` worker processes on a private Redis broker, two
-``run_schedules --enqueue`` copies firing a one-second schedule for
-``TASKGUARD_SCHEDULER_TEST_SECONDS`` (default 10) once the first slot has run.
+"""Dramatiq end to end: two real ``dramatiq`` worker processes on a private Redis broker
+(one thread and one prefetched message each, so that both run slots), two ``run_schedules
+--enqueue`` copies firing a one-second schedule for ``TASKGUARD_SCHEDULER_TEST_SECONDS``
+(default 10) once the first slot has run.
 
 Every slot of the window runs exactly once (counted outside the ledger: each execution
 appends a line to a log with O_APPEND, tests/support/dramatiq_jobs.py) and is sent once,
