@@ -132,9 +132,15 @@ class ScheduleActionsMixin(AdminBase):
             return self._ask(request, queryset, "retire_schedules", _("Retire these schedules?"))
         still = queryset.filter(removed_at__isnull=True)
         declared = list(still.values_list("task_name", flat=True))
+        # A deleted data schedule owes the sweep its slots before the deletion (judged after
+        # their grace): its row goes after that, not before (ledger/owed.py).
+        owing = queryset.filter(removed_at__isnull=False, owed_due_at__isnull=False)
+        waiting = list(owing.order_by("task_name").values_list("task_name", "owed_due_at"))
         user = request.user.get_username()
         done = self._each(
-            request, queryset.filter(removed_at__isnull=False), lambda name: _retire(name, user)
+            request,
+            queryset.filter(removed_at__isnull=False, owed_due_at__isnull=True),
+            lambda name: _retire(name, user),
         )
         self._report(
             request, done, _("Retired %(names)s (their runs stay)."), _("Gone already: %(names)s.")
@@ -144,6 +150,16 @@ class ScheduleActionsMixin(AdminBase):
                 request,
                 _("Not retired, still declared by the code or a beat: %(names)s.")
                 % {"names": ", ".join(declared)},
+                messages.WARNING,
+            )
+        for name, due in waiting:
+            self.message_user(
+                request,
+                _(
+                    "Not retired yet: %(name)s's slots due before its deletion are judged by "
+                    "the missed-slot sweep after their grace (from %(due)s); retire it then."
+                )
+                % {"name": name, "due": timezone.localtime(due).strftime("%Y-%m-%d %H:%M:%S %Z")},
                 messages.WARNING,
             )
         return None

@@ -38,6 +38,12 @@ class TaskguardConfig(AppConfig):
             from .contrib.dramatiq import register as register_dramatiq
 
             register_dramatiq()
+        if find_spec("huey") is not None:
+            # Huey tasks over guarded functions: run_schedules --enqueue finds them, and the
+            # consumer's calls know their task (retries are attempts of the slot's row).
+            from .contrib.huey import register as register_huey
+
+            register_huey()
         if _opentelemetry_wanted():
             # Spans and metrics (TASKGUARD["OPENTELEMETRY"]); opentelemetry is imported here only.
             from .otel import install

@@ -30,21 +30,24 @@ row ``running``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from . import data_schedules, guard, ledger
+from .carried import Carried
 from .conf import taskguard_settings
 from .decorators import SCHEDULE_KWARG, SLOT_KWARG, note_version
-from .exceptions import TaskGuardError
+from .exceptions import BackendUnavailable, TaskGuardError
 from .handoff import hand_out
 from .ledger import schedules as store
 from .logfields import log_fields
@@ -138,6 +141,7 @@ class Job:
     kwargs: dict[str, Any]
     version: int
     manual: bool
+    due: Due | None = None  # what made it due (tried again from it when its claim fails)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +191,8 @@ class DataSchedules:
         # The newest version of each schedule this copy applied (those it fires, and those
         # it dropped: disabled, deleted, a target not found): a poll skips them at once.
         self._applied: dict[str, int] = {}
+        # Due slots not fired because the database failed: tried again (:meth:`carry`).
+        self._carried: Carried[tuple[str, datetime], Due] = Carried()
 
     # -- reading the rows ------------------------------------------------------------
 
@@ -197,9 +203,11 @@ class DataSchedules:
         seen = set()
         self._targets.clear()  # a module installed since is found now
         self._applied.clear()  # and a row dropped for it is applied again at the next poll
-        for row in store.live_data(KINDS, self.names):
-            seen.add(row.task_name)
-            due.extend(self.apply(row, now, start=start))
+        with self._carrying(due):
+            for row in store.live_data(KINDS, self.names):
+                seen.add(row.task_name)
+                due.extend(self.apply(row, now, start=start))
+            due.extend(self.pending())
         for name in set(self.states) - seen:
             del self.states[name]
         self._heap = [(s.start_at, n) for n, s in self.states.items() if s.start_at is not None]
@@ -213,7 +221,7 @@ class DataSchedules:
                 len(self.states),
                 extra=log_fields("scheduler.data_loaded"),
             )
-        return due + self.pending()
+        return due
 
     def poll(self, now: datetime) -> list[Due]:
         """The changes since the last poll applied, and the slots they make due now (a
@@ -227,13 +235,16 @@ class DataSchedules:
         due: list[Due] = []
         # The last minute again, without the arguments (read when a slot is due); the
         # versions this copy applied already cost nothing more.
-        for row in store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS, light=True):
-            if self._applied.get(row.task_name, 0) >= row.version:
-                continue
-            if self.names is None or row.task_name in self.names:
-                due.extend(self.apply(row, now))
-        self._cursor = polled
-        return due + self.pending()
+        changed = store.data_changed_since(self._cursor - POLL_OVERLAP, KINDS, light=True)
+        with self._carrying(due):
+            for row in changed:
+                if self._applied.get(row.task_name, 0) >= row.version:
+                    continue
+                if self.names is None or row.task_name in self.names:
+                    due.extend(self.apply(row, now))
+            self._cursor = polled
+            due.extend(self.pending())
+        return due
 
     def pending(self) -> list[Due]:
         """The "run now" slots waiting for a copy (``pending``)."""
@@ -274,9 +285,11 @@ class DataSchedules:
         built.fired = known.fired
         if moved:
             # Never lost: the old schedule's slots due by the edit that this copy has not
-            # fired yet still fire. Never early: the new one's start after the edit.
+            # fired yet still fire, up to the edit itself, whatever ``now`` says (read before
+            # the poll waited on the database, it can be older than an edit the poll found).
+            # Never early: the new one's start after the edit.
             edit = row.changed_at or now
-            owed = slots_after(known.schedule, known.policy, known.fired, min(edit, now))
+            owed = slots_after(known.schedule, known.policy, known.fired, edit)
             due = [
                 Due(row.task_name, slot, version=known.version)
                 for slot in owed
@@ -430,6 +443,56 @@ class DataSchedules:
     def next_poll_in(self) -> float:
         return max(self._next_poll - time.monotonic(), 0.0)
 
+    # -- slots the database failed ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _carrying(self, due: list[Due]) -> Iterator[None]:
+        """Should the database fail while reading, the slots ``due`` gathered so far (a
+        moving edit's owed ones: this copy counts them fired already) are tried again."""
+        try:
+            yield
+        except (BackendUnavailable, DatabaseError):
+            self.carry(due)
+            raise
+
+    def carry(self, due: Iterable[Due]) -> None:
+        """Slots due and not fired because the database failed (reading them, or refusing
+        their claim): tried again (:mod:`.carried`) while this copy fires their schedule and
+        within their grace; the sweep judges the others. A "run now" slot is not carried:
+        its ``pending`` row is found again by the next poll."""
+        self._carried.carry(((item.task_name, item.slot), item) for item in due if not item.manual)
+
+    def carried(self, now: datetime, besides: Iterable[Due] = ()) -> list[Due]:
+        """The carried slots to try again now (none before their retry time), those of
+        schedules this copy still fires, within their grace and not among ``besides`` (due
+        again by themselves: a moving edit's owed slots)."""
+        taken = self._carried.take()
+        if not taken:
+            return []
+        again = {(item.task_name, item.slot) for item in besides}
+        kept: list[Due] = []
+        late = 0
+        for item in taken:
+            state = self.states.get(item.task_name)
+            if (item.task_name, item.slot) in again or state is None:
+                continue  # due again anyway; or disabled or deleted since: nothing fires
+            if now - item.slot <= state.policy.grace:
+                kept.append(item)
+            else:
+                late += 1
+        if late:
+            logger.warning(
+                "run_schedules: %d due slots the database failed were past their grace when "
+                "tried again; the sweep records them",
+                late,
+                extra=log_fields("scheduler.retry_dropped"),
+            )
+        return kept
+
+    def retry_in(self) -> float | None:
+        """Seconds until carried slots are tried again (None: none are)."""
+        return self._carried.retry_in()
+
     # -- firing --------------------------------------------------------------------------
 
     def jobs(self, due: list[Due], now: datetime) -> list[Job]:
@@ -437,11 +500,34 @@ class DataSchedules:
         polled yet is applied first, and a slot it took back is dropped."""
         if not due:
             return []
-        rows = store.data_rows({item.task_name for item in due})
-        jobs: list[Job] = []
         work = list(due)
+        taken: list[Due] = []  # popped from ``work``: with it, what a failure carries
+        jobs: list[Job] = []
+        try:
+            rows = store.data_rows({item.task_name for item in due})
+            self._make_jobs(work, taken, rows, now, jobs)
+        except BaseException as exc:
+            # None of them ran; a "run now" is found again by the next poll. The database
+            # failed: all of them (and the slots an edit made owed) go round again, each
+            # judged again then (_still_due).
+            self.handed -= {(item.task_name, item.slot) for item in taken if item.manual}
+            if isinstance(exc, (BackendUnavailable, DatabaseError)):
+                self.carry(taken + work)
+            raise
+        jobs.reverse()
+        return jobs
+
+    def _make_jobs(
+        self,
+        work: list[Due],
+        taken: list[Due],
+        rows: dict[str, TaskSchedule],
+        now: datetime,
+        jobs: list[Job],
+    ) -> None:
         while work:
             item = work.pop()
+            taken.append(item)
             row = rows.get(item.task_name)
             if row is None or row.removed_at is not None:
                 continue
@@ -474,21 +560,24 @@ class DataSchedules:
                     kwargs,
                     version,
                     item.manual,
+                    item,
                 )
             )
-        jobs.reverse()
-        return jobs
 
     def _still_due(self, item: Due, row: TaskSchedule, now: datetime) -> tuple[bool, list[Due]]:
         """Whether ``item`` still fires under ``row`` (a newer version is applied first),
-        and the slots the old schedule owes that the edit makes due."""
-        state = self.states.get(item.task_name)
-        if state is None or row.version <= state.version:
-            return state is not None, []
-        owed = self.apply(row, now)
+        and the slots the old schedule owes that the edit makes due. A slot after the
+        latest change is judged by the schedule as it is now (a carried slot too, whose
+        edit this copy applied since)."""
         state = self.states.get(item.task_name)
         if state is None:
-            return False, []  # disabled or deleted meanwhile: nothing more fires
+            return False, []
+        owed: list[Due] = []
+        if row.version > state.version:
+            owed = self.apply(row, now)
+            state = self.states.get(item.task_name)
+            if state is None:
+                return False, []  # disabled or deleted meanwhile: nothing more fires
         if item.slot <= (row.changed_at or now):
             return True, owed  # due before the edit: never lost
         ours = state.schedule.latest_slot(item.slot) == item.slot and state.in_window(item.slot)
@@ -514,7 +603,8 @@ class DataSchedules:
                 except BaseException:
                     self.handed.discard((job.task_name, job.slot))  # tried again next poll
                     raise
-            return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
+            with self._carried_on_refusal(job):
+                return hand_out(job.task_name, job.slot, functools.partial(_enqueue, job))
         if job.manual:  # run here: should the claim fail, the next poll tries again
             self.handed.discard((job.task_name, job.slot))
         ran = False
@@ -525,10 +615,22 @@ class DataSchedules:
             ran = True
             return func(*args, **kwargs)
 
-        started = guard.begin(job.task_name, job.slot, policy)
+        with self._carried_on_refusal(job):
+            started = guard.begin(job.task_name, job.slot, policy)
         note_version(started, job.version)
         guard.run(started, body, job.args, dict(job.kwargs))
         return "ran" if ran else "not run here (another call has it, or it is recorded)"
+
+    @contextlib.contextmanager
+    def _carried_on_refusal(self, job: Job) -> Iterator[None]:
+        """The claim (or hand-out) refused because the database failed: nothing was claimed
+        (the guard fails closed), so the slot is tried again (:meth:`carry`)."""
+        try:
+            yield
+        except BackendUnavailable:
+            if job.due is not None and not job.manual:
+                self.carry([job.due])
+            raise
 
 
 def _enqueue(job: Job) -> str:

@@ -77,6 +77,7 @@ EVENTS = frozenset(
         "sweep.called_early",
         "sweep.pending_expired",
         "sweep.partial",
+        "sweep.owed_dropped",
         "sweep.schedule_failed",
         "sweep.failed",
         "cleanup.startup",
@@ -109,6 +110,7 @@ EVENTS = frozenset(
         "scheduler.job_failed",
         "scheduler.data_loaded",
         "scheduler.data_read_failed",
+        "scheduler.retry_dropped",
         "scheduler.missed_recorded",
         # check-ins
         "checkin.failed",
@@ -123,6 +125,8 @@ EVENTS = frozenset(
         "otel.figures_failed",
         "otel.spans_full",
         "otel.span_end_failed",
+        # Huey
+        "huey.send_failed",
         # Celery
         "beat.already_sent",
         "beat.sent_elsewhere",
@@ -148,6 +152,8 @@ EVENTS = frozenset(
         "enqueue.free_failed",
         "enqueue.discard_failed",
         "enqueue.expired",
+        # RQ (contrib.rq)
+        "rq.job_exists",
     }
 )
 

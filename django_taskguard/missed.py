@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from django.db import DatabaseError
@@ -37,6 +37,7 @@ from . import ledger
 from .conf import taskguard_settings
 from .cron import NEXT_SLOT_HORIZON
 from .exceptions import BackendUnavailable
+from .ledger import owed as owed_store
 from .ledger import schedules as store
 from .logfields import log_fields
 from .models import TaskSchedule
@@ -55,6 +56,8 @@ SWEEP_PAGE = 500
 EPSILON = timedelta(microseconds=1)
 # Pending slots ended per statement.
 PENDING_BATCH = 10_000
+# Slots of one owed window judged per sweep (the rest: the next sweep).
+OWED_SLOTS = SWEEP_BATCH * MAX_BATCHES
 # Slots this close to the retention horizon are left alone (the guard refuses them).
 HORIZON_MARGIN = timedelta(hours=1)
 
@@ -76,6 +79,7 @@ def sweep_missed(
         result = SweepResult()
         if not dry_run:
             _end_pending_of_all(now, task, result)
+            _judge_owed(now, floor, task, result)
         due = store.sweep_due(now, task)
         for start in range(0, len(due), SWEEP_PAGE):
             rows = store.sweep_page(due[start : start + SWEEP_PAGE])
@@ -444,6 +448,104 @@ def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) ->
         names = [name for name in names if name == task]
     for row in store.judged_named(names, every=True):
         _end_pending(row, now - row.grace, result)
+
+
+def _judge_owed(now: datetime, floor: datetime, task: str | None, result: SweepResult) -> None:
+    """The owed windows whose grace has passed (ledger/owed.py: the slots of a data
+    schedule's definition that an edit of its slots, a disable or a deletion ended before
+    the sweep had judged them), a page of schedules at a time: each of their slots without
+    a row is recorded as any other (missed, or skipped while paused), in batches across the
+    page's windows. At most ``SWEEP_BATCH * MAX_BATCHES`` slots per window and sweep: the
+    rest of a window stays owed."""
+    ids = owed_store.owed_due(now, task)
+    for start in range(0, len(ids), SWEEP_PAGE):
+        _judge_owed_page(owed_store.owed_page(ids[start : start + SWEEP_PAGE]), now, floor, result)
+
+
+def _judge_owed_page(
+    rows: list[TaskSchedule], now: datetime, floor: datetime, result: SweepResult
+) -> None:
+    windows = store.pause_windows_many(rows)
+    judged: list[tuple[str, list[datetime], _Found]] = []
+    refused: list[tuple[str, datetime, datetime]] = []
+    reasons: dict[str, str] = {}
+    settled: list[tuple[TaskSchedule, list[owed_store.Owed]]] = []
+    for row in rows:
+        left: list[owed_store.Owed] = []
+        for value in row.owed:
+            try:
+                window = owed_store.Owed.of(value)
+            except Exception:  # not what the ledger wrote (edited by hand): dropped, said
+                logger.exception(
+                    "taskguard %s: an owed window cannot be read and is dropped: %r",
+                    row.task_name,
+                    value,
+                    extra=log_fields("sweep.owed_dropped", task=row.task_name),
+                )
+                continue
+            if window.due_at > now:
+                left.append(window)
+                continue
+            try:
+                slots = window.slots(floor, OWED_SLOTS)
+            except Exception:  # a zone this copy's tzdata lacks: another copy may judge it
+                _skip(row)
+                left.append(window)
+                continue
+            if len(slots) == OWED_SLOTS:
+                left.append(replace(window, since=slots[-1]))
+                logger.warning(
+                    "taskguard %s: the sweep judged its slots up to %s; the next sweep goes on "
+                    "to %s",
+                    row.task_name,
+                    slots[-1].isoformat(),
+                    window.until.isoformat(),
+                    extra=log_fields("sweep.partial", task=row.task_name, slot=slots[-1]),
+                )
+            found = _Found(row, windows[row.task_name])
+            found.missed_reason = (
+                f"missed: no instance claimed it within its grace "
+                f"({window.grace.total_seconds():g}s); its schedule (version {window.version}) "
+                f"was changed since"
+            )
+            judged.append((row.task_name, slots, found))
+            if not row.paused:
+                refused.append((row.task_name, window.since, slots[-1] if slots else window.since))
+                reasons[row.task_name] = (
+                    "missed: only a call ahead of the clock came (refused), and no instance "
+                    f"claimed it on time within its grace ({window.grace.total_seconds():g}s)"
+                )
+        settled.append((row, left))
+    _write_owed(judged)
+    for name, count in ledger.refused_early_many(
+        refused, reasons=reasons, actor=actor("sweep")
+    ).items():
+        result.missed_slots += count
+        _count(result, name, count)
+    for _name, _slots, found in judged:
+        found.report(result, False)
+    owed_store.settle(settled)
+
+
+def _write_owed(judged: list[tuple[str, list[datetime], _Found]]) -> None:
+    """Record the owed slots without a row, ``SWEEP_BATCH`` at a time across windows (one
+    read, one write of missed and one of skipped slots per batch)."""
+    pairs = [(name, slot, found) for name, slots, found in judged for slot in slots]
+    for start in range(0, len(pairs), SWEEP_BATCH):
+        batch = pairs[start : start + SWEEP_BATCH]
+        without = set(ledger.pairs_without_row([(name, slot) for name, slot, _ in batch]))
+        by_window: dict[int, tuple[_Found, list[datetime]]] = {}
+        for name, slot, found in batch:
+            if (name, slot) in without:
+                by_window.setdefault(id(found), (found, []))[1].append(slot)
+        missed: list[tuple[str, datetime, str]] = []
+        skipped: list[tuple[str, datetime, str]] = []
+        for found, slots in by_window.values():
+            found.sort(slots, missed, skipped)
+        left_missed = _write(RunState.MISSED, missed, False)
+        left_skipped = _write(RunState.SKIPPED, skipped, False)
+        for found, _slots in by_window.values():
+            found.count(left_missed, left_skipped)
 
 
 def _count(result: SweepResult, task_name: str, slots: int) -> None:

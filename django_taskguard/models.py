@@ -351,6 +351,23 @@ class TaskSchedule(models.Model):
             "swept until, plus its grace); empty: at the next sweep."
         ),
     )
+    owed = models.JSONField(
+        _("owed windows"),
+        default=list,
+        blank=True,
+        help_text=_(
+            "Slots of a definition that a change ended (an edit of its slots, a disable, a "
+            "deletion) which the sweep has not judged yet: each window is judged once its "
+            "grace has passed."
+        ),
+    )
+    owed_due_at = models.DateTimeField(
+        _("owed due at"),
+        null=True,
+        blank=True,
+        db_index=True,
+        help_text=_("When the sweep next judges an owed window; empty: none is left."),
+    )
     entry = models.CharField(
         _("name"),
         max_length=200,

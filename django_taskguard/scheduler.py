@@ -266,27 +266,22 @@ class Scheduler:
     # -- data schedules ------------------------------------------------------------
 
     def _fire_data(self, read: Callable[[datetime], list[Due]]) -> None:
-        """Fire the data schedules' slots that ``read`` finds due (a poll, the heap)."""
-        if self.data is None:
+        """Fire the data schedules' slots that ``read`` finds due (a poll, the heap), then
+        those the database failed before (reading them, or their claim), read apart: one
+        that keeps failing holds up no other."""
+        data = self.data
+        if data is None:
             return
         now = timezone.now()
-        try:
-            jobs = self.data.jobs(read(now), now)
-        except (BackendUnavailable, DatabaseError) as exc:
-            ledger.settle_connection()
-            logger.warning(
-                "run_schedules: the data schedules could not be read (%s); the next tick "
-                "tries again, and the sweep records a slot nobody fired",
-                exc,
-                extra=log_fields("scheduler.data_read_failed", reason=exc),
-            )
-            return
-        except Exception:  # never the loop's end: the next tick, and the sweep, go on
-            logger.exception(
-                "run_schedules: reading the data schedules failed",
-                extra=log_fields("scheduler.data_read_failed"),
-            )
-            return
+        due: list[Due] = []
+
+        def fresh() -> list[Job]:
+            due.extend(read(now))
+            return data.jobs(due, now)
+
+        jobs = self._data_jobs(fresh)
+        if jobs is not None:  # the database answered: the carried slots' turn
+            jobs += self._data_jobs(lambda: data.jobs(data.carried(now, due), now)) or []
         if not jobs:
             return
         tolerance = timedelta(seconds=taskguard_settings.SLOT_TOLERANCE_SECONDS)
@@ -299,11 +294,11 @@ class Scheduler:
         batches: dict[datetime, list[Firing]] = {}
         for job in jobs:
             early = db_now is not None and job.slot - db_now > tolerance
-            firing = Firing(job, self.data)
+            firing = Firing(job, data)
             if (
                 self.batch
                 and not early
-                and self.data.batchable(job)
+                and data.batchable(job)
                 and batchable(firing, job.slot, now)
             ):
                 batches.setdefault(job.slot, []).append(firing)
@@ -319,6 +314,26 @@ class Scheduler:
             firings.sort(key=lambda firing: firing.task_name)
             start = random.randrange(len(firings))
             self.dispatcher.add(slot, firings[start:] + firings[:start])
+
+    def _data_jobs(self, read: Callable[[], list[Job]]) -> list[Job] | None:
+        """``read()``, or None when it failed (logged: the database's failure carried its
+        slots, DataSchedules.carry; anything else is this copy's bug, and the sweep)."""
+        try:
+            return read()
+        except (BackendUnavailable, DatabaseError) as exc:
+            ledger.settle_connection()
+            logger.warning(
+                "run_schedules: the data schedules could not be read (%s); their due slots "
+                "are tried again within their grace",
+                exc,
+                extra=log_fields("scheduler.data_read_failed", reason=exc),
+            )
+        except Exception:  # never the loop's end: the next tick, and the sweep, go on
+            logger.exception(
+                "run_schedules: reading the data schedules failed",
+                extra=log_fields("scheduler.data_read_failed"),
+            )
+        return None
 
     def _run_data(self, job: Job, early: bool, tolerance: timedelta) -> None:
         assert self.data is not None
@@ -367,6 +382,9 @@ class Scheduler:
         self.fire(self.first_due(timezone.now()))
         if self.data is not None:
             self._fire_data(functools.partial(self.data.load, start=True))
+            if (retry := self.data.retry_in()) is not None:  # the database failed: once more
+                time.sleep(retry)
+                self._fire_data(lambda now: [])
         self.sweep(force=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         settled = self.dispatcher.settle(timeout)
@@ -394,6 +412,8 @@ class Scheduler:
                 self._fire_data(data.poll)
                 self._fire_data(data.due)
                 wait = min(wait, data.next_poll_in())
+                if (retry := data.retry_in()) is not None:
+                    wait = min(wait, retry)
             wakeup = self.next_wakeup()
             if wakeup is not None:
                 wait = min(max((wakeup - timezone.now()).total_seconds(), 0.0), wait)

@@ -4,7 +4,7 @@
 # (WIDE_SKIP, below); the others a smoke set. Each entry gets its own venv, .venv-<name>/,
 # built by uv with the user extras [redis,celery,postgres] and [test] (no django-celery-beat:
 # its releases require Django below 6.1, and the package must work without it); "wide"
-# entries add what the rest of the suite needs (prometheus-client, django-tasks-db). A venv
+# entries add what the rest of the suite needs (prometheus-client, django-tasks-db, huey). A venv
 # is rebuilt only when pyproject.toml or its entry below changes (a stamp file inside it);
 # uv's cache (~/.cache/uv) makes a rebuild take seconds. Called by scripts/test.sh (after
 # the main passes); runs on its own too: `bash scripts/matrix.sh [NAME...]` (e.g. django61),
@@ -22,7 +22,7 @@ MATRIX=(
   "django60 3.12 Django>=6.0,<6.1 smoke"
 )
 FULL_EXTRAS=(prometheus-client "django-tasks-db>=0.13" "sentry-sdk>=2.0" "opentelemetry-sdk>=1.20"
-  "opentelemetry-instrumentation-celery>=0.41b0" "python-json-logger>=3.1" "dramatiq[redis]>=1.17")
+  "opentelemetry-instrumentation-celery>=0.41b0" "python-json-logger>=3.1" "dramatiq[redis]>=1.17" "huey>=3.0,<4" "rq>=3.0")
 
 # The wide pass leaves out the files whose tests are about processes, signals and servers
 # rather than Django (Redis killed, paused and flushed; a wire cut; run_schedules under
@@ -36,12 +36,26 @@ WIDE_SKIP=(
   tests/test_faults_wire.py
   tests/test_run_schedules_chaos.py
   tests/test_celery_e2e.py
+  tests/test_rq_e2e.py
   tests/test_celery_apply_once.py
   tests/test_celery_retry_copies.py
   tests/test_checkins_e2e.py
   tests/test_dramatiq_e2e.py
+  tests/test_huey_e2e.py
   tests/test_demo_check.py
   tests/test_mariadb.py
+  # Processes racing, killed and stopped, on this Django as on the main one (their Django
+  # surface, the ORM and the commands, runs in the files kept): about 6 minutes of the pass
+  # (2026-11-27).
+  tests/test_run_schedules.py
+  tests/test_run_schedules_batch.py
+  tests/test_data_run_schedules.py
+  tests/test_upkeep.py
+  tests/test_keyed.py
+  tests/test_cleanup.py
+  tests/test_async_edges.py
+  # Each documented example twice (database, Redis): the main passes run them.
+  tests/test_docs_examples.py
 )
 # The ledger's PostgreSQL SQL (its functions, prepared statements, claims and races).
 WIDE_POSTGRES=(

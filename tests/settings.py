@@ -49,6 +49,15 @@ if TASKS_MODULE is not None:
         INSTALLED_APPS.insert(-1, "django_tasks_db")
         TASKS["db"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}
 
+# Children of tests/test_huey_e2e.py: huey.contrib.djhuey (run_huey, and Huey's own
+# django.tasks backend) on the test's private Redis.
+if os.environ.get("TASKGUARD_TEST_HUEY_URL"):
+    from tests.support.huey_app import huey as HUEY  # noqa: F401  (read by djhuey)
+
+    INSTALLED_APPS.insert(-1, "huey.contrib.djhuey")
+    if TASKS_MODULE is not None:
+        TASKS["huey"] = {"BACKEND": "huey.contrib.djhuey.tasks_backend.HueyBackend"}
+
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

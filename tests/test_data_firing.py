@@ -4,6 +4,9 @@ real copies)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 
@@ -13,16 +16,24 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_taskguard import define_schedule, delete_schedule, once_per_schedule, registry
+from django_taskguard import (
+    carried,
+    define_schedule,
+    delete_schedule,
+    once_per_schedule,
+    registry,
+)
 from django_taskguard.cron import CronSchedule
 from django_taskguard.data_firing import LOOKAHEAD, DataSchedules, Due
 from django_taskguard.data_schedules import jitter_offset, run_now
+from django_taskguard.exceptions import BackendUnavailable
 from django_taskguard.ledger import alias
 from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
 from tests.support import data_targets
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -110,6 +121,26 @@ def test_data__an_edit_that_moves_the_slots_fires_the_owed_ones_and_none_early()
     assert data.due(start - timedelta(microseconds=1)) == []
 
 
+def test_data__a_moving_edit_newer_than_the_copys_clock_still_owes_the_slots_before_it() -> None:
+    # The copy read its clock, then its poll waited on the database (SQLite's writer: the
+    # edit's own transaction) and found the edit, committed after a slot of the old schedule
+    # that this copy had not fired yet: that slot is owed, never skipped by the new schedule.
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    real = timezone.now()
+    data.load(real - 3 * MINUTE, start=True)
+    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    assert edited.changed_at is not None
+    last = _minute(edited.changed_at)  # due before the edit
+    stale = last - timedelta(milliseconds=5)  # the copy's clock, read before its poll
+    owed = _slots(data.apply(edited, stale), row.task_name)
+    assert owed[-1] == last
+    assert owed == [_minute(real - 3 * MINUTE) + n * MINUTE for n in range(1, len(owed) + 1)]
+    start = data.next_start()
+    assert start is not None and start > edited.changed_at
+
+
 def test_data__a_slot_a_moving_edit_took_back_is_not_fired() -> None:
     row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
     data = DataSchedules()
@@ -123,6 +154,22 @@ def test_data__a_slot_a_moving_edit_took_back_is_not_fired() -> None:
     # A slot after the edit that the new schedule does not have is dropped.
     assert len(jobs) == (1 if hourly else 0)
     assert data.states[row.task_name].version == 2
+
+
+def test_data__a_slot_popped_before_an_edit_that_took_it_back_is_dropped_once_applied() -> None:
+    # The edit applied in between (a poll, or a read the database failed, the slot carried):
+    # the slot is judged by the schedule as it is now when it is read, not fired.
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    data = DataSchedules()
+    now = timezone.now()
+    data.load(now, start=True)
+    next_slot = _minute(now) + MINUTE
+    due = data.due(next_slot)
+    edited = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1])
+    data.apply(edited, next_slot)
+    assert data.states[row.task_name].version == edited.version
+    jobs = data.jobs(due, next_slot)
+    assert len(jobs) == (1 if next_slot.minute == 0 else 0)
 
 
 def test_data__disabled_fires_nothing_and_enabled_again_only_after() -> None:
@@ -461,3 +508,101 @@ def test_run_schedules__data_schedules_due_at_one_slot_are_claimed_together_with
     assert len({run.slot for run in found}) == 1  # one slot: the batch's
     if connections[alias()].vendor == "postgresql":  # claimed by one batch statement
         assert batches == [[run.task_name for run in found]]
+
+
+# -- the database fails between a slot falling due and its claim --------------------------
+
+
+def _cut_this_connection() -> None:
+    """End this thread's PostgreSQL connection from another one (its next query fails)."""
+    with connections[alias()].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+
+    def cut() -> None:
+        try:
+            with connections[alias()].cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+        finally:
+            connections[alias()].close()
+
+    thread = threading.Thread(target=cut)
+    thread.start()
+    thread.join(30)
+
+
+@contextlib.contextmanager
+def _database_away() -> Iterator[None]:
+    """This thread's connection refused (a port nobody listens on) until the block ends."""
+    connection = connections[alias()]
+    port = connection.settings_dict["PORT"]
+    connection.close()
+    connection.settings_dict["PORT"] = str(free_port())
+    try:
+        yield
+    finally:
+        connection.settings_dict["PORT"] = port
+        connection.close()
+
+
+def _postgres_only() -> None:
+    if connections[alias()].vendor != "postgresql":
+        pytest.skip("pg_terminate_backend: PostgreSQL")
+
+
+def test_run_schedules__a_due_slot_whose_read_failed_is_fired_when_the_database_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slot was popped (this copy counts it fired), then reading its schedule failed: it
+    # is carried and fired at a later tick, once (it used to be left to the sweep, which
+    # never judges a slot that a moving edit took from the schedule).
+    _postgres_only()
+    monkeypatch.setattr(carried, "RETRY_SECONDS", 0.0)
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    scheduler = Scheduler([], max_workers=1, data=data)
+    popped: list[Due] = []
+
+    def read_then_cut(now: datetime) -> list[Due]:
+        popped.extend(data.load(now, start=True))
+        _cut_this_connection()
+        return list(popped)
+
+    data_targets.executed.clear()
+    try:
+        scheduler._fire_data(read_then_cut)
+        assert scheduler.pool.drain(30)
+        assert data_targets.executed == [] and len(popped) == 1
+        assert data.retry_in() is not None
+        scheduler._fire_data(lambda now: [])  # the next tick: nothing new is due
+        assert scheduler.pool.drain(30)
+    finally:
+        scheduler._close(True, 30)  # the pool's threads close their connections
+    assert [(name, args) for name, args, _ in data_targets.executed] == [(row.task_name, (1,))]
+    (run,) = TaskRun.objects.filter(task_name=row.task_name)
+    assert (run.slot, run.state) == (popped[0].slot, RunState.SUCCEEDED)
+    assert data.retry_in() is None
+
+
+def test_run_schedules__a_claim_the_database_refused_is_tried_again_within_the_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _postgres_only()
+    monkeypatch.setattr(carried, "RETRY_SECONDS", 0.0)
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data = DataSchedules()
+    now = timezone.now()
+    (job,) = data.jobs(data.load(now, start=True), now)
+    data_targets.executed.clear()
+    with _database_away(), pytest.raises(BackendUnavailable):
+        data.run(job)  # the claim failed closed: nothing claimed, nothing ran
+    assert not TaskRun.objects.filter(task_name=row.task_name).exists()
+    (again,) = data.jobs(data.carried(timezone.now()), timezone.now())
+    assert (again.slot, again.args) == (job.slot, job.args)
+    assert data.run(again) == "ran"
+    assert len(data_targets.executed) == 1
+    # Past its grace, a carried slot is left to the sweep (said in the log).
+    data.carry([Due(row.task_name, job.slot - row.grace - MINUTE)])
+    assert data.carried(timezone.now()) == []

@@ -149,9 +149,10 @@ def test_data_run_schedules__two_copies_follow_every_change_without_restart(chil
             "slot", flat=True
         )
     )
-    # Known gap (issue 23's note, "G3 edit gap"): a slot due within a few seconds before an
-    # edit that no copy had fired yet may be neither run nor recorded; seen on Django 6.1's
-    # loaded SQLite pass, 3 s before the arguments' edit. Left out here until it is mended.
+    # Left out: a slot of a due within 5 s before the arguments' edit, seen once neither run
+    # nor recorded on Django 6.1's loaded SQLite pass (2026-11-26), not explained by the two
+    # causes mended since (a moving edit newer than a copy's clock; a read or a claim the
+    # database failed, now tried again). b's interval edit is held to every slot below.
     gap = {slot for slot in before if a2.changed_at - 5 * SECOND < slot <= a2.changed_at}
     assert (set(before) - gap) | set(after) <= set(slots_a) | missed_a
     assert len(missed_a) <= 2, missed_a  # a stall, not a copy that stopped firing

@@ -20,6 +20,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_taskguard import data_schedules, define_schedule, ledger
+from django_taskguard.missed import sweep_missed
 from django_taskguard.models import (
     RunState,
     ScheduleEvent,
@@ -254,6 +255,24 @@ def test_delete__leaves_a_tombstone_its_runs_and_history_then_retire_deletes_it(
     assert act(deleter, "retire_schedules", [stored], confirm="yes").status_code == 200
     assert not TaskSchedule.objects.filter(pk=row.pk).exists()
     assert TaskRun.objects.filter(pk=run.pk).exists()
+
+
+def test_retire__waits_for_the_slots_a_deletion_left_owed_and_says_until_when() -> None:
+    row = define_schedule("tenant-7", TARGET, every=MINUTE, args=[7])
+    TaskSchedule.objects.filter(pk=row.pk).update(
+        first_seen=timezone.now() - timedelta(hours=1), swept_until=None
+    )
+    assert data_schedules.delete_schedule("tenant-7", TARGET)
+    stored = TaskSchedule.objects.get(pk=row.pk)
+    assert stored.owed_due_at is not None  # the hour's slots, judged after their grace
+    admin = login("rita", "view_taskschedule", "change_taskschedule", "delete_taskschedule")
+    response = act(admin, "retire_schedules", [stored], confirm="yes")
+    assert any(m.startswith("Not retired yet: ") for m in said(response)), said(response)
+    assert TaskSchedule.objects.filter(pk=row.pk).exists()
+    sweep_missed(now=stored.owed_due_at + MINUTE)
+    assert TaskRun.objects.filter(task_name=row.task_name, state=RunState.MISSED).exists()
+    response = act(admin, "retire_schedules", [stored], confirm="yes")
+    assert not TaskSchedule.objects.filter(pk=row.pk).exists()
 
 
 # -- run now -------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "django_taskguard"
 
 
@@ -122,11 +124,14 @@ def test_ledger__translates_database_errors_in_one_place():
     assert found == [], "catch through ledger.translated instead"
 
 
-def test_imports__the_core_never_imports_celery():
-    """Celery is an extra: what the package knows of it lives behind ``contrib/celery``."""
+@pytest.mark.parametrize("library", ["celery", "rq", "django_rq"])
+def test_imports__the_core_never_imports_celery(library: str) -> None:
+    """Celery and RQ are extras: what the package knows of each lives behind its
+    ``contrib/`` package (``contrib/celery``, ``contrib/rq``)."""
+    home = "django_taskguard.contrib." + ("celery" if library == "celery" else "rq")
     found: dict[str, list[str]] = {}
     for name, path in modules().items():
-        if name.startswith("django_taskguard.contrib.celery"):
+        if name.startswith(home):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -136,7 +141,27 @@ def test_imports__the_core_never_imports_celery():
             else:
                 continue
             found[name] = found.get(name, []) + [
-                target for target in targets if target.partition(".")[0] == "celery"
+                target for target in targets if target.partition(".")[0] == library
+            ]
+    assert {name: targets for name, targets in found.items() if targets} == {}
+
+
+def test_imports__only_contrib_huey_imports_huey():
+    """Huey is an extra: what the package knows of it lives behind ``contrib/huey``
+    (``apps`` imports that package only where huey is installed)."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        if name.startswith("django_taskguard.contrib.huey"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            found[name] = found.get(name, []) + [
+                target for target in targets if target.partition(".")[0] == "huey"
             ]
     assert {name: targets for name, targets in found.items() if targets} == {}
 

@@ -181,10 +181,18 @@ def test_celery_worker_process__the_span_is_a_child_of_the_worker_task_span(
             return [json.loads(line) for line in lines]
 
         describe = lambda: (scratch / "worker.out").read_text(errors="replace")[-6000:]  # noqa: E731
+
+        def both_with_carriers() -> bool:
+            # A parent span ends (and is written) after its child: wait for the carriers too.
+            spans = ours()
+            ended = {s["context"]["span_id"] for s in spans}
+            found = [s for s in spans if s["name"].startswith("taskguard ")]
+            return len(found) == 2 and all(s["parent_id"] in ended for s in found)
+
         wait_for(
-            lambda: len([s for s in ours() if s["name"].startswith("taskguard ")]) == 2,
+            both_with_carriers,
             timeout=90,
-            what="both attempts' spans from the worker",
+            what="both attempts' spans from the worker, and the worker task spans carrying them",
             describe=describe,
         )
     finally:

@@ -35,13 +35,13 @@ from django.utils import timezone
 from ..exceptions import BackendUnavailable
 from ..logfields import log_fields
 from ..models import (
-    DatabaseNow,
     ScheduleEvent,
     ScheduleEventKind,
     ScheduleEventOrigin,
     ScheduleSource,
     TaskSchedule,
 )
+from . import owed
 from .core import alias, clip, database_now, dialect, translated
 
 logger = logging.getLogger("taskguard.ledger")
@@ -77,7 +77,7 @@ def stored() -> list[TaskSchedule]:
     """Every known schedule, by task name, without a data schedule's arguments and
     description (read on access: what health and the schedulers' bookkeeping never need, at
     100,000 schedules most of the bytes)."""
-    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
+    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description", "owed")
     with translated:
         return list(rows.order_by("task_name"))
 
@@ -301,7 +301,7 @@ def _judged() -> QuerySet[TaskSchedule]:
     rows = rows.exclude(
         Q(source=ScheduleSource.CELERY, entry="", task_name__in=Subquery(beat_entries))
     )
-    return rows.defer("args", "kwargs", "description")
+    return rows.defer("args", "kwargs", "description", "owed")
 
 
 def sweep_due(now: datetime, task: str | None = None) -> list[int]:
@@ -326,7 +326,7 @@ def judged_named(task_names: Sequence[str], *, every: bool = False) -> list[Task
     the removed and disabled ones too: a slot handed out before a schedule was deleted or
     disabled still has to end)."""
     found: list[TaskSchedule] = []
-    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description")
+    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description", "owed")
     rows = every_row if every else _judged()
     with translated:
         for start in range(0, len(task_names), 500):
@@ -523,9 +523,12 @@ def _mark(rows: QuerySet[TaskSchedule], declared: Collection[str], now: datetime
 
 
 def retire(task_name: str) -> bool:
-    """Delete a removed schedule's row (its runs and its events stay); False when unknown
-    or declared again (a sync may have declared it since the admin's page was drawn)."""
-    rows = TaskSchedule.objects.using(alias()).filter(task_name=task_name, removed_at__isnull=False)
+    """Delete a removed schedule's row (its runs and its events stay); False when unknown,
+    declared again (a sync may have declared it since the admin's page was drawn), or
+    still owing the sweep slots before its deletion (``owed_due_at``: retire it after)."""
+    rows = TaskSchedule.objects.using(alias()).filter(
+        task_name=task_name, removed_at__isnull=False, owed_due_at__isnull=True
+    )
     with translated:
         deleted, _ = rows.delete()
     return bool(deleted)
@@ -662,6 +665,10 @@ def _define(
         _write_first(rows.filter(task_name=task_name))
         row = rows.select_for_update().filter(task_name=task_name).first()
         now = timezone.now()
+        # The change's instant by the database's clock, read under the row's lock: its
+        # ``changed_at`` (what the schedulers take as the edit), and where the sweep stops
+        # judging the old definition and starts the new one.
+        changed = database_now()
         if row is not None and row.source != ScheduleSource.DATA:
             if row.declared_in not in adopt:
                 raise NotDataSchedule(row)
@@ -688,8 +695,8 @@ def _define(
                 )
             else:
                 row.removed_at = None
-                row.first_seen = first_seen or now
-                row.swept_until = now
+                row.first_seen = first_seen or changed
+                row.swept_until = changed
         else:
             changes = _edits(row, values)
             if not changes:
@@ -700,21 +707,27 @@ def _define(
                 )
             else:
                 kind = ScheduleEventKind.EDITED
+            if any(name in changes for name in SLOT_FIELDS) or not values["enabled"]:
+                # The definition judged until now ends here: its slots the sweep has not
+                # judged yet are owed (ledger/owed.py); the new one is judged from here.
+                window = owed.ending(row, zone_of(row))
+                if window is not None:
+                    owed.owe(row, window, changed)
             if any(name in changes for name in SLOT_FIELDS) or (
                 "enabled" in changes and values["enabled"]
             ):
-                row.swept_until = now if row.swept_until is None else max(row.swept_until, now)
+                mark = row.swept_until
+                row.swept_until = changed if mark is None else max(mark, changed)
                 # Its slots count from now: health does not wait for a slot of the new
                 # definition from before the edit (never fired, by design).
-                row.first_seen = max(row.first_seen, now)
+                row.first_seen = max(row.first_seen, changed)
         row.sweep_due_at = None  # its slots or its mark may have moved: the sweep looks next time
         for name in DEFINITION_FIELDS:
             setattr(row, name, values[name])
         row.version += 1
         row.last_seen = now
-        row.changed_at = DatabaseNow()
+        row.changed_at = changed
         row.save(using=alias())
-        row.refresh_from_db(using=alias(), fields=["changed_at"])
         ScheduleEvent(
             task_name=task_name,
             kind=kind,
@@ -858,12 +871,15 @@ def delete_data(
         if row is None:
             return None
         now = timezone.now()
+        changed = database_now()  # as in _define
+        window = owed.ending(row, zone_of(row))
+        if window is not None:
+            owed.owe(row, window, changed)
         row.removed_at = now
         row.enabled = False
         row.version += 1
-        row.changed_at = DatabaseNow()
+        row.changed_at = changed
         row.save(using=alias())
-        row.refresh_from_db(using=alias(), fields=["changed_at"])
         ScheduleEvent(
             task_name=task_name,
             kind=ScheduleEventKind.DELETED,
@@ -906,7 +922,7 @@ def data_changed_since(
     when due: :func:`data_rows`)."""
     rows = data_schedules(target_kinds).filter(changed_at__gte=since)
     if light:
-        rows = rows.defer("args", "kwargs", "description")
+        rows = rows.defer("args", "kwargs", "description", "owed")
     with translated:
         return list(rows.order_by("id"))
 
@@ -926,7 +942,7 @@ def live_data(
         rows = rows.filter(task_name__in=list(names))
     with translated:
         yield from (
-            rows.defer("args", "kwargs", "description")
+            rows.defer("args", "kwargs", "description", "owed")
             .order_by("id")
             .iterator(chunk_size=READ_CHUNK)
         )
@@ -956,9 +972,10 @@ def arguments_at(row: TaskSchedule, version: int) -> tuple[list[object], dict[st
     )
     with translated:
         for changes in later.order_by("-version", "-id").values_list("changes", flat=True):
-            if "args" in changes:
+            # A creation (a deleted schedule's name defined again) says nothing before it.
+            if "args" in changes and changes["args"][0] is not None:
                 args = list(changes["args"][0])
-            if "kwargs" in changes:
+            if "kwargs" in changes and changes["kwargs"][0] is not None:
                 kwargs = dict(changes["kwargs"][0])
     return args, kwargs
 

@@ -333,7 +333,7 @@ class DataSchedules:
         old = cast(DataDue, known.schedule)
         if old == schedule:
             return []
-        edit = min(row.changed_at or now, now)
+        edit = row.changed_at or now  # (a tick's now can be older than an edit it reads)
         since = max(known.sent_at, now - row.grace - old.offset)
         return [(known, slot) for slot in old.owed(since, old.latest_slot(edit + old.offset))]
 
