@@ -32,6 +32,12 @@ class TaskguardConfig(AppConfig):
             from .contrib.tasks import register as register_tasks
 
             register_tasks()
+        if find_spec("dramatiq") is not None:
+            # Guarded actors claim the slot their message carries (TaskguardMiddleware);
+            # run_schedules --enqueue sends due slots to the actors that wrap schedules.
+            from .contrib.dramatiq import register as register_dramatiq
+
+            register_dramatiq()
         if find_spec("huey") is not None:
             # Huey tasks over guarded functions: run_schedules --enqueue finds them, and the
             # consumer's calls know their task (retries are attempts of the slot's row).

@@ -22,7 +22,7 @@ MATRIX=(
   "django60 3.12 Django>=6.0,<6.1 smoke"
 )
 FULL_EXTRAS=(prometheus-client "django-tasks-db>=0.13" "sentry-sdk>=2.0" "opentelemetry-sdk>=1.20"
-  "opentelemetry-instrumentation-celery>=0.41b0" "python-json-logger>=3.1" "huey>=3.0,<4" "rq>=3.0")
+  "opentelemetry-instrumentation-celery>=0.41b0" "python-json-logger>=3.1" "dramatiq[redis]>=1.17" "huey>=3.0,<4" "rq>=3.0")
 
 # The wide pass leaves out the files whose tests are about processes, signals and servers
 # rather than Django (Redis killed, paused and flushed; a wire cut; run_schedules under
@@ -40,6 +40,7 @@ WIDE_SKIP=(
   tests/test_celery_apply_once.py
   tests/test_celery_retry_copies.py
   tests/test_checkins_e2e.py
+  tests/test_dramatiq_e2e.py
   tests/test_huey_e2e.py
   tests/test_demo_check.py
   tests/test_mariadb.py

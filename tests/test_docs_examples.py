@@ -38,6 +38,7 @@ PAGES = [
     "docs/decorators.md",
     "docs/schedules.md",
     "README.md",
+    "docs/dramatiq.md",
     *DEPLOYMENTS,
     MIGRATING,
     DJANGO_Q2,
@@ -88,6 +89,7 @@ PRELUDES = {
     ),
     "docs/schedules.md": "",
     "README.md": "",
+    "docs/dramatiq.md": "",
     **dict.fromkeys([*DEPLOYMENTS, MIGRATING, DJANGO_Q2], ""),
 }
 
@@ -140,6 +142,8 @@ def marked(page: str) -> Any:
     if page == DJANGO_Q2:
         missing = find_spec("django_q") is None
         return pytest.param(page, marks=pytest.mark.skipif(missing, reason="needs django-q2"))
+    if page == "docs/dramatiq.md" and not find_spec("dramatiq"):
+        return pytest.param(page, marks=pytest.mark.skip(reason="needs dramatiq"))
     return page
 
 

@@ -166,6 +166,26 @@ def test_imports__only_contrib_huey_imports_huey():
     assert {name: targets for name, targets in found.items() if targets} == {}
 
 
+def test_imports__dramatiq_only_behind_contrib_dramatiq():
+    """Dramatiq is an extra: only ``contrib/dramatiq`` imports it (``apps`` imports that
+    package only when Dramatiq is installed)."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        if name.startswith("django_taskguard.contrib.dramatiq"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            found[name] = found.get(name, []) + [
+                target for target in targets if target.partition(".")[0] == "dramatiq"
+            ]
+    assert {name: targets for name, targets in found.items() if targets} == {}
+
+
 def test_imports__opentelemetry_only_behind_its_setting():
     """opentelemetry is an extra, imported only when ``OPENTELEMETRY`` turns it on: the
     ``otel`` package alone imports it, and only ``apps`` imports ``otel`` (in ``ready``,
