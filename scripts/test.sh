@@ -48,7 +48,7 @@ step "tests on SQLite (the \"once\" tests and the Redis chaos tests run in the P
 # PostgreSQL and, three of them, on MariaDB: the SQLite ledger's own takeovers and fencing
 # are proven by test_guard.py and test_race.py here.
 TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-10}" \
-  $PY -m pytest -m "not soak and not once" --ignore tests/test_faults_redis.py "$@"
+  $PY -m pytest -m "not soak and not once" --ignore tests/test_faults_redis.py --durations=25 "$@"
 step "the example project's tests (written with django_taskguard.testing)"
 (cd example_project && "../$PY" -m pytest)
 # The wide pass on Django 6.1 (scripts/matrix.sh: the suite on SQLite without the
@@ -78,7 +78,7 @@ step "tests on PostgreSQL"
 # terminated connection) runs here only: 60 s of chaos, about 80 s in all.
 TASKGUARD_SCHEDULER_TEST_SECONDS="${TASKGUARD_SCHEDULER_TEST_SECONDS:-20}" \
   TASKGUARD_SCHEDULER_CHAOS_SECONDS="${TASKGUARD_SCHEDULER_CHAOS_SECONDS:-60}" \
-  TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" "$@"
+  TASKGUARD_TEST_DB=postgres $PY -m pytest -m "not soak" --durations=25 "$@"
 # MariaDB: the guarantee tests and a smoke set, not the whole suite (about 6.5 minutes there,
 # over CI's budget; about 2 minutes this way). The session starts a private mariadbd in a
 # temporary directory on a free port (tests/support/mariadb_server.py). test_mariadb.py races 8
@@ -103,6 +103,7 @@ MARIADB_TESTS=(
   tests/test_metrics.py
   tests/test_schedule_registry.py
   tests/test_contrib_tasks.py
+  tests/test_owed.py
 )
 step "the guarantee tests and a smoke set on MariaDB (a private server)"
 TASKGUARD_TEST_DB=mariadb $PY -m pytest -m "not soak and not once" "${MARIADB_TESTS[@]}" "$@"
