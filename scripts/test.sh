@@ -118,8 +118,8 @@ if [ "$matrix_status" -ne 0 ]; then
   echo "!! the Django 6.1 pass failed (exit $matrix_status); its output is above" >&2
   exit "$matrix_status"
 fi
-step "version matrix: the smoke set on Django 6.0"
-bash scripts/matrix.sh django60
+step "version matrix: the smoke set on Django 6.0, and APScheduler 4 (a pre-release)"
+bash scripts/matrix.sh django60 aps4
 step "soak (TASKGUARD_SOAK_SECONDS=$TASKGUARD_SOAK_SECONDS; every chaos kind at least once)"
 # No exit-5 escape: a soak that vanished (no test carries the marker) is a failure.
 TASKGUARD_TEST_DB=postgres $PY -m pytest -m soak "$@"
