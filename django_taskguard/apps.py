@@ -38,6 +38,12 @@ class TaskguardConfig(AppConfig):
             from .contrib.dramatiq import register as register_dramatiq
 
             register_dramatiq()
+        if find_spec("rq") is not None:
+            # RQ jobs: the slot from the job's meta, retries as attempts, no upkeep thread in
+            # a work horse (even for a job whose module never imports contrib.rq).
+            from .contrib.rq import register as register_rq
+
+            register_rq()
         if find_spec("huey") is not None:
             # Huey tasks over guarded functions: run_schedules --enqueue finds them, and the
             # consumer's calls know their task (retries are attempts of the slot's row).

@@ -287,11 +287,17 @@ def _interval() -> float | None:
         return None
 
 
+# Integrations' vetoes: a process for which one returns True starts no automatic upkeep
+# (RQ's work horse: it ends with os._exit after its job, and an upkeep thread would die there
+# holding the fleet-wide lease, keeping every other process's upkeep off until it lapsed).
+VETOES: list[Callable[[], bool]] = []
+
+
 def maybe_upkeep() -> bool:
     """Start the upkeep in a daemon thread when this process is due to attempt it; True
     when a thread started. Never blocks, never raises: the caller's work is done."""
     try:
-        if not due_here():
+        if any(veto() for veto in VETOES) or not due_here():
             return False
         thread = threading.Thread(target=_in_thread, name="taskguard-upkeep", daemon=True)
         _gate.thread = thread

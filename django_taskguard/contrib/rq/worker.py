@@ -36,11 +36,6 @@ def rq_call_context() -> CallContext | None:
     job = get_current_job()
     if job is None:
         return None
-    # RQ's work horse ends with os._exit as soon as its job ends: an upkeep thread started
-    # there (guard.run starts one when this process is due) would die holding the
-    # fleet-wide upkeep lease, and keep every other process's upkeep off until it lapsed.
-    # A process that runs RQ jobs leaves the upkeep to others (run_schedules copies).
-    upkeep.forget(off=True)
     if active_run() is not None:
         return None
     try:
@@ -92,7 +87,17 @@ def flush_checkins(job: Job, connection: Any, *result_or_exc_info: Any) -> None:
         checkins.flush(float(settings.get("timeout", 5)))
 
 
+def in_job() -> bool:
+    """Whether this process runs an RQ job now: its work horse ends with os._exit as soon as
+    the job ends, so it starts no automatic upkeep (``upkeep.VETOES``: an upkeep thread there
+    would die holding the fleet-wide lease); the run_schedules copies keep it."""
+    return get_current_job() is not None
+
+
 def register() -> None:
-    """Wire RQ in (idempotent): guarded jobs find their slot in the job's meta."""
+    """Wire RQ in (idempotent): guarded jobs find their slot in the job's meta; no upkeep
+    thread in a work horse, whatever it runs."""
     if rq_call_context not in SLOT_SOURCES:
         SLOT_SOURCES.append(rq_call_context)
+    if in_job not in upkeep.VETOES:
+        upkeep.VETOES.append(in_job)
