@@ -408,3 +408,17 @@ def test_periodic__refuses_what_has_no_schedule_or_is_too_frequent(queue):
         registry.unregister("tests.huey.frequent")
     with pytest.raises(InvalidSchedule, match="sets validate_datetime itself"):
         periodic(queue, validate_datetime=lambda timestamp: True)
+
+
+def test_retry_task__a_naive_eta_is_local_time_as_huey_reads_it() -> None:
+    # Huey's normalize_time takes a naive eta as local time (Django sets it to TIME_ZONE):
+    # two hours ahead there is two hours ahead, not hours earlier (west of UTC).
+    from datetime import datetime
+
+    from django.test import override_settings
+
+    from django_taskguard.contrib.huey.worker import _until
+
+    with override_settings(TIME_ZONE="America/New_York"):
+        eta = datetime.now() + timedelta(hours=2)  # naive, local
+        assert 7100 < (_until(eta, None) or 0) <= 7200

@@ -114,11 +114,12 @@ def classify_raise(task: Any, exc: BaseException) -> Ending | None:
 
 
 def _until(eta: datetime | None, otherwise: float | None) -> float | None:
-    """Seconds from now to a Huey ``eta`` (naive: UTC, Huey's default; aware: as given)."""
+    """Seconds from now to a Huey ``eta`` (naive: this process's local time, as Huey's
+    ``normalize_time`` reads it, utc or not; Django sets it to TIME_ZONE; aware: as given)."""
     if eta is None:
         return otherwise
     if eta.tzinfo is None:
-        eta = eta.replace(tzinfo=timezone.utc)
+        eta = eta.astimezone()
     return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
 
 
