@@ -422,3 +422,24 @@ def test_retry_task__a_naive_eta_is_local_time_as_huey_reads_it() -> None:
     with override_settings(TIME_ZONE="America/New_York"):
         eta = datetime.now() + timedelta(hours=2)  # naive, local
         assert 7100 < (_until(eta, None) or 0) <= 7200
+
+
+def test_install__the_upkeep_starts_after_a_task_even_an_unguarded_one(queue):
+    """A Huey-only deployment's upkeep: the post-execute hook starts it (a thread) when this
+    process is due, after any task (guard.run starts it too, but only for guarded ones)."""
+    from django_taskguard import upkeep
+
+    @queue.task()
+    def plain() -> None:
+        pass
+
+    taskguard = {"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 5}
+    with override_settings(TASKGUARD=taskguard):
+        upkeep.forget()  # on, as in a consumer outside the test environment
+        try:
+            plain()
+            assert consume(queue) == 1
+            assert upkeep._gate.thread is not None  # started by the hook, after the task
+        finally:
+            upkeep.join(timeout=30)
+            upkeep.forget(off=True)  # as conftest leaves the test process
