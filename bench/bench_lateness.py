@@ -56,10 +56,11 @@ def seed(schedules: int, runs: int) -> None:
             INSERT INTO taskguard_taskschedule (task_name, source, function, cron, cron_day_or,
                 every, time_zone, default_zone, catchup, grace, max_catchup, paused,
                 paused_reason, first_seen, last_seen, entry, declared_in, target_kind, args,
-                kwargs, enabled, description, version)
+                kwargs, enabled, description, version, owed)
             SELECT 'bench.late.' || s, 'function', 'bench.late.' || s, '', true,
                    interval '1 minute', '', 'UTC', 'latest', interval '1 minute', 10, false,
-                   '', now() - interval '2 days', now(), '', '', '', '[]', '{{}}', true, '', 0
+                   '', now() - interval '2 days', now(), '', '', '', '[]', '{{}}', true, '', 0,
+                   '[]'
             FROM generate_series(0, {schedules} - 1) AS s
             """
         )
