@@ -124,11 +124,24 @@ def test_ledger__translates_database_errors_in_one_place():
     assert found == [], "catch through ledger.translated instead"
 
 
-@pytest.mark.parametrize("library", ["celery", "rq", "django_rq"])
-def test_imports__the_core_never_imports_celery(library: str) -> None:
-    """Celery and RQ are extras: what the package knows of each lives behind its
-    ``contrib/`` package (``contrib/celery``, ``contrib/rq``)."""
-    home = "django_taskguard.contrib." + ("celery" if library == "celery" else "rq")
+# Each extra's library, and the contrib/ package that alone may import it (``apps`` imports
+# that package only where the library is installed).
+EXTRAS = [
+    ("celery", "celery"),
+    ("rq", "rq"),
+    ("django_rq", "rq"),
+    ("huey", "huey"),
+    ("dramatiq", "dramatiq"),
+]
+
+
+@pytest.mark.parametrize(("library", "package"), EXTRAS)
+def test_imports__an_extras_library_only_behind_its_contrib_package(
+    library: str, package: str
+) -> None:
+    """Celery, RQ, Huey and Dramatiq are extras: what the package knows of each lives behind
+    its ``contrib/`` package."""
+    home = f"django_taskguard.contrib.{package}"
     found: dict[str, list[str]] = {}
     for name, path in modules().items():
         if name.startswith(home):
@@ -142,46 +155,6 @@ def test_imports__the_core_never_imports_celery(library: str) -> None:
                 continue
             found[name] = found.get(name, []) + [
                 target for target in targets if target.partition(".")[0] == library
-            ]
-    assert {name: targets for name, targets in found.items() if targets} == {}
-
-
-def test_imports__only_contrib_huey_imports_huey():
-    """Huey is an extra: what the package knows of it lives behind ``contrib/huey``
-    (``apps`` imports that package only where huey is installed)."""
-    found: dict[str, list[str]] = {}
-    for name, path in modules().items():
-        if name.startswith("django_taskguard.contrib.huey"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                targets = [node.module or ""]
-            else:
-                continue
-            found[name] = found.get(name, []) + [
-                target for target in targets if target.partition(".")[0] == "huey"
-            ]
-    assert {name: targets for name, targets in found.items() if targets} == {}
-
-
-def test_imports__dramatiq_only_behind_contrib_dramatiq():
-    """Dramatiq is an extra: only ``contrib/dramatiq`` imports it (``apps`` imports that
-    package only when Dramatiq is installed)."""
-    found: dict[str, list[str]] = {}
-    for name, path in modules().items():
-        if name.startswith("django_taskguard.contrib.dramatiq"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                targets = [node.module or ""]
-            else:
-                continue
-            found[name] = found.get(name, []) + [
-                target for target in targets if target.partition(".")[0] == "dramatiq"
             ]
     assert {name: targets for name, targets in found.items() if targets} == {}
 
