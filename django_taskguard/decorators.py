@@ -59,6 +59,18 @@ PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 # it, the guarded function takes it off before calling the user's and claims that slot.
 logger = logging.getLogger("taskguard")
 SLOT_KWARG = "_taskguard_slot"
+
+
+def carrying_slot(kwargs: dict[str, Any], slot: datetime | str) -> dict[str, Any]:
+    """``kwargs`` with ``slot`` added as :data:`SLOT_KWARG` (normalized, ISO-8601 UTC): the
+    keyword arguments of a call a task queue carries to the guarded function (each
+    integration's ``enqueue_for_slot``). The caller gives the slot as an argument, never as
+    ``SLOT_KWARG`` itself."""
+    if SLOT_KWARG in kwargs:
+        raise TaskGuardError(f"give the slot as enqueue_for_slot()'s argument, not {SLOT_KWARG}=")
+    return {**kwargs, SLOT_KWARG: schedules.normalize_slot(slot).isoformat()}
+
+
 # A data schedule's enqueued call (django.tasks): ``{"task_name": ..., "version": n}``, the
 # schedule's identity and version, popped like ``SLOT_KWARG``.
 SCHEDULE_KWARG = "_taskguard_schedule"

@@ -22,9 +22,9 @@ from datetime import datetime
 from importlib import import_module
 from typing import Any
 
-from .. import data_schedules, registry, schedules
+from .. import data_schedules, registry
 from ..decorating import guarded_policy
-from ..decorators import SLOT_KWARG
+from ..decorators import SLOT_KWARG, carrying_slot
 from ..exceptions import TaskGuardError
 from ..models import TargetKind
 
@@ -68,10 +68,7 @@ def enqueue_for_slot(task: Any, slot: datetime | str, /, *args: Any, **kwargs: A
             f"enqueue_for_slot() takes a django.tasks task whose function is decorated with "
             f"@once_per_schedule (@task() on top); got {task!r}"
         )
-    if SLOT_KWARG in kwargs:
-        raise TaskGuardError(f"give the slot as enqueue_for_slot()'s argument, not {SLOT_KWARG}=")
-    kwargs[SLOT_KWARG] = schedules.normalize_slot(slot).isoformat()
-    return task.enqueue(*args, **kwargs)
+    return task.enqueue(*args, **carrying_slot(kwargs, slot))
 
 
 def _enqueue(task: Any, slot: datetime) -> str:

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ... import registry, schedules
+from ... import registry
 from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext, dotted_name, guarded_policy
-from ...decorators import SLOT_KWARG
+from ...decorators import carrying_slot
 from ...endings import Ending
 from ...exceptions import TaskGuardError
 from ...states import RunState
@@ -130,14 +130,11 @@ def enqueue_for_slot(func: Any, slot: datetime | str, /, *args: Any, **kwargs: A
     ``q_options``, ``group``, ``timeout`` ... pass through to ``async_task``."""
     from django_q.tasks import async_task
 
-    if SLOT_KWARG in kwargs:
-        raise TaskGuardError(f"give the slot as enqueue_for_slot()'s argument, not {SLOT_KWARG}=")
     if not isinstance(func, str) and guarded_policy(func) is None:
         raise TaskGuardError(
             f"enqueue_for_slot() takes a function decorated with @once_per_schedule; got {func!r}"
         )
-    kwargs[SLOT_KWARG] = schedules.normalize_slot(slot).isoformat()
-    return str(async_task(func, *args, **kwargs))
+    return str(async_task(func, *args, **carrying_slot(kwargs, slot)))
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Any
 
 from huey.api import TaskWrapper
 
-from ... import registry, schedules
+from ... import registry
 from ...decorating import guarded_policy
-from ...decorators import SLOT_KWARG
+from ...decorators import carrying_slot
 from ...exceptions import TaskGuardError
 
 
@@ -59,10 +59,7 @@ def signature_for_slot(task: Any, slot: datetime | str, /, *args: Any, **kwargs:
             f"enqueue_for_slot() takes a Huey task whose function is decorated with "
             f"@once_per_schedule (@huey.task() on top); got {task!r}"
         )
-    if SLOT_KWARG in kwargs:
-        raise TaskGuardError(f"give the slot as enqueue_for_slot()'s argument, not {SLOT_KWARG}=")
-    kwargs[SLOT_KWARG] = schedules.normalize_slot(slot).isoformat()
-    return task.s(*args, **kwargs)
+    return task.s(*args, **carrying_slot(kwargs, slot))
 
 
 def _enqueue(task: Any, slot: datetime) -> str:
