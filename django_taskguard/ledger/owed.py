@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import reduce
 from operator import or_
@@ -110,14 +110,15 @@ def _moment(text: str | None) -> datetime | None:
     return None if text is None else datetime.fromisoformat(text)
 
 
-def ending(row: TaskSchedule, zone: str) -> Owed | None:
-    """The window ``row``'s definition (as read, before the change being made) owes from
-    the sweep's mark, its end left to :func:`owe`; None when it was not judged (disabled,
-    deleted)."""
+def owe(row: TaskSchedule, zone: str, until: datetime) -> None:
+    """``row``'s definition (as read, before the change being saved; its cron's ``zone``)
+    ends at ``until`` (the change's time by the database's clock): its slots after the
+    sweep's mark become an owed window. Nothing when it was not judged (disabled, deleted)
+    or the window holds no slot (a daily report edited between two sweeps). The caller
+    saves the row."""
     if row.removed_at is not None or not row.enabled:
-        return None
-    since = row.swept_until or row.first_seen
-    return Owed(
+        return
+    window = Owed(
         cron=row.cron,
         day_or=row.cron_day_or,
         zone=zone,
@@ -125,17 +126,10 @@ def ending(row: TaskSchedule, zone: str) -> Owed | None:
         starts=row.starts,
         ends=row.ends,
         grace=row.grace,
-        since=since,
-        until=since,
+        since=row.swept_until or row.first_seen,
+        until=until,
         version=row.version,
     )
-
-
-def owe(row: TaskSchedule, window: Owed, until: datetime) -> None:
-    """Add ``window`` up to ``until`` (the change's time by the database's clock) to
-    ``row``'s owed windows (nothing when it holds no slot: a daily report edited between
-    two sweeps owes none); the caller saves the row."""
-    window = replace(window, until=until)
     try:
         if not window.slots():
             return

@@ -71,13 +71,17 @@ class Record:
 
 
 _CODE_FIELDS = [field.name for field in fields(Record) if field.name != "task_name"]
+# What most reads of the schedules leave unread (fetched on access): a data schedule's
+# arguments and description (up to 64 KB each) and its owed windows (the sweep reads them
+# through ledger/owed.py). At 100,000 schedules, most of the bytes.
+UNREAD = ("args", "kwargs", "description", "owed")
 
 
 def stored() -> list[TaskSchedule]:
     """Every known schedule, by task name, without a data schedule's arguments and
     description (read on access: what health and the schedulers' bookkeeping never need, at
     100,000 schedules most of the bytes)."""
-    rows = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description", "owed")
+    rows = TaskSchedule.objects.using(alias()).defer(*UNREAD)
     with translated:
         return list(rows.order_by("task_name"))
 
@@ -301,7 +305,7 @@ def _judged() -> QuerySet[TaskSchedule]:
     rows = rows.exclude(
         Q(source=ScheduleSource.CELERY, entry="", task_name__in=Subquery(beat_entries))
     )
-    return rows.defer("args", "kwargs", "description", "owed")
+    return rows.defer(*UNREAD)
 
 
 def sweep_due(now: datetime, task: str | None = None) -> list[int]:
@@ -326,7 +330,7 @@ def judged_named(task_names: Sequence[str], *, every: bool = False) -> list[Task
     the removed and disabled ones too: a slot handed out before a schedule was deleted or
     disabled still has to end)."""
     found: list[TaskSchedule] = []
-    every_row = TaskSchedule.objects.using(alias()).defer("args", "kwargs", "description", "owed")
+    every_row = TaskSchedule.objects.using(alias()).defer(*UNREAD)
     rows = every_row if every else _judged()
     with translated:
         for start in range(0, len(task_names), 500):
@@ -710,9 +714,7 @@ def _define(
             if any(name in changes for name in SLOT_FIELDS) or not values["enabled"]:
                 # The definition judged until now ends here: its slots the sweep has not
                 # judged yet are owed (ledger/owed.py); the new one is judged from here.
-                window = owed.ending(row, zone_of(row))
-                if window is not None:
-                    owed.owe(row, window, changed)
+                owed.owe(row, zone_of(row), changed)
             if any(name in changes for name in SLOT_FIELDS) or (
                 "enabled" in changes and values["enabled"]
             ):
@@ -872,9 +874,7 @@ def delete_data(
             return None
         now = timezone.now()
         changed = database_now()  # as in _define
-        window = owed.ending(row, zone_of(row))
-        if window is not None:
-            owed.owe(row, window, changed)
+        owed.owe(row, zone_of(row), changed)
         row.removed_at = now
         row.enabled = False
         row.version += 1
@@ -922,7 +922,7 @@ def data_changed_since(
     when due: :func:`data_rows`)."""
     rows = data_schedules(target_kinds).filter(changed_at__gte=since)
     if light:
-        rows = rows.defer("args", "kwargs", "description", "owed")
+        rows = rows.defer(*UNREAD)
     with translated:
         return list(rows.order_by("id"))
 
@@ -941,11 +941,7 @@ def live_data(
     if names is not None:
         rows = rows.filter(task_name__in=list(names))
     with translated:
-        yield from (
-            rows.defer("args", "kwargs", "description", "owed")
-            .order_by("id")
-            .iterator(chunk_size=READ_CHUNK)
-        )
+        yield from (rows.defer(*UNREAD).order_by("id").iterator(chunk_size=READ_CHUNK))
 
 
 def data_rows(task_names: Collection[str]) -> dict[str, TaskSchedule]:
