@@ -274,11 +274,12 @@ class _Found:
     """One schedule's slots without a row, sorted into missed and paused, and what was
     written."""
 
-    def __init__(self, row: TaskSchedule, windows: list[store.PauseWindow]) -> None:
+    def __init__(
+        self, row: TaskSchedule, windows: list[store.PauseWindow], reason: str | None = None
+    ) -> None:
         self.row = row
         self.windows = windows
-        grace = row.grace.total_seconds()
-        self.missed_reason = f"missed: no instance claimed it within its grace ({grace:g}s)"
+        self.missed_reason = reason or _missed_reason(row.grace)
         self.missed = self.paused = 0
         self.last_missed: datetime | None = None
         self.missed_slots: list[datetime] = []  # every slot recorded missed, oldest first
@@ -418,14 +419,24 @@ def _miss_refused_early(works: list[_Work], result: SweepResult) -> None:
     took within their grace, are missed like slots with no row (read for the whole page at
     once; not while paused)."""
     windows = [(w.row.task_name, w.judged, w.end) for w in works if not w.row.paused]
+    _miss_refused(windows, {w.row.task_name: w.row.grace for w in works}, result)
+
+
+def _miss_refused(
+    windows: list[tuple[str, datetime, datetime]],
+    graces: dict[str, timedelta],
+    result: SweepResult,
+) -> None:
+    """Turn ``(task, after, until)`` windows' slots only called early into missed (one read
+    for all of them), counted and said per task."""
     if not windows:
         return
     reasons = {
-        w.row.task_name: (
+        name: (
             "missed: only a call ahead of the clock came (refused), and no instance claimed "
-            f"it on time within its grace ({w.row.grace.total_seconds():g}s)"
+            f"it on time within its grace ({grace.total_seconds():g}s)"
         )
-        for w in works
+        for name, grace in graces.items()
     }
     changed = ledger.refused_early_many(windows, reasons=reasons, actor=actor("sweep"))
     for name, count in changed.items():
@@ -437,6 +448,10 @@ def _miss_refused_early(works: list[_Work], result: SweepResult) -> None:
             count,
             extra=log_fields("sweep.called_early", task=name, state="missed"),
         )
+
+
+def _missed_reason(grace: timedelta) -> str:
+    return f"missed: no instance claimed it within its grace ({grace.total_seconds():g}s)"
 
 
 def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) -> None:
@@ -468,7 +483,7 @@ def _judge_owed_page(
     windows = store.pause_windows_many(rows)
     judged: list[tuple[str, list[datetime], _Found]] = []
     refused: list[tuple[str, datetime, datetime]] = []
-    reasons: dict[str, str] = {}
+    graces: dict[str, timedelta] = {}
     settled: list[tuple[TaskSchedule, list[owed_store.Owed]]] = []
     for row in rows:
         left: list[owed_store.Owed] = []
@@ -502,26 +517,18 @@ def _judge_owed_page(
                     window.until.isoformat(),
                     extra=log_fields("sweep.partial", task=row.task_name, slot=slots[-1]),
                 )
-            found = _Found(row, windows[row.task_name])
-            found.missed_reason = (
-                f"missed: no instance claimed it within its grace "
-                f"({window.grace.total_seconds():g}s); its schedule (version {window.version}) "
-                f"was changed since"
+            reason = (
+                f"{_missed_reason(window.grace)}; its schedule (version {window.version}) "
+                "was changed since"
             )
+            found = _Found(row, windows[row.task_name], reason)
             judged.append((row.task_name, slots, found))
             if not row.paused:
                 refused.append((row.task_name, window.since, slots[-1] if slots else window.since))
-                reasons[row.task_name] = (
-                    "missed: only a call ahead of the clock came (refused), and no instance "
-                    f"claimed it on time within its grace ({window.grace.total_seconds():g}s)"
-                )
+                graces[row.task_name] = window.grace
         settled.append((row, left))
     _write_owed(judged)
-    for name, count in ledger.refused_early_many(
-        refused, reasons=reasons, actor=actor("sweep")
-    ).items():
-        result.missed_slots += count
-        _count(result, name, count)
+    _miss_refused(refused, graces, result)
     for _name, _slots, found in judged:
         found.report(result, False)
     owed_store.settle(settled)
