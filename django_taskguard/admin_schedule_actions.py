@@ -23,7 +23,7 @@ from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from . import acknowledgements, pauses
+from . import acknowledgements, pauses, timefmt
 from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import schedules as store
@@ -153,13 +153,14 @@ class ScheduleActionsMixin(AdminBase):
                 messages.WARNING,
             )
         for name, due in waiting:
+            assert due is not None  # filtered on owed_due_at
             self.message_user(
                 request,
                 _(
                     "Not retired yet: %(name)s's slots due before its deletion are judged by "
                     "the missed-slot sweep after their grace (from %(due)s); retire it then."
                 )
-                % {"name": name, "due": timezone.localtime(due).strftime("%Y-%m-%d %H:%M:%S %Z")},
+                % {"name": name, "due": timefmt.both(due)},
                 messages.WARNING,
             )
         return None
