@@ -24,6 +24,7 @@ from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.registry import entries, unregister
 from django_taskguard.scheduler import Scheduler
+from django_taskguard.testing import freeze_now
 from tests.support import celery_tasks
 from tests.support.celery_app import app
 
@@ -215,6 +216,29 @@ def test_monitor_config__crontab_in_a_zone_and_intervals(transactional_db: None)
     }
     assert sentry.config({}, "tests.mc.quick") is None  # Sentry has no sub-minute interval
     assert sentry.config({}, "tests.mc.unknown") is None
+
+
+@pytest.mark.parametrize(
+    "today",
+    # A week before the US spring-forward and fall-back, a leap day, a New Year's Eve.
+    [
+        "2027-03-07T12:00:00+00:00",
+        "2027-10-31T12:00:00+00:00",
+        "2028-02-29T23:59:30+00:00",
+        "2026-12-31T23:59:59+00:00",
+    ],
+)
+def test_monitor_config__max_runtime_whatever_the_date(today: str) -> None:
+    """Sentry's ``max_runtime`` for a schedule is the same on every day of the year: a
+    nightly job in a zone with daylight saving is not told 1380 minutes in the weeks before
+    its spring-forward (it was, from early December to mid March)."""
+    with freeze_now(datetime.fromisoformat(today)):
+        nightly = monitors.monitor_config(
+            "30 2 * * *", True, "America/New_York", None, timedelta(minutes=5)
+        )
+        weekdays = monitors.monitor_config("0 9 * * 1-5", True, "Europe/Berlin", None, HOUR)
+    assert nightly is not None and nightly["max_runtime"] == 1440
+    assert weekdays is not None and weekdays["max_runtime"] == 1440  # Monday to Tuesday
 
 
 def test_monitor_config__day_and_mode_and_uneven_slots(transactional_db: None) -> None:

@@ -14,7 +14,7 @@ import hashlib
 import math
 import re
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from typing import Any
 
@@ -27,6 +27,8 @@ SLUG_MAX_LENGTH = 50  # Sentry's limit; Healthchecks and Cronitor take these too
 SCHEDULE_TTL = 300.0
 MAX_RUNTIME_MINUTES = 10_080  # what Sentry accepts (a week)
 GAP_SLOTS = 100  # slots read to find the shortest gap between two (the derived max_runtime)
+# Where those slots are read from: a fixed date, so that max_runtime is the same every day.
+GAP_BASE = datetime(2001, 1, 1, tzinfo=UTC)
 # Interval units Sentry's monitor_config takes, largest first, in minutes.
 _UNITS = (("day", 1440), ("hour", 60), ("minute", 1))
 
@@ -127,13 +129,14 @@ def _both_days_restricted(cron: str) -> bool:
 
 
 def _gap_minutes(cron: str, day_or: bool, zone: str, every: timedelta | None) -> int | None:
-    """The shortest time between two of the next ``GAP_SLOTS`` slots, in whole minutes (a run
-    longer than that may overlap its next slot: the derived ``max_runtime``), within what
-    Sentry accepts; the shortest, so that it does not change with the time of day."""
+    """The shortest time between two of ``GAP_SLOTS`` slots, in whole minutes (a run longer
+    than that may overlap its next slot: the derived ``max_runtime``), within what Sentry
+    accepts. Read on the wall clock (the schedule's zone's daylight-saving shifts aside) from
+    a fixed date, so that it is the same whatever the day it is asked: a nightly job's
+    ``max_runtime`` is 1440, not 1380 in the weeks before a spring-forward."""
     try:
-        built = rebuild(cron, day_or, zone, every)
-        now = timezone.now()
-        slots = built.slots_between(now, now + timedelta(days=400), GAP_SLOTS)
+        built = rebuild(cron, day_or, "UTC", every)
+        slots = built.slots_between(GAP_BASE, GAP_BASE + timedelta(days=400), GAP_SLOTS)
     except Exception:  # a schedule that cannot be read: Sentry's default
         return None
     if len(slots) < 2:  # fires less than twice a year
