@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEMO_EXTRAS := $(if $(REDIS_URL),[redis])
 DEMO_STAMP := $(VENV)/.installed-demo$(if $(REDIS_URL),-redis)
 
-.PHONY: venv demo test
+.PHONY: venv demo test services
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,5 +26,11 @@ venv: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/python example_project/manage.py demo
 
-test: venv
+# The services and the system packages first: [dev]'s mysqlclient builds against MariaDB's
+# headers, which scripts/ensure-services.sh installs when they are missing.
+services:
+	bash scripts/ensure-services.sh
+
+test: services
+	$(MAKE) --no-print-directory venv
 	bash scripts/test.sh
