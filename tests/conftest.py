@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import django
 import pytest
@@ -20,22 +21,48 @@ from django.db import connections
 
 from django_taskguard.logfields import EVENTS, FIELDS
 
-from .support import ROOT
+from .support import ROOT, emptying, selection, spawning
+from .support import browser as browsers
 from .support.redis_server import RedisServer
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    emptying.install()  # empty the tables between transactional tests, not Django's flush
+    spawning.install()  # a test that starts a process carries the marker "processes"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the markers: select adds "serial"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``celery_beat`` tests only where django-celery-beat cannot be installed.
+    """Keep the tests meant for this database (tests/support/selection.py), and skip
+    ``celery_beat`` tests only where django-celery-beat cannot be installed.
 
     Its releases (2.9) require Django below 6.1; on older Django a missing
     django-celery-beat is a setup error, and those tests fail at import.
     """
+    selection.select(config, items)
     if find_spec("django_celery_beat") or django.VERSION < (6, 1):
         return
     skip = pytest.mark.skip(reason="django-celery-beat 2.9 requires Django < 6.1")
     for item in items:
         if "celery_beat" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    spawning.begin(item)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    problem = spawning.end(item)
+    if problem is None:
+        return
+    report = os.environ.get("TASKGUARD_TEST_SPAWN_REPORT")
+    if report:  # a survey of which tests start processes, not a verdict
+        with open(report, "a") as out:
+            out.write(item.nodeid + "\n")
+        return
+    pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -113,22 +140,44 @@ def scratch() -> Iterator[Path]:
         yield Path(directory)
 
 
+@pytest.fixture(scope="session")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One private Redis for the session (each xdist worker has its own), for tests that
+    never stop, kill or pause it: emptied (``FLUSHALL``) before each test that takes it."""
+    server = RedisServer(tmp_path_factory.mktemp("shared-redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(params=["database", "redis"])
-def lock_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def lock_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test with each lock backend: the database alone, and a private Redis.
 
-    Yields the backend's name. Under "redis", TASKGUARD points at a fresh
-    redis-server (with the default lease) for the whole test.
+    Yields the backend's name. Under "redis", TASKGUARD points at the session's private
+    redis-server (emptied first, with the default lease) for the whole test: no test given
+    only the backend's name can stop or kill it.
     """
     if request.param == "database":
         yield "database"
         return
     from .support.redis_support import redis_backend
 
-    server = RedisServer(tmp_path / "lock-redis")
-    server.start()
-    try:
-        with redis_backend(server, LEASE_SECONDS=30):
-            yield "redis"
-    finally:
-        server.stop()
+    server: RedisServer = request.getfixturevalue("shared_redis")
+    server.client().flushall()
+    with redis_backend(server, LEASE_SECONDS=30):
+        yield "redis"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Iterator[object]:
+    """One headless Chromium for the session (each start took seconds)."""
+    yield from browsers.chromium()
+
+
+@pytest.fixture
+def browser(chromium: Any) -> Iterator[object]:
+    """The session's Chromium as a new one would be: signed out, at its first size."""
+    yield from browsers.browser(chromium)

@@ -27,7 +27,7 @@ from django_taskguard.models import (
 from .support.monitoring import due_slot, finished, run_check, schedule, upkeep_ran
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 EVERY = timedelta(minutes=1)
 TASK = "tests.nightly"
 

@@ -18,7 +18,7 @@ from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 CHANGELIST = reverse("admin:taskguard_taskrun_changelist")
 
 
@@ -52,6 +52,7 @@ def act(client: Client, action: str, runs: list[TaskRun], **extra: str):  # type
     return client.post(CHANGELIST, data, follow=True)
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_changelist__columns_badges_and_lease(operator):
     stale = make_run("tests.stale", 0)
     live = make_run("tests.live", 1, lease=3600)
@@ -408,6 +409,7 @@ def breadcrumbs_markup(html: str) -> str:
     return found.group(1)
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_breadcrumbs__our_pages_draw_them_as_this_djangos_own_pages_do(operator):
     from .support.monitoring import schedule
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,46 +21,6 @@ from .support.runs import make_run
 
 # "once": scripts/test.sh runs it in the PostgreSQL pass only.
 pytestmark = [pytest.mark.browser, pytest.mark.once, pytest.mark.django_db(transaction=True)]
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1600,900",
-]
-
-
-@pytest.fixture
-def browser() -> Iterator[object]:
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not Path(path).exists()]
-    if missing:
-        pytest.fail(
-            f"{', '.join(missing)} not found: the browser test needs Debian's Chromium "
-            "(apt-get install -y chromium chromium-driver)",
-            pytrace=False,
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="taskguard-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={profile}"]:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.implicitly_wait(10)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def keep_screenshot(driver, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-def]

@@ -23,6 +23,8 @@ from django_taskguard.models import RunState, TaskRun
 from .support.children import executions, python
 from .support.waiting import wait_for
 
+pytestmark = pytest.mark.dialect
+
 SECOND = timedelta(seconds=1)
 
 
@@ -33,6 +35,7 @@ def read_line(proc: subprocess.Popen[str], timeout: float = 60.0) -> str:
     return proc.stdout.readline().strip()
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.timeout(180)
 def test_three_processes__each_fires_every_second__each_slot_runs_once(child_env, scratch):

@@ -16,6 +16,8 @@ from django_taskguard.models import RunState, TaskRun
 from .support.children import executions
 from .support.waiting import wait_for
 
+pytestmark = [pytest.mark.processes, pytest.mark.pure]
+
 apscheduler = pytest.importorskip("apscheduler")
 if not hasattr(apscheduler, "current_job"):
     pytest.skip("APScheduler 4 only (this is 3.x)", allow_module_level=True)

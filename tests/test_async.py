@@ -42,7 +42,7 @@ from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 from .test_race import assert_raced, go_file, release
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 SLOT = BASE_SLOT + timedelta(hours=5)
 T = TypeVar("T")
@@ -111,6 +111,7 @@ def test_async__decorators_return_coroutine_functions():
     assert keyed.key_of(3) == "k:3" and scheduled.__wrapped__.__name__ == "scheduled"
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_async__many_tasks_one_slot_one_runs_and_the_loop_keeps_ticking(lock_backend):
     """50 tasks on one loop call the same slot: one runs, 49 get None and are counted.
     The claim (duplicate_suppressed, run_started) and the finish (run_succeeded) run in
@@ -267,6 +268,7 @@ def test_async__cancelled_while_running_is_recorded_and_raised(lock_backend):
     assert_cancelled_and_freed("tests.async.cancel")
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 @pytest.mark.once
 def test_async__wait_for_timeout_during_the_claim_raises_timeout_error_and_gives_back():
     """``asyncio.wait_for``'s timeout (0.5 s) passes while the claim is in its worker thread
@@ -291,6 +293,7 @@ def test_async__wait_for_timeout_during_the_claim_raises_timeout_error_and_gives
     assert_cancelled_and_freed("tests.async.timeout", given_back=True)
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 @pytest.mark.once
 def test_async__a_timeout_in_the_function_raises_timeout_error_and_is_recorded():
     """``asyncio.timeout`` passes once the function runs (expired by hand when it started):
@@ -315,6 +318,7 @@ def test_async__a_timeout_in_the_function_raises_timeout_error_and_is_recorded()
     assert_cancelled_and_freed("tests.async.timeout", given_back=False)
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 @pytest.mark.once
 def test_async__cancelled_during_the_claim_gives_the_slot_back_and_never_runs(lock_backend):
     """Cancelled while its claim is in a worker thread: the claim is seen through, then
@@ -474,6 +478,7 @@ def test_async__run_schedules_fires_a_coroutine_function():
 PROCESSES, SLOTS, TASKS = 4, 20, 5
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("backend", ["database", "redis"])
 def test_async_race__processes_each_with_a_loop_of_tasks_run_each_slot_once(
     backend, child_env, scratch, request

@@ -26,7 +26,7 @@ from django_taskguard.signals import run_started, run_succeeded
 from .support.waiting import wait_for
 from .test_async import SLOT, WAIT, in_thread, receiving
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 def none_running() -> bool:

@@ -36,6 +36,8 @@ from .support.children import executions
 from .support.waiting import wait_for
 from .test_celery_e2e import Cluster, backend, cluster  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.dialect
+
 STRICT = "tests.support.celery_tasks.strict"  # @once_per_schedule(catchup="none")
 EVERY = timedelta(minutes=1)
 SETTINGS = "CELERY_BEAT_SCHEDULE"

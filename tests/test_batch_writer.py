@@ -18,7 +18,7 @@ from django_taskguard.owner import new_owner
 
 from .test_missed import terminate_other_backends
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 def claimed(task: str, seconds_ago: int) -> ActiveRun:

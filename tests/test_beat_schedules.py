@@ -47,6 +47,8 @@ from .support.monitoring import run_check
 from .support.waiting import wait_for
 from .test_celery_e2e import DATABASE, PERSISTENT, TICK, Cluster, drain, published
 
+pytestmark = pytest.mark.dialect
+
 GRACE = 3  # seconds: the entries' taskguard_grace header (the sweep waits that long)
 
 

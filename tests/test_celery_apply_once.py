@@ -25,7 +25,7 @@ from .test_celery_e2e import Cluster, rabbitmq_url  # noqa: F401 (a fixture)
 
 # Enqueue de-duplication is decided in Redis before any row exists; the keyed claim the workers
 # make is proven on both databases by test_keyed.py. One pass (PostgreSQL) is enough here.
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.processes, pytest.mark.once]
 
 CHARGE = "tests.support.celery_keyed_tasks.charge"
 QUEUE = "celery"  # the Redis broker's default queue: a list of messages

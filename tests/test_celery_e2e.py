@@ -42,7 +42,7 @@ from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
 # Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.processes, pytest.mark.once]
 
 TICK = "tests.support.celery_tasks.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)

@@ -25,7 +25,7 @@ from .test_celery_e2e import (  # noqa: F401 (fixtures)
     published,
 )
 
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.processes, pytest.mark.once]
 
 FLAKY = "tests.support.celery_tasks.ha_flaky"
 HOPELESS = "tests.support.celery_tasks.ha_hopeless"

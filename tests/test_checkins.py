@@ -25,6 +25,8 @@ from django_taskguard.signals import checkin_failed, run_skipped
 from .support.checkin_receivers import SERVICES, Receiver
 from .support.checkin_setup import CheckIns, running_checkins
 
+pytestmark = pytest.mark.dialect
+
 HOUR = timedelta(hours=1)
 SLOT = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - 24 * HOUR
 

@@ -23,6 +23,8 @@ from .support import ROOT
 from .support.checkin_setup import CheckIns, running_checkins
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.dialect
+
 PAGE = ROOT / "docs" / "monitoring.md"
 SHOWN_SLOT = "2026-11-24T09:00:00+00:00"
 MARKER = re.compile(r"<!-- checkin-payload: (\w+) -->\n```json\n(.*?)\n```", re.DOTALL)

@@ -46,6 +46,8 @@ from .support.waiting import wait_for
 from .test_celery_e2e import PERSISTENT, Cluster, drain, published
 from .test_run_schedules import Copy, schedule_env, slots_between
 
+pytestmark = pytest.mark.dialect
+
 JOBS = "tests.support.checkin_jobs"
 SECONDS = float(os.environ.get("TASKGUARD_SCHEDULER_TEST_SECONDS", "30"))
 SECOND = timedelta(seconds=1)
@@ -132,6 +134,7 @@ def report(name: str, receiver: HoldingReceiver, **numbers: object) -> None:
     print(f"\n[{name}] {numbers} check-ins: {tally(receiver)}")
 
 
+@pytest.mark.processes
 def test_checkins_e2e__three_copies__one_start_and_one_end_per_slot_at_every_service(
     child_env, scratch, receiver
 ):
@@ -288,6 +291,7 @@ def assert_pushed_once(
         assert all(kind == "error" for i, kind in got if i in missed_ids), service
 
 
+@pytest.mark.processes
 def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandoned_once(
     child_env, scratch, receiver
 ):
@@ -336,6 +340,7 @@ def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandon
     report("killed copies", receiver, missed=len(missed), abandoned=len(abandoned))
 
 
+@pytest.mark.processes
 def test_checkins_e2e__a_hanging_and_a_failing_receiver_hold_up_no_slot(
     child_env, scratch, receiver
 ):

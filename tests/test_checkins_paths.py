@@ -36,6 +36,8 @@ from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 from .test_checkins import every_service, expected_id, seen
 
+pytestmark = pytest.mark.dialect
+
 SECOND = timedelta(seconds=1)
 HOUR = timedelta(hours=1)
 
@@ -150,6 +152,7 @@ def test_checkins__the_sweep_pushes_each_missed_slot_newest_twenty(checkins: Che
     assert {r["json"]["state"] for r in checkins.receiver.of("webhook")} == {RunState.MISSED}
 
 
+@pytest.mark.processes
 def test_checkins__a_sigkilled_owner_is_pushed_abandoned_by_cleanup(
     checkins: CheckIns, child_env: dict[str, str], scratch: Path
 ) -> None:

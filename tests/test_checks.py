@@ -19,6 +19,8 @@ from django_taskguard.models import TaskRun
 from .support import ROOT
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.dialect
+
 DJANGO_REDIS = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}
 LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 
@@ -126,6 +128,7 @@ def test_manage_py_check__is_clean():
     assert "no issues" in out.getvalue()
 
 
+@pytest.mark.processes
 def test_manage_py_check__as_a_real_command_is_clean():
     done = subprocess.run(
         [
@@ -145,6 +148,7 @@ def test_manage_py_check__as_a_real_command_is_clean():
     assert "no issues" in done.stdout
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 @pytest.mark.django_db(databases=["default", "ledger"])
 def test_makemigrations__check_reports_no_changes():
     out = io.StringIO()

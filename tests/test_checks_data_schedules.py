@@ -14,7 +14,7 @@ from django_taskguard import define_schedule, delete_schedule
 from django_taskguard.checks import check_data_targets
 from django_taskguard.models import TaskSchedule
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
 

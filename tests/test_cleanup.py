@@ -26,7 +26,7 @@ from .support.redis_server import free_port
 from .support.runs import make_run
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 HOST = socket.gethostname()
 
 
@@ -163,6 +163,7 @@ def test_cleanup_locks__bad_arguments_are_refused():
         call_command("cleanup_locks", "--task", " ", stdout=StringIO())
 
 
+@pytest.mark.processes
 def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_env, scratch):
     log = scratch / "exec.log"
     victim = hold(child_env, log, "tests.killed", slot=0, seconds=120, lease=2)
@@ -183,6 +184,7 @@ def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_en
     assert TaskRun.objects.get(pk=run_id).state == RunState.ABANDONED
 
 
+@pytest.mark.processes
 def test_cleanup_locks__live_child_holding_its_lease_is_untouched(child_env, scratch):
     log = scratch / "exec.log"
     # A 4 s lease renewed every 1.3 s: a renewal may come 2.6 s late on a loaded machine.
@@ -210,6 +212,7 @@ def manage(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+@pytest.mark.processes
 def test_cleanup_locks__concurrent_commands_abandon_each_run_once(child_env):
     runs = [make_run(f"tests.c{i % 5}", i) for i in range(60)]
     commands = [manage(child_env, "cleanup_locks", "--json", "--batch-size", "7") for _ in range(4)]
@@ -224,6 +227,7 @@ def test_cleanup_locks__concurrent_commands_abandon_each_run_once(child_env):
         assert len(abandon_transitions(run)) == 1
 
 
+@pytest.mark.processes
 def test_cleanup_locks__database_unreachable_is_a_clear_error(child_env):
     env = dict(child_env, TASKGUARD_TEST_DB="postgres", TASKGUARD_PG_PORT=str(free_port()))
     proc = manage(env, "cleanup_locks")
@@ -243,6 +247,7 @@ def owner(pid: int, token: str, space: str | None = None) -> str:
     return Owner(HOST, pid, pid_space() if space is None else space, token).format()
 
 
+@pytest.mark.processes
 def test_startup_cleanup__only_dead_pids_of_this_pid_space():
     pid = dead_pid()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -266,6 +271,7 @@ def test_startup_cleanup__only_dead_pids_of_this_pid_space():
     assert f"{HOST}:{pid} is gone" in transition.reason
 
 
+@pytest.mark.processes
 def test_startup_cleanup__a_run_from_another_pid_namespace_is_never_judged(child_env):
     # A real process in a new pid namespace (what a second container of a pod
     # is): its pids mean nothing here, even where the same pid is dead here.
@@ -293,6 +299,7 @@ def test_startup_cleanup__a_run_from_another_pid_namespace_is_never_judged(child
     assert TaskRun.objects.get(pk=ours.pk).state == RunState.ABANDONED
 
 
+@pytest.mark.processes
 def test_startup_cleanup__celery_worker_ready_honours_the_setting():
     from celery.signals import worker_ready
 

@@ -24,7 +24,7 @@ from .support.redis_support import guard_key
 from .support.runs import BASE, make_run
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
@@ -136,6 +136,7 @@ def test_cleanup_locks_redis__claim_of_a_recorded_slot_adds_its_count(redis_sett
     assert TaskRun.objects.get(pk=run.pk).duplicates == 4
 
 
+@pytest.mark.processes
 def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
     redis_settings, child_env, scratch, monkeypatch
 ):

@@ -34,6 +34,8 @@ from tests.support.celery_app import app
 from .support.children import executions
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.dialect
+
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
 
@@ -121,6 +123,7 @@ def test_task_identity__schedule_name_in_brackets_and_bounded():
     assert long_a != long_b
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
     beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "beat"), lazy=True)
     entry = TaskguardEntry(
@@ -141,6 +144,7 @@ def test_scheduler_stamp__headers_carry_slot_and_entry_name(tmp_path):
     assert copy.copy(entry) == entry
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_database_scheduler__without_django_celery_beat_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "django_taskguard.contrib.celery.beat_db", raising=False)
     for name in [name for name in sys.modules if name.startswith("django_celery_beat.")]:
@@ -190,6 +194,7 @@ def test_eager__a_fast_beats_message_does_not_take_the_slot_from_the_on_time_one
     assert len(executions(log)) == 1
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_eager__slot_from_header_and_identity_with_schedule_name(eager, transactional_db, tmp_path):
     log = tmp_path / "log"
     slot = BASE_SLOT + timedelta(hours=9)

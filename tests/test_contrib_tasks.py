@@ -33,6 +33,7 @@ TASKS_MODULE = next((m for m in ("django.tasks", "django_tasks") if find_spec(m)
 # A mark, not a module-level skip: the version matrix names a test of this module by its
 # id, and Django 4.2 (no django.tasks) must skip it, not fail to collect it.
 pytestmark = [
+    pytest.mark.dialect,
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(TASKS_MODULE is None, reason="needs django.tasks or django-tasks"),
 ]
@@ -86,6 +87,7 @@ def first_seen_ago(*names: str, minutes: int = 2) -> None:
 # -- composition --------------------------------------------------------------------
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_enqueue_for_slot__the_slot_travels_and_is_claimed_not_recomputed(jobs):
     slot = latest(SECOND) - 30 * SECOND
     result = enqueue_for_slot(jobs.tick, slot)

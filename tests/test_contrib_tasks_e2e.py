@@ -11,43 +11,27 @@ Executions are counted outside the ledger: each appends a line to a log with O_A
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from importlib.util import find_spec
-from pathlib import Path
 
 import pytest
 from django.db import connections
 
 from django_taskguard.models import RunState, TaskRun
 
-from .support.children import executions, python
+from .support.children import executions, start, stop
 from .support.waiting import wait_for
 
 if not find_spec("django_tasks_db") or connections["default"].vendor != "postgresql":
     pytest.skip("needs django-tasks-db and PostgreSQL", allow_module_level=True)
 
-pytestmark = [pytest.mark.once, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.processes, pytest.mark.once, pytest.mark.timeout(600)]
 SECOND = timedelta(seconds=1)
 TICK = "tests.djtasks.tick"
 CHARGE = "tests.djtasks.charge"
 KEYS = 5
-
-
-def start(env: dict[str, str], out: Path, *command: str) -> subprocess.Popen[bytes]:
-    with out.open("ab") as stream:
-        return subprocess.Popen(
-            [python(), *command], env=env, stdout=stream, stderr=subprocess.STDOUT
-        )
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> list[int | None]:
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-    return [proc.wait(timeout=60) for proc in procs]
 
 
 def queue_left() -> int:

@@ -23,6 +23,8 @@ from django_taskguard import once_per_schedule, registry
 from django_taskguard.cron import CronSchedule, _walk, plain_between, plain_latest
 from django_taskguard.scheduler import Scheduler
 
+pytestmark = pytest.mark.pure
+
 UTC = dt_timezone.utc
 BERLIN, NEW_YORK = "Europe/Berlin", "America/New_York"
 MINUTE = timedelta(minutes=1)
@@ -144,6 +146,7 @@ def test_next_slot__after_the_spring_change_before_the_shifted_slot(zone):
     assert cron.next_slot(shifted) == shifted + timedelta(hours=23)
 
 
+@pytest.mark.dialect  # the scheduler reads its rows: the ledger's SQL
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("zone", [BERLIN, NEW_YORK])
 def test_scheduler_due__fires_every_minute_of_the_repeated_hour(zone):
@@ -295,6 +298,7 @@ def test_cron__fresh_computation_matches_the_oracle_on_random_dst_days():
         assert plain_between(cron, start, end, 10_000) == oracle(cron, start, end), cron
 
 
+@pytest.mark.dialect  # the scheduler reads its rows: the ledger's SQL
 @pytest.mark.django_db(transaction=True)
 def test_scheduler_due__a_cron_slot_costs_a_few_croniter_steps_not_a_walk():
     """Regression (cost): each slot of each cron walked croniter from 3 hours back, three

@@ -19,7 +19,7 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.schedules import IntervalSchedule
 from tests.support import data_targets
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
 MINUTE = timedelta(minutes=1)

@@ -43,7 +43,7 @@ from .support.children import executions
 from .support.waiting import wait_for
 from .test_celery_e2e import PERSISTENT, Cluster, published
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 REPORT = "tests.support.celery_tasks.report"
 UTC = dt_timezone.utc

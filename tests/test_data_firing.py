@@ -35,7 +35,7 @@ from django_taskguard.scheduler import Scheduler
 from tests.support import data_targets
 from tests.support.redis_server import free_port
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
 MINUTE = timedelta(minutes=1)

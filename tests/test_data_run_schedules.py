@@ -28,7 +28,7 @@ from .support.children import executions
 from .support.waiting import wait_for
 from .test_run_schedules import Copy
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.dialect, pytest.mark.timeout(180)]
 
 ECHO = "tests.support.data_targets.echo"
 SECOND = timedelta(seconds=1)
@@ -80,6 +80,7 @@ def _env(child_env: dict[str, str], log: Path, modules: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.processes
 def test_data_run_schedules__two_copies_follow_every_change_without_restart(child_env, scratch):
     log = scratch / "executions.log"
     env = _env(child_env, log, "tests.support.data_targets")
@@ -184,6 +185,7 @@ def test_data_run_schedules__two_copies_follow_every_change_without_restart(chil
     assert not TaskRun.objects.filter(task_name=name_a, state=RunState.MISSED).exists()
 
 
+@pytest.mark.processes
 def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(child_env, scratch):
     log = scratch / "executions.log"
     env = _env(child_env, log, "tests.support.data_tasks")

@@ -30,7 +30,7 @@ from django_taskguard.models import (
 
 from .support.monitoring import finished, schedule
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
 CHANGELIST = reverse("admin:taskguard_taskschedule_changelist")

@@ -18,7 +18,7 @@ from django_taskguard.ledger import schedules as store
 from django_taskguard.models import ScheduleEvent, ScheduleSource, TargetKind, TaskSchedule
 from tests.support import data_targets
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
 

@@ -21,6 +21,8 @@ from django_taskguard.schedules import UTC, StoredSchedule, rebuild
 from django_taskguard.states import RunState
 from tests.support import ROOT
 
+pytestmark = pytest.mark.dialect
+
 TARGET = "tests.support.data_targets.send_report"
 PAGE = ROOT / "docs/schedules.md"
 ROW = re.compile(r"^\| (Europe/Berlin|America/New_York) \|.*\|$", re.MULTILINE)

@@ -30,7 +30,10 @@ from django_taskguard.owner import Owner, host, pid_space
 from .support.redis_support import redis_caches
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "ledger"])
+pytestmark = [
+    pytest.mark.dialect,
+    pytest.mark.django_db(transaction=True, databases=["default", "ledger"]),
+]
 
 ROUTED = ["tests.support.routers.LedgerRouter", "tests.support.routers.MigrateDefaultOnly"]
 UNROUTED = ["tests.support.routers.MigrateDefaultOnly"]
@@ -69,6 +72,7 @@ def test_cleanup_locks__abandons_the_ledgers_stale_runs_only(on_ledger):
     assert states("default") == {decoy.pk: RunState.RUNNING}
 
 
+@pytest.mark.processes
 def test_startup_cleanup__abandons_the_ledgers_runs_only(on_ledger):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
@@ -124,6 +128,7 @@ def test_check__a_router_sending_taskrun_elsewhere_is_reported():
     assert "taskguard.W013" not in ids and "taskguard.E011" not in ids
 
 
+@pytest.mark.processes
 def test_child_process__sees_the_ledger_database(on_ledger, child_env):
     # The same settings in a real process (what a worker is): its claim lands in
     # the ledger database this test created.

@@ -19,6 +19,8 @@ from django_taskguard.testing import freeze_now
 from .support.runs import counted_duplicates
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.dialect
+
 SLOT = BASE_SLOT + timedelta(hours=21)
 
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 from .support import ROOT
+
+pytestmark = pytest.mark.pure
 
 FAKE_REDIS = "#!/bin/sh\necho 'fake redis-server: cannot bind the port' >&2\nexit 1\n"
 
 
+@pytest.mark.processes
 def test_demo_check__redis_server_that_never_answers_fails_at_once_with_its_output(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

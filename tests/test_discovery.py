@@ -18,7 +18,7 @@ from django_taskguard.ledger import schedules as store
 from django_taskguard.models import ScheduleSource, TaskRun, TaskSchedule
 from django_taskguard.pauses import forget
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SECOND = timedelta(seconds=1)
 NEEDS_EXTRA = modify_settings(INSTALLED_APPS={"append": "tests.support.apps.needs_extra"})
 BROKEN = modify_settings(INSTALLED_APPS={"append": "tests.support.apps.broken"})

@@ -30,8 +30,10 @@ from django.core.management import call_command
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import RunState, TaskRun
 
-from .support.children import executions, python
+from .support.children import executions, start
 from .support.waiting import wait_for
+
+pytestmark = pytest.mark.dialect
 
 if not find_spec("django_q"):
     pytest.skip("needs django-q2", allow_module_level=True)
@@ -39,13 +41,6 @@ if not find_spec("django_q"):
 SECOND = timedelta(seconds=1)
 RETRY = 5  # django-q2's retry in the children: a task unacknowledged this long comes back
 SLOT = datetime(2026, 11, 24, 21, 0, tzinfo=dt_timezone.utc)
-
-
-def start(env: dict[str, str], out: Path, *command: str) -> subprocess.Popen[bytes]:
-    with out.open("ab") as stream:
-        return subprocess.Popen(
-            [python(), *command], env=env, stdout=stream, stderr=subprocess.STDOUT
-        )
 
 
 def lines(log: Path, task: str) -> list[list[str]]:
@@ -56,6 +51,7 @@ def row(task: str) -> TaskRun | None:
     return TaskRun.objects.filter(task_name=task).first()
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.timeout(240)
 def test_qcluster__two_clusters_two_schedulers_each_slot_once_redeliveries_counted(
@@ -217,6 +213,7 @@ def test_qcluster__two_clusters_two_schedulers_each_slot_once_redeliveries_count
         assert trouble not in everything.replace("OSError:", "OSError"), everything[-4000:]
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.timeout(240)
 def test_run_schedules_enqueue__two_copies_hand_each_slot_to_a_qcluster_once(child_env, scratch):

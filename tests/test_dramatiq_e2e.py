@@ -38,7 +38,7 @@ if not find_spec("dramatiq"):
     pytest.skip("needs dramatiq", allow_module_level=True)
 
 # Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
-pytestmark = [pytest.mark.once, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.processes, pytest.mark.once, pytest.mark.timeout(300)]
 SECOND = timedelta(seconds=1)
 TICK = "tests.dramatiq.tick"
 OPEN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RETRYING)

@@ -41,6 +41,8 @@ from .support.redis_support import (
 from .support.waiting import wait_for
 from .test_race import assert_raced, release, start_racers, winners
 
+pytestmark = [pytest.mark.processes, pytest.mark.once]
+
 LEASE = 2.0
 
 
@@ -121,6 +123,7 @@ def test_redis_kill__owner_sigkilled_abandon_never_runs_again(child_env, redis_s
     assert log_lines(log) == Counter({"start": 1})
 
 
+@pytest.mark.server  # the row decides: on PostgreSQL and MariaDB
 def test_redis_kill__owner_sigkilled_retry_takes_over_once(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.kill_retry"
@@ -140,6 +143,7 @@ def test_redis_kill__owner_sigkilled_retry_takes_over_once(child_env, redis_serv
 # (c) ---------------------------------------------------------------------------
 
 
+@pytest.mark.server  # the row decides: on PostgreSQL and MariaDB
 def test_redis_pause__1_5x_lease_taken_over_late_finish_refused(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.pause_retry"
@@ -225,6 +229,7 @@ def test_redis_pause__half_lease_causes_no_lease_loss(child_env, redis_server, s
 # (e) ---------------------------------------------------------------------------
 
 
+@pytest.mark.server  # the row decides: on PostgreSQL and MariaDB
 def test_redis_restart_and_flush__mid_slot_no_second_run(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.redis_restart"

@@ -39,6 +39,8 @@ from .support.slots import BASE_SLOT
 from .support.tcp_proxy import TcpProxy
 from .support.waiting import wait_for
 
+pytestmark = pytest.mark.dialect
+
 SLOT = BASE_SLOT + timedelta(hours=5)
 UNDECIDED = "deciding on the database"  # the warning of an acquire settled as BYPASSED
 
@@ -133,6 +135,7 @@ def test_lost_command__acquire_never_ran_the_database_decides(redis_server, capl
 # --- the database refuses, with the Redis backend -------------------------------------
 
 
+@pytest.mark.processes
 @postgres_only
 def test_database_down__redis_won_the_claim_fails_the_key_is_released(
     child_env, redis_server, scratch
@@ -330,6 +333,7 @@ def _hold_table_lock(held: threading.Event, release: threading.Event) -> None:
         release.wait(120)
 
 
+@pytest.mark.processes
 @postgres_only
 @pytest.mark.xfail(
     strict=True,

@@ -17,7 +17,10 @@ from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
 from .support.proc import BASE_SLOT
 
-pytestmark = pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL only")
+pytestmark = [
+    pytest.mark.once,
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL only"),
+]
 
 MIGRATION = import_module("django_taskguard.migrations.0013_functions")
 V1 = PostgreSQLBackend().functions

@@ -33,7 +33,7 @@ from django_taskguard.signals import (
     run_started,
 )
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 NAME = "tests.give_back.task"
 

@@ -50,6 +50,8 @@ from .support.runs import PutBack, busy_call, counted_duplicates
 from .support.waiting import wait_for
 from .test_race import release
 
+pytestmark = pytest.mark.dialect
+
 LEASE = 3.0  # seconds; renewed every LEASE / 3 while the body runs
 
 
@@ -154,6 +156,7 @@ def received():
         r.close()
 
 
+@pytest.mark.processes
 def test_fenced_finish__refused_after_a_paused_owner_is_taken_over(child_env, scratch):
     """SIGSTOP an owner past its lease; a retry takes over; the resumed owner is fenced out."""
     log = scratch / "log"
@@ -200,6 +203,7 @@ def test_fenced_finish__refused_after_a_paused_owner_is_taken_over(child_env, sc
     assert [x.attempt for x in lines if x.kind == "start"] == [1, 2]
 
 
+@pytest.mark.processes
 def test_on_stale__abandon_records_abandoned_after_a_sigkill_and_never_reruns(
     child_env, scratch, received
 ):
@@ -247,6 +251,7 @@ def test_on_stale__abandon_records_abandoned_after_a_sigkill_and_never_reruns(
     assert [x.kind for x in read_log(log)] == ["start"] + ["tick"] * (len(read_log(log)) - 1)
 
 
+@pytest.mark.processes
 def test_on_stale__retry_after_a_sigkill_takes_over_exactly_once(child_env, scratch):
     """Three processes race for a dead owner's slot: one takeover, attempt 2, one more run."""
     log = scratch / "log"
@@ -281,6 +286,7 @@ def test_on_stale__retry_after_a_sigkill_takes_over_exactly_once(child_env, scra
     assert len(reasons) == 4
 
 
+@pytest.mark.processes
 def test_lease__short_pause_well_under_the_lease_is_not_a_loss(child_env, scratch):
     log = scratch / "log"
     # A 6 s lease renewed every 2 s: a 0.5 s pause leaves 3.5 s to spare, under load too.
@@ -300,6 +306,7 @@ def test_lease__short_pause_well_under_the_lease_is_not_a_loss(child_env, scratc
     assert (run.state, run.attempt) == (RunState.SUCCEEDED, 1)
 
 
+@pytest.mark.processes
 def test_overlap__skip_records_skipped_while_an_earlier_slot_runs_elsewhere(
     child_env, scratch, received
 ):
@@ -619,6 +626,7 @@ def test_claim__inside_transaction_atomic_is_an_error_and_writes_nothing(lock_ba
     assert not TaskRunTransition.objects.exists()
 
 
+@pytest.mark.processes
 def test_database_down__backend_unavailable_and_the_body_does_not_run(child_env, scratch):
     """DATABASE_ALIAS points at a PostgreSQL port nothing listens on: fail closed.
 

@@ -23,7 +23,7 @@ from .support.children import python
 from .support.monitoring import DAY, due_slot, finished, run_check, schedule, upkeep_ran
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 HEALTH = reverse("taskguard:health")
 TOKEN = "probe-token-0123456789"
 
@@ -158,6 +158,7 @@ def test_check_schedules__json_names_each_task_and_why():
     assert by_name["tests.fine"]["next_slot"] == (due_slot() + DAY).isoformat()
 
 
+@pytest.mark.processes
 def test_check_schedules__unknown_task_and_unreachable_database():
     with pytest.raises(CommandError, match="no schedule and no run of a task named 'nope'"):
         call_command("check_schedules", "--task", "nope", stdout=io.StringIO())

@@ -36,7 +36,7 @@ from .support.redis_support import command, redis_backend
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 SLOT = BASE_SLOT + timedelta(hours=3)
 TABLE = TaskRun._meta.db_table

@@ -51,7 +51,7 @@ from .support.huey_support import JOBS_MODULE, fresh_jobs
 from .support.redis_server import RedisServer
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SECOND = timedelta(seconds=1)
 MINUTE = timedelta(minutes=1)
 JOBS = {"TASKGUARD": {"BACKEND": "database", "SCHEDULE_MODULES": [JOBS_MODULE]}}
@@ -298,6 +298,7 @@ def test_install__without_the_hooks_a_retry_is_a_duplicate_with_them_an_attempt(
         assert seen == (1, RunState.FAILED, 1, 1)
 
 
+@pytest.mark.processes
 def test_install__a_workers_start_runs_the_startup_cleanup_when_it_is_on():
     """Huey's worker calls its start-up hooks (``Worker.initialize``): this host's runs
     whose process is gone are abandoned, with STARTUP_CLEANUP on only."""

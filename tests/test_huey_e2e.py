@@ -20,12 +20,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from io import StringIO
-from pathlib import Path
 
 import pytest
 
@@ -38,46 +36,18 @@ from django_taskguard.contrib.huey import enqueue_for_slot, signature_for_slot
 from django_taskguard.models import RunState, TaskRun
 
 from .support import huey_app
-from .support.children import executions, python
+from .support.children import executions, slots_of, start, stop, window
 from .support.huey_support import fresh_jobs
 from .support.waiting import wait_for
 
 if connections["default"].vendor != "postgresql":
     pytest.skip("needs PostgreSQL (several processes write the ledger)", allow_module_level=True)
 
-pytestmark = [pytest.mark.once, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.processes, pytest.mark.once, pytest.mark.timeout(300)]
 SECOND = timedelta(seconds=1)
 SENT = ("tests.huey.tick", "tests.huey.djtick")
 BEAT = "tests.huey.beat"
 SECONDS = float(os.environ.get("TASKGUARD_SCHEDULER_TEST_SECONDS", "10"))
-
-
-def start(env: dict[str, str], out: Path, *command: str) -> subprocess.Popen[bytes]:
-    with out.open("ab") as stream:
-        return subprocess.Popen(
-            [python(), *command], env=env, stdout=stream, stderr=subprocess.STDOUT
-        )
-
-
-def stop(procs: list[subprocess.Popen[bytes]], signum: int = signal.SIGTERM) -> list[int]:
-    for proc in procs:
-        proc.send_signal(signum)
-    return [proc.wait(timeout=60) for proc in procs]
-
-
-def window(slots: list[datetime], began: datetime, ended: datetime) -> list[datetime]:
-    """The slots from ``began`` (the copies or consumers are up) to just before ``ended``;
-    fails unless every second of it is there, once."""
-    first = min(slot for slot in slots if slot >= began)
-    last = max(slot for slot in slots if slot <= ended - 2 * SECOND)
-    kept = sorted(slot for slot in slots if first <= slot <= last)
-    expected = int((last - first) / SECOND) + 1
-    assert kept == [first + n * SECOND for n in range(expected)], "a slot was not run"
-    return kept
-
-
-def slots_of(task: str, done: list[tuple[str, str]]) -> list[datetime]:
-    return [datetime.fromisoformat(slot) for name, slot in done if name == task]
 
 
 def test_huey__two_copies_two_consumers_each_slot_once(child_env, scratch, redis_server):

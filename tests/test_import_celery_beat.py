@@ -32,7 +32,7 @@ from django_taskguard.schedules import rebuild
 from tests.support import celery_tasks
 from tests.support.celery_app import app
 
-pytestmark = [pytest.mark.celery_beat, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.dialect, pytest.mark.celery_beat, pytest.mark.django_db(transaction=True)]
 
 TICK = "tests.support.celery_tasks.tick"
 MINUTE = timedelta(minutes=1)

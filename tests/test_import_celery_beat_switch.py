@@ -22,7 +22,7 @@ from .support.children import executions
 from .support.waiting import wait_for
 from .test_celery_e2e import DATABASE, PERSISTENT, TICK, Cluster, drain, published
 
-pytestmark = [pytest.mark.celery_beat, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.dialect, pytest.mark.celery_beat, pytest.mark.django_db(transaction=True)]
 # taskguard's beats fire data schedules from the rows (contrib.celery.data_entries).
 pytest.importorskip("django_taskguard.contrib.celery.data_entries")
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 PACKAGE = Path(__file__).resolve().parent.parent / "django_taskguard"
 
 

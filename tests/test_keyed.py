@@ -27,6 +27,8 @@ from .support.children import Child, python
 from .support.redis_support import child_redis_env, command, redis_backend
 from .support.waiting import wait_for
 
+pytestmark = pytest.mark.dialect
+
 PROCESSES = 8
 KEYS = 500
 
@@ -327,6 +329,7 @@ def _check_race(log: Path, outcomes: list[dict[str, int]], task: str) -> None:
     assert len({int(line.split()[2]) for line in lines}) == KEYS, "a fence was handed out twice"
 
 
+@pytest.mark.processes
 def test_once_per_key__8_processes_500_keys_each_runs_once_on_the_database(child_env, scratch):
     log = scratch / "executions.log"
     outcomes = _race(child_env, log, "tests.keyed.race")
@@ -335,6 +338,7 @@ def test_once_per_key__8_processes_500_keys_each_runs_once_on_the_database(child
     assert sum(runs.values_list("duplicates", flat=True)) == KEYS * (PROCESSES - 1)
 
 
+@pytest.mark.processes
 def test_once_per_key__8_processes_500_keys_each_runs_once_on_redis(
     child_env, redis_server, scratch
 ):
@@ -352,6 +356,7 @@ def _hold(env: dict[str, str], log: Path, task: str, key: str, seconds: float, *
     return child, child.started()["started"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("backend", ["database", "redis"])
 def test_once_per_key__sigkill_mid_run_then_cleanup_abandons_it(
     child_env, scratch, redis_server, backend
@@ -385,6 +390,7 @@ def _hold_or_none(env: dict[str, str], log: Path, task: str, key: str, **opts: s
     return json.loads(out.stdout.strip().splitlines()[-1])["result"], out
 
 
+@pytest.mark.processes
 def test_once_per_key__sigkill_mid_run_taken_over_once_under_retry(child_env, scratch):
     log = scratch / "exec.log"
     victim, run_id = _hold(child_env, log, "tests.keyed.retry", "k1", 120, **{"on-stale": "retry"})
@@ -399,6 +405,7 @@ def test_once_per_key__sigkill_mid_run_taken_over_once_under_retry(child_env, sc
     assert kinds == ["start", "start", "end"]
 
 
+@pytest.mark.processes
 def test_once_per_key__redis_flushed_mid_run_no_second_run(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log = scratch / "exec.log"

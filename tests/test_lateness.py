@@ -20,7 +20,7 @@ from django_taskguard.models import RunState, ScheduleEventKind, TaskRun, TaskSc
 
 from .support.monitoring import DAY, due_slot, schedule, upkeep_ran
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 MINUTE = timedelta(minutes=1)
 TASK = "tests.lateness.sync"
 

@@ -15,7 +15,7 @@ from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 BASE = BASE_SLOT
 

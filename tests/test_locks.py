@@ -12,6 +12,8 @@ from django.core.exceptions import ImproperlyConfigured
 import django_taskguard
 from django_taskguard.locks import keys
 
+pytestmark = pytest.mark.pure
+
 PACKAGE = Path(django_taskguard.__file__).resolve().parent
 # Private names of redis-py's and django-redis's objects that code was once
 # tempted to reach for (anywhere in the package, not only in locks/).

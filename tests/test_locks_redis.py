@@ -39,6 +39,8 @@ from .support.runs import PutBack, busy_call
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
+pytestmark = pytest.mark.dialect
+
 SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.lock", SLOT)
 # what the probing client itself sends (its handshake and INFO)
@@ -285,6 +287,7 @@ def test_guard__every_call_inside_atomic_is_refused(redis_server, transactional_
         assert body.run_for_slot(SLOT) == "ran"
 
 
+@pytest.mark.smoke  # the version matrix's smoke set (scripts/matrix.sh)
 def test_guard__winner_folds_redis_duplicates_into_the_row(redis_server, transactional_db):
     seen = []
 
@@ -402,6 +405,7 @@ def test_redis_lock__speaks_the_cache_protocol(redis_server, protocol):
         assert lock.errors == 0
 
 
+@pytest.mark.processes
 def test_redis_lock__over_tls(tmp_path):
     """TLS for real: a rediss:// cache with its CA; every lock operation goes over it."""
     server = TlsRedisServer(tmp_path / "tls")

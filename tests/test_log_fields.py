@@ -46,6 +46,8 @@ from .support.redis_support import redis_backend
 from .support.runs import make_run
 from .support.waiting import wait_for
 
+pytestmark = pytest.mark.dialect
+
 DOC = ROOT / "docs" / "logging.md"
 PACKAGE = ROOT / "django_taskguard"
 FORMAT = "%(levelname)s %(name)s %(message)s"  # the docs' formatter (plus the extra fields)
@@ -287,6 +289,7 @@ def test_log_fields__stale_run_abandoned_by_cleanup_locks(json_log):
     assert line["slot"] == stale.slot.isoformat() and "expired" in line["reason"]
 
 
+@pytest.mark.processes
 @pytest.mark.django_db(transaction=True)
 def test_log_fields__startup_cleanup_of_a_dead_process(json_log):
     gone = subprocess.run(

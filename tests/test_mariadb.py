@@ -26,6 +26,8 @@ from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 from .test_race import race_each_slot_once
 
+pytestmark = pytest.mark.dialect
+
 mariadb_only = pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's own SQL")
 SLOT = datetime(2030, 1, 1, tzinfo=dt_timezone.utc)
 

@@ -17,7 +17,7 @@ from django_taskguard.models import RunState
 from .support.monitoring import due_slot, finished, schedule
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 METRICS = reverse("taskguard:metrics")
 TOKEN = "scrape-token-0123456789"
 

@@ -30,7 +30,7 @@ from django_taskguard.signals import run_missed
 from .support.monitoring import finished, schedule
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SECOND = timedelta(seconds=1)
 GRACE = 2 * SECOND
 

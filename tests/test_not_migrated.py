@@ -21,6 +21,8 @@ from django_taskguard.exceptions import NotMigrated
 
 from .support import ROOT
 
+pytestmark = pytest.mark.dialect
+
 # An existing database with no taskguard tables: a new SQLite file, or PostgreSQL's own
 # maintenance database "postgres" (only read: every query fails before touching anything).
 KINDS = {"sqlite": None, "postgres": "postgres"}
@@ -46,6 +48,7 @@ def manage(
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_check_schedules__not_migrated_says_run_migrate_and_exits_3(kind, tmp_path):
     done = manage(kind, tmp_path, "check_schedules")
@@ -55,6 +58,7 @@ def test_check_schedules__not_migrated_says_run_migrate_and_exits_3(kind, tmp_pa
     assert "run: manage.py migrate taskguard --database default" in done.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_cleanup_locks__not_migrated_says_run_migrate(kind, tmp_path):
     done = manage(kind, tmp_path, "cleanup_locks")
@@ -62,6 +66,7 @@ def test_cleanup_locks__not_migrated_says_run_migrate(kind, tmp_path):
     assert "run: manage.py migrate taskguard --database default" in done.stderr, done.stderr
 
 
+@pytest.mark.processes
 def test_check_deploy__unapplied_migrations_warned_not_by_migrate_itself(tmp_path):
     done = manage("sqlite", tmp_path, "check", "--deploy", "--database", "default")
     assert "taskguard.W014" in done.stderr, done.stderr
@@ -105,6 +110,7 @@ def old_database(kind: str, tmp_path: Path) -> Iterator[str]:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_keyed_call__older_migration_says_run_migrate_not_unreachable(kind, tmp_path, old_database):
     migrated = manage(kind, tmp_path, "migrate", "taskguard", "0007", name=old_database)
@@ -130,6 +136,7 @@ report.run_for_slot(timezone.now().replace(second=0, microsecond=0) - timedelta(
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["postgres"])
 def test_call__database_before_the_functions_says_run_migrate(kind, tmp_path, old_database):
     """PostgreSQL migrated to 0012: no ``taskguard_claim_v1`` (ledger/functions.py) yet."""

@@ -33,7 +33,7 @@ from .support.runs import make_run
 from .support.slots import BASE_SLOT
 from .test_missed import every_second
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SLOT = BASE_SLOT + timedelta(hours=3)
 
 

@@ -31,7 +31,7 @@ from .support.otel import Recorded, attrs, runs_of, start
 from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SLOT = BASE_SLOT + timedelta(hours=5)
 HEADERS = {SLOT_HEADER: SLOT.isoformat(), SCHEDULE_HEADER: "otel"}
 
@@ -153,6 +153,7 @@ def test_celery_eager__an_ignored_attempt_is_a_skip(instrumented):
     assert TaskRun.objects.get().state == RunState.SKIPPED
 
 
+@pytest.mark.processes
 def test_celery_worker_process__the_span_is_a_child_of_the_worker_task_span(
     child_env, scratch, redis_server
 ):

@@ -25,7 +25,7 @@ from .support.otel import Recorded, recording, runs_of
 from .support.runs import make_run
 from .test_otel import SLOT
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
@@ -75,6 +75,7 @@ def test_ledger_metrics__gauges_mirror_the_ledger():
     assert 0 < len(read.captured_queries) == len(once.captured_queries)
 
 
+@pytest.mark.processes
 def test_off__nothing_imported():
     """With OPENTELEMETRY off (the test settings): Django's setup, the core's modules and a
     decorated function import no opentelemetry, and not ``django_taskguard.otel``. Judged by

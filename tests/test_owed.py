@@ -20,7 +20,7 @@ from django_taskguard.signals import run_missed
 
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
 MINUTE = timedelta(minutes=1)

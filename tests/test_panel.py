@@ -16,7 +16,7 @@ from .support.redis_server import RedisServer
 from .support.redis_support import redis_backend
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 MISSED_REASON = "missed: no instance claimed it within its grace (60s)"
 
 

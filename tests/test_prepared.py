@@ -14,7 +14,10 @@ from django_taskguard.models import RunState, TaskRun, TaskRunTransition
 
 from .support.proc import BASE_SLOT
 
-pytestmark = pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL only")
+pytestmark = [
+    pytest.mark.once,
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL only"),
+]
 
 SLOT = BASE_SLOT + timedelta(days=1)
 

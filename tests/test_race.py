@@ -8,9 +8,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from django_taskguard.models import RunState, TaskRun
 
 from .support.children import python
+
+pytestmark = [pytest.mark.dialect, pytest.mark.processes, pytest.mark.smoke]
 
 PROCESSES = 8
 SLOTS = 200
@@ -78,6 +82,7 @@ def winners(log: Path) -> set[int]:
     return {int(line.split()[1]) for line in log.read_text().splitlines()}
 
 
+@pytest.mark.processes
 def test_race__8_processes_200_slots_run_each_slot_once(child_env, scratch):
     race_each_slot_once(child_env, scratch / "executions.log", "tests.race")
 

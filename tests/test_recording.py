@@ -19,7 +19,7 @@ from django_taskguard.models import DatabaseNow, RunState, TaskRun
 from .support.runs import counted_duplicates
 from .support.slots import BASE_SLOT
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 class Boom(Exception):

@@ -19,7 +19,7 @@ from django_taskguard.retention import prune_runs
 
 from .support.runs import make_run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 def prune(*args: str) -> str:

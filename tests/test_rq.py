@@ -46,7 +46,7 @@ from django_taskguard.contrib.rq.worker import flush_checkins  # noqa: E402
 from .support import ROOT  # noqa: E402
 from .support.redis_server import RedisServer  # noqa: E402
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SLOT = datetime(2026, 11, 27, 6, 0, 1, tzinfo=timezone.utc)
 JOBS = {"TASKGUARD": {"BACKEND": "database", "SCHEDULE_MODULES": ["tests.support.rq_jobs"]}}
 

@@ -48,7 +48,7 @@ from rq.registry import FinishedJobRegistry, StartedJobRegistry  # noqa: E402
 from django_taskguard.contrib.rq import enqueue_for_slot, job_id_for  # noqa: E402
 
 # Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
-pytestmark = [pytest.mark.once, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.processes, pytest.mark.once, pytest.mark.timeout(300)]
 SECOND = timedelta(seconds=1)
 HOUR = timedelta(hours=1)
 QUEUES = ("tg-tick", "tg-other")

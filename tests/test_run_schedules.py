@@ -30,6 +30,8 @@ from django_taskguard.registry import unregister
 from .support.children import executions, python
 from .support.waiting import wait_for
 
+pytestmark = pytest.mark.dialect
+
 SECOND = timedelta(seconds=1)
 
 
@@ -77,6 +79,7 @@ def slots_between(first: datetime, last: datetime) -> list[datetime]:
     return [first + n * SECOND for n in range(count + 1)]
 
 
+@pytest.mark.processes
 def test_run_schedules__three_copies_two_clocks_apart_run_each_slot_once(child_env, scratch):
     """Three copies, one 1.5 s ahead and one 1.5 s behind, two one-second schedules."""
     log = scratch / "executions.log"
@@ -107,6 +110,7 @@ def test_run_schedules__three_copies_two_clocks_apart_run_each_slot_once(child_e
 
 # "latest" on both databases; the other two policies' slot arithmetic is the database's
 # only through the same claim, so they run in the PostgreSQL pass only (CI time).
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "catchup",
     [
@@ -161,6 +165,7 @@ def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch,
         assert after == slots_between(after[0], after[-1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("stop_timeout", "finishes"), [("20", True), ("1", False)])
 def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
     child_env, scratch, stop_timeout, finishes
@@ -189,6 +194,7 @@ def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
     assert "SIGTERM, no new fires" in (scratch / "a.out").read_text()
 
 
+@pytest.mark.processes
 def test_run_schedules__a_fast_copy_runs_no_slot_early_and_takes_none_from_on_time_copies(
     child_env, scratch
 ):

@@ -29,10 +29,12 @@ from django_taskguard.models import RunState, TaskRun
 from django_taskguard.registry import Entry, entries, unregister
 from django_taskguard.scheduler import Scheduler
 
-from .support.children import python
+from .support.children import python, start
 from .support.tcp_proxy import TcpProxy
 from .support.waiting import wait_for
 from .test_run_schedules import schedule_env, slots_run
+
+pytestmark = pytest.mark.dialect
 
 PATHS = [pytest.param([], id="batch"), pytest.param(["--no-batch"], id="one-by-one")]
 
@@ -64,6 +66,7 @@ def fire_twice(env: dict[str, str], out: Path, *args: str) -> datetime:
 # -- 1. more due slots than workers can start within a lease ----------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__more_due_than_workers__every_body_starts_within_its_lease(
     child_env, scratch, path
@@ -116,6 +119,7 @@ def test_run_schedules__catchup_none__no_body_starts_past_its_grace(child_env, s
     }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scratch, path):
     """SIGTERM while 30 due schedules wait for 2 workers: the two running finish, no
@@ -128,10 +132,8 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
     copy = start(
-        [python(), "-m", "tests.support.scheduler_child", "--max-workers", "2",
-         "--stop-timeout", "20", *path],
-        _moved_on(env),
-        scratch / "a.out",
+        _moved_on(env), scratch / "a.out",
+        "-m", "tests.support.scheduler_child", "--max-workers", "2", "--stop-timeout", "20", *path,
     )  # fmt: skip
     try:
         wait_for(lambda: slots_run(log), 60, "the first bodies")
@@ -153,6 +155,7 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     assert not after, f"{len(after)} bodies started after SIGTERM"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
     child_env, scratch, path
@@ -168,10 +171,10 @@ def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
     )  # fmt: skip
     assert once(env, scratch / "out") == 0  # registers the schedules
     shifted = _moved_on(env)
-    command = [python(), "-m", "tests.support.scheduler_child", "--max-workers", "2", *path]
+    command = ["-m", "tests.support.scheduler_child", "--max-workers", "2", *path]
     copies = {}
     for name in ("a", "b"):
-        copy = start(command, shifted, scratch / f"{name}.out")
+        copy = start(shifted, scratch / f"{name}.out", *command)
         copies[copy.pid] = copy
     try:
         first = int(wait_for(lambda: _first_pid(log), 60, "a body"))
@@ -376,19 +379,15 @@ def test_run_schedules__claim_reply_lost__read_back_and_run(child_env, scratch, 
 # -- 7. signals --------------------------------------------------------------------------
 
 
-def start(command: list[str], env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
-    with out.open("wb") as sink:  # the child has its own copy of the descriptor
-        return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-
-
+@pytest.mark.processes
 def test_run_schedules__a_burst_of_signals_always_ends_the_process(child_env, scratch):
     """Four copies each get SIGTERM and SIGINT without a pause for a second: every one
     exits (the handler used to take the stop event's lock, and a signal that came while
     the main thread held it deadlocked the copy)."""
     env = schedule_env(child_env, scratch / "log", "tests.burst")
     outs = [scratch / f"{n}.out" for n in range(4)]
-    command = [python(), "-m", "tests.support.scheduler_child", "--sweep-every", "1"]
-    copies = [start(command, env, out) for out in outs]
+    command = ["-m", "tests.support.scheduler_child", "--sweep-every", "1"]
+    copies = [start(env, out, *command) for out in outs]
     try:
         for out in outs:
             wait_for(lambda out=out: "fired tests.burst" in out.read_text(), 60, "a fire")
@@ -420,15 +419,14 @@ def _burst(pid: int, seconds: float) -> None:
         sent += 1
 
 
+@pytest.mark.processes
 def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
     """The first SIGTERM waits for the running call (up to --stop-timeout); a second
     exits now, non-zero."""
     log = scratch / "executions.log"
     env = schedule_env(child_env, log, "tests.twice", TASKGUARD_TEST_BODY_SECONDS="60")
     out = scratch / "a.out"
-    copy = start(
-        [python(), "-m", "tests.support.scheduler_child", "--stop-timeout", "120"], env, out
-    )
+    copy = start(env, out, "-m", "tests.support.scheduler_child", "--stop-timeout", "120")
     try:
         wait_for(lambda: slots_run(log), 60, "the body started")
         copy.send_signal(signal.SIGTERM)
@@ -445,6 +443,7 @@ def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
 # -- 12. --once with a hung body; a clock stepped back ------------------------------------
 
 
+@pytest.mark.processes
 def test_run_schedules_once__a_hung_body_is_waited_for_once_timeout_only(child_env, scratch):
     log = scratch / "executions.log"
     env = schedule_env(child_env, log, "tests.hung", TASKGUARD_TEST_BODY_SECONDS="600")

@@ -28,6 +28,8 @@ from .support.waiting import wait_for
 from .test_run_schedules import schedule_env, slots_run
 from .test_run_schedules_batch import postgres_only, start
 
+pytestmark = [pytest.mark.processes, pytest.mark.once]
+
 
 @postgres_only
 @pytest.mark.once

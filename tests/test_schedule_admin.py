@@ -28,7 +28,7 @@ from django_taskguard.models import (
 
 from .support.monitoring import due_slot, finished, schedule
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 CHANGELIST = reverse("admin:taskguard_taskschedule_changelist")
 MINUTE = timedelta(minutes=1)
 

@@ -14,10 +14,9 @@ from django.utils import timezone
 from django_taskguard.models import ScheduleEvent, TaskRun, TaskSchedule
 
 from .support.monitoring import due_slot, finished, schedule
-from .test_admin_browser import browser, fits_laptops, keep_screenshot, shots_dir
+from .test_admin_browser import fits_laptops, keep_screenshot, shots_dir
 
 pytestmark = [pytest.mark.browser, pytest.mark.once, pytest.mark.django_db(transaction=True)]
-__all__ = ["browser"]  # the fixture
 MINUTE = timedelta(minutes=1)
 
 

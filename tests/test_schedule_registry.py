@@ -23,7 +23,7 @@ from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.pauses import forget
 from django_taskguard.testing import freeze_now
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SECOND = timedelta(seconds=1)
 
 

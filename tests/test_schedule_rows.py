@@ -6,7 +6,7 @@ import pytest
 
 from django_taskguard.ledger import upkeep as store
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 
 def test_upkeep_lease__one_holder_then_none_until_the_interval_passes():

@@ -22,6 +22,8 @@ from django_taskguard import once_per_schedule
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.schedules import CronSchedule, IntervalSchedule, build, wall_to_utc
 
+pytestmark = pytest.mark.pure
+
 UTC = dt_timezone.utc
 NEW_YORK = "America/New_York"
 PARIS = "Europe/Paris"
@@ -52,6 +54,7 @@ def test_cron__fall_back_paris_both_0230s_are_one_slot():
         assert cron.latest_slot(utc(2026, 10, 25, 1, 31)) == utc(2026, 10, 25, 0, 30)
 
 
+@pytest.mark.dialect  # the slots go through the ledger: its SQL
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     ("zone", "expression", "first", "second"),

@@ -36,7 +36,7 @@ from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
 # Barely depends on the database: scripts/test.sh runs it in the PostgreSQL pass only.
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.processes, pytest.mark.once]
 
 SLOT = BASE_SLOT + timedelta(hours=21)
 KEY = run_key("taskguard", "tests.sentinel", SLOT)

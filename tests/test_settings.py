@@ -23,6 +23,8 @@ from django_taskguard.models import TaskRun
 
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.pure
+
 LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 
 # (an invalid TASKGUARD, the check's id): every key of DEFAULTS has a line.

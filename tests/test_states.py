@@ -36,6 +36,8 @@ from .support.redis_support import command, redis_backend
 from .support.runs import make_run
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.dialect
+
 S = RunState
 # The contract, spelled out independently of states.TRANSITIONS.
 ALLOWED = {

@@ -20,7 +20,7 @@ from django_taskguard.schedules import IntervalSchedule
 
 from .support.monitoring import finished, schedule
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 SECOND = timedelta(seconds=1)
 MINUTE = timedelta(minutes=1)
 GRACE = 2 * SECOND

@@ -36,6 +36,8 @@ from .support.inner_session import run_session
 from .support.redis_support import redis_backend
 from .support.slots import BASE_SLOT
 
+pytestmark = pytest.mark.dialect
+
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")  # the tests' TIME_ZONE
 calls: list[str] = []
@@ -319,6 +321,7 @@ def test_reset_locks__the_database_backend_has_no_keys_and_caches_are_rebuilt(ta
     assert get_backend() is not before
 
 
+@pytest.mark.processes
 def test_reset_locks__a_second_process_on_the_same_database_gets_its_own_identity(
     taskguard, child_env
 ):
@@ -351,6 +354,7 @@ class TaskguardTestCaseTests(TaskguardTestCase):
 # --- the pytest plugin ---------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_pytest_plugin__imports_nothing_of_django_when_loaded():
     probe = (
         "import sys; import django_taskguard.testing.pytest_plugin; "
@@ -403,6 +407,7 @@ def test_4_the_pause_is_gone_with_its_database():
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("backend", ["database", "redis"])
 def test_django_db_transaction_alone__nothing_leaks_into_the_next_test(
     backend, tmp_path, redis_server

@@ -29,7 +29,7 @@ from .support.monitoring import due_slot, finished, run_check, schedule
 from .support.redis_server import RedisServer
 from .support.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 INTERVAL = 5  # UPKEEP_INTERVAL_SECONDS of the callers
 TOKEN = "probe-token-0123456789"
 
@@ -72,6 +72,7 @@ def runs(task: str) -> list[TaskRun]:
     return list(TaskRun.objects.filter(task_name=task).order_by("slot"))
 
 
+@pytest.mark.processes
 def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
     callers_env: dict[str, str], scratch: Path, started: list[Child]
 ) -> None:
@@ -117,6 +118,7 @@ def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
     )
 
 
+@pytest.mark.processes
 def test_callers_only__a_gap_is_recorded_missed(
     callers_env: dict[str, str], scratch: Path, started: list[Child]
 ) -> None:
@@ -275,6 +277,7 @@ def test_hooks__a_beat_tick_and_a_celery_task_end_start_the_upkeep(tmp_path: Pat
         beat.close()
 
 
+@pytest.mark.processes
 def test_run_schedules__its_sweep_thread_runs_the_upkeep(
     child_env: dict[str, str], started: list[Child]
 ) -> None:

@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 
 
@@ -81,3 +82,34 @@ def hold(
 def executions(log: Path) -> list[list[str]]:
     """Every line of an execution log (``proc.record``), split into words; none if no log."""
     return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def start(env: dict[str, str], out: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``python ARGS`` (this interpreter) with its output appended to ``out``: the one way an
+    end-to-end test starts a copy, a worker or a consumer."""
+    with out.open("ab") as stream:  # the child has its own copy of the descriptor
+        return subprocess.Popen([python(), *args], env=env, stdout=stream, stderr=subprocess.STDOUT)
+
+
+def stop(procs: list[subprocess.Popen[bytes]], signum: int = signal.SIGTERM) -> list[int]:
+    """Send ``signum`` to each of ``procs``; their exit codes, each waited for 60 s at most."""
+    for proc in procs:
+        proc.send_signal(signum)
+    return [proc.wait(timeout=60) for proc in procs]
+
+
+def slots_of(task: str, done: list[tuple[str, str]]) -> list[datetime]:
+    """The slots of ``task`` among ``done`` (task name, ISO slot) pairs."""
+    return [datetime.fromisoformat(slot) for name, slot in done if name == task]
+
+
+def window(slots: list[datetime], began: datetime, ended: datetime) -> list[datetime]:
+    """The one-second slots from ``began`` (the copies or consumers are up) to just before
+    ``ended``; fails unless every second of it is there, once."""
+    second = timedelta(seconds=1)
+    first = min(slot for slot in slots if slot >= began)
+    last = max(slot for slot in slots if slot <= ended - 2 * second)
+    kept = sorted(slot for slot in slots if first <= slot <= last)
+    expected = int((last - first) / second) + 1
+    assert kept == [first + n * second for n in range(expected)], "a slot was not run"
+    return kept

@@ -5,6 +5,7 @@ A missing ``redis-server`` binary is a setup error, never a skip.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -12,6 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+
+
+def real_clock_env() -> dict[str, str]:
+    """This environment without libfaketime: under scripts/clock-runs.sh the suite's own
+    processes run at a faked date, but redis-server does not start under libfaketime (and
+    its clock only times TTLs, which are relative), so it keeps the real one."""
+    faked = ("LD_PRELOAD", "FAKETIME", "FAKETIME_NO_CACHE", "DONT_FAKE_MONOTONIC")
+    return {key: value for key, value in os.environ.items() if key not in faked}
 
 
 def free_port() -> int:
@@ -82,6 +91,7 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            env=real_clock_env(),
         )
         try:
             wait_until_serving(self.process, self.port)

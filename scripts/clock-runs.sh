@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The SQLite pass at other dates and in another zone: proof that no test depends on today's
+# date or on the host's zone. Four runs, each the SQLite pass of scripts/test.sh (the tests
+# that may run beside each other, then the serial ones):
+#   - the clock at 2027-03-07 23:59:30, a week before the US spring-forward (the EU's is 03-28)
+#   - the clock at 2027-10-24 23:59:30, a week before the EU fall-back (the US's is 11-07)
+#   - the clock at 2028-02-28 23:59:30, the day before a leap day, crossing midnight
+#   - TZ=America/Los_Angeles (west of UTC), today's clock
+# The date is moved with libfaketime (Debian's faketime; installed when missing), starting at
+# the given time and ticking from there, in the test process and every child it starts; the
+# private redis-server processes keep the real clock (redis-server does not start under
+# libfaketime; tests/support/redis_server.py). Not part of `make test` (about 4 x 6 minutes
+# on this 2-core machine, over CI's budget): run it by hand, `bash scripts/clock-runs.sh
+# [NAME...]` (names: spring, fall, leap, west), after `make test` built .venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+
+if ! command -v faketime >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq faketime >/dev/null
+fi
+
+declare -A AT=(
+  [spring]="2027-03-07 23:59:30"
+  [fall]="2027-10-24 23:59:30"
+  [leap]="2028-02-28 23:59:30"
+  [west]=""
+)
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then names=(spring fall leap west); fi
+results=()
+for name in "${names[@]}"; do
+  [ -n "${AT[$name]+set}" ] || { echo "unknown run: $name (spring, fall, leap, west)" >&2; exit 2; }
+  prefix=()
+  zone=()
+  if [ "$name" = west ]; then
+    zone=(env TZ=America/Los_Angeles)
+  else
+    prefix=(faketime -f "@${AT[$name]}")
+  fi
+  echo "== $name: ${AT[$name]:-TZ=America/Los_Angeles}"
+  start=$SECONDS
+  status=0
+  {
+    TASKGUARD_SCHEDULER_TEST_SECONDS=10 "${zone[@]}" "${prefix[@]}" $PY -m pytest -q \
+      -p no:cacheprovider -n 2 -m "not soak and not serial" &&
+      TASKGUARD_SCHEDULER_TEST_SECONDS=10 "${zone[@]}" "${prefix[@]}" $PY -m pytest -q \
+        -p no:cacheprovider -m "not soak and serial"
+  } || status=$?
+  results+=("$(printf '%-7s %-22s exit %d in %ds' "$name" "${AT[$name]:-TZ=America/Los_Angeles}" "$status" $((SECONDS - start)))")
+done
+printf '%s\n' "${results[@]}"
+for line in "${results[@]}"; do
+  [[ "$line" == *"exit 0 "* ]] || exit 1
+done
