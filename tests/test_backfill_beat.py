@@ -114,6 +114,7 @@ def finished(name: str, slots: list[datetime]) -> bool:
     return all(found.get(slot) in (RunState.SUCCEEDED, RunState.MISSED) for slot in slots)
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.parametrize("backend", ["database", "redis"])  # the workers' lock backend
 def test_backfill_beat__settings_entry_runs_each_slot_once_on_the_worker(
@@ -186,6 +187,7 @@ def test_backfill_beat__settings_entry_runs_each_slot_once_on_the_worker(
     assert queued(cluster) == 0
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.celery_beat
 def test_backfill_beat__django_celery_beat_row_runs_each_slot_once(

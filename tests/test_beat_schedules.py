@@ -112,6 +112,7 @@ def last_sent(cluster: Cluster, entry: str) -> datetime:
     return max(slot for name, slot, _ in published(cluster) if name == entry)
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.timeout(180)
 def test_beat_schedules__settings_entry_missed_while_beats_are_down_and_paused_skipped(
@@ -186,6 +187,7 @@ def test_beat_schedules__settings_entry_missed_while_beats_are_down_and_paused_s
     assert "late" not in problems(name)
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.celery_beat
 @pytest.mark.timeout(180)

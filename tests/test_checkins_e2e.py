@@ -164,6 +164,7 @@ def test_checkins_e2e__three_copies__one_start_and_one_end_per_slot_at_every_ser
 RETRIED = "tests.support.celery_checkin_tasks.checkin_tick"
 
 
+@pytest.mark.processes
 @pytest.mark.once
 def test_checkins_e2e__two_beats_two_workers__a_retried_slot_is_one_checkin(
     child_env, scratch, redis_server, receiver

@@ -498,6 +498,7 @@ def report_runs(log: Path) -> list[tuple[str, datetime, str, int]]:
     ]
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.timeout(120)
 def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(beats, scratch):

@@ -49,6 +49,7 @@ def ran(log, task: str = PING) -> list[datetime]:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(

@@ -91,6 +91,7 @@ def test_run_schedules__more_due_than_workers__every_body_starts_within_its_leas
     assert ran == {f"tests.busy.{n}": 1 for n in range(30)}
 
 
+@pytest.mark.processes
 @pytest.mark.once
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__catchup_none__no_body_starts_past_its_grace(child_env, scratch, path):
@@ -346,6 +347,7 @@ def test_dispatch__a_claim_that_cannot_start_is_given_back(scheduled, why):
 # -- 3. a batch claim whose reply is lost ---------------------------------------------------
 
 
+@pytest.mark.processes
 @postgres_only
 @pytest.mark.parametrize(
     ("path", "marker"),
