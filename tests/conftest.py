@@ -48,6 +48,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``TASKGUARD_TEST_TIMES=FILE``: each phase's seconds appended as it ends (where a
+    pass's time goes, even for a run stopped half-way; docs/development.md, "CI time")."""
+    path = os.environ.get("TASKGUARD_TEST_TIMES")
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     spawning.begin(item)
 

@@ -478,6 +478,7 @@ def test_async__run_schedules_fires_a_coroutine_function():
 PROCESSES, SLOTS, TASKS = 4, 20, 5
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["database", "redis"])
 def test_async_race__processes_each_with_a_loop_of_tasks_run_each_slot_once(

@@ -134,6 +134,7 @@ def report(name: str, receiver: HoldingReceiver, **numbers: object) -> None:
     print(f"\n[{name}] {numbers} check-ins: {tally(receiver)}")
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_checkins_e2e__three_copies__one_start_and_one_end_per_slot_at_every_service(
     child_env, scratch, receiver
@@ -292,6 +293,7 @@ def assert_pushed_once(
         assert all(kind == "error" for i, kind in got if i in missed_ids), service
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandoned_once(
     child_env, scratch, receiver
@@ -341,6 +343,7 @@ def test_checkins_e2e__copies_killed__the_gap_missed_and_the_blocked_run_abandon
     report("killed copies", receiver, missed=len(missed), abandoned=len(abandoned))
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_checkins_e2e__a_hanging_and_a_failing_receiver_hold_up_no_slot(
     child_env, scratch, receiver

@@ -152,6 +152,7 @@ def test_checkins__the_sweep_pushes_each_missed_slot_newest_twenty(checkins: Che
     assert {r["json"]["state"] for r in checkins.receiver.of("webhook")} == {RunState.MISSED}
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_checkins__a_sigkilled_owner_is_pushed_abandoned_by_cleanup(
     checkins: CheckIns, child_env: dict[str, str], scratch: Path

@@ -128,6 +128,7 @@ def test_manage_py_check__is_clean():
     assert "no issues" in out.getvalue()
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_manage_py_check__as_a_real_command_is_clean():
     done = subprocess.run(

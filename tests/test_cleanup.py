@@ -184,6 +184,7 @@ def test_cleanup_locks__sigkilled_owner_is_abandoned_and_next_slot_runs(child_en
     assert TaskRun.objects.get(pk=run_id).state == RunState.ABANDONED
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_cleanup_locks__live_child_holding_its_lease_is_untouched(child_env, scratch):
     log = scratch / "exec.log"
@@ -227,6 +228,7 @@ def test_cleanup_locks__concurrent_commands_abandon_each_run_once(child_env):
         assert len(abandon_transitions(run)) == 1
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_cleanup_locks__database_unreachable_is_a_clear_error(child_env):
     env = dict(child_env, TASKGUARD_TEST_DB="postgres", TASKGUARD_PG_PORT=str(free_port()))
@@ -247,6 +249,7 @@ def owner(pid: int, token: str, space: str | None = None) -> str:
     return Owner(HOST, pid, pid_space() if space is None else space, token).format()
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_startup_cleanup__only_dead_pids_of_this_pid_space():
     pid = dead_pid()
@@ -271,6 +274,7 @@ def test_startup_cleanup__only_dead_pids_of_this_pid_space():
     assert f"{HOST}:{pid} is gone" in transition.reason
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_startup_cleanup__a_run_from_another_pid_namespace_is_never_judged(child_env):
     # A real process in a new pid namespace (what a second container of a pod
@@ -299,6 +303,7 @@ def test_startup_cleanup__a_run_from_another_pid_namespace_is_never_judged(child
     assert TaskRun.objects.get(pk=ours.pk).state == RunState.ABANDONED
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_startup_cleanup__celery_worker_ready_honours_the_setting():
     from celery.signals import worker_ready

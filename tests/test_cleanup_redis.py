@@ -136,6 +136,7 @@ def test_cleanup_locks_redis__claim_of_a_recorded_slot_adds_its_count(redis_sett
     assert TaskRun.objects.get(pk=run.pk).duplicates == 4
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_cleanup_locks_redis__row_inserted_by_a_caller_meanwhile_gets_the_count(
     redis_settings, child_env, scratch, monkeypatch

@@ -272,6 +272,7 @@ def test_once_per_key__a_retry_is_an_attempt_and_a_second_send_a_duplicate(jobs,
     assert jobs.executed == ["tests.dramatiq.charge order:-1 1", "tests.dramatiq.charge order:-1 2"]
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_worker_boot__runs_the_startup_cleanup_when_the_setting_asks(jobs):
     """A worker process that boots abandons this host's runs whose process is gone."""

@@ -80,6 +80,7 @@ def _env(child_env: dict[str, str], log: Path, modules: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_data_run_schedules__two_copies_follow_every_change_without_restart(child_env, scratch):
     log = scratch / "executions.log"
@@ -185,6 +186,7 @@ def test_data_run_schedules__two_copies_follow_every_change_without_restart(chil
     assert not TaskRun.objects.filter(task_name=name_a, state=RunState.MISSED).exists()
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(child_env, scratch):
     log = scratch / "executions.log"

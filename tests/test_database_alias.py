@@ -72,6 +72,7 @@ def test_cleanup_locks__abandons_the_ledgers_stale_runs_only(on_ledger):
     assert states("default") == {decoy.pk: RunState.RUNNING}
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_startup_cleanup__abandons_the_ledgers_runs_only(on_ledger):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
@@ -128,6 +129,7 @@ def test_check__a_router_sending_taskrun_elsewhere_is_reported():
     assert "taskguard.W013" not in ids and "taskguard.E011" not in ids
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_child_process__sees_the_ledger_database(on_ledger, child_env):
     # The same settings in a real process (what a worker is): its claim lands in

@@ -45,8 +45,8 @@ PAGES = [
 ]
 # Pages whose examples create django-celery-beat rows: skipped where it cannot be installed.
 NEEDS_CELERY_BEAT = {"docs/deployments/celery-beat.md", MIGRATING}
-# Each page in a pytest session of its own (a child): the database path is the ledger's SQL.
-pytestmark = [pytest.mark.dialect, pytest.mark.processes]
+# Each page in a pytest session of its own (a child process), on SQLite and PostgreSQL.
+pytestmark = [pytest.mark.file_and_server, pytest.mark.processes]
 BLOCK = re.compile(r"^<!-- docs-test: (\w+) -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 MYAPP_JOBS = """

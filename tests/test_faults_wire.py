@@ -135,6 +135,7 @@ def test_lost_command__acquire_never_ran_the_database_decides(redis_server, capl
 # --- the database refuses, with the Redis backend -------------------------------------
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @postgres_only
 def test_database_down__redis_won_the_claim_fails_the_key_is_released(
@@ -333,6 +334,7 @@ def _hold_table_lock(held: threading.Event, release: threading.Event) -> None:
         release.wait(120)
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @postgres_only
 @pytest.mark.xfail(

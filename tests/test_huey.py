@@ -298,6 +298,7 @@ def test_install__without_the_hooks_a_retry_is_a_duplicate_with_them_an_attempt(
         assert seen == (1, RunState.FAILED, 1, 1)
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_install__a_workers_start_runs_the_startup_cleanup_when_it_is_on():
     """Huey's worker calls its start-up hooks (``Worker.initialize``): this host's runs

@@ -405,6 +405,7 @@ def test_redis_lock__speaks_the_cache_protocol(redis_server, protocol):
         assert lock.errors == 0
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_redis_lock__over_tls(tmp_path):
     """TLS for real: a rediss:// cache with its CA; every lock operation goes over it."""

@@ -289,6 +289,7 @@ def test_log_fields__stale_run_abandoned_by_cleanup_locks(json_log):
     assert line["slot"] == stale.slot.isoformat() and "expired" in line["reason"]
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.django_db(transaction=True)
 def test_log_fields__startup_cleanup_of_a_dead_process(json_log):

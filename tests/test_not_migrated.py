@@ -48,6 +48,7 @@ def manage(
     )
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_check_schedules__not_migrated_says_run_migrate_and_exits_3(kind, tmp_path):
@@ -58,6 +59,7 @@ def test_check_schedules__not_migrated_says_run_migrate_and_exits_3(kind, tmp_pa
     assert "run: manage.py migrate taskguard --database default" in done.stderr
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_cleanup_locks__not_migrated_says_run_migrate(kind, tmp_path):
@@ -66,6 +68,7 @@ def test_cleanup_locks__not_migrated_says_run_migrate(kind, tmp_path):
     assert "run: manage.py migrate taskguard --database default" in done.stderr, done.stderr
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_check_deploy__unapplied_migrations_warned_not_by_migrate_itself(tmp_path):
     done = manage("sqlite", tmp_path, "check", "--deploy", "--database", "default")
@@ -110,6 +113,7 @@ def old_database(kind: str, tmp_path: Path) -> Iterator[str]:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_keyed_call__older_migration_says_run_migrate_not_unreachable(kind, tmp_path, old_database):
@@ -136,6 +140,7 @@ report.run_for_slot(timezone.now().replace(second=0, microsecond=0) - timedelta(
 """
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("kind", ["postgres"])
 def test_call__database_before_the_functions_says_run_migrate(kind, tmp_path, old_database):

@@ -153,6 +153,7 @@ def test_celery_eager__an_ignored_attempt_is_a_skip(instrumented):
     assert TaskRun.objects.get().state == RunState.SKIPPED
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_celery_worker_process__the_span_is_a_child_of_the_worker_task_span(
     child_env, scratch, redis_server

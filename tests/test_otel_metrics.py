@@ -75,6 +75,7 @@ def test_ledger_metrics__gauges_mirror_the_ledger():
     assert 0 < len(read.captured_queries) == len(once.captured_queries)
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_off__nothing_imported():
     """With OPENTELEMETRY off (the test settings): Django's setup, the core's modules and a

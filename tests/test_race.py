@@ -82,6 +82,7 @@ def winners(log: Path) -> set[int]:
     return {int(line.split()[1]) for line in log.read_text().splitlines()}
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_race__8_processes_200_slots_run_each_slot_once(child_env, scratch):
     race_each_slot_once(child_env, scratch / "executions.log", "tests.race")

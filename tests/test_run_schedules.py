@@ -79,6 +79,7 @@ def slots_between(first: datetime, last: datetime) -> list[datetime]:
     return [first + n * SECOND for n in range(count + 1)]
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_run_schedules__three_copies_two_clocks_apart_run_each_slot_once(child_env, scratch):
     """Three copies, one 1.5 s ahead and one 1.5 s behind, two one-second schedules."""
@@ -165,6 +166,7 @@ def test_run_schedules__every_copy_killed_then_one_restarted(child_env, scratch,
         assert after == slots_between(after[0], after[-1])
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize(("stop_timeout", "finishes"), [("20", True), ("1", False)])
 def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
@@ -194,6 +196,7 @@ def test_run_schedules__sigterm_stops_firing_and_waits_for_running_calls(
     assert "SIGTERM, no new fires" in (scratch / "a.out").read_text()
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_run_schedules__a_fast_copy_runs_no_slot_early_and_takes_none_from_on_time_copies(
     child_env, scratch

@@ -66,6 +66,7 @@ def fire_twice(env: dict[str, str], out: Path, *args: str) -> datetime:
 # -- 1. more due slots than workers can start within a lease ----------------------------
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__more_due_than_workers__every_body_starts_within_its_lease(
@@ -120,6 +121,7 @@ def test_run_schedules__catchup_none__no_body_starts_past_its_grace(child_env, s
     }
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scratch, path):
@@ -156,6 +158,7 @@ def test_run_schedules__sigterm_gives_back_the_claims_not_started(child_env, scr
     assert not after, f"{len(after)} bodies started after SIGTERM"
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("path", PATHS)
 def test_run_schedules__the_copy_that_claimed_killed__the_other_runs_the_rest(
@@ -347,6 +350,7 @@ def test_dispatch__a_claim_that_cannot_start_is_given_back(scheduled, why):
 # -- 3. a batch claim whose reply is lost ---------------------------------------------------
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @postgres_only
 @pytest.mark.parametrize(
@@ -381,6 +385,7 @@ def test_run_schedules__claim_reply_lost__read_back_and_run(child_env, scratch, 
 # -- 7. signals --------------------------------------------------------------------------
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_run_schedules__a_burst_of_signals_always_ends_the_process(child_env, scratch):
     """Four copies each get SIGTERM and SIGINT without a pause for a second: every one
@@ -421,6 +426,7 @@ def _burst(pid: int, seconds: float) -> None:
         sent += 1
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
     """The first SIGTERM waits for the running call (up to --stop-timeout); a second
@@ -445,6 +451,7 @@ def test_run_schedules__a_second_sigterm_exits_at_once(child_env, scratch):
 # -- 12. --once with a hung body; a clock stepped back ------------------------------------
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_run_schedules_once__a_hung_body_is_waited_for_once_timeout_only(child_env, scratch):
     log = scratch / "executions.log"

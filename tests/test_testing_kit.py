@@ -321,6 +321,7 @@ def test_reset_locks__the_database_backend_has_no_keys_and_caches_are_rebuilt(ta
     assert get_backend() is not before
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_reset_locks__a_second_process_on_the_same_database_gets_its_own_identity(
     taskguard, child_env
@@ -354,6 +355,7 @@ class TaskguardTestCaseTests(TaskguardTestCase):
 # --- the pytest plugin ---------------------------------------------------------------
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_pytest_plugin__imports_nothing_of_django_when_loaded():
     probe = (
@@ -407,6 +409,7 @@ def test_4_the_pause_is_gone_with_its_database():
 """
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["database", "redis"])
 def test_django_db_transaction_alone__nothing_leaks_into_the_next_test(

@@ -72,6 +72,7 @@ def runs(task: str) -> list[TaskRun]:
     return list(TaskRun.objects.filter(task_name=task).order_by("slot"))
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
     callers_env: dict[str, str], scratch: Path, started: list[Child]
@@ -118,6 +119,7 @@ def test_callers_only__duplicates_folded_and_a_killed_run_abandoned(
     )
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_callers_only__a_gap_is_recorded_missed(
     callers_env: dict[str, str], scratch: Path, started: list[Child]
@@ -277,6 +279,7 @@ def test_hooks__a_beat_tick_and_a_celery_task_end_start_the_upkeep(tmp_path: Pat
         beat.close()
 
 
+@pytest.mark.file_and_server
 @pytest.mark.processes
 def test_run_schedules__its_sweep_thread_runs_the_upkeep(
     child_env: dict[str, str], started: list[Child]

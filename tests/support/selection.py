@@ -9,6 +9,10 @@ own; the test's own wins):
   MariaDB.
 - ``server``: it needs a server database's concurrency (SQLite has one writer): PostgreSQL and
   MariaDB.
+- ``file_and_server``: real processes whose outcome depends on how the database lets writers
+  through (SQLite's one writer, a server's row locks), not on SQL that differs between the two
+  servers (the in-process ``dialect`` tests prove MariaDB's SQL, test_mariadb.py its races):
+  SQLite and PostgreSQL.
 - ``once``: it barely depends on the database, or on PostgreSQL's own SQL (a Celery cluster,
   the browser, PL/pgSQL functions): PostgreSQL alone.
 
@@ -32,6 +36,7 @@ WHERE: dict[str, frozenset[str]] = {
     "pure": frozenset({"sqlite"}),
     "dialect": frozenset({"sqlite", "postgres", "mariadb"}),
     "server": frozenset({"postgres", "mariadb"}),
+    "file_and_server": frozenset({"sqlite", "postgres"}),
     "once": frozenset({"postgres"}),
 }
 SERIAL = ("processes", "browser", "timing")
