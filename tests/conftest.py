@@ -52,7 +52,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``TASKGUARD_TEST_TIMES=FILE``: each phase's seconds appended as it ends (where a
     pass's time goes, even for a run stopped half-way; docs/development.md, "CI time")."""
     path = os.environ.get("TASKGUARD_TEST_TIMES")
-    if path:
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's controller writes it
         with open(path, "a") as out:
             out.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
 
