@@ -93,6 +93,7 @@ PRELUDES = {
     "docs/schedules.md": "",
     "README.md": "",
     "docs/dramatiq.md": "",
+    "docs/getting-started.md": "",
     **dict.fromkeys([*DEPLOYMENTS, MIGRATING, DJANGO_Q2], ""),
 }
 
