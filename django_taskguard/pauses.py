@@ -15,8 +15,8 @@ import logging
 import threading
 import time
 
-from .exceptions import BackendUnavailable
 from . import ledger
+from .exceptions import BackendUnavailable
 from .ledger import schedules as store
 from .logfields import log_fields
 from .models import ScheduleEventKind, ScheduleEventOrigin

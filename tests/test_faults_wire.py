@@ -383,15 +383,19 @@ def _ended_on_pause_read(times: int) -> Iterator[list[int]]:
     ``times`` reads of the paused tasks is sent: that read fails as a real lost one does."""
     ended: list[int] = []
 
-    def wrapper(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+    def wrapper(
+        execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
         if '"paused_reason" FROM' in sql and len(ended) < times:
             pid = context["connection"].connection.info.backend_pid
             with _killer() as killer:
                 killer.execute("SELECT pg_terminate_backend(%s)", [pid])
                 wait_for(
-                    lambda: not killer.execute(
-                        "SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]
-                    ).fetchone(),
+                    lambda: (
+                        not killer.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]
+                        ).fetchone()
+                    ),
                     10,
                     "the ended connection's server process to exit",
                 )
