@@ -302,14 +302,21 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
         )
 
     def response_delete(self, request: HttpRequest, obj_display: str, obj_id: Any) -> Any:
+        """One true message (the schedule was removed, not deleted: Django's own says "was
+        deleted successfully"), then the change list as Django goes there."""
         self.message_user(
             request,
             _(
-                "Nothing fires it any more; its row stays, marked removed, with its runs and "
-                "its history (retire it to delete the row)."
-            ),
+                "The schedule “%(name)s” was removed: nothing fires it any more. Its row "
+                "stays, marked removed, with its runs and its history, until you retire it."
+            )
+            % {"name": obj_display},
         )
-        return super().response_delete(request, obj_display, obj_id)
+        if self.has_change_permission(request, None):
+            return HttpResponseRedirect(
+                reverse("admin:taskguard_taskschedule_changelist", current_app=self.admin_site.name)
+            )
+        return HttpResponseRedirect(reverse("admin:index", current_app=self.admin_site.name))
 
     def changeform_view(
         self,

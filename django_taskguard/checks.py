@@ -189,7 +189,8 @@ def check_schedule_zones(
             f"Schedule {task!r} was saved by a copy whose TIME_ZONE is {theirs!r}; this "
             f"copy's is {zone!r}: the two fire its cron at different instants.",
             hint="Give every copy of the project the same TIME_ZONE, or give the cron its "
-            "own zone (a time zone for the schedule).",
+            "own zone: @once_per_schedule(cron=..., time_zone='Europe/Berlin'), or "
+            "define_schedule(..., time_zone=...).",
             id="taskguard.W020",
         )
         for task, theirs in conflicts

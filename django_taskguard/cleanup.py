@@ -124,17 +124,23 @@ def cleanup_locks(
     subquery, so "select all" costs no memory) and skips the backend's sweep,
     as does ``scan_orphans=False``. ``user``: the person who asked (the admin),
     named in each reason and as the transitions' actor. Raises
-    ``BackendUnavailable`` when the database or the lock backend cannot be reached.
+    ``BackendUnavailable`` when the database or the lock backend cannot be reached; a
+    lock backend that does not answer stops no stale run from being abandoned (the
+    ledger decides; their keys lapse with their TTL), it is raised after them.
     """
     result = CleanupResult(dry_run=dry_run)
     lock = get_backend()
     by, who = _acting(user, "cleanup_locks", "cleanup")
+    unreleased: BackendUnavailable | None = None
     for run in ledger.stale_runs(task=task, among=runs, batch_size=batch_size):
         reason = _why(run, by)
         if dry_run:
             released = _holds(lock, run)
         elif abandon(run, reason, lease="expired", who=who):
-            released = release_if_held(lock, run)
+            try:
+                released = release_if_held(lock, run)
+            except BackendUnavailable as exc:
+                released, unreleased = False, exc
         else:
             continue
         result.stale_runs += 1
@@ -145,6 +151,11 @@ def cleanup_locks(
             )
     for flight in ledger.in_flight(task=task, among=runs, limit=LISTED):
         result.in_flight.append(InFlight(*flight))
+    if unreleased is not None:
+        raise BackendUnavailable(
+            f"{result.stale_runs} stale runs abandoned, but their lock keys could not be "
+            f"released ({unreleased}); they lapse with their TTL"
+        ) from unreleased
     if scan_orphans and runs is None:
         result.unrecorded_slots, result.orphan_keys = call_backend(lock.sweep, task, dry_run)
     return result

@@ -359,6 +359,7 @@ def once_per_schedule(
     cron: str | None = None,
     every: timedelta | None = None,
     schedule: Any = None,
+    time_zone: str | None = None,
     name: str | None = None,
     on_duplicate: OnDuplicate = "skip",
     overlap: Overlap = "allow",
@@ -380,6 +381,7 @@ def once_per_schedule(
     cron: str | None = None,
     every: timedelta | None = None,
     schedule: Any = None,
+    time_zone: str | None = None,
     name: str | None = None,
     on_duplicate: OnDuplicate = "skip",
     overlap: Overlap = "allow",
@@ -396,7 +398,8 @@ def once_per_schedule(
 
     The slot is, in order: the one given to ``.run_for_slot(slot)``; the one
     taskguard's beat scheduler stamped on the Celery message; the latest fire
-    time at or before now of ``cron=`` (Django's ``TIME_ZONE``), ``every=``
+    time at or before now of ``cron=`` (read in ``time_zone=``, an IANA name such as
+    ``"Europe/Berlin"``; Django's ``TIME_ZONE`` when not given), ``every=``
     (epoch-aligned) or ``schedule=`` (a celery ``crontab``/``schedule``).
     The winning call returns the function's result; a call that finds its
     slot taken returns ``None`` (or raises ``DuplicateRun`` with
@@ -416,7 +419,7 @@ def once_per_schedule(
     # Raised when the function is known, so the message can name it.
     bad_schedule: InvalidSchedule | None = None
     try:
-        built = schedules.build(cron, every, schedule)
+        built = schedules.build(cron, every, schedule, time_zone)
     except InvalidSchedule as exc:
         built, bad_schedule = None, exc
     if name is not None:

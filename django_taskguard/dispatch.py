@@ -84,12 +84,12 @@ def not_run(entry: Entry, slot: datetime, otherwise: str) -> str:
     """Why a fired slot did not run in this call: the pause when that is why (the task is
     paused, by the cached answer, and the slot's row is ``skipped``), ``otherwise`` not: a
     call that lost to a copy which ran the slot before the pause was not stopped by it."""
-    reason = paused_reason(entry.task_name)
-    if reason is None:
-        return otherwise
     try:
+        reason = paused_reason(entry.task_name)
+        if reason is None:
+            return otherwise
         row = ledger.read(entry.task_name, slot)
-    except DatabaseError:  # only the log line's words depend on it
+    except (BackendUnavailable, DatabaseError):  # only the log line's words depend on it
         return otherwise
     if row is None or row.state != RunState.SKIPPED:
         return otherwise

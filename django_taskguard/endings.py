@@ -128,7 +128,11 @@ def finish(
     retry_within: float | None = None,
     retry_by: str | None = None,
 ) -> None:
-    """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over."""
+    """Record the attempt's end, fenced: refused (``LeaseLost``) if the slot was taken over.
+    A skip with no error of its own keeps its reason as the row's error (what the admin
+    and the health show as why), as every other skipped row does."""
+    if to_state == RunState.SKIPPED and not error:
+        error = reason
     if not active.lease_valid():
         reason += " (after its lease had expired; no other attempt had taken over)"
     try:

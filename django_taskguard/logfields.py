@@ -93,6 +93,8 @@ EVENTS = frozenset(
         "upkeep.not_run",
         "upkeep.start_failed",
         "upkeep.part_failed",
+        "upkeep.part_unavailable",
+        "upkeep.part_available",
         "upkeep.failed",
         # schedules and run_schedules
         "schedule.duplicate_name",

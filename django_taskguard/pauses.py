@@ -3,7 +3,10 @@
 The guard asks :func:`paused_reason` after it has won a slot, before the body.
 The set of paused tasks is read from the ledger at most once per
 ``PAUSE_CACHE_SECONDS`` per process (one query a second, whatever the call
-rate): a pause takes effect on every instance within that time.
+rate): a pause or a resume takes effect on every instance within that time.
+A read that fails is tried once more on a new connection; when that fails too,
+the call raises (the guard gives the slot back) instead of going on with an
+answer older than the bound.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import threading
 import time
 
+from . import ledger
 from .exceptions import BackendUnavailable
 from .ledger import schedules as store
 from .logfields import log_fields
@@ -26,24 +30,40 @@ _cache: tuple[float, dict[str, str]] = (float("-inf"), {})
 
 
 def paused_reason(task_name: str) -> str | None:
-    """Why ``task_name`` is paused, or None when it is not."""
+    """Why ``task_name`` is paused, or None when it is not; ``BackendUnavailable`` when
+    the paused tasks could not be read and the last answer is older than the bound."""
     global _cache
     read_at, paused = _cache
     if time.monotonic() - read_at >= PAUSE_CACHE_SECONDS:
         with _lock:
             read_at, paused = _cache
             if time.monotonic() - read_at >= PAUSE_CACHE_SECONDS:
-                try:
-                    paused = store.paused()
-                except BackendUnavailable as exc:
-                    # The claim just went through, so this is rare: keep the last answer.
-                    logger.warning(
-                        "taskguard could not read the paused tasks (%s)",
-                        exc,
-                        extra=log_fields("pause.read_failed", task=task_name, reason=exc),
-                    )
-                _cache = (time.monotonic(), paused)
+                started = time.monotonic()  # the answer is as old as the read's start
+                paused = _read(task_name)
+                _cache = (started, paused)
     return paused.get(task_name)
+
+
+def _read(task_name: str) -> dict[str, str]:
+    """The paused tasks from the ledger, read once more on a new connection when the
+    first read failed (a connection the server ended). The last answer is never kept in
+    its place: a resume (or a pause) it missed would be acted on past the bound."""
+    try:
+        return store.paused()
+    except BackendUnavailable as exc:
+        logger.warning(
+            "taskguard could not read the paused tasks (%s); reading again on a new connection",
+            exc,
+            extra=log_fields("pause.read_failed", task=task_name, reason=exc),
+        )
+    ledger.settle_connection()
+    try:
+        return store.paused()
+    except BackendUnavailable as exc:
+        ledger.settle_connection()
+        raise type(exc)(
+            f"{task_name!r} did not run: whether it is paused could not be read ({exc})"
+        ) from exc
 
 
 def pause(

@@ -272,7 +272,8 @@ def _say_zone_conflicts(registered: Collection[str]) -> None:
         logger.error(
             "taskguard: schedule %s was saved by a copy whose TIME_ZONE is %r; this copy's is "
             "%r, so the two fire its cron at different instants. Give every copy the same "
-            "TIME_ZONE, or the cron its own time zone",
+            "TIME_ZONE, or the cron its own time zone: @once_per_schedule(cron=..., "
+            "time_zone='Europe/Berlin'), or define_schedule(..., time_zone=...)",
             task_name,
             theirs,
             zone,

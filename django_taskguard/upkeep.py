@@ -45,6 +45,7 @@ from django.db import connections
 from . import ledger, registry
 from .cleanup import call_backend, cleanup_locks
 from .conf import taskguard_settings
+from .exceptions import BackendUnavailable
 from .ledger import upkeep as store
 from .locks import get_backend
 from .logfields import log_fields
@@ -143,12 +144,23 @@ def take_now(holder: str, interval: float | None = None) -> bool:
 
 
 def work() -> tuple[dict[str, Any], list[str]]:
-    """Every part of the upkeep, each on its own; (what they did, what failed)."""
+    """Every part of the upkeep, each on its own; (what they did, what failed).
+
+    A part that fails because a server does not answer (``BackendUnavailable``: Redis or
+    the database down) is a known outage, not a bug: one warning line per process when
+    parts start failing (no traceback), and one when they work again; every failure is
+    still in the errors (the ``Upkeep`` row, which the health verdict reports). Any other
+    error is logged with its traceback each time."""
     result: dict[str, Any] = {}
     errors: list[str] = []
+    unavailable: dict[str, BackendUnavailable] = {}
     for name, part in PARTS:
         try:
             result.update(part())
+        except BackendUnavailable as exc:
+            unavailable[name] = exc
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            _settle()
         except Exception as exc:
             logger.exception(
                 "taskguard upkeep: %s failed; the other parts go on",
@@ -157,7 +169,49 @@ def work() -> tuple[dict[str, Any], list[str]]:
             )
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             _settle()
+    _say_outages(unavailable, [name for name, _ in PARTS if name not in unavailable])
     return result, errors
+
+
+# The parts failing in this process for an outage (said once until they work again).
+_outages: set[str] = set()
+
+
+def _say_outages(unavailable: dict[str, BackendUnavailable], worked: list[str]) -> None:
+    """One line for the parts that started failing for an outage, and one when the outage
+    is over (no part fails for one); a part still failing is said at DEBUG only. A part
+    that works within the outage (it had nothing to do that needed the server) is not
+    said to work again until the outage is over."""
+    if not unavailable:
+        if _outages:
+            back = ", ".join(name for name in worked if name in _outages)
+            _outages.clear()
+            logger.warning(
+                "taskguard upkeep: %s runs again",
+                back,
+                extra=log_fields("upkeep.part_available", reason=back),
+            )
+        return
+    new = [name for name in unavailable if name not in _outages]
+    for name, exc in unavailable.items():
+        if name not in new:
+            logger.debug(
+                "taskguard upkeep: %s still cannot run (%s)",
+                name,
+                exc,
+                extra=log_fields("upkeep.part_unavailable", reason=exc),
+            )
+    if new:
+        _outages.update(new)
+        first = unavailable[new[0]]
+        logger.warning(
+            "taskguard upkeep: %s cannot run (%s); the other parts go on, the health check "
+            "reports it, and this is said again only after it has worked again "
+            "(logged once per outage)",
+            ", ".join(new),
+            first,
+            extra=log_fields("upkeep.part_unavailable", reason=first),
+        )
 
 
 def _stale() -> dict[str, Any]:
@@ -225,6 +279,7 @@ def _after_fork() -> None:
     """A forked child starts afresh: its parent's thread is not its own, nor its lock."""
     global _gate
     _gate = _Gate()
+    _outages.clear()  # this process has said nothing yet
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -241,9 +241,17 @@ def test_delete__leaves_a_tombstone_its_runs_and_history_then_retire_deletes_it(
     run = finished(row.task_name, timezone.now() - MINUTE)
     deleter = login("dee", "view_taskschedule", "change_taskschedule", "delete_taskschedule")
     delete_url = reverse("admin:taskguard_taskschedule_delete", args=[row.pk])
-    assert deleter.get(delete_url).status_code == 200
+    confirm = deleter.get(delete_url)
+    assert confirm.status_code == 200
+    # Regression (issue 33): Django's stock "will be deleted", then both "its row stays"
+    # and "was deleted successfully". It says what happens, and one thing after.
+    page = confirm.content.decode()
+    assert "will be deleted" not in page and "deleted-objects" not in page
+    assert "It stops firing" in page and "marked removed, until you retire it" in page
     response = deleter.post(delete_url, {"post": "yes"}, follow=True)
-    assert any("its row stays" in message for message in said(response))
+    (message,) = said(response)
+    assert message.startswith(f"The schedule “{row}” was removed: nothing fires it any more")
+    assert "deleted" not in message
     stored = TaskSchedule.objects.get(pk=row.pk)
     assert stored.removed_at is not None and not stored.enabled and stored.version == 2
     assert TaskRun.objects.filter(pk=run.pk).exists()

@@ -34,6 +34,7 @@ DEPLOYMENTS = [
 MIGRATING = "docs/migrating-from-django-celery-beat.md"
 DJANGO_Q2 = "docs/django-q2.md"
 PAGES = [
+    "docs/getting-started.md",
     "docs/testing.md",
     "docs/decorators.md",
     "docs/schedules.md",
@@ -92,6 +93,7 @@ PRELUDES = {
     "docs/schedules.md": "",
     "README.md": "",
     "docs/dramatiq.md": "",
+    "docs/getting-started.md": "",
     **dict.fromkeys([*DEPLOYMENTS, MIGRATING, DJANGO_Q2], ""),
 }
 

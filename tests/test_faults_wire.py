@@ -5,15 +5,18 @@
 - The database refuses, is lost mid-run, or refuses renewals (a real trigger
   raising in the server, ``pg_terminate_backend`` on the renewing connection).
 - The database hangs (a table lock held by another connection).
+- The paused tasks' read loses its connection (``pg_terminate_backend`` as it is sent).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,9 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_taskguard import current_run, once_per_schedule
-from django_taskguard.exceptions import LeaseLost
+from django_taskguard import current_run, once_per_schedule, pauses, registry
+from django_taskguard.exceptions import BackendUnavailable, LeaseLost
+from django_taskguard.ledger import schedules as store
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 from django_taskguard.models import RunState, TaskRun
 
@@ -368,3 +372,103 @@ def test_database_hangs__the_caller_gets_a_clear_error_in_bounded_time(child_env
     assert child.returncode not in (0, None) and "BackendUnavailable" in err, err
     assert not (scratch / "log").exists()
     assert not TaskRun.objects.filter(state=RunState.RUNNING).exists()
+
+
+# --- the paused tasks' read loses its connection -------------------------------------
+
+PAUSED = "tests.wire.paused"
+
+
+@contextlib.contextmanager
+def _ended_on_pause_read(times: int) -> Iterator[list[int]]:
+    """This connection is ended by the server (``pg_terminate_backend``) as each of the next
+    ``times`` reads of the paused tasks is sent: that read fails as a real lost one does."""
+    ended: list[int] = []
+
+    def wrapper(
+        execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        if '"paused_reason" FROM' in sql and len(ended) < times:
+            pid = context["connection"].connection.info.backend_pid
+            with _killer() as killer:
+                killer.execute("SELECT pg_terminate_backend(%s)", [pid])
+                wait_for(
+                    lambda: (
+                        not killer.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]
+                        ).fetchone()
+                    ),
+                    10,
+                    "the ended connection's server process to exit",
+                )
+            ended.append(pid)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(wrapper):
+        yield ended
+
+
+@pytest.fixture
+def paused_body() -> Iterator[tuple[Any, list[int]]]:
+    """A guarded function whose schedule is paused; its first slot recorded skipped, so that
+    this process's answer (the cache) says paused; then resumed by someone else (the
+    ledger's row, as another process's ``resume_task``: this process's answer is not
+    forgotten), and the documented bound (``PAUSE_CACHE_SECONDS``) passed."""
+    ran: list[int] = []
+
+    @once_per_schedule(name=PAUSED, every=timedelta(hours=1))
+    def body() -> str:
+        ran.append(1)
+        return "ran"
+
+    registry.sync()
+    try:
+        assert pauses.pause(PAUSED, "maintenance")
+        assert body.run_for_slot(SLOT) is None
+        assert TaskRun.objects.get(task_name=PAUSED, slot=SLOT).state == RunState.SKIPPED
+        assert store.set_paused(PAUSED, None)
+        time.sleep(pauses.PAUSE_CACHE_SECONDS + 2)  # past the bound: the answer must be read
+        yield body, ran
+    finally:
+        registry.unregister(PAUSED)
+        pauses.forget()
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_pauses__a_read_that_lost_its_connection_is_read_again_not_the_old_answer_kept(
+    paused_body: tuple[Any, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Regression (issue 33): the old answer (paused) was kept for another second and the
+    # resumed task's slot recorded "skipped (paused)" past the documented bound.
+    body, ran = paused_body
+    with (
+        _ended_on_pause_read(times=1) as ended,
+        caplog.at_level(logging.WARNING, logger="taskguard"),
+    ):
+        assert body.run_for_slot(SLOT + timedelta(hours=1)) == "ran"
+    assert len(ended) == 1, "the read's connection was never ended"
+    assert ran == [1]
+    assert "could not read the paused tasks" in caplog.text
+    run = TaskRun.objects.get(task_name=PAUSED, slot=SLOT + timedelta(hours=1))
+    assert run.state == RunState.SUCCEEDED
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_pauses__a_read_that_fails_again_gives_the_slot_back_never_acts_on_the_old_answer(
+    paused_body: tuple[Any, list[int]],
+) -> None:
+    body, ran = paused_body
+    slot = SLOT + timedelta(hours=1)
+    with (
+        _ended_on_pause_read(times=2) as ended,
+        pytest.raises(BackendUnavailable, match="whether it is paused could not be read"),
+    ):
+        body.run_for_slot(slot)
+    assert len(ended) == 2, "the reads' connections were not ended"
+    assert ran == []
+    run = TaskRun.objects.get(task_name=PAUSED, slot=slot)
+    assert (run.state, run.attempt) == (RunState.PENDING, 0)  # given back, not skipped
+    assert body.run_for_slot(slot) == "ran"  # the next call reads the answer: resumed
+    assert ran == [1]

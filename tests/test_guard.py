@@ -28,7 +28,7 @@ from django.db.models import F
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_taskguard import current_run, once_per_schedule
+from django_taskguard import current_run, once_per_schedule, pauses, registry
 from django_taskguard.exceptions import DuplicateRun, LeaseLost, TaskGuardError
 from django_taskguard.heartbeat import heartbeats
 from django_taskguard.models import RunState, TaskRun, TaskRunTransition
@@ -340,6 +340,7 @@ def test_overlap__skip_records_skipped_while_an_earlier_slot_runs_elsewhere(
     last = transitions(run.id)[-1]
     assert last[:2] == (RunState.RUNNING, RunState.SKIPPED)
     assert last[2].startswith("overlap:") and BASE_SLOT.isoformat() in last[2]
+    assert run.error == last[2]  # the reason where the admin shows it
     assert [(c["sender"], c["slot"], c["reason"]) for c in skipped.calls] == [
         (task, later, last[2])
     ]
@@ -791,6 +792,27 @@ def test_give_back__the_next_claim_takes_the_slot_with_a_larger_fence(lock_backe
     assert second.run(lambda: "ran", (), {}) == "ran"
     run = TaskRun.objects.get()
     assert (run.state, run.attempt, run.fence) == (RunState.SUCCEEDED, 1, second.active.fence)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pause__a_paused_slot_keeps_its_reason_as_its_error():
+    """Regression (issue 33): the skipped row's error was empty (the reason only in its
+    transition), unlike every other skipped row; the admin shows the error as why."""
+
+    @once_per_schedule(name="tests.guard.paused", every=timedelta(hours=1))
+    def body() -> str:
+        return "ran"
+
+    registry.sync()
+    try:
+        assert pauses.pause("tests.guard.paused", "maintenance")
+        assert body.run_for_slot(SLOT) is None
+    finally:
+        registry.unregister("tests.guard.paused")
+        pauses.forget()
+    run = TaskRun.objects.get()
+    assert (run.state, run.error) == (RunState.SKIPPED, "paused: maintenance")
+    assert run.transitions.order_by("id").last().reason == run.error  # type: ignore[union-attr]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -158,6 +158,19 @@ def test_cron__follows_time_zone_at_evaluation_time():
         assert cron.latest_slot(now) == utc(2026, 6, 1, 13, 0)
 
 
+def test_once_per_schedule__time_zone_reads_the_cron_in_that_zone_whatever_time_zone():
+    @once_per_schedule(cron="0 9 * * *", time_zone="Asia/Kolkata", name="tests.zoned")
+    def zoned() -> None: ...
+
+    now = utc(2026, 6, 1, 20, 0)
+    for zone in (PARIS, NEW_YORK):
+        with override_settings(TIME_ZONE=zone):
+            assert zoned.schedule.latest_slot(now) == utc(2026, 6, 1, 3, 30)
+    assert zoned.schedule == CronSchedule("0 9 * * *", "Asia/Kolkata")  # saved with its zone
+    also = build(None, None, "0 9 * * *", "Asia/Kolkata")  # schedule= a cron string
+    assert also == zoned.schedule
+
+
 @pytest.mark.parametrize(
     ("every", "now", "slot"),
     [

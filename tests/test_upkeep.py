@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,12 +22,15 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from django_taskguard import health, metrics, upkeep
+from django_taskguard import health, metrics, once_per_schedule, upkeep
 from django_taskguard.models import RunState, TaskRun, TaskSchedule, Upkeep
 
 from .support.children import Child
 from .support.monitoring import due_slot, finished, run_check, schedule
 from .support.redis_server import RedisServer
+from .support.redis_support import redis_backend
+from .support.runs import make_run
+from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 
 pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
@@ -302,3 +306,78 @@ def test_run_schedules__its_sweep_thread_runs_the_upkeep(
     child.signal(signal.SIGTERM)
     child.process.communicate(timeout=60)
     assert child.process.returncode == 0
+
+
+def _said(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if getattr(record, "event", "") == event]
+
+
+def test_upkeep__a_redis_outage_is_one_warning_per_process_and_the_other_parts_run(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis stopped under ON_REDIS_ERROR="database": the upkeep a guarded call starts
+    cannot run its lock sweep. Said in one warning line (no traceback) for the whole
+    outage however many upkeeps meet it, reported by the health verdict, and the other
+    parts still run; said again when it fails anew after it worked.
+
+    Regression (issue 33): every upkeep logged the lock sweep's full BackendUnavailable
+    traceback, once per interval in every process."""
+    # running, their leases expired an hour ago: each is abandoned, Redis or not
+    stale = [make_run("tests.upkeep.outage_stale", minute) for minute in (0, 1)]
+    schedule("tests.upkeep.outage")  # first seen a week ago, never run: slots to miss
+
+    @once_per_schedule(name="tests.upkeep.outage_call")
+    def call() -> str:
+        return "ran"
+
+    upkeep.forget()
+    try:
+        with (
+            redis_backend(
+                redis_server, ON_REDIS_ERROR="database", UPKEEP_INTERVAL_SECONDS=INTERVAL
+            ),
+            caplog.at_level(logging.DEBUG, logger="taskguard"),
+        ):
+            redis_server.stop()
+            assert call.run_for_slot(BASE_SLOT) == "ran"  # on the database alone
+            upkeep.join(timeout=60)  # the upkeep thread that call started
+            kept = finished_upkeep()
+            assert kept is not None and "lock: BackendUnavailable" in kept.error
+            abandoned = TaskRun.objects.filter(pk__in=[run.pk for run in stale])
+            assert {run.state for run in abandoned} == {RunState.ABANDONED}  # "stale" ran
+            assert TaskRun.objects.filter(
+                task_name="tests.upkeep.outage", state=RunState.MISSED
+            ).exists()  # "missed" ran
+            problem = health.check().upkeep_problem
+            assert "failed in part" in problem and "Redis" in problem, problem
+
+            again = upkeep.run_upkeep("tests-again", interval=0.001)  # the next interval
+            assert again["taken"] and any(e.startswith("lock: ") for e in again["errors"])
+            warned = [
+                r.getMessage()
+                for r in caplog.records
+                if r.name == "taskguard.upkeep" and r.levelno >= logging.WARNING
+            ]
+            assert len(warned) == 1, warned  # one line for the outage, whatever it stops
+            assert "lock" in warned[0].split(" cannot run")[0] and "Redis" in warned[0]
+            assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+            redis_server.start()
+            back = upkeep.run_upkeep("tests-back", interval=0.001)
+            assert back["taken"] and back["errors"] == []
+            (available,) = _said(caplog, "upkeep.part_available")
+            assert "lock" in available.getMessage()
+            assert health.check().upkeep_problem == ""
+
+            redis_server.stop()
+            anew = upkeep.run_upkeep("tests-anew", interval=0.001)
+            assert anew["taken"] and anew["errors"] == ["lock: " + anew["errors"][0][6:]]
+            lock_lines = [
+                r.levelno
+                for r in _said(caplog, "upkeep.part_unavailable")
+                if "lock" in r.getMessage().split(" cannot run")[0]
+            ]
+            assert lock_lines == [logging.WARNING, logging.DEBUG, logging.WARNING]
+            assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    finally:
+        upkeep.forget(off=True)
