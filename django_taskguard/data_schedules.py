@@ -44,6 +44,7 @@ from .models import (
     TargetKind,
     TaskSchedule,
 )
+from .moments import moment_problem
 from .policy import DEFAULT_GRACE, DEFAULT_MAX_CATCHUP, Policy
 
 __all__ = [
@@ -63,6 +64,12 @@ MAX_CATCHUP_BOUNDS = (1, 10_000)
 PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 JITTER_MAX = timedelta(hours=1)
 ARGUMENTS_MAX_BYTES = 64 * 1024
+# Lists and objects within one another in the arguments (deeper is refused, not recursed into).
+JSON_MAX_DEPTH = 32
+TOO_DEEP = (
+    f"the arguments are nested deeper than {JSON_MAX_DEPTH} levels (lists and objects "
+    "within one another)"
+)
 DESCRIPTION_MAX_LENGTH = 2_000
 # Keyword arguments a call carries for the guard (decorators.SLOT_KWARG, SCHEDULE_KWARG): a
 # schedule's own arguments never name them (a target taking **kwargs would pass them on).
@@ -178,6 +185,23 @@ def resolve_target(target: str) -> Target:
     return Target(target, TargetKind.FUNCTION, found, None, _signature(found))
 
 
+def json_depth(value: Any, stop: int = JSON_MAX_DEPTH + 2) -> int:
+    """How many lists and objects ``value`` holds within one another (a scalar: 0), counted
+    level by level (no recursion) and no further than ``stop``."""
+    depth, level = 0, [value]
+    while depth < stop:
+        containers = [item for item in level if isinstance(item, (Mapping, list, tuple))]
+        if not containers:
+            break
+        depth += 1
+        level = [
+            inner
+            for item in containers
+            for inner in (item.values() if isinstance(item, Mapping) else item)
+        ]
+    return depth
+
+
 def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
     if not isinstance(args, (list, tuple)):
         raise ScheduleDefinitionError(
@@ -186,6 +210,9 @@ def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any],
     if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
         raise ScheduleDefinitionError("kwargs must be a JSON object (string keys)", "kwargs")
     args, kwargs = list(args), dict(kwargs)
+    for field, value in (("args", args), ("kwargs", kwargs)):
+        if json_depth(value) > JSON_MAX_DEPTH:
+            raise ScheduleDefinitionError(TOO_DEEP, field)
     reserved = sorted(key for key in kwargs if key.startswith(RESERVED_PREFIX))
     if reserved:
         raise ScheduleDefinitionError(
@@ -273,6 +300,8 @@ def _moment(value: Any, field: str) -> datetime | None:
         return None
     if not isinstance(value, datetime) or timezone.is_naive(value):
         raise ScheduleDefinitionError(f"{field} must be an aware datetime, not {value!r}", field)
+    if (problem := moment_problem(value, field)) is not None:
+        raise ScheduleDefinitionError(problem, field)
     return value
 
 
