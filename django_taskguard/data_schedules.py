@@ -126,6 +126,30 @@ def _guarded(value: Any) -> bool:
 # ScheduleDefinitionError when it is theirs but cannot be a target (not guarded).
 BY_NAME: list[Callable[[str], Target | None]] = []
 BY_OBJECT: list[Callable[[str, Any], Target | None]] = []
+# Who else may hold a data schedule's identity before it has a row, registered by the
+# integrations (``contrib.celery``: the entries of the Celery app's beat_schedule): each is
+# asked with the identity and says what holds it, or None.
+HELD_BY: list[Callable[[str], str | None]] = []
+
+
+def held_by(task_name: str) -> str | None:
+    """What holds the identity ``task_name`` besides a data schedule (a schedule the code
+    declares, a beat entry), or None. The code's schedules are discovered first: on a
+    deploy whose code schedule has no row yet, a data schedule of its identity would fire
+    the function with the editor's arguments, and the code schedule would never get a row.
+    A stored row of another kind is refused when saved (``NotDataSchedule``)."""
+    try:
+        declared = registry.discover()
+    except Exception:  # a broken module of schedules (check E026): what is registered here
+        declared = registry.entries()
+    entry = declared.get(task_name)
+    if entry is not None:
+        return f"a schedule declared by the code ({entry.function})"
+    for finder in HELD_BY:
+        holder = finder(task_name)
+        if holder is not None:
+            return holder
+    return None
 
 
 def guarded_target(
@@ -438,6 +462,19 @@ def validate(
     task_name = task_identity(found.name, name)
     if len(task_name) > TASK_NAME_MAX_LENGTH:  # task_identity cuts; never longer
         raise ScheduleDefinitionError("the target and name are too long", "name")
+    if task_name == found.name:
+        raise ScheduleDefinitionError(
+            f"the name must differ from its target ({found.name}): the target alone is the "
+            "identity of its own calls and of a schedule the code declares for it",
+            "name",
+        )
+    holder = held_by(task_name)
+    if holder is not None:
+        raise ScheduleDefinitionError(
+            f"{task_name} is the identity of {holder}: a data schedule cannot take it; "
+            "choose another name",
+            "name",
+        )
     described = schedules.describe(schedule)
     values: dict[str, Any] = {
         "entry": name,
