@@ -44,7 +44,9 @@ REASON_MAX_LENGTH = 200
 
 @lru_cache(maxsize=1)
 def zone_names() -> tuple[str, ...]:
-    return tuple(sorted(zoneinfo.available_timezones()))
+    return tuple(
+        sorted(z for z in zoneinfo.available_timezones() if data_schedules.is_canonical_zone(z))
+    )
 
 
 class ZoneInput(forms.TextInput):

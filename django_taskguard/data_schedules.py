@@ -24,6 +24,7 @@ import zoneinfo
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from django.utils import timezone
@@ -33,7 +34,7 @@ from django.utils.timezone import get_default_timezone_name
 from . import registry, schedules
 from .conf import late_after_delta, late_after_problem
 from .cron import CronSchedule
-from .decorating import guarded_named, guarded_policy, task_identity
+from .decorating import guarded_named, guarded_policy, has_control_characters, task_identity
 from .exceptions import InvalidSchedule, TaskGuardError
 from .ledger import schedules as store
 from .models import (
@@ -266,15 +267,48 @@ def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any],
     return args, kwargs
 
 
+# The areas of the IANA database's canonical Region/City names (and Etc/...); a name outside
+# them is a legacy alias (EST, MST, HST, CET, US/Eastern, GMT), kept for compatibility and
+# not what the zone is called: EST is a fixed UTC-5 with no daylight saving time, which
+# few who type it mean.
+ZONE_AREAS = frozenset(
+    {"Africa", "America", "Antarctica", "Arctic", "Asia", "Atlantic", "Australia", "Europe",
+     "Indian", "Pacific", "Etc"}
+)  # fmt: skip
+
+
+def is_canonical_zone(name: str) -> bool:
+    """Whether ``name`` is an IANA Region/City name (or ``UTC``, ``Etc/...``), not an alias."""
+    return name == "UTC" or name.partition("/")[0] in ZONE_AREAS
+
+
+@lru_cache(maxsize=1)
+def _zones_by_lowercase() -> dict[str, str]:
+    return {name.lower(): name for name in zoneinfo.available_timezones()}
+
+
 def _zone(name: str | None) -> str:
     if not name:
         return ""
+    if not isinstance(name, str):
+        raise ScheduleDefinitionError(f"the time zone must be text, not {name!r}", "time_zone")
+    known = _zones_by_lowercase().get(name.lower())
+    if known is not None and known != name:  # ZoneInfo finds it on a case-blind filesystem
+        raise ScheduleDefinitionError(
+            f"unknown time zone {name!r}: did you mean {known!r}?", "time_zone"
+        )
     try:
         zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):
         raise ScheduleDefinitionError(
             f"unknown time zone {name!r}: give an IANA name such as Europe/Berlin", "time_zone"
         ) from None
+    if not is_canonical_zone(name):
+        raise ScheduleDefinitionError(
+            f"time zone {name!r} is a legacy alias: give its IANA Region/City name (such as "
+            "America/New_York, Europe/Berlin) or UTC",
+            "time_zone",
+        )
     return name
 
 
@@ -392,9 +426,16 @@ def validate(
             f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
             "name",
         )
-    if "\x00" in name or name != name.strip():
+    if has_control_characters(name) or name != name.strip():
         raise ScheduleDefinitionError(
-            "the name must not contain NUL characters nor start or end with spaces", "name"
+            "the name must not contain control characters (NUL, a newline, a tab, an escape...) "
+            "nor start or end with spaces",
+            "name",
+        )
+    if "[" in name or "]" in name:
+        raise ScheduleDefinitionError(
+            "the name must not contain [ or ]: the identity target[name] would be ambiguous",
+            "name",
         )
     found = resolve_target(target)
     policy = found.policy

@@ -270,3 +270,48 @@ def test_sync__a_deleted_data_schedule_does_not_keep_blocking_the_code_schedule(
         assert ScheduleEvent.objects.filter(task_name=row.task_name, kind="deleted").exists()
     finally:
         registry.unregister(f"{TARGET}[weekly]")
+
+
+# -- odd names and zones (issue 33) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a]b[c", "a[b", "tenant]", "a\nb", "a\rb", "a\tb", "a\x1b[31mb", "a\u2028b", "a\u202eb"],
+    ids=["brackets", "open", "close", "newline", "cr", "tab", "escape", "line-sep", "bidi"],
+)
+def test_define__a_name_with_brackets_or_control_characters_is_refused(name: str) -> None:
+    with pytest.raises(ScheduleDefinitionError) as caught:
+        define_schedule(name, TARGET, cron="0 9 * * *", args=[1])
+    assert caught.value.field == "name"
+    assert "\n" not in str(caught.value) and "\r" not in str(caught.value)
+    assert not TaskSchedule.objects.exists()
+
+
+@pytest.mark.parametrize("zone", ["EST", "MST", "HST", "EST5EDT", "CET", "US/Eastern", "GMT"])
+def test_define__a_legacy_zone_alias_is_refused(zone: str) -> None:
+    with pytest.raises(ScheduleDefinitionError, match="Region/City") as caught:
+        define_schedule("t1", TARGET, cron="0 9 * * *", time_zone=zone, args=[1])
+    assert caught.value.field == "time_zone"
+
+
+def test_define__a_zone_in_the_wrong_case_suggests_its_name() -> None:
+    with pytest.raises(ScheduleDefinitionError, match="did you mean 'Europe/Berlin'"):
+        define_schedule("t1", TARGET, cron="0 9 * * *", time_zone="europe/berlin", args=[1])
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Europe/Berlin", "UTC", "Etc/UTC"])
+def test_define__canonical_zone_names_are_accepted(zone: str) -> None:
+    assert (
+        define_schedule("t1", TARGET, cron="0 9 * * *", time_zone=zone, args=[1]).time_zone == zone
+    )
+
+
+@pytest.mark.parametrize("name", ["tests.odd\nname", "tests.odd\x1bname", "tests.odd\u2029name"])
+def test_decorator__a_name_with_control_characters_is_refused(name: str) -> None:
+    from django_taskguard import once_per_schedule
+
+    with pytest.raises(InvalidSchedule, match="control characters"):
+
+        @once_per_schedule(every=timedelta(minutes=5), name=name)
+        def odd() -> None: ...
