@@ -307,3 +307,19 @@ def test_run_schedules__a_broken_schedule_module_is_a_command_error(module, said
         pytest.raises(CommandError, match=f"{module}.*{re.escape(said)}"),
     ):
         call_command("run_schedules", "--once", stdout=io.StringIO(), stderr=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("checkins", "secret"),
+    [
+        ({"healthchecks": {"ping_url": "hc-ping.com/5f1e-secret-ping-key"}}, "5f1e-secret"),
+        ({"webhook": {"url": "ftp://ops.example.com/hook?token=s3cr3t-tok"}}, "s3cr3t-tok"),
+        ({"cronitor": {"api_key": "k", "url": "cronitor.link/p/0a9b-api-key"}}, "0a9b-api-key"),
+    ],
+    ids=["ping-key-in-path", "token-in-query", "key-in-path"],
+)
+def test_check_settings__a_bad_checkin_url_is_said_without_its_secret(checkins, secret):
+    with override_settings(TASKGUARD={"CHECKINS": checkins}):
+        (message,) = check_settings()
+    assert message.id == "taskguard.E024"
+    assert "http:// or https://" in message.msg and secret not in message.msg, message.msg
