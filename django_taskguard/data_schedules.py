@@ -66,7 +66,9 @@ PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 JITTER_MAX = timedelta(hours=1)
 ARGUMENTS_MAX_BYTES = 64 * 1024
 # Lists and objects within one another in the arguments (deeper is refused, not recursed into).
-JSON_MAX_DEPTH = 32
+# MariaDB's JSON columns refuse a depth above 32, the innermost values counted, and the
+# history keeps the arguments two levels down ({"args": [old, new]}): 24 leaves room.
+JSON_MAX_DEPTH = 24
 TOO_DEEP = (
     f"the arguments are nested deeper than {JSON_MAX_DEPTH} levels (lists and objects "
     "within one another)"

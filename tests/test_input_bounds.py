@@ -28,7 +28,7 @@ CHANGELIST = reverse("admin:taskguard_taskschedule_changelist")
 ADD = reverse("admin:taskguard_taskschedule_add")
 FAR = datetime(9999, 12, 31, 23, 0, tzinfo=UTC)
 FIRST = datetime(1, 1, 1, tzinfo=UTC)
-JSON_MAX_DEPTH = 32  # data_schedules.JSON_MAX_DEPTH, as the docs say it
+JSON_MAX_DEPTH = 24  # data_schedules.JSON_MAX_DEPTH, as the docs say it
 
 
 def superuser() -> Client:
