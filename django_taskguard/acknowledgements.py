@@ -16,6 +16,7 @@ from . import ledger
 from .exceptions import TaskGuardError
 from .ledger import schedules as store
 from .models import ScheduleEventKind, ScheduleEventOrigin
+from .moments import moment_problem
 from .schedules import normalize_slot
 
 REASON_REQUIRED = "an acknowledgement needs a reason (who reads it later needs to know why)"
@@ -45,6 +46,8 @@ def acknowledge(
     happened yet)."""
     if not reason or not reason.strip():
         raise TaskGuardError(REASON_REQUIRED)
+    if until is not None and (problem := moment_problem(until, "until")) is not None:
+        raise TaskGuardError(problem)
     now = timezone.now()
     until = default_until(task_name, now) if until is None else normalize_slot(until)
     if until > now:

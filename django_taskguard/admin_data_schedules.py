@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from django import forms
+from django.forms.fields import InvalidJSONInput
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
@@ -29,6 +30,7 @@ from . import data_schedules, timefmt
 from .data_schedules import ScheduleDefinitionError
 from .ledger import schedules as store
 from .models import Catchup, ScheduleEvent, ScheduleEventOrigin, ScheduleSource, TaskSchedule
+from .moments import moment_problem
 from .schedules import rebuild
 
 NEXT_SLOTS = 5
@@ -42,7 +44,9 @@ REASON_MAX_LENGTH = 200
 
 @lru_cache(maxsize=1)
 def zone_names() -> tuple[str, ...]:
-    return tuple(sorted(zoneinfo.available_timezones()))
+    return tuple(
+        sorted(z for z in zoneinfo.available_timezones() if data_schedules.is_canonical_zone(z))
+    )
 
 
 class ZoneInput(forms.TextInput):
@@ -72,8 +76,8 @@ def zone_of(time_zone: str) -> tzinfo:
 
 
 def parse_moment(given: str, zone: tzinfo) -> datetime:
-    """A date and time typed by a user: in ``zone`` unless it gives its own offset.
-    Raises ValueError saying what is expected."""
+    """A date and time typed by a user: in ``zone`` unless it gives its own offset, within
+    the bounds of :mod:`.moments`. Raises ValueError saying what is expected."""
     try:
         parsed = parse_datetime(given.strip().replace("T", " "))
     except ValueError:
@@ -82,14 +86,39 @@ def parse_moment(given: str, zone: tzinfo) -> datetime:
         raise ValueError(
             _("%(given)r is not a date and time (2026-11-26 21:00, or ISO 8601)") % {"given": given}
         )
-    return timezone.make_aware(parsed, zone) if timezone.is_naive(parsed) else parsed
+    aware = timezone.make_aware(parsed, zone) if timezone.is_naive(parsed) else parsed
+    if (problem := moment_problem(aware, _("a date and time"))) is not None:
+        raise ValueError(problem)
+    return aware
 
 
 def show_moment(moment: datetime | None, zone: tzinfo) -> str:
-    return "" if moment is None else f"{moment.astimezone(zone):%Y-%m-%d %H:%M:%S}"
+    if moment is None:
+        return ""
+    try:
+        return f"{moment.astimezone(zone):%Y-%m-%d %H:%M:%S}"
+    except OverflowError:  # stored out of bounds (by SQL, an older version): with its offset
+        return moment.isoformat(sep=" ")
 
 
 JSON_HELP = gettext_lazy("JSON, checked against the target's signature.")
+
+
+class ArgumentsField(forms.JSONField):
+    """A JSON field whose text is nested too deep for the parser (``RecursionError``) is a
+    form error, not a 500; ``validate`` refuses what is deeper than ``JSON_MAX_DEPTH``."""
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise forms.ValidationError(data_schedules.TOO_DEEP, code="invalid") from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:
+            return InvalidJSONInput(data)
 
 
 class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -134,13 +163,13 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             "has none (its slots are UTC)."
         ),
     )
-    args = forms.JSONField(
+    args = ArgumentsField(
         label=gettext_lazy("positional arguments"),
         required=False,
         initial=list,
         help_text=format_html("{} {}", gettext_lazy("A JSON list, e.g. [42]."), JSON_HELP),
     )
-    kwargs = forms.JSONField(
+    kwargs = ArgumentsField(
         label=gettext_lazy("keyword arguments"),
         required=False,
         initial=dict,
@@ -352,8 +381,11 @@ def next_slots(row: TaskSchedule, count: int = NEXT_SLOTS) -> list[datetime]:
         return []
     now = timezone.now()
     after = now if row.starts is None else max(now, row.starts - timedelta(microseconds=1))
-    until = after + NEXT_SLOTS_HORIZON if row.ends is None else row.ends
-    return schedule.slots_between(after, until, count) if until > after else []
+    try:
+        until = after + NEXT_SLOTS_HORIZON if row.ends is None else row.ends
+        return schedule.slots_between(after, until, count) if until > after else []
+    except OverflowError:  # starts or ends stored out of bounds (by SQL, an older version)
+        return []
 
 
 def slot_rows(row: TaskSchedule) -> list[dict[str, str]]:

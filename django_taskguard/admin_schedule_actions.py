@@ -28,6 +28,7 @@ from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import schedules as store
 from .models import ScheduleEventKind, ScheduleEventOrigin, TaskSchedule
+from .moments import moment_problem
 
 if TYPE_CHECKING:
     AdminBase = admin.ModelAdmin[TaskSchedule]
@@ -249,4 +250,7 @@ def _parse_until(given: str) -> datetime | None:
         raise TaskGuardError(
             _("%(given)r is not a date and time (2026-11-26 21:00, or ISO 8601)") % {"given": given}
         )
-    return timezone.make_aware(parsed) if timezone.is_naive(parsed) else parsed
+    aware = timezone.make_aware(parsed) if timezone.is_naive(parsed) else parsed
+    if (problem := moment_problem(aware, "until")) is not None:
+        raise TaskGuardError(problem)
+    return aware

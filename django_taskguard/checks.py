@@ -155,6 +155,45 @@ def check_ledger_server(
     ]
 
 
+@register(Tags.compatibility)
+def check_schedule_modules(
+    app_configs: Sequence[AppConfig] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """E026: a module named in ``SCHEDULE_MODULES`` that cannot be imported (a typo, a
+    missing dependency, an error in it); E027: a module of schedules (there, or an app's
+    ``tasks``/``jobs``) whose decorator refuses its arguments (a cron such as ``61 * * * *``).
+    ``run_schedules`` and ``backfill`` refuse to start on either."""
+    from . import registry
+    from .exceptions import InvalidSchedule
+
+    if _valid("SCHEDULE_MODULES") is None:
+        return []  # E020
+    errors: list[CheckMessage] = []
+    for path, exc in registry.import_problems():
+        if isinstance(exc, InvalidSchedule):
+            errors.append(
+                Error(
+                    f"The module of schedules {path!r} refuses a schedule when imported: {exc}.",
+                    hint="Fix the decorator's arguments (docs/schedules.md); run_schedules "
+                    "and backfill do not start until the module imports.",
+                    id="taskguard.E027",
+                )
+            )
+        else:
+            errors.append(
+                Error(
+                    f"{registry.schedule_module_problem(path, exc)}.",
+                    hint="Name importable modules in TASKGUARD['SCHEDULE_MODULES'] (dotted "
+                    "paths, as in an import statement); run_schedules, backfill, pause_task, "
+                    "resume_task and cleanup_locks do not start until they import.",
+                    id="taskguard.E026",
+                )
+            )
+    return errors
+
+
 @register(Tags.database)
 def check_schedule_zones(
     app_configs: Sequence[AppConfig] | None = None,

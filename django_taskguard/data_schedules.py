@@ -24,6 +24,7 @@ import zoneinfo
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from django.utils import timezone
@@ -33,7 +34,7 @@ from django.utils.timezone import get_default_timezone_name
 from . import registry, schedules
 from .conf import late_after_delta, late_after_problem
 from .cron import CronSchedule
-from .decorating import guarded_named, guarded_policy, task_identity
+from .decorating import guarded_named, guarded_policy, has_control_characters, task_identity
 from .exceptions import InvalidSchedule, TaskGuardError
 from .ledger import schedules as store
 from .models import (
@@ -44,6 +45,7 @@ from .models import (
     TargetKind,
     TaskSchedule,
 )
+from .moments import moment_problem
 from .policy import DEFAULT_GRACE, DEFAULT_MAX_CATCHUP, Policy
 
 __all__ = [
@@ -63,6 +65,14 @@ MAX_CATCHUP_BOUNDS = (1, 10_000)
 PAUSE_AFTER_FAILURES_BOUNDS = (1, 1_000)
 JITTER_MAX = timedelta(hours=1)
 ARGUMENTS_MAX_BYTES = 64 * 1024
+# Lists and objects within one another in the arguments (deeper is refused, not recursed into).
+# MariaDB's JSON columns refuse a depth above 32, the innermost values counted, and the
+# history keeps the arguments two levels down ({"args": [old, new]}): 24 leaves room.
+JSON_MAX_DEPTH = 24
+TOO_DEEP = (
+    f"the arguments are nested deeper than {JSON_MAX_DEPTH} levels (lists and objects "
+    "within one another)"
+)
 DESCRIPTION_MAX_LENGTH = 2_000
 # Keyword arguments a call carries for the guard (decorators.SLOT_KWARG, SCHEDULE_KWARG): a
 # schedule's own arguments never name them (a target taking **kwargs would pass them on).
@@ -119,6 +129,30 @@ def _guarded(value: Any) -> bool:
 # ScheduleDefinitionError when it is theirs but cannot be a target (not guarded).
 BY_NAME: list[Callable[[str], Target | None]] = []
 BY_OBJECT: list[Callable[[str, Any], Target | None]] = []
+# Who else may hold a data schedule's identity before it has a row, registered by the
+# integrations (``contrib.celery``: the entries of the Celery app's beat_schedule): each is
+# asked with the identity and says what holds it, or None.
+HELD_BY: list[Callable[[str], str | None]] = []
+
+
+def held_by(task_name: str) -> str | None:
+    """What holds the identity ``task_name`` besides a data schedule (a schedule the code
+    declares, a beat entry), or None. The code's schedules are discovered first: on a
+    deploy whose code schedule has no row yet, a data schedule of its identity would fire
+    the function with the editor's arguments, and the code schedule would never get a row.
+    A stored row of another kind is refused when saved (``NotDataSchedule``)."""
+    try:
+        declared = registry.discover()
+    except Exception:  # a broken module of schedules (check E026): what is registered here
+        declared = registry.entries()
+    entry = declared.get(task_name)
+    if entry is not None:
+        return f"a schedule declared by the code ({entry.function})"
+    for finder in HELD_BY:
+        holder = finder(task_name)
+        if holder is not None:
+            return holder
+    return None
 
 
 def guarded_target(
@@ -178,6 +212,23 @@ def resolve_target(target: str) -> Target:
     return Target(target, TargetKind.FUNCTION, found, None, _signature(found))
 
 
+def json_depth(value: Any, stop: int = JSON_MAX_DEPTH + 2) -> int:
+    """How many lists and objects ``value`` holds within one another (a scalar: 0), counted
+    level by level (no recursion) and no further than ``stop``."""
+    depth, level = 0, [value]
+    while depth < stop:
+        containers = [item for item in level if isinstance(item, (Mapping, list, tuple))]
+        if not containers:
+            break
+        depth += 1
+        level = [
+            inner
+            for item in containers
+            for inner in (item.values() if isinstance(item, Mapping) else item)
+        ]
+    return depth
+
+
 def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
     if not isinstance(args, (list, tuple)):
         raise ScheduleDefinitionError(
@@ -186,6 +237,9 @@ def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any],
     if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
         raise ScheduleDefinitionError("kwargs must be a JSON object (string keys)", "kwargs")
     args, kwargs = list(args), dict(kwargs)
+    for field, value in (("args", args), ("kwargs", kwargs)):
+        if json_depth(value) > JSON_MAX_DEPTH:
+            raise ScheduleDefinitionError(TOO_DEEP, field)
     reserved = sorted(key for key in kwargs if key.startswith(RESERVED_PREFIX))
     if reserved:
         raise ScheduleDefinitionError(
@@ -215,15 +269,48 @@ def _check_arguments(target: Target, args: Any, kwargs: Any) -> tuple[list[Any],
     return args, kwargs
 
 
+# The areas of the IANA database's canonical Region/City names (and Etc/...); a name outside
+# them is a legacy alias (EST, MST, HST, CET, US/Eastern, GMT), kept for compatibility and
+# not what the zone is called: EST is a fixed UTC-5 with no daylight saving time, which
+# few who type it mean.
+ZONE_AREAS = frozenset(
+    {"Africa", "America", "Antarctica", "Arctic", "Asia", "Atlantic", "Australia", "Europe",
+     "Indian", "Pacific", "Etc"}
+)  # fmt: skip
+
+
+def is_canonical_zone(name: str) -> bool:
+    """Whether ``name`` is an IANA Region/City name (or ``UTC``, ``Etc/...``), not an alias."""
+    return name == "UTC" or name.partition("/")[0] in ZONE_AREAS
+
+
+@lru_cache(maxsize=1)
+def _zones_by_lowercase() -> dict[str, str]:
+    return {name.lower(): name for name in zoneinfo.available_timezones()}
+
+
 def _zone(name: str | None) -> str:
     if not name:
         return ""
+    if not isinstance(name, str):
+        raise ScheduleDefinitionError(f"the time zone must be text, not {name!r}", "time_zone")
+    known = _zones_by_lowercase().get(name.lower())
+    if known is not None and known != name:  # ZoneInfo finds it on a case-blind filesystem
+        raise ScheduleDefinitionError(
+            f"unknown time zone {name!r}: did you mean {known!r}?", "time_zone"
+        )
     try:
         zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):
         raise ScheduleDefinitionError(
             f"unknown time zone {name!r}: give an IANA name such as Europe/Berlin", "time_zone"
         ) from None
+    if not is_canonical_zone(name):
+        raise ScheduleDefinitionError(
+            f"time zone {name!r} is a legacy alias: give its IANA Region/City name (such as "
+            "America/New_York, Europe/Berlin) or UTC",
+            "time_zone",
+        )
     return name
 
 
@@ -273,6 +360,8 @@ def _moment(value: Any, field: str) -> datetime | None:
         return None
     if not isinstance(value, datetime) or timezone.is_naive(value):
         raise ScheduleDefinitionError(f"{field} must be an aware datetime, not {value!r}", field)
+    if (problem := moment_problem(value, field)) is not None:
+        raise ScheduleDefinitionError(problem, field)
     return value
 
 
@@ -339,9 +428,16 @@ def validate(
             f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
             "name",
         )
-    if "\x00" in name or name != name.strip():
+    if has_control_characters(name) or name != name.strip():
         raise ScheduleDefinitionError(
-            "the name must not contain NUL characters nor start or end with spaces", "name"
+            "the name must not contain control characters (NUL, a newline, a tab, an escape...) "
+            "nor start or end with spaces",
+            "name",
+        )
+    if "[" in name or "]" in name:
+        raise ScheduleDefinitionError(
+            "the name must not contain [ or ]: the identity target[name] would be ambiguous",
+            "name",
         )
     found = resolve_target(target)
     policy = found.policy
@@ -409,6 +505,19 @@ def validate(
     task_name = task_identity(found.name, name)
     if len(task_name) > TASK_NAME_MAX_LENGTH:  # task_identity cuts; never longer
         raise ScheduleDefinitionError("the target and name are too long", "name")
+    if task_name == found.name:
+        raise ScheduleDefinitionError(
+            f"the name must differ from its target ({found.name}): the target alone is the "
+            "identity of its own calls and of a schedule the code declares for it",
+            "name",
+        )
+    holder = held_by(task_name)
+    if holder is not None:
+        raise ScheduleDefinitionError(
+            f"{task_name} is the identity of {holder}: a data schedule cannot take it; "
+            "choose another name",
+            "name",
+        )
     described = schedules.describe(schedule)
     values: dict[str, Any] = {
         "entry": name,

@@ -5,6 +5,7 @@ about the current call (``SLOT_SOURCES``, ``CallContext``)."""
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -151,9 +152,20 @@ def validate_task_name(name: str) -> str:
             f"task name is {len(name)} characters long; at most {TASK_NAME_MAX_LENGTH} fit "
             f"({name[:40]!r}...)"
         )
-    if "\x00" in name:
-        raise InvalidSchedule(f"task name must not contain NUL characters: {name!r}")
+    if has_control_characters(name):
+        raise InvalidSchedule(
+            f"task name must not contain control characters (NUL, a newline, a tab, an escape, "
+            f"a line separator...): {name!r}"
+        )
     return name
+
+
+def has_control_characters(text: str) -> bool:
+    """Whether ``text`` holds a character that breaks or disguises a line of a log or of a
+    command's output: a control (``\n``, ``\t``, ``\x1b``, NUL), a format character (a
+    bidirectional override, a zero-width one), a line or paragraph separator, or a
+    surrogate, private-use or unassigned code point."""
+    return any(unicodedata.category(char)[0] == "C" or char in "\u2028\u2029" for char in text)
 
 
 def choose(argument: str, value: str, allowed: tuple[str, ...]) -> str:

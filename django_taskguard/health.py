@@ -349,7 +349,10 @@ def _next_slot(health: TaskHealth, now: datetime) -> datetime | None:
     after = now
     if health.first_seen is not None and health.first_seen > now:
         after = health.first_seen - timedelta(microseconds=1)
-    found = health.schedule.next_slot(after)
+    try:
+        found = health.schedule.next_slot(after)
+    except OverflowError:  # starts stored out of bounds (by SQL, an older version): none
+        return None
     return None if found is None or (health.ends and found > health.ends) else found
 
 

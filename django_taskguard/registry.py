@@ -284,10 +284,50 @@ def _say_zone_conflicts(registered: Collection[str]) -> None:
 def _import(path: str) -> ModuleType:
     try:
         return import_module(path)
-    except ImportError as exc:
-        raise ImproperlyConfigured(
-            f"TASKGUARD['SCHEDULE_MODULES'] names {path!r}, which cannot be imported: {exc}"
-        ) from exc
+    except Exception as exc:
+        _forget_module(path)
+        raise ImproperlyConfigured(schedule_module_problem(path, exc)) from exc
+
+
+def schedule_module_problem(path: str, error: BaseException) -> str:
+    """What is wrong with a module named in ``SCHEDULE_MODULES`` whose import raised."""
+    if isinstance(error, ImportError):
+        return f"TASKGUARD['SCHEDULE_MODULES'] names {path!r}, which cannot be imported: {error}"
+    return (
+        f"TASKGUARD['SCHEDULE_MODULES'] names {path!r}, which raised "
+        f"{type(error).__name__} when imported: {error}"
+    )
+
+
+def import_problems() -> list[tuple[str, BaseException]]:
+    """The modules of schedules whose import fails, with their errors (checks E026, E027):
+    every module named in ``SCHEDULE_MODULES`` that raises anything, and every installed
+    app's ``tasks``/``jobs`` module whose decorators refuse their arguments
+    (``InvalidSchedule``; its other errors, a missing extra most often, are the commands'
+    to judge, see :func:`discover`). What a failing module registered is forgotten."""
+    from .exceptions import InvalidSchedule
+
+    found: list[tuple[str, BaseException]] = []
+    for path in taskguard_settings.SCHEDULE_MODULES:
+        try:
+            import_module(path)
+        except Exception as exc:
+            _forget_module(path)
+            found.append((path, exc))
+    for config in apps.get_app_configs():
+        for name in AUTODISCOVER:
+            path = f"{config.name}.{name}"
+            if path in taskguard_settings.SCHEDULE_MODULES:
+                continue
+            try:
+                if module_has_submodule(config.module, name):
+                    import_module(path)
+            except InvalidSchedule as exc:
+                _forget_module(path)
+                found.append((path, exc))
+            except Exception:
+                _forget_module(path)
+    return found
 
 
 def _find_celery_tasks(modules: Iterable[ModuleType]) -> None:

@@ -12,8 +12,12 @@ from django.utils import timezone
 
 
 def local(moment: datetime, zone: tzinfo | None = None) -> str:
-    """``2026-11-22 22:00:00 CET``: the current time zone's (Django's ``TIME_ZONE``)."""
-    return f"{moment.astimezone(zone or timezone.get_current_timezone()):%Y-%m-%d %H:%M:%S %Z}"
+    """``2026-11-22 22:00:00 CET``: the current time zone's (Django's ``TIME_ZONE``); in
+    UTC when that zone's time is past ``datetime``'s ends (a row stored out of bounds)."""
+    try:
+        return f"{moment.astimezone(zone or timezone.get_current_timezone()):%Y-%m-%d %H:%M:%S %Z}"
+    except OverflowError:
+        return utc(moment)
 
 
 def utc(moment: datetime) -> str:
@@ -22,8 +26,12 @@ def utc(moment: datetime) -> str:
 
 
 def both(moment: datetime, zone: tzinfo | None = None) -> str:
-    """``2026-11-22 22:00:00 CET (21:00:00 UTC)`` (the UTC date too when it differs)."""
-    here = moment.astimezone(zone or timezone.get_current_timezone())
+    """``2026-11-22 22:00:00 CET (21:00:00 UTC)`` (the UTC date too when it differs); UTC
+    alone when the zone's time is past ``datetime``'s ends (a row stored out of bounds)."""
+    try:
+        here = moment.astimezone(zone or timezone.get_current_timezone())
+    except OverflowError:
+        return utc(moment)
     there = moment.astimezone(dt_timezone.utc)
     when = f"{there:%H:%M:%S}" if here.date() == there.date() else f"{there:%Y-%m-%d %H:%M:%S}"
     return f"{here:%Y-%m-%d %H:%M:%S %Z} ({when} UTC)"

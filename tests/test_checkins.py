@@ -221,6 +221,32 @@ def test_checkins__a_500_receiver_is_counted_logged_and_signalled(
     assert TaskRun.objects.get().state == RunState.SUCCEEDED
 
 
+def test_checkins__a_redirect_is_a_failure_and_is_never_followed(
+    checkins: CheckIns, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver answering 302 to another host: the secret headers and the body must not
+    go there, and the check-in is not reported sent (counted, logged, tried again)."""
+    with Receiver() as elsewhere:
+        checkins.receiver.redirect_to = elsewhere.url
+        for service in ("healthchecks", "cronitor", "webhook"):
+            checkins.receiver.set_mode(service, "302")
+
+        @once_per_schedule(every=HOUR, name="tests.checkins.redirected")
+        def redirected() -> str:
+            return "done"
+
+        with caplog.at_level(logging.WARNING, logger="taskguard.checkins"):
+            assert redirected.run_for_slot(SLOT) == "done"
+            checkins.settle()
+        assert sending.failures() == {"healthchecks": 2, "cronitor": 2, "webhook": 2}
+        # Two tries of a start and an end at each service, each answered 302, none followed.
+        answered = [r["status"] for r in checkins.receiver.records if r["service"] != "sentry"]
+        assert answered == [302] * 12
+        assert elsewhere.records == []
+        warnings = [r.getMessage() for r in caplog.records if "check-in to" in r.getMessage()]
+        assert len(warnings) == 6 and all("(status 302)" in w for w in warnings), warnings
+
+
 def test_checkins__a_hanging_receiver_does_not_hold_the_task(checkins: CheckIns) -> None:
     """The guarded call returns while the receiver still holds the start's request."""
     checkins.receiver.set_mode("healthchecks", "hang")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -257,3 +258,69 @@ def test_check_schedule_zones__copies_with_another_time_zone_are_noticed(caplog)
         assert "saved by a copy whose TIME_ZONE is 'Asia/Kolkata'" in caplog.text
     finally:
         registry.unregister("tests.zones.report")
+
+
+# -- modules of schedules (E026, E027) -------------------------------------------------
+
+
+def schedule_module_ids(modules: list[str]) -> list[str]:
+    from django.core.checks import run_checks
+
+    with override_settings(TASKGUARD={"BACKEND": "database", "SCHEDULE_MODULES": modules}):
+        return [m.id for m in run_checks() if m.id in ("taskguard.E026", "taskguard.E027")]
+
+
+def test_check_schedule_modules__a_typo_in_schedule_modules_is_e026():
+    assert schedule_module_ids(["tests.support.schedule_jobz"]) == ["taskguard.E026"]
+
+
+def test_check_schedule_modules__a_decorator_refusing_its_cron_is_e027():
+    from django.core.checks import run_checks
+
+    from django_taskguard import registry
+
+    assert schedule_module_ids(["tests.support.bad_cron_jobs"]) == ["taskguard.E027"]
+    with override_settings(
+        TASKGUARD={"BACKEND": "database", "SCHEDULE_MODULES": ["tests.support.bad_cron_jobs"]}
+    ):
+        (message,) = [m for m in run_checks() if m.id == "taskguard.E027"]
+    assert "tests.support.bad_cron_jobs" in message.msg and "61 * * * *" in message.msg
+    assert "tests.bad_cron.report" not in registry.entries()
+
+
+def test_check_schedule_modules__modules_that_import_are_clean():
+    assert schedule_module_ids(["tests.support.schedule_jobs"]) == []
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("module", "said"),
+    [
+        pytest.param("tests.support.schedule_jobz", "cannot be imported", id="typo"),
+        pytest.param("tests.support.bad_cron_jobs", "61 * * * *", id="bad-cron"),
+    ],
+)
+def test_run_schedules__a_broken_schedule_module_is_a_command_error(module, said):
+    from django.core.management.base import CommandError
+
+    with (
+        override_settings(TASKGUARD={"BACKEND": "database", "SCHEDULE_MODULES": [module]}),
+        pytest.raises(CommandError, match=f"{module}.*{re.escape(said)}"),
+    ):
+        call_command("run_schedules", "--once", stdout=io.StringIO(), stderr=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("checkins", "secret"),
+    [
+        ({"healthchecks": {"ping_url": "hc-ping.com/5f1e-secret-ping-key"}}, "5f1e-secret"),
+        ({"webhook": {"url": "ftp://ops.example.com/hook?token=s3cr3t-tok"}}, "s3cr3t-tok"),
+        ({"cronitor": {"api_key": "k", "url": "cronitor.link/p/0a9b-api-key"}}, "0a9b-api-key"),
+    ],
+    ids=["ping-key-in-path", "token-in-query", "key-in-path"],
+)
+def test_check_settings__a_bad_checkin_url_is_said_without_its_secret(checkins, secret):
+    with override_settings(TASKGUARD={"CHECKINS": checkins}):
+        (message,) = check_settings()
+    assert message.id == "taskguard.E024"
+    assert "http:// or https://" in message.msg and secret not in message.msg, message.msg

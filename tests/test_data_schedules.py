@@ -204,3 +204,114 @@ def test_define__moving_the_slots_counts_them_from_the_edit() -> None:
     assert moved.first_seen > timezone.now() - timedelta(minutes=1)
     kept = define_schedule("t1", TARGET, every=timedelta(minutes=7), args=[2])
     assert kept.first_seen == moved.first_seen  # new arguments move no slot
+
+
+# -- identities of code schedules and beat entries (issue 33) ----------------------------
+
+
+def test_define__a_name_equal_to_its_target_is_refused() -> None:
+    """Its identity would be the bare target: the target's own (its code schedule's)."""
+    with pytest.raises(ScheduleDefinitionError, match="differ from its target") as caught:
+        define_schedule(TARGET, TARGET, cron="0 9 * * *", args=[1])
+    assert caught.value.field == "name"
+    assert not TaskSchedule.objects.exists()
+
+
+def test_define__the_identity_of_a_registered_code_schedule_is_refused_before_its_row() -> None:
+    from django_taskguard import once_per_schedule, registry
+
+    @once_per_schedule(cron="0 3 * * *", name=f"{TARGET}[weekly]")
+    def weekly() -> None: ...
+
+    try:
+        assert not TaskSchedule.objects.exists()  # a deploy whose code schedule has no row yet
+        with pytest.raises(ScheduleDefinitionError, match="declared by the code") as caught:
+            define_schedule("weekly", TARGET, cron="* * * * *", args=[666])
+        assert caught.value.field == "name"
+        assert not TaskSchedule.objects.exists()
+        registry.sync()
+        row = TaskSchedule.objects.get(task_name=f"{TARGET}[weekly]")
+        assert (row.source, row.cron) == (ScheduleSource.FUNCTION, "0 3 * * *")
+    finally:
+        registry.unregister(f"{TARGET}[weekly]")
+
+
+def test_define__the_identity_of_a_beat_entry_is_refused() -> None:
+    from .support.celery_app import app
+
+    app.conf.beat_schedule = {"nightly": {"task": TARGET, "schedule": 60.0, "args": [1]}}
+    try:
+        with pytest.raises(ScheduleDefinitionError, match="beat entry 'nightly'"):
+            define_schedule("nightly", TARGET, cron="0 9 * * *", args=[1])
+    finally:
+        app.conf.beat_schedule = {}
+    assert not TaskSchedule.objects.exists()
+
+
+def test_sync__a_deleted_data_schedule_does_not_keep_blocking_the_code_schedule() -> None:
+    from django_taskguard import once_per_schedule, registry
+
+    define_schedule("weekly", TARGET, cron="0 9 * * *", args=[1])
+    assert delete_schedule("weekly", TARGET)
+
+    @once_per_schedule(cron="0 3 * * *", name=f"{TARGET}[weekly]")
+    def weekly() -> None: ...
+
+    try:
+        registry.sync()
+        row = TaskSchedule.objects.get(task_name=f"{TARGET}[weekly]")
+        assert (row.source, row.cron, row.removed_at) == (
+            ScheduleSource.FUNCTION,
+            "0 3 * * *",
+            None,
+        )
+        assert row.enabled and row.args == [] and row.entry == ""
+        # Its history stays: the data schedule's events are kept under the name.
+        assert ScheduleEvent.objects.filter(task_name=row.task_name, kind="deleted").exists()
+    finally:
+        registry.unregister(f"{TARGET}[weekly]")
+
+
+# -- odd names and zones (issue 33) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a]b[c", "a[b", "tenant]", "a\nb", "a\rb", "a\tb", "a\x1b[31mb", "a\u2028b", "a\u202eb"],
+    ids=["brackets", "open", "close", "newline", "cr", "tab", "escape", "line-sep", "bidi"],
+)
+def test_define__a_name_with_brackets_or_control_characters_is_refused(name: str) -> None:
+    with pytest.raises(ScheduleDefinitionError) as caught:
+        define_schedule(name, TARGET, cron="0 9 * * *", args=[1])
+    assert caught.value.field == "name"
+    assert "\n" not in str(caught.value) and "\r" not in str(caught.value)
+    assert not TaskSchedule.objects.exists()
+
+
+@pytest.mark.parametrize("zone", ["EST", "MST", "HST", "EST5EDT", "CET", "US/Eastern", "GMT"])
+def test_define__a_legacy_zone_alias_is_refused(zone: str) -> None:
+    with pytest.raises(ScheduleDefinitionError, match="Region/City") as caught:
+        define_schedule("t1", TARGET, cron="0 9 * * *", time_zone=zone, args=[1])
+    assert caught.value.field == "time_zone"
+
+
+def test_define__a_zone_in_the_wrong_case_suggests_its_name() -> None:
+    with pytest.raises(ScheduleDefinitionError, match="did you mean 'Europe/Berlin'"):
+        define_schedule("t1", TARGET, cron="0 9 * * *", time_zone="europe/berlin", args=[1])
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Europe/Berlin", "UTC", "Etc/UTC"])
+def test_define__canonical_zone_names_are_accepted(zone: str) -> None:
+    assert (
+        define_schedule("t1", TARGET, cron="0 9 * * *", time_zone=zone, args=[1]).time_zone == zone
+    )
+
+
+@pytest.mark.parametrize("name", ["tests.odd\nname", "tests.odd\x1bname", "tests.odd\u2029name"])
+def test_decorator__a_name_with_control_characters_is_refused(name: str) -> None:
+    from django_taskguard import once_per_schedule
+
+    with pytest.raises(InvalidSchedule, match="control characters"):
+
+        @once_per_schedule(every=timedelta(minutes=5), name=name)
+        def odd() -> None: ...

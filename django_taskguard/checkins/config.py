@@ -63,6 +63,30 @@ def problem(value: Any) -> str | None:
     return None
 
 
+def redacted(url: str) -> str:
+    """``url`` without its secrets, to be said in a message: its host is kept, every path
+    segment and query value (a ping key, an API key, a token) becomes ``***``, and a user
+    and password before the host are dropped; a value with neither scheme nor path is
+    hidden whole (it may be the key alone). ``hc-ping.com/<key>`` → ``hc-ping.com/***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    rest = rest.partition("#")[0]
+    head, slash, tail = rest.partition("/")
+    path, question, query = (tail if slash else head).partition("?")
+    if not sep and not slash:
+        return "***"  # no scheme nor path: it may be the key alone
+    host = head.partition("?")[0].rpartition("@")[2]
+    shown = f"{scheme}{sep}{host}"
+    if slash:
+        shown += "/" + "/".join("***" if segment else "" for segment in path.split("/"))
+    if question:
+        shown += "?" + "&".join(
+            f"{pair.partition('=')[0]}=***" for pair in query.split("&") if pair
+        )
+    return shown
+
+
 def _sender_problem(where: str, sender: str, value: Any) -> str | None:
     if not isinstance(value, dict):
         return f"{where} is {value!r}; it must be a dict of that sender's options"
@@ -75,8 +99,11 @@ def _sender_problem(where: str, sender: str, value: Any) -> str | None:
             return f"{where}[{key!r}] must be a non-empty string"
     for key in ("ping_url", "url"):
         url = value.get(key)
-        if url is not None and not url.startswith(("http://", "https://")):
-            return f"{where}[{key!r}] is {url!r}; it must be an http:// or https:// URL"
+        if url is not None and not (
+            isinstance(url, str) and url.startswith(("http://", "https://"))
+        ):
+            shown = redacted(url) if isinstance(url, str) else type(url).__name__
+            return f"{where}[{key!r}] is {shown!r}; it must be an http:// or https:// URL"
     headers = value.get("headers", {})
     if not isinstance(headers, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in headers.items()

@@ -143,16 +143,18 @@ def save(records: Sequence[Record], now: datetime | None = None) -> int:
 
 
 def _not_data(records: Sequence[Record]) -> Sequence[Record]:
-    """``records`` but those whose name is a data schedule's (said once per save)."""
+    """``records`` but those whose name is a live data schedule's (said once per save). A
+    deleted data schedule's row (its tombstone) of the same name is deleted, as a retire
+    does (its runs and its events stay): the code's schedule takes the name."""
     if not records:
         return records
     names = [record.task_name for record in records]
+    rows = TaskSchedule.objects.using(alias()).filter(
+        source=ScheduleSource.DATA, task_name__in=names
+    )
     with translated:
-        taken = set(
-            TaskSchedule.objects.using(alias())
-            .filter(source=ScheduleSource.DATA, task_name__in=names)
-            .values_list("task_name", flat=True)
-        )
+        rows.filter(removed_at__isnull=False).delete()
+        taken = set(rows.values_list("task_name", flat=True))
     if not taken:
         return records
     logger.warning(

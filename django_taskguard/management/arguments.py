@@ -9,6 +9,8 @@ from datetime import datetime
 
 from django.core.management.base import CommandError
 
+from ..moments import moment_problem
+
 
 def whole_number(low: int, high: int | None = None, unit: str = "") -> Callable[[str], int]:
     """An argparse ``type=`` for a whole number in ``[low, high]`` (``high`` None: no bound)."""
@@ -30,7 +32,8 @@ def whole_number(low: int, high: int | None = None, unit: str = "") -> Callable[
 
 
 def aware_datetime(value: str) -> datetime:
-    """An argparse ``type=`` for an ISO-8601 time with its UTC offset (``...Z`` or ``+02:00``)."""
+    """An argparse ``type=`` for an ISO-8601 time with its UTC offset (``...Z`` or ``+02:00``),
+    within the bounds of :mod:`..moments`."""
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -39,6 +42,8 @@ def aware_datetime(value: str) -> datetime:
         raise ArgumentTypeError(
             f"{value!r} has no UTC offset; write it as {value}Z or {value}+01:00"
         )
+    if (problem := moment_problem(parsed, "a time")) is not None:
+        raise ArgumentTypeError(problem)
     return parsed
 
 

@@ -14,7 +14,8 @@ Each record is a dict: ``service``, ``method``, ``path``, ``query`` (name -> fir
 ``headers`` (lower-cased names), ``body`` (text) and, for Sentry, ``item`` (the check-in
 item's JSON) and for the webhook ``json``.
 
-A service can be told to fail (answer 500) or hang (hold the request until
+A service can be told to fail (answer 500), to redirect (answer 302 to the same path and
+query at :attr:`Receiver.redirect_to`, another receiver's URL) or hang (hold the request until
 :meth:`Receiver.release`); :attr:`Receiver.holding` is set once a request is held, and
 :meth:`Receiver.wait_for` waits for records without sleeping on a guess::
 
@@ -52,7 +53,7 @@ from typing import IO, Any
 from urllib.parse import parse_qs, urlsplit
 
 SERVICES = ("sentry", "healthchecks", "cronitor", "webhook")
-MODES = ("ok", "500", "hang")
+MODES = ("ok", "500", "hang", "302")
 
 
 def service_of(path: str) -> str | None:
@@ -105,6 +106,7 @@ class Receiver:
     def __init__(self, port: int = 0, on_record: Callable[[dict[str, Any]], None] | None = None):
         self.records: list[dict[str, Any]] = []
         self.modes: dict[str, str] = dict.fromkeys(SERVICES, "ok")
+        self.redirect_to = ""  # where mode "302" sends requests (another receiver's URL)
         self.holding = threading.Event()
         self._release = threading.Event()
         self._changed = threading.Condition()
@@ -136,7 +138,8 @@ class Receiver:
         self.stop()
 
     def set_mode(self, service: str, mode: str) -> None:
-        """Answer ``service``'s requests normally ("ok"), with a 500, or hold them ("hang")."""
+        """Answer ``service``'s requests normally ("ok"), with a 500, with a 302 to
+        :attr:`redirect_to` ("302"), or hold them ("hang")."""
         if service not in SERVICES or mode not in MODES:
             raise ValueError(f"unknown service {service!r} or mode {mode!r}")
         self.modes[service] = mode
@@ -175,6 +178,13 @@ class Receiver:
         if mode == "hang":
             self.holding.set()
             self._release.wait(120)
+        if mode == "302":
+            request.send_response(302)
+            request.send_header("Location", f"{self.redirect_to}{request.path}")
+            request.send_header("Content-Length", "0")
+            request.end_headers()
+            self._add(request, service, split.path, split.query, raw, answered=302)
+            return
         if mode == "500":
             request.send_response(500)
             request.end_headers()

@@ -253,6 +253,19 @@ def register() -> None:
     data_schedules.RUNNERS[TargetKind.CELERY] = run_now
     if celery_target not in data_schedules.BY_NAME:
         data_schedules.BY_NAME.append(celery_target)
+    if beat_entry_holding not in data_schedules.HELD_BY:
+        data_schedules.HELD_BY.append(beat_entry_holding)
+
+
+def beat_entry_holding(task_name: str) -> str | None:
+    """The entry of the current Celery app's beat_schedule whose runs are recorded as
+    ``task_name``, said; None when there is none."""
+    app: Any = current_app
+    for name, entry in (app.conf.beat_schedule or {}).items():
+        task = entry.get("task") if isinstance(entry, dict) else None
+        if isinstance(task, str) and task_identity(task, name) == task_name:
+            return f"beat entry {name!r} in {BEAT_SCHEDULE}"
+    return None
 
 
 def celery_target(name: str) -> data_schedules.Target | None:
