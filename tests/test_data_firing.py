@@ -30,7 +30,7 @@ from django_taskguard.exceptions import BackendUnavailable
 from django_taskguard.ledger import alias
 from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
-from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.models import RunState, ScheduleEvent, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
 from tests.support import data_targets
 from tests.support.redis_server import free_port
@@ -50,6 +50,14 @@ def _back(task_name: str, by: timedelta) -> None:
     TaskSchedule.objects.filter(task_name=task_name).update(
         first_seen=timezone.now() - by, swept_until=None
     )
+
+
+def _changed_back(task_name: str, by: timedelta) -> None:
+    """Make the schedule's newest change older (test set-up): saved ``by`` ago."""
+    row = TaskSchedule.objects.get(task_name=task_name)
+    at = timezone.now() - by
+    TaskSchedule.objects.filter(pk=row.pk).update(changed_at=at)
+    ScheduleEvent.objects.filter(task_name=task_name, version=row.version).update(at=at)
 
 
 def _minute(moment: datetime) -> datetime:
@@ -356,17 +364,18 @@ def test_data__owed_slots_keep_the_arguments_and_version_that_owed_them() -> Non
     data.load(earlier, start=True)
     # Two edits: the arguments, then the slots (and the arguments again).
     edited = define_schedule("t1", TARGET, every=MINUTE, args=[2], kwargs={"fmt": "csv"})
-    assert data.apply(edited, earlier) == []  # slots kept: version 2 owes what follows
+    assert data.apply(edited, earlier) == []  # slots kept: version 2 owes what follows it
     moved = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[3])
     owed = data.apply(moved, real)
     assert _slots(owed, row.task_name) == [_minute(earlier) + n * MINUTE for n in (1, 2)]
     jobs = data.jobs(owed, real)
-    assert [(job.args, job.kwargs, job.version) for job in jobs] == [((2,), {"fmt": "csv"}, 2)] * 2
+    # Both slots came before the first edit: version 1 was in effect at their time.
+    assert [(job.args, job.kwargs, job.version) for job in jobs] == [((1,), {"fmt": "csv"}, 1)] * 2
     data_targets.executed.clear()
     assert data.run(jobs[0]) == "ran"
-    assert data_targets.executed == [(row.task_name, (2,), {"fmt": "csv"})]
+    assert data_targets.executed == [(row.task_name, (1,), {"fmt": "csv"})]
     run = TaskRun.objects.get(task_name=row.task_name, slot=jobs[0].slot)
-    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 2)
+    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 1)
     # The new schedule's slots run with the new definition.
     start = data.next_start()
     assert start is not None
@@ -493,6 +502,7 @@ def test_run_schedules__data_schedules_due_at_one_slot_are_claimed_together_with
     define_schedule("t1", TARGET, every=MINUTE, args=[10])  # t1 is at version 2
     for row in rows:
         _back(row.task_name, timedelta(hours=1))
+    _changed_back(rows[1].task_name, timedelta(minutes=30))  # in effect at the slot fired
     data_targets.executed.clear()
     call_command("run_schedules", "--once", verbosity=0)
     ran = sorted((name, args) for name, args, _ in data_targets.executed)
