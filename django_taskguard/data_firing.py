@@ -604,6 +604,15 @@ class DataSchedules:
         if state is None:
             return False, [], None
         owed: list[Due] = []
+        if row.version > state.version + 1 and row.changed_at is not None:
+            # Handed out while this copy knew a definition several versions old: taken
+            # back, and handed out again by the versions in effect at their times (apply:
+            # up to the latest change; then the heap: the new definition's after it).
+            name = item.task_name
+            mine = [due.slot for due in work if due.task_name == name and not due.manual]
+            state.fired = min(state.fired, min([item.slot, *mine]) - _TICK)
+            work[:] = [due for due in work if due.task_name != name or due.manual]
+            return False, self.apply(row, now), None
         if row.version > state.version:
             owed = self.apply(row, now)
             state = self.states.get(item.task_name)

@@ -5,6 +5,7 @@ real copies)."""
 from __future__ import annotations
 
 import contextlib
+import time
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -616,3 +617,119 @@ def test_run_schedules__a_claim_the_database_refused_is_tried_again_within_the_g
     # Past its grace, a carried slot is left to the sweep (said in the log).
     data.carry([Due(row.task_name, job.slot - row.grace - MINUTE)])
     assert data.carried(timezone.now()) == []
+
+
+# -- a copy that learns of several changes at once (stopped, or its polls failed) ---------
+
+SECOND = timedelta(seconds=1)
+
+
+def _until(moment: datetime) -> None:
+    """Sleep until ``moment`` (this process's clock)."""
+    left = (moment - timezone.now()).total_seconds()
+    if left > 0:
+        time.sleep(left)
+
+
+def _owed_by(history: list[TaskSchedule], after: datetime, until: datetime) -> list[tuple]:
+    """``(slot, version, args)`` of each slot in ``(after, until]`` that the version in
+    effect at its time (the newest changed before it) had, enabled."""
+    found = []
+    moment = after.replace(microsecond=0) + SECOND
+    while moment <= until:
+        row = [row for row in history if row.changed_at < moment][-1]
+        if row.enabled and int(moment.timestamp()) % int(row.every.total_seconds()) == 0:
+            found.append((moment, row.version, tuple(row.args)))
+        moment += SECOND
+    return found
+
+
+def _learn(data: DataSchedules, order: str, now: datetime) -> list[tuple]:
+    """What the copy fires when it learns of the changes: at a poll (the loop's order), or
+    from the heap first (stopped between its poll and its heap)."""
+    if order == "poll":
+        jobs = data.jobs(data.poll(now) + data.due(now), now)
+    else:
+        jobs = data.jobs(data.due(now), now)
+        jobs += data.jobs(data.due(now), now)  # the heap, planned again by the versions
+    return sorted((job.slot, job.version, job.args) for job in jobs)
+
+
+@pytest.mark.parametrize("order", ["poll", "heap"])
+def test_data__a_copy_that_learns_of_a_disable_and_an_enable_at_once_fires_none_between(
+    order: str,
+) -> None:
+    row = define_schedule("t1", TARGET, every=SECOND, args=[1])
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    fired = data.states[row.task_name].fired
+    _until(row.changed_at + 2 * SECOND)
+    off = define_schedule("t1", TARGET, every=SECOND, args=[1], enabled=False)
+    _until(off.changed_at + 2.5 * SECOND)
+    on = define_schedule("t1", TARGET, every=SECOND, args=[3], enabled=True)
+    _until(on.changed_at + 2.5 * SECOND)
+    now = timezone.now()
+    got = _learn(data, order, now)
+    expected = _owed_by([row, off, on], fired, now)
+    assert sum(off.changed_at < slot <= on.changed_at for slot in _slots_of(fired, now)) >= 2
+    assert got == expected
+    assert not [slot for slot, *_ in got if off.changed_at < slot <= on.changed_at]
+    assert {version for _, version, _ in got} == {1, 3}
+
+
+def _slots_of(after: datetime, until: datetime) -> list[datetime]:
+    first = after.replace(microsecond=0) + SECOND
+    return [first + n * SECOND for n in range(int((until - first) / SECOND) + 1)]
+
+
+@pytest.mark.parametrize("order", ["poll", "heap"])
+def test_data__a_copy_that_learns_of_several_interval_edits_at_once_fires_each_versions_slots(
+    order: str,
+) -> None:
+    row = define_schedule("t1", TARGET, every=3 * SECOND, args=[1])
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    fired = data.states[row.task_name].fired
+    _until(row.changed_at + 4 * SECOND)
+    v2 = define_schedule("t1", TARGET, every=2 * SECOND, args=[2])
+    _until(v2.changed_at + 4.5 * SECOND)
+    v3 = define_schedule("t1", TARGET, every=4 * SECOND, args=[3])
+    _until(v3.changed_at + 4.5 * SECOND)
+    now = timezone.now()
+    got = _learn(data, order, now)
+    assert got == _owed_by([row, v2, v3], fired, now)
+    assert {version for _, version, _ in got} == {1, 2, 3}
+    # Run through the guard: each recorded with the version that had the slot.
+    jobs = data.jobs([Due(row.task_name, slot) for slot, _, _ in got], now)
+    for job in jobs:
+        assert data.run(job) == "ran"
+    runs = TaskRun.objects.filter(task_name=row.task_name).order_by("slot")
+    assert [(run.slot, run.schedule_version) for run in runs] == [
+        (slot, version) for slot, version, _ in got
+    ]
+
+
+def test_data__a_carried_slot_is_judged_by_the_version_in_effect_at_its_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The database failed for a while: each tick's slots were carried (DataSchedules.carry,
+    # what a failed read or claim does), the copy still knowing version 1, while the schedule
+    # was disabled and enabled again. Tried again, none of the disabled window's fires.
+    monkeypatch.setattr(carried, "RETRY_SECONDS", 0.0)
+    row = define_schedule("t1", TARGET, every=SECOND, args=[1])
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    fired = data.states[row.task_name].fired
+    _until(row.changed_at + 2 * SECOND)
+    off = define_schedule("t1", TARGET, every=SECOND, args=[1], enabled=False)
+    _until(off.changed_at + 2.5 * SECOND)
+    data.carry(data.due(timezone.now()))
+    on = define_schedule("t1", TARGET, every=SECOND, args=[3], enabled=True)
+    _until(on.changed_at + SECOND)
+    carried_slots = _slots_of(fired, on.changed_at)
+    assert sum(off.changed_at < slot <= on.changed_at for slot in carried_slots) >= 2
+    now = timezone.now()
+    jobs = data.jobs(data.carried(now), now)
+    got = sorted((job.slot, job.version, job.args) for job in jobs)
+    assert got == _owed_by([row, off, on], fired, off.changed_at)
+    assert got and {version for _, version, _ in got} == {1}
