@@ -1075,7 +1075,8 @@ class Timeline:
         found: list[Span] = []
         for index, version in enumerate(self.versions):
             following = self.versions[index + 1].since if index + 1 < len(self.versions) else None
-            start = after if version.since is None else max(after, version.since)
+            # The oldest version read covers every earlier slot (as :meth:`at` has it).
+            start = after if index == 0 or version.since is None else max(after, version.since)
             end = until if following is None else min(until, following)
             if not version.fires or end <= start:
                 continue
