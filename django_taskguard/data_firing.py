@@ -625,9 +625,7 @@ class DataSchedules:
                     (due.slot for due in (*work, *owed) if due.task_name == item.task_name),
                     default=item.slot,
                 )
-                history = histories[item.task_name] = store.timeline(
-                    row, min(earliest, item.slot)
-                )
+                history = histories[item.task_name] = store.timeline(row, min(earliest, item.slot))
             version = history.fires(item.slot)
             return version is not None, owed, version
         if row.changed_at is None and item.slot <= now:

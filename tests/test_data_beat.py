@@ -220,9 +220,7 @@ def test_poll__a_beat_that_learns_of_several_edits_at_once_owes_each_versions_ow
     owed = [(slot, e.version, e.kwargs["tenant"]) for e, slot in data.take_owed()]
     expected = [
         (slot, 1, 1)
-        for slot in IntervalSchedule(timedelta(seconds=3)).slots_between(
-            sent_at, v2.changed_at, 10
-        )
+        for slot in IntervalSchedule(timedelta(seconds=3)).slots_between(sent_at, v2.changed_at, 10)
     ] + [
         (slot, 2, 2)
         for slot in IntervalSchedule(timedelta(seconds=2)).slots_between(

@@ -5,8 +5,8 @@ real copies)."""
 from __future__ import annotations
 
 import contextlib
-import time
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone

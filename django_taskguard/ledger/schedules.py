@@ -8,8 +8,8 @@ missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIA
 from __future__ import annotations
 
 import logging
-from copy import copy as copy_of
 from collections.abc import Collection, Iterator, Sequence
+from copy import copy as copy_of
 from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
