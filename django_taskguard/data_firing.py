@@ -283,12 +283,25 @@ class DataSchedules:
             known.ends,
         )
         built.fired = known.fired
-        if moved:
+        edit = row.changed_at or now
+        if row.version > known.version + 1 and row.changed_at is not None:
+            # Versions this copy never saw (it was stopped, or its polls failed, across
+            # them): the slots due by the edit that it has not fired yet are each owed by
+            # the version in effect at its time, if that one had it (never a slot of a
+            # disabled window, nor one an interval in effect then did not have).
+            history = store.timeline(row, known.fired)
+            due = [
+                Due(row.task_name, slot, version=span.version.number)
+                for span in history.spans(known.fired, edit)
+                for slot in slots_after(span.schedule, known.policy, span.start, span.end)
+                if span.in_window(slot)
+            ][-known.policy.max_catchup :]
+            built.fired = max(known.fired, edit)
+        elif moved:
             # Never lost: the old schedule's slots due by the edit that this copy has not
             # fired yet still fire, up to the edit itself, whatever ``now`` says (read before
             # the poll waited on the database, it can be older than an edit the poll found).
             # Never early: the new one's start after the edit.
-            edit = row.changed_at or now
             owed = slots_after(known.schedule, known.policy, known.fired, edit)
             due = [
                 Due(row.task_name, slot, version=known.version)
@@ -525,14 +538,16 @@ class DataSchedules:
         now: datetime,
         jobs: list[Job],
     ) -> None:
+        histories: dict[str, store.Timeline] = {}
         while work:
             item = work.pop()
             taken.append(item)
             row = rows.get(item.task_name)
             if row is None or row.removed_at is not None:
                 continue
+            judged: store.Version | None = None
             if not item.manual:
-                still, owed = self._still_due(item, row, now)
+                still, owed, judged = self._still_due(item, row, now, work, histories)
                 work.extend(owed)
                 if not still:
                     continue
@@ -543,7 +558,11 @@ class DataSchedules:
             policy = state.policy if state is not None else self._policy(row, target.policy)
             if item.manual:
                 self.handed.add((item.task_name, item.slot))
-            if item.version is not None and item.version != row.version:
+            if judged is not None:
+                # Changed after its slot: run with what the version in effect then said.
+                args, kwargs = list(judged.values["args"]), dict(judged.values["kwargs"])
+                version = judged.number
+            elif item.version is not None and item.version != row.version:
                 # Owed by the definition before an edit that moved the slots: run with
                 # what that one said, as the beat does.
                 args, kwargs = store.arguments_at(row, item.version)
@@ -564,24 +583,55 @@ class DataSchedules:
                 )
             )
 
-    def _still_due(self, item: Due, row: TaskSchedule, now: datetime) -> tuple[bool, list[Due]]:
+    def _still_due(
+        self,
+        item: Due,
+        row: TaskSchedule,
+        now: datetime,
+        work: list[Due],
+        histories: dict[str, store.Timeline],
+    ) -> tuple[bool, list[Due], store.Version | None]:
         """Whether ``item`` still fires under ``row`` (a newer version is applied first),
-        and the slots the old schedule owes that the edit makes due. A slot after the
-        latest change is judged by the schedule as it is now (a carried slot too, whose
-        edit this copy applied since)."""
+        the slots the old definitions owe that the change makes due, and the version that
+        owes ``item`` when the schedule changed after its slot (None: the current one).
+
+        A slot at or before the latest change is judged by the version in effect at its
+        time (the schedule's history): it fires only if that version, enabled, had it,
+        whatever this copy knew when the slot fell due (a copy stopped, or whose database
+        failed, across a disable and an enable, or across several edits). A slot after the
+        latest change is judged by the schedule as it is now."""
         state = self.states.get(item.task_name)
         if state is None:
-            return False, []
+            return False, [], None
         owed: list[Due] = []
+        if row.version > state.version + 1 and row.changed_at is not None:
+            # Handed out while this copy knew a definition several versions old: taken
+            # back, and handed out again by the versions in effect at their times (apply:
+            # up to the latest change; then the heap: the new definition's after it).
+            name = item.task_name
+            mine = [due.slot for due in work if due.task_name == name and not due.manual]
+            state.fired = min(state.fired, min([item.slot, *mine]) - _TICK)
+            work[:] = [due for due in work if due.task_name != name or due.manual]
+            return False, self.apply(row, now), None
         if row.version > state.version:
             owed = self.apply(row, now)
             state = self.states.get(item.task_name)
             if state is None:
-                return False, []  # disabled or deleted meanwhile: nothing more fires
-        if item.slot <= (row.changed_at or now):
-            return True, owed  # due before the edit: never lost
+                return False, [], None  # disabled or deleted meanwhile: nothing more fires
+        if row.changed_at is not None and item.slot <= row.changed_at:
+            history = histories.get(item.task_name)
+            if history is None or item.slot < history.read_from:
+                earliest = min(
+                    (due.slot for due in (*work, *owed) if due.task_name == item.task_name),
+                    default=item.slot,
+                )
+                history = histories[item.task_name] = store.timeline(row, min(earliest, item.slot))
+            version = history.fires(item.slot)
+            return version is not None, owed, version
+        if row.changed_at is None and item.slot <= now:
+            return True, owed, None  # (no change time kept: due before it, never lost)
         ours = state.schedule.latest_slot(item.slot) == item.slot and state.in_window(item.slot)
-        return ours, owed
+        return ours, owed, None
 
     def batchable(self, job: Job) -> bool:
         """A job the batch path may claim: a scheduled slot run in this process (not a

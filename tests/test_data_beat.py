@@ -203,6 +203,51 @@ def test_poll__a_moved_schedule_owes_the_old_slots_due_by_the_edit():
     assert entry.version == 2 and entry.last_run_at == moved.swept_until
 
 
+def test_poll__a_beat_that_learns_of_several_edits_at_once_owes_each_versions_own_slots():
+    # The beat did not poll (stopped, or its reads failed) while every 3 s became every 2 s,
+    # then every 4 s: each slot it owes is one the version in effect at its time had, sent
+    # with that version's arguments and version.
+    data = de.DataSchedules(app)
+    row = defined("m", every=timedelta(seconds=3), tenant=1)
+    refreshed(data)
+    (first,) = data.entries.values()
+    sent_at = row.first_seen - timedelta(seconds=7)
+    data.sent(first.next(sent_at))  # the beat last sent a slot 7 s before
+    v2 = defined("m", every=timedelta(seconds=2), tenant=2)
+    time.sleep(max((v2.changed_at + timedelta(seconds=4.5) - timezone.now()).total_seconds(), 0))
+    v3 = defined("m", every=timedelta(seconds=4), tenant=3)
+    (entry,), _ = refreshed(data)
+    owed = [(slot, e.version, e.kwargs["tenant"]) for e, slot in data.take_owed()]
+    expected = [
+        (slot, 1, 1)
+        for slot in IntervalSchedule(timedelta(seconds=3)).slots_between(sent_at, v2.changed_at, 10)
+    ] + [
+        (slot, 2, 2)
+        for slot in IntervalSchedule(timedelta(seconds=2)).slots_between(
+            v2.changed_at, v3.changed_at, 10
+        )
+    ]
+    assert owed == expected and {version for _, version, _ in owed} == {1, 2}
+    assert entry.version == 3 and entry.last_run_at == v3.changed_at
+
+
+def test_poll__a_beat_that_learns_of_a_disable_and_an_enable_at_once_owes_none_between():
+    data = de.DataSchedules(app)
+    row = defined("d", every=timedelta(seconds=1), tenant=1)
+    refreshed(data)
+    (first,) = data.entries.values()
+    sent_at = row.first_seen - timedelta(seconds=3)
+    data.sent(first.next(sent_at))
+    off = defined("d", every=timedelta(seconds=1), tenant=1, enabled=False)
+    time.sleep(max((off.changed_at + timedelta(seconds=2.5) - timezone.now()).total_seconds(), 0))
+    on = defined("d", every=timedelta(seconds=1), tenant=3)
+    (entry,), _ = refreshed(data)
+    owed = [(slot, e.version) for e, slot in data.take_owed()]
+    before_off = IntervalSchedule(timedelta(seconds=1)).slots_between(sent_at, off.changed_at, 10)
+    assert owed == [(slot, 1) for slot in before_off]
+    assert entry.version == 3 and entry.last_run_at == on.changed_at
+
+
 def test_poll__the_cursor_is_the_databases_clock_not_the_beats():
     data = de.DataSchedules(app)
     defined("a", tenant=1)

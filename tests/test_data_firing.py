@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -30,7 +31,7 @@ from django_taskguard.exceptions import BackendUnavailable
 from django_taskguard.ledger import alias
 from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
-from django_taskguard.models import RunState, TaskRun, TaskSchedule
+from django_taskguard.models import RunState, ScheduleEvent, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
 from tests.support import data_targets
 from tests.support.redis_server import free_port
@@ -50,6 +51,14 @@ def _back(task_name: str, by: timedelta) -> None:
     TaskSchedule.objects.filter(task_name=task_name).update(
         first_seen=timezone.now() - by, swept_until=None
     )
+
+
+def _changed_back(task_name: str, by: timedelta) -> None:
+    """Make the schedule's newest change older (test set-up): saved ``by`` ago."""
+    row = TaskSchedule.objects.get(task_name=task_name)
+    at = timezone.now() - by
+    TaskSchedule.objects.filter(pk=row.pk).update(changed_at=at)
+    ScheduleEvent.objects.filter(task_name=task_name, version=row.version).update(at=at)
 
 
 def _minute(moment: datetime) -> datetime:
@@ -356,17 +365,18 @@ def test_data__owed_slots_keep_the_arguments_and_version_that_owed_them() -> Non
     data.load(earlier, start=True)
     # Two edits: the arguments, then the slots (and the arguments again).
     edited = define_schedule("t1", TARGET, every=MINUTE, args=[2], kwargs={"fmt": "csv"})
-    assert data.apply(edited, earlier) == []  # slots kept: version 2 owes what follows
+    assert data.apply(edited, earlier) == []  # slots kept: version 2 owes what follows it
     moved = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[3])
     owed = data.apply(moved, real)
     assert _slots(owed, row.task_name) == [_minute(earlier) + n * MINUTE for n in (1, 2)]
     jobs = data.jobs(owed, real)
-    assert [(job.args, job.kwargs, job.version) for job in jobs] == [((2,), {"fmt": "csv"}, 2)] * 2
+    # Both slots came before the first edit: version 1 was in effect at their time.
+    assert [(job.args, job.kwargs, job.version) for job in jobs] == [((1,), {"fmt": "csv"}, 1)] * 2
     data_targets.executed.clear()
     assert data.run(jobs[0]) == "ran"
-    assert data_targets.executed == [(row.task_name, (2,), {"fmt": "csv"})]
+    assert data_targets.executed == [(row.task_name, (1,), {"fmt": "csv"})]
     run = TaskRun.objects.get(task_name=row.task_name, slot=jobs[0].slot)
-    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 2)
+    assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 1)
     # The new schedule's slots run with the new definition.
     start = data.next_start()
     assert start is not None
@@ -493,6 +503,7 @@ def test_run_schedules__data_schedules_due_at_one_slot_are_claimed_together_with
     define_schedule("t1", TARGET, every=MINUTE, args=[10])  # t1 is at version 2
     for row in rows:
         _back(row.task_name, timedelta(hours=1))
+    _changed_back(rows[1].task_name, timedelta(minutes=30))  # in effect at the slot fired
     data_targets.executed.clear()
     call_command("run_schedules", "--once", verbosity=0)
     ran = sorted((name, args) for name, args, _ in data_targets.executed)
@@ -606,3 +617,119 @@ def test_run_schedules__a_claim_the_database_refused_is_tried_again_within_the_g
     # Past its grace, a carried slot is left to the sweep (said in the log).
     data.carry([Due(row.task_name, job.slot - row.grace - MINUTE)])
     assert data.carried(timezone.now()) == []
+
+
+# -- a copy that learns of several changes at once (stopped, or its polls failed) ---------
+
+SECOND = timedelta(seconds=1)
+
+
+def _until(moment: datetime) -> None:
+    """Sleep until ``moment`` (this process's clock)."""
+    left = (moment - timezone.now()).total_seconds()
+    if left > 0:
+        time.sleep(left)
+
+
+def _owed_by(history: list[TaskSchedule], after: datetime, until: datetime) -> list[tuple]:
+    """``(slot, version, args)`` of each slot in ``(after, until]`` that the version in
+    effect at its time (the newest changed before it) had, enabled."""
+    found = []
+    moment = after.replace(microsecond=0) + SECOND
+    while moment <= until:
+        row = [row for row in history if row.changed_at < moment][-1]
+        if row.enabled and int(moment.timestamp()) % int(row.every.total_seconds()) == 0:
+            found.append((moment, row.version, tuple(row.args)))
+        moment += SECOND
+    return found
+
+
+def _learn(data: DataSchedules, order: str, now: datetime) -> list[tuple]:
+    """What the copy fires when it learns of the changes: at a poll (the loop's order), or
+    from the heap first (stopped between its poll and its heap)."""
+    if order == "poll":
+        jobs = data.jobs(data.poll(now) + data.due(now), now)
+    else:
+        jobs = data.jobs(data.due(now), now)
+        jobs += data.jobs(data.due(now), now)  # the heap, planned again by the versions
+    return sorted((job.slot, job.version, job.args) for job in jobs)
+
+
+@pytest.mark.parametrize("order", ["poll", "heap"])
+def test_data__a_copy_that_learns_of_a_disable_and_an_enable_at_once_fires_none_between(
+    order: str,
+) -> None:
+    row = define_schedule("t1", TARGET, every=SECOND, args=[1])
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    fired = data.states[row.task_name].fired
+    _until(row.changed_at + 2 * SECOND)
+    off = define_schedule("t1", TARGET, every=SECOND, args=[1], enabled=False)
+    _until(off.changed_at + 2.5 * SECOND)
+    on = define_schedule("t1", TARGET, every=SECOND, args=[3], enabled=True)
+    _until(on.changed_at + 2.5 * SECOND)
+    now = timezone.now()
+    got = _learn(data, order, now)
+    expected = _owed_by([row, off, on], fired, now)
+    assert sum(off.changed_at < slot <= on.changed_at for slot in _slots_of(fired, now)) >= 2
+    assert got == expected
+    assert not [slot for slot, *_ in got if off.changed_at < slot <= on.changed_at]
+    assert {version for _, version, _ in got} == {1, 3}
+
+
+def _slots_of(after: datetime, until: datetime) -> list[datetime]:
+    first = after.replace(microsecond=0) + SECOND
+    return [first + n * SECOND for n in range(int((until - first) / SECOND) + 1)]
+
+
+@pytest.mark.parametrize("order", ["poll", "heap"])
+def test_data__a_copy_that_learns_of_several_interval_edits_at_once_fires_each_versions_slots(
+    order: str,
+) -> None:
+    row = define_schedule("t1", TARGET, every=3 * SECOND, args=[1])
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    fired = data.states[row.task_name].fired
+    _until(row.changed_at + 4 * SECOND)
+    v2 = define_schedule("t1", TARGET, every=2 * SECOND, args=[2])
+    _until(v2.changed_at + 4.5 * SECOND)
+    v3 = define_schedule("t1", TARGET, every=4 * SECOND, args=[3])
+    _until(v3.changed_at + 4.5 * SECOND)
+    now = timezone.now()
+    got = _learn(data, order, now)
+    assert got == _owed_by([row, v2, v3], fired, now)
+    assert {version for _, version, _ in got} == {1, 2, 3}
+    # Run through the guard: each recorded with the version that had the slot.
+    jobs = data.jobs([Due(row.task_name, slot) for slot, _, _ in got], now)
+    for job in jobs:
+        assert data.run(job) == "ran"
+    runs = TaskRun.objects.filter(task_name=row.task_name).order_by("slot")
+    assert [(run.slot, run.schedule_version) for run in runs] == [
+        (slot, version) for slot, version, _ in got
+    ]
+
+
+def test_data__a_carried_slot_is_judged_by_the_version_in_effect_at_its_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The database failed for a while: each tick's slots were carried (DataSchedules.carry,
+    # what a failed read or claim does), the copy still knowing version 1, while the schedule
+    # was disabled and enabled again. Tried again, none of the disabled window's fires.
+    monkeypatch.setattr(carried, "RETRY_SECONDS", 0.0)
+    row = define_schedule("t1", TARGET, every=SECOND, args=[1])
+    data = DataSchedules()
+    data.load(timezone.now(), start=True)
+    fired = data.states[row.task_name].fired
+    _until(row.changed_at + 2 * SECOND)
+    off = define_schedule("t1", TARGET, every=SECOND, args=[1], enabled=False)
+    _until(off.changed_at + 2.5 * SECOND)
+    data.carry(data.due(timezone.now()))
+    on = define_schedule("t1", TARGET, every=SECOND, args=[3], enabled=True)
+    _until(on.changed_at + SECOND)
+    carried_slots = _slots_of(fired, on.changed_at)
+    assert sum(off.changed_at < slot <= on.changed_at for slot in carried_slots) >= 2
+    now = timezone.now()
+    jobs = data.jobs(data.carried(now), now)
+    got = sorted((job.slot, job.version, job.args) for job in jobs)
+    assert got == _owed_by([row, off, on], fired, off.changed_at)
+    assert got and {version for _, version, _ in got} == {1}

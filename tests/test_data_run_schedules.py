@@ -9,6 +9,7 @@ log with O_APPEND (tests/support/data_targets.py ``echo``, tests/support/data_ta
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -226,3 +227,79 @@ def test_data_run_schedules__enqueue_hands_django_tasks_slots_to_the_backend(chi
     assert value == "manual"
     run = TaskRun.objects.get(task_name=m.task_name, slot=manual)
     assert (run.state, run.schedule_version) == (RunState.SUCCEEDED, 1)
+
+
+def _sleep_past(moment: datetime, margin: timedelta) -> None:
+    left = (moment + margin - datetime.now(moment.tzinfo)).total_seconds()
+    if left > 0:
+        time.sleep(left)
+
+
+# server: a copy stopped mid-write holds SQLite's lock on the whole database (every write
+# here would wait for it); PostgreSQL's and MariaDB's locks are per row.
+@pytest.mark.server
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_data_run_schedules__a_copy_stopped_across_changes_runs_only_each_versions_slots(
+    child_env, scratch
+):
+    # One copy, SIGSTOPped while "s" (every 2 s) is disabled and enabled again and "e" goes
+    # from every 3 s to every 2 s to every 4 s; SIGCONT: it learns of them all at once. Each
+    # slot it runs is one the version in effect at the slot's time had (enabled), with that
+    # version's arguments, recorded with that version.
+    log = scratch / "executions.log"
+    copy = Copy(_env(child_env, log, "tests.support.data_targets"), scratch / "a.out")
+    try:
+        s1 = _retry(define_schedule, "s", ECHO, every=2 * SECOND, args=["s1"])
+        e1 = _retry(define_schedule, "e", ECHO, every=3 * SECOND, args=["e1"])
+        wait_for(
+            lambda: _of(log, s1.task_name) and _of(log, e1.task_name),
+            timeout=60,
+            what="the first slots",
+        )
+        copy.proc.send_signal(signal.SIGSTOP)
+        try:
+            off = _retry(define_schedule, "s", ECHO, every=2 * SECOND, args=["s1"], enabled=False)
+            e2 = _retry(define_schedule, "e", ECHO, every=2 * SECOND, args=["e2"])
+            _sleep_past(max(off.changed_at, e2.changed_at), 7 * SECOND)
+            on = _retry(define_schedule, "s", ECHO, every=2 * SECOND, args=["s3"], enabled=True)
+            e3 = _retry(define_schedule, "e", ECHO, every=4 * SECOND, args=["e3"])
+            _sleep_past(max(on.changed_at, e3.changed_at), 3 * SECOND)
+        finally:
+            copy.proc.send_signal(signal.SIGCONT)
+        last = max(on.changed_at, e3.changed_at)
+        wait_for(
+            lambda: any(slot > last + 4 * SECOND for slot, _ in _of(log, e1.task_name)),
+            timeout=30,
+            what="slots after the changes",
+        )
+    finally:
+        assert copy.stop() == 0
+
+    versions = dict(
+        TaskRun.objects.filter(task_name__in=[s1.task_name, e1.task_name]).values_list(
+            "slot", "schedule_version"
+        )
+    )
+
+    def in_effect(history: list[Any], slot: datetime) -> Any:
+        return [row for row in history if row.changed_at < slot][-1]
+
+    ran = 0
+    for name, history in ((s1.task_name, [s1, off, on]), (e1.task_name, [e1, e2, e3])):
+        done = _of(log, name)
+        assert len({slot for slot, _ in done}) == len(done)  # once each
+        for slot, value in done:
+            if slot <= s1.changed_at:
+                continue
+            row = in_effect(history, slot)
+            assert row.enabled, (name, slot, "a slot of the disabled window ran")
+            assert int(slot.timestamp()) % int(row.every.total_seconds()) == 0, (name, slot)
+            assert (value, versions.get(slot)) == (row.args[0], row.version), (name, slot)
+            ran += slot > e2.changed_at
+    # Each version's own slots after the copy went on: the newest ones ran.
+    after = [slot for slot, _ in _of(log, e1.task_name) if slot > e3.changed_at + SECOND]
+    assert after and set(_every(4, e3.changed_at + 3 * SECOND, after[-1])) <= set(after)
+    assert [slot for slot, _ in _of(log, s1.task_name) if slot > on.changed_at + SECOND]
+    assert [slot for slot, value in _of(log, e1.task_name) if value == "e2"]  # v2's own time
+    assert ran

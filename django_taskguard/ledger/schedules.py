@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, fields
+from copy import copy as copy_of
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
@@ -41,6 +42,7 @@ from ..models import (
     ScheduleSource,
     TaskSchedule,
 )
+from ..schedules import StoredSchedule, rebuild
 from . import owed
 from .core import alias, clip, database_now, dialect, translated
 
@@ -738,7 +740,9 @@ def _define(
             origin=origin,
             by=clip(by, EVENT_BY_MAX_LENGTH),
             reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
-            at=now,
+            # The change's time by the database's clock (its ``changed_at``): the history
+            # says which version was in effect at each slot (:func:`timeline`).
+            at=changed,
             version=row.version,
             changes=changes,
         ).save(using=alias())
@@ -797,7 +801,7 @@ def define_many(
             origin=origin,
             by=clip(by, EVENT_BY_MAX_LENGTH),
             reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
-            at=now,
+            at=changed_at,
             version=versions.get(name, 0) + 1,
             changes={field: [None, _jsonable(values[field])] for field in DEFINITION_FIELDS},
         )
@@ -877,6 +881,8 @@ def delete_data(
         now = timezone.now()
         changed = database_now()  # as in _define
         owed.owe(row, zone_of(row), changed)
+        # Kept so that the history says whether the version before was enabled.
+        changes = {"enabled": [True, False]} if row.enabled else {}
         row.removed_at = now
         row.enabled = False
         row.version += 1
@@ -888,8 +894,9 @@ def delete_data(
             origin=origin,
             by=clip(by, EVENT_BY_MAX_LENGTH),
             reason=clip(reason, PAUSED_REASON_MAX_LENGTH),
-            at=now,
+            at=changed,
             version=row.version,
+            changes=changes,
         ).save(using=alias())
     return row
 
@@ -976,6 +983,181 @@ def arguments_at(row: TaskSchedule, version: int) -> tuple[list[object], dict[st
             if "kwargs" in changes and changes["kwargs"][0] is not None:
                 kwargs = dict(changes["kwargs"][0])
     return args, kwargs
+
+
+# -- a data schedule's versions: which definition was in effect at a slot ----------------
+
+_DURATIONS = ("every", "grace", "jitter", "late_after")
+_MOMENTS = ("starts", "ends")
+
+
+def _from_json(name: str, value: object) -> object:
+    """A definition's value as :func:`_jsonable` kept it in the history, read back."""
+    if value is None:
+        return None
+    if name in _DURATIONS:
+        return timedelta(seconds=float(value))  # type: ignore[arg-type]
+    if name in _MOMENTS:
+        return datetime.fromisoformat(str(value))
+    return value
+
+
+@dataclass(frozen=True)
+class Version:
+    """One saved version of a data schedule: its definition (``values``, every field of
+    :data:`DEFINITION_FIELDS`), in effect for the slots after ``since`` (its change's time
+    by the database's clock, its ``changed_at``) up to the next version's; ``live``: not
+    deleted (nor before a deleted schedule's name was defined again)."""
+
+    number: int
+    since: datetime | None
+    values: dict[str, Any]
+    live: bool
+
+    @property
+    def fires(self) -> bool:
+        """Whether anything fired its slots (live and enabled)."""
+        return self.live and bool(self.values["enabled"])
+
+    def row(self, current: TaskSchedule) -> TaskSchedule:
+        """``current`` (the schedule's row as it is now) as it was at this version: an
+        unsaved copy, what a scheduler builds a definition from."""
+        copy = copy_of(current)
+        for name, value in self.values.items():
+            setattr(copy, name, value)
+        copy.version = self.number
+        copy.changed_at = self.since
+        if self.live:
+            copy.removed_at = None
+        else:
+            copy.enabled = False
+            copy.removed_at = current.removed_at or self.since or current.changed_at
+        return copy
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The versions of one data schedule in effect from some moment on, oldest first: which
+    definition a slot belongs to. A slot at or before a change's instant is the version
+    before's (as the owed windows and a moving edit have it); the oldest version read covers
+    every earlier slot (the schedulers' floors, ``first_seen`` and ``swept_until``, say
+    where its slots begin)."""
+
+    task_name: str
+    versions: tuple[Version, ...]
+    default_zone: str
+    read_from: datetime  # the versions in effect from this moment on were read
+
+    def at(self, slot: datetime) -> Version:
+        """The version in effect at ``slot``."""
+        for version in reversed(self.versions):
+            if version.since is None or version.since < slot:
+                return version
+        return self.versions[0]
+
+    def fires(self, slot: datetime) -> Version | None:
+        """The version in effect at ``slot`` if it had that slot (enabled, live, within its
+        ``starts``/``ends``, one of its cron's or interval's slots), else None."""
+        version = self.at(slot)
+        if not version.fires:
+            return None
+        values = version.values
+        if (values["starts"] is not None and slot < values["starts"]) or (
+            values["ends"] is not None and slot > values["ends"]
+        ):
+            return None
+        schedule = self._schedule(version)
+        if schedule is None or schedule.latest_slot(slot) != slot:
+            return None
+        return version
+
+    def spans(self, after: datetime, until: datetime) -> list[Span]:
+        """The versions that fired in ``(after, until]``, each with its schedule and the
+        part of that window it was in effect for, oldest first."""
+        found: list[Span] = []
+        for index, version in enumerate(self.versions):
+            following = self.versions[index + 1].since if index + 1 < len(self.versions) else None
+            # The oldest version read covers every earlier slot (as :meth:`at` has it).
+            start = after if index == 0 or version.since is None else max(after, version.since)
+            end = until if following is None else min(until, following)
+            if not version.fires or end <= start:
+                continue
+            schedule = self._schedule(version)
+            if schedule is not None:
+                found.append(Span(version, schedule, start, end))
+        return found
+
+    def _schedule(self, version: Version) -> StoredSchedule | None:
+        values = version.values
+        zone = values["time_zone"] or (self.default_zone if values["cron"] else "")
+        try:
+            return rebuild(values["cron"] or "", bool(values["cron_day_or"]), zone, values["every"])
+        except Exception:  # a zone this process lacks: its slots cannot be told here
+            return None
+
+
+@dataclass(frozen=True)
+class Span:
+    """A version of a data schedule in effect over ``(start, end]``, and its slots."""
+
+    version: Version
+    schedule: StoredSchedule
+    start: datetime
+    end: datetime
+
+    def in_window(self, slot: datetime) -> bool:
+        """``slot`` is within the version's ``starts``/``ends``."""
+        starts, ends = self.version.values["starts"], self.version.values["ends"]
+        return (starts is None or slot >= starts) and (ends is None or slot <= ends)
+
+
+def timeline(row: TaskSchedule, since: datetime) -> Timeline:
+    """The versions of the data schedule ``row`` (as it is now) in effect at ``since`` and
+    after, from its history: each older one is the newer with the changes its event keeps
+    undone (one statement, read newest first until the version in effect at ``since``).
+
+    A history that stops short (a creation: nothing before it; a missing event) ends the
+    read: the oldest version found covers every earlier slot, except a deleted schedule's
+    name defined again, before which nothing fired (a version that does not fire)."""
+    if set(DEFINITION_FIELDS) & row.get_deferred_fields():  # a poll's light row
+        with translated:
+            row = TaskSchedule.objects.using(alias()).get(pk=row.pk)
+    current = Version(
+        row.version,
+        row.changed_at,
+        {name: getattr(row, name) for name in DEFINITION_FIELDS},
+        row.removed_at is None,
+    )
+    found: list[Version] = []
+    events = ScheduleEvent.objects.using(alias()).filter(
+        task_name=row.task_name, version__isnull=False, version__lte=row.version
+    )
+    with translated:
+        for event in events.order_by("-version", "-id").iterator(chunk_size=50):
+            if event.version != current.number:
+                break  # a version without its event: nothing is known before it
+            if current.since is None:  # an older version's: its own event's time
+                current = replace(current, since=event.at)
+            assert current.since is not None
+            if current.since < since:
+                break  # in effect at ``since``: nothing older matters
+            if event.kind == ScheduleEventKind.CREATED:
+                if event.version > 1:  # a deleted (or other) schedule's name: none before
+                    found.append(current)
+                    current = Version(event.version - 1, None, dict(current.values), False)
+                break
+            before = dict(current.values)
+            changes = event.changes if isinstance(event.changes, dict) else {}
+            for name, pair in changes.items():
+                if name in before and isinstance(pair, list) and len(pair) == 2:
+                    before[name] = _from_json(name, pair[0])
+            live = current.live or event.kind == ScheduleEventKind.DELETED
+            found.append(current)
+            # The older version's change time is its own event's (the next one read).
+            current = Version(event.version - 1, None, before, live)
+    found.append(current)
+    found.reverse()
+    return Timeline(row.task_name, tuple(found), row.default_zone, since)
 
 
 def live_data_names(target_kinds: Collection[str], names: Collection[str]) -> list[str]:

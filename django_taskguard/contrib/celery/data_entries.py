@@ -214,6 +214,12 @@ def floor_of(row: TaskSchedule) -> datetime:
     return max(row.first_seen, row.swept_until or row.first_seen)
 
 
+def skipped(row: TaskSchedule, known: DataEntry | None) -> bool:
+    """Whether ``row`` is more than one version newer than the entry this beat has (it
+    never saw the versions between)."""
+    return known is not None and row.changed_at is not None and row.version > known.version + 1
+
+
 class DataSchedules:
     """The data schedule entries of one beat, kept in step with the database."""
 
@@ -307,7 +313,12 @@ class DataSchedules:
     def _entry(self, row: TaskSchedule, known: DataEntry | None) -> DataEntry:
         schedule = schedule_of(row)
         floor = floor_of(row)
-        if known is not None and known.schedule == schedule:
+        if skipped(row, known):
+            # Versions this beat never saw: the slots due by the latest change are owed by
+            # the versions in effect at their times (:meth:`_owed`); the entry's after it.
+            assert known is not None and row.changed_at is not None
+            last = max(known.sent_at, floor, row.changed_at)
+        elif known is not None and known.schedule == schedule:
             last = max(known.sent_at, floor)  # same slots: the next one, new arguments
         else:
             last = floor  # new, or moved: the new schedule's slots after the edit only
@@ -331,11 +342,31 @@ class DataSchedules:
             since = max(floor_of(row), now - row.grace - schedule.offset)
             return [(entry, slot) for slot in schedule.owed(since, latest) if slot != latest]
         old = cast(DataDue, known.schedule)
+        if skipped(row, known):
+            return self._owed_by_versions(row, known, now)
         if old == schedule:
             return []
         edit = row.changed_at or now  # (a tick's now can be older than an edit it reads)
         since = max(known.sent_at, now - row.grace - old.offset)
         return [(known, slot) for slot in old.owed(since, old.latest_slot(edit + old.offset))]
+
+    def _owed_by_versions(
+        self, row: TaskSchedule, known: DataEntry, now: datetime
+    ) -> list[tuple[DataEntry, datetime]]:
+        """The slots due by ``row``'s change that this beat did not send, each owed by the
+        version in effect at its time if that one (enabled) had it, sent with its entry
+        (its arguments and version): a beat that was stopped, or whose polls failed,
+        across several changes sends no slot of a disabled window, none that an interval
+        in effect then did not have."""
+        assert row.changed_at is not None
+        since = max(known.sent_at, now - row.grace - cast(DataDue, known.schedule).offset)
+        history = store.timeline(row, since)
+        owed: list[tuple[DataEntry, datetime]] = []
+        for span in history.spans(since, row.changed_at):
+            entry = entry_of(span.version.row(row), since, self.app)
+            slots = span.schedule.slots_between(span.start, span.end, OWED_MAX)
+            owed += [(entry, slot) for slot in slots if span.in_window(slot)]
+        return owed[-OWED_MAX:]
 
     def read_at_send(self, keys: Collection[str]) -> None:
         """Read the rows of ``keys`` (entries due now) as they are now, in one query."""
