@@ -23,10 +23,10 @@ from django.db import connection
 from django_taskguard.models import RunState, TaskRun
 from django_taskguard.owner import Owner
 
-from .support.children import python
+from .support.children import start
 from .support.waiting import wait_for
 from .test_run_schedules import schedule_env, slots_run
-from .test_run_schedules_batch import postgres_only, start
+from .test_run_schedules_batch import postgres_only
 
 pytestmark = [pytest.mark.processes, pytest.mark.once]
 
@@ -52,17 +52,9 @@ def test_run_schedules__chaos__every_due_slot_once_or_recorded_none_left_running
         TASKGUARD_TEST_BODY_MIX=",".join(["1.5"] + ["0.3"] * 3 + ["0.05"] * 6 + ["0"] * 10),
         TASKGUARD_TEST_LEASE=str(lease),
     )  # fmt: skip
-    args = [
-        python(),
-        "-m",
-        "tests.support.scheduler_child",
-        "--sweep-every",
-        "1",
-        "--max-workers",
-        "16",
-    ]
+    args = ["-m", "tests.support.scheduler_child", "--sweep-every", "1", "--max-workers", "16"]
     killed, stopped, cut = (
-        start(args, {**env, "PGAPPNAME": f"{APP}-{name}"}, scratch / f"{name}.out")
+        start({**env, "PGAPPNAME": f"{APP}-{name}"}, scratch / f"{name}.out", *args)
         for name in ("killed", "stopped", "cut")
     )
     copies = [killed, stopped, cut]
