@@ -45,17 +45,18 @@ export TASKGUARD_SOAK_SECONDS="${TASKGUARD_SOAK_SECONDS:-15}"
 # Each test carries a marker that says on which databases it runs (pure: SQLite; dialect: all
 # three; server: PostgreSQL and MariaDB; once: PostgreSQL) and whether it must run alone
 # (processes, browser, timing): tests/support/selection.py, docs/development.md "Markers".
-# A pass runs the tests meant for its database in two parts: those that may run beside each
-# other on both cores (pytest-xdist, each worker its own test database and Redis servers),
-# then the serial ones one at a time. Each part writes JUnit XML; what ran on each database
-# is counted at the end (scripts/count-tests.py).
+# A pass runs the tests meant for its database in two parts: the in-process tests, several
+# beside each other on both cores (pytest-xdist, each worker its own test database and Redis
+# servers), then the serial ones (real processes, the browser), two at a time, one per core.
+# Each part writes JUnit XML; what ran on each database is counted at the end
+# (scripts/count-tests.py).
 reports=$(mktemp -d "${TMPDIR:-/tmp}/taskguard-reports.XXXXXX")
 database_pass() {  # database_pass DATABASE WORKERS [pytest args]
   local database=$1 workers=$2
   shift 2
   TASKGUARD_TEST_DB=$database $PY -m pytest -p no:cacheprovider -n "$workers" \
     -m "not soak and not serial" --junitxml="$reports/$database-beside.xml" --durations=10 "$@"
-  TASKGUARD_TEST_DB=$database $PY -m pytest -p no:cacheprovider \
+  TASKGUARD_TEST_DB=$database $PY -m pytest -p no:cacheprovider -n 2 \
     -m "not soak and serial" --junitxml="$reports/$database-alone.xml" --durations=15 "$@"
 }
 

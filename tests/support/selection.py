@@ -16,11 +16,10 @@ own; the test's own wins):
 - ``once``: it barely depends on the database, or on PostgreSQL's own SQL (a Celery cluster,
   the browser, PL/pgSQL functions): PostgreSQL alone.
 
-And the *how* markers say what must not run beside other tests (``scripts/test.sh`` runs
-them one at a time, after the rest has run on both cores): ``processes`` (real processes,
-signals), ``browser`` (a headless Chromium), ``timing`` (it judges an outcome by a lease or a
-deadline that a loaded core could move). A test that starts a process without ``processes``
-or ``browser`` fails (:mod:`tests.support.spawning`).
+And the *how* markers say what must not run beside the in-process tests (``scripts/test.sh``
+runs them after the rest, two at a time, one per core): ``processes`` (real processes,
+signals), ``browser`` (a headless Chromium). Both make a test ``serial``. A test that starts a
+process without one of them fails (:mod:`tests.support.spawning`).
 
 A test without a *where* marker, or with two at one level, fails the collection with a
 message naming it. ``docs/development.md`` says how to choose.
@@ -39,7 +38,7 @@ WHERE: dict[str, frozenset[str]] = {
     "file_and_server": frozenset({"sqlite", "postgres"}),
     "once": frozenset({"postgres"}),
 }
-SERIAL = ("processes", "browser", "timing")
+SERIAL = ("processes", "browser")
 
 
 def database() -> str:
