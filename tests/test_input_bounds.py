@@ -21,6 +21,8 @@ from django_taskguard.data_schedules import ScheduleDefinitionError
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import ScheduleEvent, TaskSchedule
 
+from .test_data_schedule_admin import form_data
+
 pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
@@ -46,28 +48,8 @@ def nested(depth: int) -> Any:
 
 
 def add_form(**given: str) -> dict[str, str]:
-    data = {
-        "entry": "tenant-42",
-        "function": TARGET,
-        "cron": "0 9 * * *",
-        "time_zone": "",
-        "every": "",
-        "args": "[42]",
-        "kwargs": "{}",
-        "enabled": "on",
-        "starts": "",
-        "ends": "",
-        "catchup": "",
-        "grace": "",
-        "max_catchup": "",
-        "pause_after_failures": "",
-        "jitter": "",
-        "description": "",
-        "reason": "",
-        "_save": "Save",
-    }
-    data.update(given)
-    return data
+    """The add form's POST (test_data_schedule_admin's), in UTC, with ``given``."""
+    return form_data(**{"time_zone": "", "kwargs": "{}", **given})
 
 
 @pytest.mark.parametrize("field", ["starts", "ends"])
