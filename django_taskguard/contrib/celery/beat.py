@@ -22,13 +22,12 @@ from celery.schedules import schedule as interval_schedule
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from ... import schedules
+from ... import schedules, upkeep
 from ...conf import taskguard_settings
 from ...locks import claim_once, redis_key_prefix, release_claim
 from ...locks.keys import beat_key
 from ...logfields import log_fields
 from ...owner import new_owner
-from ...upkeep import maybe_upkeep, upkeep_wait
 from .data_entries import DataEntry, DataSchedulesMixin
 from .entries import SETTINGS, BeatEntry, RegisteringMixin
 from .headers import (
@@ -212,8 +211,18 @@ class StampingMixin:
         """Celery's tick, then the upkeep when this beat is due to attempt it (a thread);
         a beat whose entries are far apart still wakes for it."""
         interval: float = super().tick(*args, **kwargs)  # type: ignore[misc]
-        maybe_upkeep()
-        return min(interval, upkeep_wait())
+        upkeep.maybe_upkeep()
+        return min(interval, upkeep.upkeep_wait())
+
+    def close(self) -> None:
+        """Celery's close, then wait for the upkeep thread a tick started (at most
+        ``upkeep.EXIT_WAIT_SECONDS``, as a process's exit does): a beat that stops leaves
+        no thread behind, and the upkeep it started ends and is recorded instead of
+        holding the fleet's lease until it lapses."""
+        try:
+            super().close()  # type: ignore[misc]
+        finally:
+            upkeep.join(upkeep.EXIT_WAIT_SECONDS)
 
     def stamp(self, entry: Any, now: datetime, slot: datetime | None = None) -> Any:
         """A copy of ``entry`` that carries the slot headers (of ``slot``, else of the
