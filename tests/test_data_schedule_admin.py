@@ -27,6 +27,7 @@ from django_taskguard.models import (
     TaskRun,
     TaskSchedule,
 )
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.monitoring import finished, schedule
 
@@ -36,6 +37,7 @@ TARGET = "tests.support.data_targets.send_report"
 CHANGELIST = reverse("admin:taskguard_taskschedule_changelist")
 ADD = reverse("admin:taskguard_taskschedule_add")
 MINUTE = timedelta(minutes=1)
+NOT_GUARDED = "is not a guarded task"
 EDITOR_PERMS = ("view_taskschedule", "add_taskschedule", "change_taskschedule")
 
 
@@ -139,8 +141,11 @@ def test_add__creates_a_data_schedule_with_arguments_and_a_zone() -> None:
     [
         ({"cron": "61 * * * *"}, "cron", "61"),
         ({"time_zone": "Mars/Olympus"}, "time_zone", "unknown time zone"),
-        ({"function": "tests.support.data_targets.not_guarded"}, "function", "not guarded"),
-        ({"function": "no.such.task"}, "function", "no task or guarded function"),
+        ({"function": "tests.support.data_targets.not_guarded"}, "function", NOT_GUARDED),
+        ({"function": "no.such.task"}, "function", NOT_GUARDED),
+        # A module raising ImproperlyConfigured when imported: a form error, never a 500
+        # (and never imported: only the guarded tasks are looked at).
+        ({"function": "tests.support.import_refused.job"}, "function", NOT_GUARDED),
         ({"args": "[]"}, "kwargs", "does not take these arguments"),
         ({"kwargs": '{"nope": 1}'}, "kwargs", "does not take these arguments"),
         ({"args": "{not json"}, "args", "valid JSON"),
