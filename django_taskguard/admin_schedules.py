@@ -279,7 +279,11 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
     ) -> Any:
         if obj is None or obj.source == ScheduleSource.DATA:
             kwargs["form"] = data_form.DataScheduleForm
-        return super().get_form(request, obj, change, **kwargs)
+        form = super().get_form(request, obj, change, **kwargs)
+        if issubclass(form, data_form.DataScheduleForm):  # a class made for this request
+            form.may_pause = self.has_pause_permission(request)
+            form.may_run = self.has_run_permission(request)
+        return form
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         """Through define_schedule (validated, versioned, kept in the history), never
