@@ -8,10 +8,10 @@ runs and history stay) that retire may delete later.
 
 What an operator does goes through the library's own API, each a permission-gated POST
 that keeps its event (who, from where, when, why): pause and resume
-(``taskguard.pause_taskschedule``), acknowledge (``taskguard.acknowledge_taskschedule``), retire (``taskguard.delete_taskschedule``), which
-deletes the row of a schedule no longer declared; its runs and events stay
-(:mod:`.admin_schedule_actions`); run now and backfill of data schedules
-(``taskguard.run_taskschedule``, ``taskguard.backfill_taskschedule``:
+(``taskguard.pause_taskschedule``), acknowledge (``taskguard.acknowledge_taskschedule``),
+retire (``taskguard.delete_taskschedule``), which deletes the row of a schedule no longer
+declared; its runs and events stay (:mod:`.admin_schedule_actions`); run now and backfill
+of data schedules (``taskguard.run_taskschedule``, ``taskguard.backfill_taskschedule``:
 :mod:`.admin_schedule_run`).
 
 A page judges its rows (only they) with one ``health.check()`` and reads their pauses' events in one
