@@ -40,6 +40,9 @@ NEXT_SLOTS_HORIZON = timedelta(days=400)
 FORM_FIELD = {"name": "entry", "target": "function"}
 ZONES_DATALIST = "taskguard-time-zones"
 REASON_MAX_LENGTH = 200
+# An interval shorter than this fires a slot almost at once and again and again: run now by
+# another name, so it needs run now's permission (taskguard.run_taskschedule).
+FAST_EVERY = timedelta(seconds=60)
 
 
 @lru_cache(maxsize=1)
@@ -123,7 +126,16 @@ class ArgumentsField(forms.JSONField):
 
 class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
     """A data schedule's definition, checked by ``data_schedules.validate``; saving is the
-    admin's (``define_schedule``), never the model's."""
+    admin's (``define_schedule``), never the model's.
+
+    What the editor may do besides add and change, set by the admin on the form class:
+    ``may_pause`` (``taskguard.pause_taskschedule``: without it ``enabled`` is read-only, its
+    posted value ignored, since disabling stops the slots as a pause does) and ``may_run``
+    (``taskguard.run_taskschedule``: without it an interval under ``FAST_EVERY`` is refused).
+    """
+
+    may_pause = False
+    may_run = False
 
     entry = forms.CharField(
         label=gettext_lazy("name"),
@@ -275,6 +287,15 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             zone = zone_of(row.time_zone)
             self.initial["starts"] = show_moment(row.starts, zone)
             self.initial["ends"] = show_moment(row.ends, zone)
+        if not self.may_pause:
+            # Disabled: Django ignores what is posted for it and keeps the initial value
+            # (the row's; a new schedule is enabled).
+            enabled = self.fields["enabled"]
+            enabled.disabled = True
+            enabled.help_text = _(
+                "Disabling or enabling needs the permission to pause and resume "
+                "(taskguard.pause_taskschedule)."
+            )
         self.values: dict[str, Any] = {}
 
     def clean(self) -> dict[str, Any]:
@@ -324,8 +345,26 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             return cleaned
         if row.pk is None:
             self._refuse_taken(task_name)
+        self._refuse_fast(values["every"])
         self.values = {"task_name": task_name, **values}
         return cleaned
+
+    def _refuse_fast(self, every: timedelta | None) -> None:
+        """An interval under ``FAST_EVERY`` set without the run permission (one the row
+        already has may stay: its other fields are still editable)."""
+        if self.may_run or every is None or every >= FAST_EVERY:
+            return
+        if self.instance.pk is not None and self.instance.every == every:
+            return
+        self.add_error(
+            "every",
+            _(
+                "An interval under %(seconds)d seconds fires the schedule at once and again "
+                "and again: it needs the permission to run a schedule now "
+                "(taskguard.run_taskschedule)."
+            )
+            % {"seconds": FAST_EVERY.total_seconds()},
+        )
 
     def _refuse_taken(self, task_name: str) -> None:
         taken = store.get(task_name)

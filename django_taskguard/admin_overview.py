@@ -5,7 +5,8 @@ buttons.
 then the task names the ledger has runs of), unhealthy first, each schedule with its
 latest acknowledgement and its history (who paused, resumed or acknowledged it, from
 where, when, why). Pause, resume and acknowledge are POST forms, gated by the
-``taskguard.pause_taskschedule`` permission, that call :mod:`.pauses` and
+``taskguard.pause_taskschedule`` permission (pause, resume) and
+``taskguard.acknowledge_taskschedule`` (acknowledge), that call :mod:`.pauses` and
 :mod:`.acknowledgements` (the same API as ``manage.py pause_task`` and ``acknowledge``)
 and record the acting user in the schedule's history and in the admin's log.
 """
@@ -41,6 +42,7 @@ else:
     AdminBase = object
 
 PAUSE_PERMISSION = "taskguard.pause_taskschedule"
+ACKNOWLEDGE_PERMISSION = "taskguard.acknowledge_taskschedule"
 # Strip colours beyond the run states' own (the admin's ``state_colours``): a slot with no run.
 CELL_COLOURS = {
     overview.GAP: "#ffffff",
@@ -89,15 +91,17 @@ class OverviewMixin(AdminBase):
             "page": page,
             "more": _more(page),
             "can_pause": request.user.has_perm(PAUSE_PERMISSION),
+            "can_acknowledge": request.user.has_perm(ACKNOWLEDGE_PERMISSION),
             "legend": self._legend(),
         }
         return TemplateResponse(request, "admin/taskguard/taskrun/overview.html", context)
 
     def pause_view(self, request: HttpRequest) -> HttpResponse:
-        if not request.user.has_perm(PAUSE_PERMISSION):
+        action = request.POST.get("do", "")
+        needed = ACKNOWLEDGE_PERMISSION if action == "acknowledge" else PAUSE_PERMISSION
+        if not request.user.has_perm(needed):
             raise PermissionDenied
         name = request.POST.get("task", "")
-        action = request.POST.get("do", "")
         user = request.user.get_username()
         if action in ("pause", "acknowledge") and request.POST.get("confirm") != "yes":
             return self._confirm_overview(request, name, action)

@@ -40,7 +40,7 @@ else:
 ACTION_PERMISSIONS = {
     "pause_schedules": "pause",
     "resume_schedules": "pause",
-    "acknowledge_schedules": "pause",
+    "acknowledge_schedules": "acknowledge",
     "retire_schedules": "retire",
     "run_now_schedules": "run",  # admin_schedule_run
     "backfill_schedules": "backfill",
@@ -60,6 +60,9 @@ class ScheduleActionsMixin(AdminBase):
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("taskguard.pause_taskschedule"))
+
+    def has_acknowledge_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("taskguard.acknowledge_taskschedule"))
 
     def has_retire_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("taskguard.delete_taskschedule"))
@@ -98,7 +101,7 @@ class ScheduleActionsMixin(AdminBase):
         )
         self._report(request, done, _("Resumed %(names)s."), _("Not paused: %(names)s."))
 
-    @admin.action(description=gettext_lazy("Acknowledge problems…"), permissions=["pause"])
+    @admin.action(description=gettext_lazy("Acknowledge problems…"), permissions=["acknowledge"])
     def acknowledge_schedules(
         self, request: HttpRequest, queryset: QuerySet[TaskSchedule]
     ) -> HttpResponse | None:

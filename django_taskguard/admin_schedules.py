@@ -7,11 +7,11 @@ change is kept in the schedule's history; a deletion leaves the row as a tombsto
 runs and history stay) that retire may delete later.
 
 What an operator does goes through the library's own API, each a permission-gated POST
-that keeps its event (who, from where, when, why): pause, resume and acknowledge
-(``taskguard.pause_taskschedule``), retire (``taskguard.delete_taskschedule``), which
-deletes the row of a schedule no longer declared; its runs and events stay
-(:mod:`.admin_schedule_actions`); run now and backfill of data schedules
-(``taskguard.run_taskschedule``, ``taskguard.backfill_taskschedule``:
+that keeps its event (who, from where, when, why): pause and resume
+(``taskguard.pause_taskschedule``), acknowledge (``taskguard.acknowledge_taskschedule``),
+retire (``taskguard.delete_taskschedule``), which deletes the row of a schedule no longer
+declared; its runs and events stay (:mod:`.admin_schedule_actions`); run now and backfill
+of data schedules (``taskguard.run_taskschedule``, ``taskguard.backfill_taskschedule``:
 :mod:`.admin_schedule_run`).
 
 A page judges its rows (only they) with one ``health.check()`` and reads their pauses' events in one
@@ -279,7 +279,11 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
     ) -> Any:
         if obj is None or obj.source == ScheduleSource.DATA:
             kwargs["form"] = data_form.DataScheduleForm
-        return super().get_form(request, obj, change, **kwargs)
+        form = super().get_form(request, obj, change, **kwargs)
+        if issubclass(form, data_form.DataScheduleForm):  # a class made for this request
+            form.may_pause = self.has_pause_permission(request)
+            form.may_run = self.has_run_permission(request)
+        return form
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         """Through define_schedule (validated, versioned, kept in the history), never
@@ -344,6 +348,7 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
             context["history"] = [_event(event) for event in _events(request, self, row)]
             context["runs_url"] = runs_url(row.task_name)
             context["can_pause"] = self.has_pause_permission(request)
+            context["can_acknowledge"] = self.has_acknowledge_permission(request)
             context["can_retire"] = self.has_retire_permission(request)
             live_data = row.source == ScheduleSource.DATA and row.removed_at is None
             context["can_run"] = live_data and self.has_run_permission(request)

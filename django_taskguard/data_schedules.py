@@ -16,10 +16,12 @@ what changed and the version it made); see :mod:`.ledger.schedules` for the writ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import itertools
 import json
+import sys
 import zoneinfo
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -28,7 +30,6 @@ from functools import lru_cache
 from typing import Any
 
 from django.utils import timezone
-from django.utils.module_loading import import_string
 from django.utils.timezone import get_default_timezone_name
 
 from . import registry, schedules
@@ -169,11 +170,47 @@ def guarded_target(
     return Target(target, kind, guarded, task, _signature(runs))
 
 
+def not_a_guarded_task(target: str) -> ScheduleDefinitionError:
+    """The one refusal of a target that is no guarded task here, whatever it names: it says
+    nothing of which modules exist (nothing it names was imported to find out)."""
+    return ScheduleDefinitionError(
+        f"{target} is not a guarded task: give the task name of an @once_per_schedule "
+        "function (its module in an installed app's tasks or jobs, or SCHEDULE_MODULES), a "
+        "Celery task's name, or a django.tasks task's dotted path (@task() over "
+        "@once_per_schedule)",
+        "target",
+    )
+
+
+def _guarded_task(target: str) -> Any:
+    """The guarded function registered as ``target``, the modules that declare schedules
+    imported first (only those: what a target names is never imported for it)."""
+    found = guarded_named(target)
+    if found is None:
+        # SCHEDULE_MODULES and the apps' tasks/jobs; a broken one (check E026): what is
+        # registered.
+        with contextlib.suppress(Exception):
+            registry.discover()
+        found = guarded_named(target)
+    return found
+
+
+def _at_path(target: str) -> Any:
+    """What the dotted path ``target`` names in a module already imported, or None. Never
+    imports: a django.tasks task's guarded function is registered from the task's module,
+    so that module is loaded when the task is a target."""
+    module, _, attribute = target.rpartition(".")
+    loaded = sys.modules.get(module) if module else None
+    return getattr(loaded, attribute, None) if loaded is not None else None
+
+
 def resolve_target(target: str) -> Target:
-    """Find ``target`` here: a Celery task of that name, a django.tasks task or a guarded
-    function at that dotted path, or a guarded function of that task name (in the modules
-    ``run_schedules`` imports). Raises :class:`ScheduleDefinitionError` saying what was
-    found instead."""
+    """Find ``target`` among the guarded tasks here: a Celery task of that name (the Celery
+    app's registry), a guarded function of that task name, or the django.tasks task at that
+    dotted path whose function it is (in the modules ``run_schedules`` imports). Nothing the
+    target names is imported to find it (a web process checking an editor's input runs no
+    module's top-level code). Raises :class:`ScheduleDefinitionError`, the same for
+    whatever is not a guarded task."""
     if not isinstance(target, str) or not target.strip() or len(target) > 500:
         raise ScheduleDefinitionError(
             "the target must be a task name or dotted path of at most 500 characters", "target"
@@ -182,33 +219,23 @@ def resolve_target(target: str) -> Target:
         named = by_name(target)
         if named is not None:
             return named
-    found = guarded_named(target)
-    if found is None or "." in target:
-        # A dotted path first: a django.tasks task's guarded function is registered under
-        # the same name as the task's path, and the task is what the path names.
-        try:
-            found = import_string(target)
-        except ImportError:
-            if found is None:
-                registry.discover()  # the modules run_schedules imports: tasks, jobs, ...
-                found = guarded_named(target)
-    if found is None:
-        raise ScheduleDefinitionError(
-            f"no task or guarded function is named {target}: give a Celery task's name, a "
-            "django.tasks task's dotted path, or an @once_per_schedule function's task name "
-            "(its module must be importable here)",
-            "target",
-        )
-    for by_object in BY_OBJECT:
-        task = by_object(target, found)
-        if task is not None:
-            return task
-    if not _guarded(found):
-        raise ScheduleDefinitionError(
-            f"{target} is not guarded: decorate it with @once_per_schedule() (a data "
-            "schedule runs it once per slot through the guard)",
-            "target",
-        )
+    found = _guarded_task(target)
+    # A django.tasks task over a guarded function is named by its path (its function may have
+    # a name= of its own); so may a guarded function. Only a module already imported is
+    # looked in.
+    at_path = _at_path(target)
+    if at_path is not None and at_path is not found:
+        for by_object in BY_OBJECT:
+            try:
+                task = by_object(target, at_path)
+            except ScheduleDefinitionError:  # a task, not guarded: the same refusal
+                raise not_a_guarded_task(target) from None
+            if task is not None:
+                return task
+        if found is None and _guarded(at_path):
+            found = at_path
+    if found is None or not _guarded(found):
+        raise not_a_guarded_task(target)
     return Target(target, TargetKind.FUNCTION, found, None, _signature(found))
 
 

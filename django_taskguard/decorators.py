@@ -6,7 +6,9 @@ import dataclasses
 import functools
 import keyword
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
@@ -61,14 +63,36 @@ logger = logging.getLogger("taskguard")
 SLOT_KWARG = "_taskguard_slot"
 
 
+# An operator's backfill (``manage.py backfill --enqueue``), carried with the slot: the call
+# applies no lateness policy (``CallContext.backfill``, as a Celery message's
+# ``taskguard_backfill`` header), as backfill's own runs do; popped like ``SLOT_KWARG``.
+BACKFILL_KWARG = "_taskguard_backfill"
+_backfilling: ContextVar[bool] = ContextVar("taskguard_backfilling", default=False)
+
+
+@contextmanager
+def backfilling() -> Iterator[None]:
+    """The slots enqueued inside (through :func:`carrying_slot`) are an operator's backfill:
+    they carry :data:`BACKFILL_KWARG`."""
+    token = _backfilling.set(True)
+    try:
+        yield
+    finally:
+        _backfilling.reset(token)
+
+
 def carrying_slot(kwargs: dict[str, Any], slot: datetime | str) -> dict[str, Any]:
     """``kwargs`` with ``slot`` added as :data:`SLOT_KWARG` (normalized, ISO-8601 UTC): the
     keyword arguments of a call a task queue carries to the guarded function (each
-    integration's ``enqueue_for_slot``). The caller gives the slot as an argument, never as
-    ``SLOT_KWARG`` itself."""
-    if SLOT_KWARG in kwargs:
+    integration's ``enqueue_for_slot``), and :data:`BACKFILL_KWARG` inside
+    :func:`backfilling`. The caller gives the slot as an argument, never as ``SLOT_KWARG``
+    itself."""
+    if SLOT_KWARG in kwargs or BACKFILL_KWARG in kwargs:
         raise TaskGuardError(f"give the slot as enqueue_for_slot()'s argument, not {SLOT_KWARG}=")
-    return {**kwargs, SLOT_KWARG: schedules.normalize_slot(slot).isoformat()}
+    carried = {**kwargs, SLOT_KWARG: schedules.normalize_slot(slot).isoformat()}
+    if _backfilling.get():
+        carried[BACKFILL_KWARG] = True
+    return carried
 
 
 # A data schedule's enqueued call (django.tasks): ``{"task_name": ..., "version": n}``, the
@@ -281,7 +305,10 @@ def note_version(started: guard.Started, version: int) -> None:
 
 def _carried_schedule(kwargs: dict[str, Any], context: CallContext | None) -> CallContext | None:
     """The call's context, with the data schedule an enqueued call carried
-    (``SCHEDULE_KWARG``, popped from ``kwargs``) when there is one."""
+    (``SCHEDULE_KWARG``, popped from ``kwargs``) when there is one, and whether it is an
+    operator's backfill (``BACKFILL_KWARG``, popped too)."""
+    if kwargs.pop(BACKFILL_KWARG, None):
+        context = dataclasses.replace(context or CallContext(), backfill=True)
     carried = kwargs.pop(SCHEDULE_KWARG, None)
     if carried is None:
         return context

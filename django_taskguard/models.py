@@ -464,6 +464,7 @@ class TaskSchedule(models.Model):
             ("pause_taskschedule", _("Can pause and resume scheduled tasks")),
             ("run_taskschedule", _("Can run a schedule now")),
             ("backfill_taskschedule", _("Can backfill a schedule's slots")),
+            ("acknowledge_taskschedule", _("Can acknowledge a schedule's problems")),
         ]
 
     def __str__(self) -> str:

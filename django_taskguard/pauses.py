@@ -19,7 +19,7 @@ from . import ledger
 from .exceptions import BackendUnavailable
 from .ledger import schedules as store
 from .logfields import log_fields
-from .models import ScheduleEventKind, ScheduleEventOrigin
+from .models import ScheduleEventOrigin
 
 logger = logging.getLogger("taskguard.pauses")
 
@@ -76,11 +76,10 @@ def pause(
     """Pause a known schedule and keep the event (who, from where, why); False when it is
     unknown or already paused (nothing is kept then)."""
     reason = reason or "paused"
-    changed = store.set_paused(task_name, reason)
-    forget()
-    if changed:
-        store.record_event(task_name, ScheduleEventKind.PAUSED, origin=origin, by=by, reason=reason)
-    return changed
+    try:
+        return store.change_pause(task_name, reason, origin=origin, by=by, note=reason)
+    finally:
+        forget()
 
 
 def resume(
@@ -91,13 +90,10 @@ def resume(
     reason: str = "",
 ) -> bool:
     """Resume a paused schedule and keep the event; False when it is unknown or not paused."""
-    changed = store.set_paused(task_name, None)
-    forget()
-    if changed:
-        store.record_event(
-            task_name, ScheduleEventKind.RESUMED, origin=origin, by=by, reason=reason
-        )
-    return changed
+    try:
+        return store.change_pause(task_name, None, origin=origin, by=by, note=reason)
+    finally:
+        forget()
 
 
 def forget() -> None:

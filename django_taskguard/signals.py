@@ -30,6 +30,10 @@ Every signal is sent with ``sender`` = the task name (a ``str``). A keyed run
   (a drop: from the thread whose check-in found the queue full), with ``send_robust``.
 """
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from django.dispatch import Signal
 
 run_started = Signal()
@@ -42,3 +46,24 @@ lease_lost = Signal()
 run_given_back = Signal()
 run_missed = Signal()
 checkin_failed = Signal()
+
+
+def never_raising(
+    said: Callable[[str], None],
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Wrap one of taskguard's own receivers of these signals so that it never raises: a
+    receiver that raised would fail the task (``run_started``'s gives the slot back). Its
+    error is handed to ``said`` (with the receiver's name), called inside the ``except``
+    so that ``logger.exception`` there logs it with its traceback."""
+
+    def wrap(receiver: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(receiver)
+        def guarded(*args: Any, **kwargs: Any) -> None:
+            try:
+                receiver(*args, **kwargs)
+            except Exception:
+                said(receiver.__name__)
+
+        return guarded
+
+    return wrap

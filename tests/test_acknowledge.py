@@ -183,8 +183,16 @@ def test_overview_acknowledge__needs_the_permission_a_post_and_a_reason():
     assert 'value="acknowledge"' not in viewer.get(overview).content.decode()
     assert viewer.post(url, {"task": TASK, "do": "acknowledge"}).status_code == 403
 
-    operator = admin_client("ops", "pause_taskschedule")
+    pauser = admin_client("pauser", "pause_taskschedule")  # acknowledging is not pausing
+    assert 'value="acknowledge"' not in pauser.get(overview).content.decode()
+    assert pauser.post(url, {"task": TASK, "do": "acknowledge"}).status_code == 403
+    confirmed = {"task": TASK, "do": "acknowledge", "confirm": "yes", "reason": "known"}
+    assert pauser.post(url, confirmed).status_code == 403
+    assert store.events(TASK) == []
+
+    operator = admin_client("ops", "acknowledge_taskschedule")
     assert 'value="acknowledge"' in operator.get(overview).content.decode()
+    assert operator.post(url, {"task": TASK, "do": "pause", "confirm": "yes"}).status_code == 403
     assert operator.get(url).status_code == 405
     asked = operator.post(url, {"task": TASK, "do": "acknowledge"})
     assert f"Acknowledge {TASK}?" in asked.content.decode()

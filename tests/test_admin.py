@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from html.parser import HTMLParser
 from typing import Any
 
 import pytest
@@ -107,6 +108,55 @@ def test_change_page__transitions_inline_and_why_panel(operator):
     assert html.count("claimed ") >= 2  # both transitions inline
     assert "Release lock" in html
     assert 'name="_save"' not in html  # read-only
+
+
+class Forms(HTMLParser):
+    """A page's forms as a browser reads them: each form's action and the inputs it posts
+    (an input belongs to the form around it, or to the one its ``form`` attribute names),
+    and every form that opened inside another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.nested: list[str] = []
+        self.action: dict[str, str] = {}
+        self.inputs: dict[str, list[dict[str, str]]] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        given = {name: value or "" for name, value in attrs}
+        if tag == "form":
+            key = given.get("id") or f"form{len(self.action)}"
+            if self.open:
+                self.nested.append(f"{key} inside {self.open[-1]}")
+            self.open.append(key)
+            self.action[key] = given.get("action", "")
+        elif tag in ("input", "button"):
+            owner = given.get("form") or (self.open[-1] if self.open else "")
+            self.inputs.setdefault(owner, []).append(given)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "form" and self.open:
+            self.open.pop()
+
+
+def test_change_page__release_lock_is_its_own_form_not_one_inside_the_change_form(operator):
+    run = make_run("tests.stale", 0, owner="otherhost:7:feed")
+    page = Forms()
+    page.feed(operator.get(change_url(run)).content.decode())
+    assert page.nested == []
+    (owner,) = [
+        form
+        for form, inputs in page.inputs.items()
+        if any(i.get("value") == "Release lock…" for i in inputs)
+    ]
+    assert page.action[owner] == CHANGELIST
+    posted = {i["name"]: i.get("value", "") for i in page.inputs[owner] if i.get("name")}
+    assert posted["action"] == "release_locks"
+    assert posted["_selected_action"] == str(run.pk)
+    # What the button posts asks for the confirmation (nothing released yet).
+    confirm = operator.post(CHANGELIST, posted).content.decode()
+    assert 'name="confirm"' in confirm
+    assert TaskRun.objects.get(pk=run.pk).state == RunState.RUNNING
 
 
 def test_admin__read_only(operator):

@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django_taskguard import define_schedule, delete_schedule
 from django_taskguard.checks import check_data_targets
 from django_taskguard.models import TaskSchedule
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
@@ -46,10 +47,12 @@ def test_check_data_targets__a_target_gone_is_one_warning_with_its_count() -> No
     assert len(found) == 2
     gone = next(m for m in found if "send_report_renamed" in m.msg)
     assert gone.msg.startswith("2 data schedule(s) run ")
-    assert "no task or guarded function is named" in gone.msg
+    assert "is not a guarded task" in gone.msg
     assert "records them missed" in gone.msg and gone.hint
     unguarded = next(m for m in found if "not_guarded" in m.msg)
-    assert unguarded.msg.startswith("1 data schedule(s)") and "is not guarded" in unguarded.msg
+    assert (
+        unguarded.msg.startswith("1 data schedule(s)") and "is not a guarded task" in unguarded.msg
+    )
 
 
 def test_check_data_targets__deleted_and_disabled_schedules_are_not_reported() -> None:

@@ -253,6 +253,30 @@ def test_enqueued_catchup_none__a_worker_past_the_grace_records_it_missed_not_ru
 
 
 @override_settings(**JOBS)
+def test_backfill_enqueue__catchup_none_runs_the_past_slots_as_backfill_here_does(jobs, enqueued):
+    """Backfill is an operator's request for past slots: the worker runs each slot it
+    enqueued whatever catchup="none" says of a late call, as backfill without --enqueue
+    runs them here (not one recorded missed)."""
+    registry.discover()
+    end = latest(MINUTE) - 10 * MINUTE  # long past the 5 s grace
+    start = end - 2 * MINUTE
+    span = ["--from", start.isoformat(), "--to", end.isoformat()]
+    call_command("backfill", "tests.djtasks.strict", *span, "--enqueue", stdout=StringIO())
+    assert len(enqueued) == 3
+    for _, kwargs in enqueued:  # the worker of the Dummy backend's queue
+        jobs.strict.call(**kwargs)
+    slots = [(start + n * MINUTE).isoformat() for n in range(3)]
+    assert jobs.executed == [f"tests.djtasks.strict {slot}" for slot in slots]
+    runs = TaskRun.objects.filter(task_name="tests.djtasks.strict").order_by("slot")
+    assert [run.state for run in runs] == [RunState.SUCCEEDED] * 3
+    # Without --enqueue: the same slots' kind run here, the same outcome.
+    here = [(start - 5 * MINUTE).isoformat(), (start - 4 * MINUTE).isoformat()]
+    call_command("backfill", "tests.djtasks.strict", "--from", here[0], "--to", here[1],
+                 stdout=StringIO())  # fmt: skip
+    assert jobs.executed[3:] == [f"tests.djtasks.strict {slot}" for slot in here]
+
+
+@override_settings(**JOBS)
 def test_hand_off__an_early_calls_refusal_does_not_keep_the_slot_from_the_queue(jobs):
     # Before: the `skipped` row a fast copy recorded made every on-time copy's hand-off
     # "not enqueued here": the slot never ran.

@@ -106,12 +106,20 @@ def test_data_backfill__refusals() -> None:
     assert not data_targets.executed
 
 
-def test_data_backfill__enqueue_hands_django_tasks_slots_with_slot_and_schedule() -> None:
+@pytest.mark.parametrize("catchup", ["latest", "none"])
+def test_data_backfill__enqueue_hands_django_tasks_slots_with_slot_and_schedule(
+    catchup: str,
+) -> None:
+    """With catchup="none" too: backfill asks for past slots, and they run (as they do
+    without --enqueue), none recorded missed for being late."""
     from tests.support import backfill_tasks
 
     backfill_tasks.executed.clear()
     target = "tests.support.backfill_tasks.report"
-    row = define_schedule("t7", target, every=MINUTE, args=[7], kwargs={"fmt": "csv"})
+    row = define_schedule(
+        "t7", target, every=MINUTE, args=[7], kwargs={"fmt": "csv"}, catchup=catchup,
+        grace=timedelta(seconds=30),  # the slots are ten minutes old: late
+    )  # fmt: skip
     assert row.target_kind == "django_tasks"
     start, _, given = span(3)
     out = backfill(row.task_name, *given, "--enqueue")

@@ -36,6 +36,7 @@ from django_taskguard.ledger import schedules as store
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.schedules import IntervalSchedule
 from django_taskguard.testing import freeze_now
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support import celery_tasks
 from .support.celery_app import app

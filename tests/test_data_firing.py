@@ -33,7 +33,7 @@ from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, ScheduleEvent, TaskRun, TaskSchedule
 from django_taskguard.scheduler import Scheduler
-from tests.support import data_targets
+from tests.support import data_targets, data_tasks  # noqa: F401  (data_tasks: a target)
 from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]

@@ -27,6 +27,7 @@ from django_taskguard.models import (
     TaskRun,
     TaskSchedule,
 )
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.monitoring import finished, schedule
 
@@ -36,6 +37,7 @@ TARGET = "tests.support.data_targets.send_report"
 CHANGELIST = reverse("admin:taskguard_taskschedule_changelist")
 ADD = reverse("admin:taskguard_taskschedule_add")
 MINUTE = timedelta(minutes=1)
+NOT_GUARDED = "is not a guarded task"
 EDITOR_PERMS = ("view_taskschedule", "add_taskschedule", "change_taskschedule")
 
 
@@ -139,8 +141,11 @@ def test_add__creates_a_data_schedule_with_arguments_and_a_zone() -> None:
     [
         ({"cron": "61 * * * *"}, "cron", "61"),
         ({"time_zone": "Mars/Olympus"}, "time_zone", "unknown time zone"),
-        ({"function": "tests.support.data_targets.not_guarded"}, "function", "not guarded"),
-        ({"function": "no.such.task"}, "function", "no task or guarded function"),
+        ({"function": "tests.support.data_targets.not_guarded"}, "function", NOT_GUARDED),
+        ({"function": "no.such.task"}, "function", NOT_GUARDED),
+        # A module raising ImproperlyConfigured when imported: a form error, never a 500
+        # (and never imported: only the guarded tasks are looked at).
+        ({"function": "tests.support.import_refused.job"}, "function", NOT_GUARDED),
         ({"args": "[]"}, "kwargs", "does not take these arguments"),
         ({"kwargs": '{"nope": 1}'}, "kwargs", "does not take these arguments"),
         ({"args": "{not json"}, "args", "valid JSON"),
@@ -197,7 +202,8 @@ def test_edit__keeps_the_history_with_what_changed_newest_first() -> None:
         "eve", "admin", 2, "moved to 10:30",
     )  # fmt: skip
     unchanged = form_data(cron="30 10 * * *", args="[43]", kwargs="{}", enabled=None)
-    disabled = editor.post(change_url(row), unchanged)
+    pauser = login("pam", *EDITOR_PERMS, "pause_taskschedule")  # enabled needs it
+    disabled = pauser.post(change_url(row), unchanged)
     assert disabled.status_code == 302
     html = editor.get(change_url(row)).content.decode()
     history = html.split('class="module taskguard-history"', 1)[1]
@@ -207,7 +213,7 @@ def test_edit__keeps_the_history_with_what_changed_newest_first() -> None:
     assert versions == ["3", "2", "1"]
     assert "<strong>cron</strong>: 0 9 * * * → 30 10 * * *" in history
     assert "<strong>args</strong>: [42] → [43]" in history
-    assert "moved to 10:30" in history and "eve" in history
+    assert "moved to 10:30" in history and "eve" in history and "pam" in history
     assert "none: disabled" in html  # no next slot while disabled
 
 
@@ -434,6 +440,52 @@ def test_changelist__same_statements_at_5_and_at_200_data_schedules() -> None:
     for n in range(5, 200):
         define_schedule(f"t{n}", TARGET, every=timedelta(minutes=n), args=[n])
     assert statements() == few
+
+
+def test_edit__enabled_is_changed_only_with_the_pause_permission() -> None:
+    """Unticking enabled stops the slots as a pause does (one that health does not show):
+    an editor without the pause permission sees it read-only, and a POST cannot change it."""
+    row = tenant()
+    editor = login("eve", *EDITOR_PERMS)
+    page = editor.get(change_url(row)).content.decode()
+    (enabled,) = re.findall(r'<input[^>]*name="enabled"[^>]*>', page)
+    assert "disabled" in enabled
+    response = editor.post(change_url(row), form_data(cron="15 9 * * *", enabled=None))
+    assert response.status_code == 302, errors(response)
+    stored = TaskSchedule.objects.get(pk=row.pk)
+    assert stored.enabled and stored.cron == "15 9 * * *"  # the rest of the edit is saved
+    assert not ScheduleEvent.objects.filter(kind="disabled").exists()
+    pauser = login("pam", *EDITOR_PERMS, "pause_taskschedule")
+    page = pauser.get(change_url(row)).content.decode()
+    (enabled,) = re.findall(r'<input[^>]*name="enabled"[^>]*>', page)
+    assert "disabled" not in enabled
+    response = pauser.post(change_url(row), form_data(cron="15 9 * * *", enabled=None))
+    assert response.status_code == 302, errors(response)
+    assert not TaskSchedule.objects.get(pk=row.pk).enabled
+    assert ScheduleEvent.objects.filter(kind="disabled", by="pam").exists()
+
+
+def test_add_and_edit__an_interval_under_a_minute_needs_the_run_permission() -> None:
+    """every=1 s fires a slot now and every second: run now by another name."""
+    editor = login("eve", *EDITOR_PERMS)
+    fast = form_data(cron="", every="1", time_zone="")
+    response = editor.post(ADD, fast)
+    assert response.status_code == 200
+    assert "taskguard.run_taskschedule" in " ".join(errors(response)["every"])
+    assert not TaskSchedule.objects.exists()
+    assert editor.post(ADD, form_data(cron="", every="60", time_zone="")).status_code == 302
+    row = TaskSchedule.objects.get()
+    response = editor.post(change_url(row), form_data(cron="", every="59", time_zone=""))
+    assert response.status_code == 200
+    assert "every" in errors(response)
+    assert TaskSchedule.objects.get().every == MINUTE
+    runner = login("rita", *EDITOR_PERMS, "run_taskschedule")
+    response = runner.post(change_url(row), form_data(cron="", every="1", time_zone=""))
+    assert response.status_code == 302, errors(response)
+    assert TaskSchedule.objects.get().every == timedelta(seconds=1)
+    # Its other fields stay editable without the run permission once it is that fast.
+    response = editor.post(change_url(row), form_data(cron="", every="1", time_zone="", args="[7]"))
+    assert response.status_code == 302, errors(response)
 
 
 def test_edit__posts_only_what_the_change_page_shows() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 
 import pytest
@@ -12,6 +13,7 @@ from django_taskguard.data_schedules import (
     ScheduleDefinitionError,
     jitter_offset,
     manual_slot,
+    resolve_target,
 )
 from django_taskguard.exceptions import InvalidSchedule
 from django_taskguard.ledger import schedules as store
@@ -21,6 +23,7 @@ from tests.support import data_targets
 pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
 TARGET = "tests.support.data_targets.send_report"
+NOT_GUARDED = "is not a guarded task"
 
 
 def test_define__creates_a_data_schedule_under_its_own_identity() -> None:
@@ -96,8 +99,8 @@ def test_define__a_name_taken_by_a_code_schedule_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field", "says"),
     [
-        ({"target": "tests.support.data_targets.not_guarded"}, "target", "not guarded"),
-        ({"target": "no.such.thing"}, "target", "no task or guarded function"),
+        ({"target": "tests.support.data_targets.not_guarded"}, "target", NOT_GUARDED),
+        ({"target": "no.such.thing"}, "target", NOT_GUARDED),
         ({"cron": "61 * * * *"}, "cron", "61"),
         ({"cron": "0 9 * * *", "time_zone": "Mars/Olympus"}, "time_zone", "unknown time zone"),
         ({"args": []}, "kwargs", "does not take these arguments"),
@@ -133,6 +136,34 @@ def test_define__bad_input_is_refused_with_its_field(
     assert raised.value.field == field
     assert isinstance(raised.value, InvalidSchedule)
     assert not TaskSchedule.objects.filter(source=ScheduleSource.DATA).exists()
+
+
+@pytest.mark.pure
+def test_resolve_target__a_module_it_names_is_not_imported_when_no_guarded_task_has_the_name() -> (
+    None
+):
+    assert "tests.support.import_canary" not in sys.modules
+    with pytest.raises(ScheduleDefinitionError, match=NOT_GUARDED):
+        resolve_target("tests.support.import_canary.job")
+    assert "tests.support.import_canary" not in sys.modules  # its top-level code never ran
+
+
+@pytest.mark.pure
+def test_resolve_target__a_module_that_raises_when_imported_is_the_same_refusal() -> None:
+    with pytest.raises(ScheduleDefinitionError, match=NOT_GUARDED) as refused:
+        resolve_target("tests.support.import_refused.job")
+    assert refused.value.field == "target"
+    assert "tests.support.import_refused" not in sys.modules
+
+
+@pytest.mark.pure
+def test_resolve_target__says_nothing_of_which_modules_exist() -> None:
+    said = []
+    for module in ("tests.support.import_canary", "tests.support.no_such_module", "os"):
+        with pytest.raises(ScheduleDefinitionError) as refused:
+            resolve_target(f"{module}.job")
+        said.append(str(refused.value).replace(module, "MODULE"))
+    assert len(set(said)) == 1, said
 
 
 def test_define__a_target_with_name_is_recorded_under_the_schedules_identity() -> None:

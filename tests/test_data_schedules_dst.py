@@ -19,7 +19,10 @@ from django_taskguard.missed import sweep_missed
 from django_taskguard.models import TaskRun
 from django_taskguard.schedules import UTC, StoredSchedule, rebuild
 from django_taskguard.states import RunState
-from tests.support import ROOT
+from tests.support import (
+    ROOT,
+    data_targets,  # noqa: F401  (registers the schedules' targets)
+)
 
 pytestmark = pytest.mark.dialect
 

@@ -18,7 +18,10 @@ from django.utils import timezone
 from django_taskguard import health
 from django_taskguard.models import RunState, TaskRun
 
-from .support import ROOT
+from .support import (
+    ROOT,
+    data_targets,  # noqa: F401  (registers the schedules' targets)
+)
 from .support.children import python
 from .support.monitoring import DAY, due_slot, finished, run_check, schedule, upkeep_ran
 from .support.runs import make_run

@@ -20,6 +20,7 @@ from django_taskguard import acknowledgements, define_schedule
 from django_taskguard.data_schedules import ScheduleDefinitionError
 from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.models import ScheduleEvent, TaskSchedule
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .test_data_schedule_admin import form_data
 

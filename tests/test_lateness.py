@@ -17,6 +17,7 @@ from django_taskguard.exceptions import TaskGuardError
 from django_taskguard.ledger import schedules as schedule_store
 from django_taskguard.metrics import LATENESS_BUCKETS
 from django_taskguard.models import RunState, ScheduleEventKind, TaskRun, TaskSchedule
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.monitoring import DAY, due_slot, schedule, upkeep_ran
 

@@ -17,6 +17,7 @@ from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.pauses import pause
 from django_taskguard.signals import run_missed
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.runs import make_run
 

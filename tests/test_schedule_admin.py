@@ -57,6 +57,11 @@ def pauser() -> Client:
 
 
 @pytest.fixture
+def acknowledger() -> Client:
+    return login("acker", "view_taskschedule", "acknowledge_taskschedule")
+
+
+@pytest.fixture
 def operator() -> Client:
     return login("ops", "view_taskschedule", "pause_taskschedule", "delete_taskschedule")
 
@@ -190,7 +195,24 @@ def test_pause_action__asks_a_reason_then_pauses_with_who_and_from_where(pauser)
     assert kinds == [("resumed", "pauser"), ("paused", "pauser")]
 
 
-def test_acknowledge_action__needs_a_reason_refuses_the_future_keeps_until(pauser):
+def test_acknowledge_action__needs_its_own_permission_not_the_pause_one(pauser, acknowledger):
+    row = seed()["ping"]
+    response = act(pauser, "acknowledge_schedules", [row], confirm="yes", reason="known")
+    assert response.status_code == 403
+    page = pauser.get(change_url(row)).content.decode()
+    assert 'value="pause_schedules"' in page and 'value="acknowledge_schedules"' not in page
+    assert not ScheduleEvent.objects.filter(kind=ScheduleEventKind.ACKNOWLEDGED).exists()
+    response = act(acknowledger, "pause_schedules", [row], confirm="yes", reason="no")
+    assert response.status_code == 403
+    assert not TaskSchedule.objects.get(pk=row.pk).paused
+    page = acknowledger.get(change_url(row)).content.decode()
+    assert 'value="acknowledge_schedules"' in page and 'value="pause_schedules"' not in page
+    done = act(acknowledger, "acknowledge_schedules", [row], confirm="yes", reason="known")
+    assert said(done) == ["Acknowledged reports.ping[ping-10s]."]
+
+
+def test_acknowledge_action__needs_a_reason_refuses_the_future_keeps_until(acknowledger):
+    pauser = acknowledger
     row = seed()["ping"]
     asked = act(pauser, "acknowledge_schedules", [row])
     assert 'name="until"' in asked.content.decode()
@@ -209,7 +231,7 @@ def test_acknowledge_action__needs_a_reason_refuses_the_future_keeps_until(pause
     )  # fmt: skip
     assert said(done) == ["Acknowledged reports.ping[ping-10s]."]
     event = ScheduleEvent.objects.get(kind=ScheduleEventKind.ACKNOWLEDGED)
-    assert (event.by, event.origin, event.reason) == ("pauser", "admin", "beat redeployed")
+    assert (event.by, event.origin, event.reason) == ("acker", "admin", "beat redeployed")
     assert event.until is not None
     assert timezone.localtime(event.until).strftime("%Y-%m-%d %H:%M %Z") == "2026-11-20 21:00 CET"
     assert TaskSchedule.objects.get(pk=row.pk).acknowledged_until == event.until

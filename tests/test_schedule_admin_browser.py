@@ -12,6 +12,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from django_taskguard.models import ScheduleEvent, TaskRun, TaskSchedule
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.monitoring import due_slot, finished, schedule
 from .test_admin_browser import fits_laptops, keep_screenshot, shots_dir

@@ -37,6 +37,38 @@ def test_pause_and_resume__each_kept_with_who_from_where_and_why(scheduled_row):
     assert schedule_store.events(name)[1].by.count("@") == 1  # user@host
 
 
+def test_pause_and_resume__the_change_and_its_event_are_kept_together_or_not_at_all(
+    scheduled_row, monkeypatch
+):
+    """A pause whose event cannot be written is not made: no pause without its who and why
+    (nor a resume)."""
+    from django.db import DatabaseError
+
+    from django_taskguard import pauses
+    from django_taskguard.exceptions import BackendUnavailable
+    from django_taskguard.ledger import schedules as schedule_store
+    from django_taskguard.models import TaskSchedule
+
+    name = scheduled_row
+
+    def refused(*args, **kwargs):
+        raise DatabaseError("the event's insert failed")
+
+    real = schedule_store.record_event
+    monkeypatch.setattr(schedule_store, "record_event", refused)
+    with pytest.raises((BackendUnavailable, DatabaseError)):
+        pauses.pause(name, "disk full", by="ana")
+    assert not TaskSchedule.objects.get(task_name=name).paused
+    assert schedule_store.paused() == {}
+    monkeypatch.setattr(schedule_store, "record_event", real)
+    assert pauses.pause(name, "disk full", by="ana")
+    monkeypatch.setattr(schedule_store, "record_event", refused)
+    with pytest.raises((BackendUnavailable, DatabaseError)):
+        pauses.resume(name, by="ana")
+    assert TaskSchedule.objects.get(task_name=name).paused
+    assert [e.kind for e in schedule_store.events(name)] == ["paused"]
+
+
 @pytest.fixture
 def scheduled_row():
     from django_taskguard.ledger import schedules as schedule_store

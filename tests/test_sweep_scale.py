@@ -17,6 +17,7 @@ from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import RunState, TaskRun, TaskSchedule
 from django_taskguard.schedules import IntervalSchedule
+from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.monitoring import finished, schedule
 

@@ -20,11 +20,9 @@ no run, the sending thread reads the row's key). A task ``monitors`` maps to ``F
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -33,7 +31,15 @@ from ..conf import taskguard_settings
 from ..context import ActiveRun
 from ..logfields import log_fields
 from ..process import PerProcess, per_process
-from ..signals import run_abandoned, run_failed, run_missed, run_skipped, run_started, run_succeeded
+from ..signals import (
+    never_raising,
+    run_abandoned,
+    run_failed,
+    run_missed,
+    run_skipped,
+    run_started,
+    run_succeeded,
+)
 from ..states import RunState
 from .events import ABANDONED, END, MISSED, START, CheckIn, clipped
 from .monitors import opted_out
@@ -49,22 +55,17 @@ _started_locks: PerProcess[threading.Lock] = per_process(threading.Lock)  # (sen
 logger = logging.getLogger("taskguard.checkins")
 
 
-def _never_raises(receiver: Callable[..., None]) -> Callable[..., None]:
-    """A receiver that raised would fail the task (``run_started``'s gives the slot back):
-    log instead. Nothing in them should raise; a thread that cannot start might."""
+def _not_queued(receiver: str) -> None:
+    logger.exception(
+        "taskguard check-in not queued (%s)",
+        receiver,
+        extra=log_fields("checkin.not_queued", reason=receiver),
+    )
 
-    @functools.wraps(receiver)
-    def guarded(*args: Any, **kwargs: Any) -> None:
-        try:
-            receiver(*args, **kwargs)
-        except Exception:
-            logger.exception(
-                "taskguard check-in not queued (%s)",
-                receiver.__name__,
-                extra=log_fields("checkin.not_queued", reason=receiver.__name__),
-            )
 
-    return guarded
+# A receiver that raised would fail the task: each logs instead. Nothing in them should
+# raise; a thread that cannot start might.
+_never_raises = never_raising(_not_queued)
 
 
 def _wanted(task_name: str) -> bool:

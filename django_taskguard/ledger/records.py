@@ -114,28 +114,6 @@ def insert_unheld_many(
     return {(task, slot) for task, slot, run_id in inserted if run_id is not None}
 
 
-def miss_refused_early(
-    task_name: str, after: datetime, until: datetime, *, reason: str, actor: str, limit: int
-) -> int:
-    """The rows of ``task_name`` in ``(after, until]`` that only record an early call's
-    refusal (no on-time call took them) become ``missed``, each by compare-and-set (a
-    claim that got there first keeps its row); returns how many."""
-    d = dialect()
-    params = {
-        "task": task_name,
-        "after": slot_param(after),
-        "until": slot_param(until),
-        "skipped": RunState.SKIPPED,
-        "limit": limit,
-    }
-    with translated:
-        found = fetch_all(d.refused_early_in, params)
-        return sum(
-            _miss_refused(Row(i, RunState.SKIPPED, 0, f, o, lu), reason, actor)
-            for i, f, o, lu in found
-        )
-
-
 def _miss_refused(row: Row, reason: str, actor: str) -> bool:
     missed = change(
         row,
@@ -157,9 +135,10 @@ WINDOWS_PER_STATEMENT = 300
 def refused_early_many(
     windows: Sequence[tuple[str, datetime, datetime]], *, reasons: dict[str, str], actor: str
 ) -> dict[str, int]:
-    """:func:`miss_refused_early` for many tasks at once: ``(task, after, until)`` each, one
-    read per :data:`WINDOWS_PER_STATEMENT` windows (a compare-and-set per row found, as
-    there); ``reasons`` by task. Returns how many each task's rows became ``missed``."""
+    """The rows of ``(task, after, until)`` windows that only record an early call's
+    refusal (no on-time call took them) become ``missed``, each by compare-and-set (a claim
+    that got there first keeps its row): one read per :data:`WINDOWS_PER_STATEMENT` windows;
+    ``reasons`` by task. Returns how many each task's rows became ``missed``."""
     changed: dict[str, int] = {}
     refused = Q(state=RunState.SKIPPED, attempt=0, created_at__lt=F("slot"))
     with translated:
@@ -223,12 +202,6 @@ def states_at(task_name: str, slots: Sequence[datetime]) -> dict[datetime, str]:
                 if (slot := aware(value)) is not None:
                     found[slot] = state
     return found
-
-
-def slots_without_row(task_name: str, slots: Sequence[datetime]) -> list[datetime]:
-    """Those of ``slots`` that ``task_name`` has no row for, in their order."""
-    have = states_at(task_name, slots)
-    return [slot for slot in slots if slot not in have]
 
 
 def pairs_without_row(pairs: Sequence[tuple[str, datetime]]) -> list[tuple[str, datetime]]:

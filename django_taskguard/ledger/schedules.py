@@ -216,6 +216,26 @@ def set_paused(task_name: str, reason: str | None) -> bool:
         )
 
 
+def change_pause(
+    task_name: str,
+    reason: str | None,
+    *,
+    origin: ScheduleEventOrigin,
+    by: str = "",
+    note: str = "",
+) -> bool:
+    """Pause ``task_name`` (``reason``) or resume it (``None``) and keep its event (who,
+    from where; ``note``: why), in one transaction: a pause is never made without its
+    event, nor the event kept without the pause. False when it is unknown or already so
+    (nothing kept then)."""
+    kind = ScheduleEventKind.RESUMED if reason is None else ScheduleEventKind.PAUSED
+    with translated, transaction.atomic(using=alias()):
+        changed = set_paused(task_name, reason)
+        if changed:
+            record_event(task_name, kind, origin=origin, by=by, reason=note)
+    return changed
+
+
 @dataclass(frozen=True)
 class PauseWindow:
     """A pause of a schedule: from ``start`` (None: since ever) until ``end`` (None: still

@@ -6,7 +6,7 @@ health verdict reads :func:`latest`. Every query uses ``DATABASE_ALIAS``.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.db.models import Q
@@ -65,8 +65,3 @@ def latest() -> Upkeep | None:
     """The upkeep row (None: upkeep never ran against this database)."""
     with translated:
         return Upkeep.objects.using(alias()).filter(id=1).first()
-
-
-def finished_since(when: datetime) -> bool:
-    with translated:
-        return Upkeep.objects.using(alias()).filter(id=1, finished_at__gte=when).exists()

@@ -19,7 +19,7 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from .. import data_schedules, guard
-from ..decorators import SCHEDULE_KWARG, SLOT_KWARG, note_version
+from ..decorators import BACKFILL_KWARG, SCHEDULE_KWARG, SLOT_KWARG, backfilling, note_version
 from ..exceptions import TaskGuardError
 from ..handoff import hand_off, hand_out
 from ..ledger import schedules as schedule_store
@@ -94,6 +94,7 @@ def of_data(row: TaskSchedule, enqueue: bool) -> Backfilled:
                 **kwargs,
                 SLOT_KWARG: slot.isoformat(),
                 SCHEDULE_KWARG: {"task_name": name, "version": version},
+                BACKFILL_KWARG: True,  # an operator's: no lateness policy
             }
             made = functools.partial(_enqueue_task, target.task, args, carried)
             return hand_out(name, slot, made)
@@ -132,7 +133,8 @@ def _ran(
 
 
 def _hand_off(entry: Entry, slot: datetime) -> str:
-    return hand_off(entry, slot, scheduled=False)
+    with backfilling():  # the call the queue makes is an operator's: no lateness policy
+        return hand_off(entry, slot, scheduled=False)
 
 
 def _enqueue_task(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

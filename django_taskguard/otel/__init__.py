@@ -10,9 +10,7 @@ after :func:`install` is used); tests pass their own providers instead.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -132,21 +130,16 @@ CONNECTIONS: dict[Signal, str] = {
 _installed: Receivers | None = None
 
 
-def never_raising(receiver: Callable[..., None]) -> Callable[..., None]:
-    """``receiver``, its errors logged: a span or a count never fails or ends a task."""
+def _failed(receiver: str) -> None:
+    logger.exception(
+        "taskguard's OpenTelemetry receiver %s failed",
+        receiver,
+        extra=log_fields("receiver.failed", reason=receiver),
+    )
 
-    @functools.wraps(receiver)
-    def guarded(sender: Any, **kwargs: Any) -> None:
-        try:
-            receiver(sender, **kwargs)
-        except Exception:
-            logger.exception(
-                "taskguard's OpenTelemetry receiver %s failed",
-                receiver.__name__,
-                extra=log_fields("receiver.failed", reason=receiver.__name__),
-            )
 
-    return guarded
+# A span or a count never fails or ends a task: each receiver's errors are logged.
+_never_raises = signals.never_raising(_failed)
 
 
 def install(
@@ -173,7 +166,7 @@ def install(
     receivers = Receivers(spans, meters)
     spans.ended = receivers.counted
     for signal, method in CONNECTIONS.items():
-        receiver = never_raising(getattr(receivers, method))
+        receiver = _never_raises(getattr(receivers, method))
         signal.connect(receiver, weak=False, dispatch_uid=f"taskguard.otel.{method}")
     if wanted["traces"]:
         add_function_hook(spans.current)

@@ -177,10 +177,6 @@ class Spans:
                 extra=log_fields("otel.span_end_failed", run_id=key[0], reason=reason),
             )
 
-    def open_count(self) -> int:
-        with self._lock:
-            return len(self._open)
-
 
 def close(span: Span, ended: Ended) -> None:
     """Say how it ended on ``span`` (attributes, an event, the status) and end it."""

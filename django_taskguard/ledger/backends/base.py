@@ -568,16 +568,6 @@ class Backend:
         )
 
     @cached_property
-    def refused_early_in(self) -> str:
-        """The rows that only recorded an early call's refusal (named parameters: task,
-        after, until, skipped, limit)."""
-        return self.format(
-            "SELECT id, fence, owner, lease_until FROM {run} WHERE task_name = %(task)s "
-            "AND slot > %(after)s AND slot <= %(until)s AND state = %(skipped)s "
-            f"AND {REFUSED_EARLY} ORDER BY slot LIMIT %(limit)s"
-        )
-
-    @cached_property
     def last_states(self) -> str:
         """The states of task ``%s``'s newest ``%s`` finished rows, newest first."""
         return self.format(
