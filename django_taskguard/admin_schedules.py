@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -349,6 +350,21 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
             context["can_run"] = live_data and self.has_run_permission(request)
             context["can_backfill"] = live_data and self.has_backfill_permission(request)
         return super().change_view(request, object_id, form_url, context)
+
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """One history: the HISTORY button opens the schedule's own (every pause, resume,
+        run now, backfill, edit and acknowledgement, on its page), not Django's admin log."""
+        row = self.get_object(request, unquote(object_id))
+        if row is None or not self.has_view_or_change_permission(request, row):
+            return super().history_view(request, object_id, extra_context)  # Django's refusal
+        change = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+            args=[quote(row.pk)],
+            current_app=self.admin_site.name,
+        )
+        return HttpResponseRedirect(f"{change}#taskguard-history")
 
     @admin.display(description=gettext_lazy("name"))
     def name_display(self, row: TaskSchedule) -> str:

@@ -259,6 +259,23 @@ def test_change_page__history_newest_first_runs_link_and_buttons(operator, viewe
     assert "taskguard-history" in plain and "resume_schedules" not in plain
 
 
+def test_history_button__opens_the_schedules_own_history(viewer):
+    """One history: the HISTORY button shows the pauses, resumes and acknowledgements (the
+    schedule's events), not Django's admin log, which has none of them."""
+    rows = seed()
+    pauses.resume("mail.digest", by="bob", origin=ScheduleEventOrigin.ADMIN, reason="back")
+    history_url = reverse("admin:taskguard_taskschedule_history", args=[rows["paused"].pk])
+    response = viewer.get(history_url)
+    assert response.status_code == 302
+    assert response["Location"] == f"{change_url(rows['paused'])}#taskguard-history"
+    html = viewer.get(response["Location"]).content.decode()
+    history = html.split('id="taskguard-history"', 1)[1]
+    events = re.findall(r'<tr class="taskguard-event" data-kind="(\w+)">', history)
+    assert events == ["resumed", "paused"]
+    missing = reverse("admin:taskguard_taskschedule_history", args=[987654])
+    assert viewer.get(missing, follow=True).redirect_chain[-1][0] == reverse("admin:index")
+
+
 def test_admin__run_viewers_see_schedules_too():
     seed()
     assert login("runs", "view_taskrun").get(CHANGELIST).status_code == 200
