@@ -119,7 +119,7 @@ def test_changelist__every_source_with_its_columns(viewer):
     assert len(re.findall(r"\d{4}-\d\d-\d\d<br>\d\d:\d\d:\d\d CES?T", sync)) == 2  # next, last
     assert "cron 0 21 * * * (Europe/Berlin)" in rows["jobs.nightly"]
     ping = rows["reports.ping[ping-10s]"]
-    assert "celery" in ping and "CELERY_BEAT_SCHEDULE · ping-10s" in ping
+    assert "celery" in ping and "CELERY_<wbr>BEAT_<wbr>SCHEDULE · ping-10s" in ping
     assert 'data-status="unhealthy"' in ping  # no run of its due slot: late
     digest = rows["mail.digest"]
     assert "vendor outage" in digest and "by alice from a management command" in digest
