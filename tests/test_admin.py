@@ -441,6 +441,23 @@ def test_change_page__transition_times_have_seconds_zone_and_utc(operator):
     assert timefmt.both(moment) in html  # e.g. 2026-11-26 20:03:07 CET (19:03:07 UTC)
 
 
+def test_times__shown_once_when_the_zone_is_utc(operator):
+    from datetime import datetime, timezone
+
+    from django.test import override_settings
+
+    from django_taskguard import timefmt
+
+    moment = datetime(2026, 11, 26, 19, 3, 7, tzinfo=timezone.utc)
+    assert timefmt.both(moment) == "2026-11-26 20:03:07 CET (19:03:07 UTC)"
+    with override_settings(TIME_ZONE="UTC"):
+        assert timefmt.both(moment) == "2026-11-26 19:03:07 UTC"
+        run = make_run("tests.utc", 0, transitions=1)
+        TaskRunTransition.objects.filter(run_id=run.pk).update(at=moment)
+        html = operator.get(change_url(run)).content.decode()
+    assert "2026-11-26 19:03:07 UTC" in html and "(19:03:07 UTC)" not in html
+
+
 @pytest.mark.django_db
 def test_changelist_paginator__big_results_take_the_planners_estimate(monkeypatch):
     from django_taskguard import admin as taskguard_admin

@@ -295,7 +295,10 @@ def test_run_now__asks_then_hands_a_manual_slot_to_the_runner_with_who_asked(han
     ((task, slot, who),) = handed
     assert (task, who) == (row.task_name, "rita")
     assert slot.microsecond != 0  # a manual slot never takes one of the schedule's
-    assert said(done) == [f"{row.task_name}: handed out {slot.isoformat()}"]
+    assert said(done) == [f"Run now of {row.task_name}: handed out {slot.isoformat()}"]
+    # The admin capitalises a message's first letter: a dotted path does not start it.
+    shown = done.content.decode()
+    assert f"Run now of {row.task_name}" in shown and row.task_name.capitalize() not in shown
     event = ScheduleEvent.objects.get(task_name=row.task_name, kind="run_now")
     assert (event.by, event.origin) == ("rita", "admin")
     # the change page's button posts the same action
