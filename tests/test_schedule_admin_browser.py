@@ -254,7 +254,7 @@ def test_schedule_admin_browser__data_schedule_created_run_backfilled_and_viewed
     ]
     created = history[2].text
     assert "admin" in created and "tenant 42 signed up" in created
-    assert "args: [42]" in created and "time_zone: America/New_York" in created
+    assert "positional arguments: [42]" in created and "time zone: America/New_York" in created
     assert "3 slots handed out" in history[0].text
     keep_screenshot(driver, tmp_path, "data-schedule-screenshot.png")
 
