@@ -253,6 +253,7 @@ class RunActionsMixin(AdminBase):
             "action": action,
             "rows": rows,
             "error": error,
+            "crumb": rows[0] if len(rows) == 1 else None,
             "zone": getattr(zone, "key", str(zone)),
             "start": request.POST.get("from", ""),
             "end": request.POST.get("to", ""),

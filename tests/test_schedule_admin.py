@@ -276,6 +276,17 @@ def test_history_button__opens_the_schedules_own_history(viewer):
     assert viewer.get(missing, follow=True).redirect_chain[-1][0] == reverse("admin:index")
 
 
+def test_confirmation_pages__the_breadcrumbs_name_the_schedule(pauser):
+    rows = seed()
+    html = act(pauser, "pause_schedules", [rows["fn"]]).content.decode()
+    crumbs = re.search(r'class="breadcrumbs">(.+?)</(ol|div)>', html, re.S)
+    assert crumbs is not None
+    link = f'<a href="{change_url(rows["fn"])}">jobs.sync</a>'
+    assert link in crumbs.group(1) and "Pause these schedules?" in crumbs.group(1)
+    several = act(pauser, "pause_schedules", [rows["fn"], rows["nightly"]]).content.decode()
+    assert change_url(rows["fn"]) not in several.split('class="breadcrumbs"', 1)[1][:800]
+
+
 def test_admin__run_viewers_see_schedules_too():
     seed()
     assert login("runs", "view_taskrun").get(CHANGELIST).status_code == 200
