@@ -306,6 +306,20 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
     ]
 
 
+def test_overview__linked_from_the_app_index_and_the_sidebar(viewer):
+    """ "Tasks at a glance" is in the app's index and the admin's sidebar (beside the runs
+    and the schedules), for whoever may see the runs; the entry opens the overview."""
+    entry = reverse("admin:taskguard_taskoverview_changelist")
+    for page in (reverse("admin:app_list", args=["taskguard"]), CHANGELIST):
+        html = viewer.get(page).content.decode()
+        assert f'<a href="{entry}"' in html and "Tasks at a glance" in html, page
+    opened = viewer.get(entry)
+    assert (opened.status_code, opened["Location"]) == (302, OVERVIEW)
+    nobody = Client()
+    nobody.force_login(staff("nobody"))
+    assert nobody.get(entry).status_code == 403
+
+
 def test_overview__pause_needs_its_permission_and_a_post(operator, viewer):
     from django_taskguard.models import TaskSchedule
 
