@@ -19,7 +19,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.functional import cached_property
-from django.utils.html import format_html, format_html_join
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
@@ -259,15 +259,12 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
     @admin.display(description=_("task"), ordering="task_name")
     def task_display(self, run: TaskRun) -> SafeString:
         """The task's name, and under it the key of a keyed run or the version of the data
-        schedule that fired it; a long name breaks after a dot (or anywhere) rather than push
-        the table past the screen."""
-        *packages, last = run.task_name.split(".")
-        name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
+        schedule that fired it; a long name breaks between its words (after a dot or an
+        underscore) rather than push the table past the screen, never inside one."""
         key = format_html('<br><span class="quiet">{}</span>', run.key) if run.key else ""
         return format_html(
-            '<span style="overflow-wrap:anywhere">{}{}{}{}</span>',
-            name,
-            last,
+            '<span style="overflow-wrap:break-word">{}{}{}</span>',
+            admin_schedules.breakable(run.task_name),
             key,
             self.version_display(run),
         )

@@ -444,8 +444,23 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
+# What the history calls the fields the form does not show.
+CHANGE_LABELS = {
+    "cron_day_or": gettext_lazy("cron day rule (True: day of month OR day of week)"),
+    "target_kind": gettext_lazy("target kind"),
+}
+
+
+def change_label(field: str) -> str:
+    """A changed field as the form labels it (``function``: "target")."""
+    form_field = DataScheduleForm.base_fields.get(field)
+    label = form_field.label if form_field is not None else CHANGE_LABELS.get(field)
+    return str(label or field)
+
+
 def changes_of(event: ScheduleEvent) -> list[dict[str, str]]:
-    """An event's changes field by field (``before`` empty for a creation)."""
+    """An event's changes field by field, labelled as on the form (``before`` empty for a
+    creation)."""
     changes = event.changes if isinstance(event.changes, dict) else {}
     shown = []
     for field, pair in changes.items():
@@ -455,6 +470,7 @@ def changes_of(event: ScheduleEvent) -> list[dict[str, str]]:
         shown.append(
             {
                 "field": field,
+                "label": change_label(field),
                 "before": "" if event.kind == "created" else _shown(before),
                 "after": _shown(after),
             }

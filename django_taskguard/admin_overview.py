@@ -9,6 +9,9 @@ where, when, why). Pause, resume and acknowledge are POST forms, gated by the
 ``taskguard.acknowledge_taskschedule`` (acknowledge), that call :mod:`.pauses` and
 :mod:`.acknowledgements` (the same API as ``manage.py pause_task`` and ``acknowledge``)
 and record the acting user in the schedule's history and in the admin's log.
+
+``TaskOverview`` (a proxy, no table) puts "Tasks at a glance" in the app's index and the
+admin's sidebar: its changelist is a redirect to the page.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ from . import acknowledgements, overview, pauses, timefmt
 from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import schedules as schedule_store
-from .models import ScheduleEvent, ScheduleEventOrigin, TaskRun
+from .models import ScheduleEvent, ScheduleEventOrigin, TaskOverview, TaskRun
 from .states import RunState
 
 if TYPE_CHECKING:
     AdminBase = admin.ModelAdmin[TaskRun]
+    OverviewEntryBase = admin.ModelAdmin[TaskOverview]
 else:
     AdminBase = object
+    OverviewEntryBase = admin.ModelAdmin
 
 PAUSE_PERMISSION = "taskguard.pause_taskschedule"
 ACKNOWLEDGE_PERMISSION = "taskguard.acknowledge_taskschedule"
@@ -267,3 +272,29 @@ def _when(moment: datetime | None) -> tuple[str, str, str] | None:
         return None
     stamp = timefmt.local(moment)
     return stamp[:10], stamp[11:], timefmt.utc(moment)
+
+
+@admin.register(TaskOverview)
+class TaskOverviewAdmin(OverviewEntryBase):
+    """The app index's and the sidebar's "Tasks at a glance": a link to the overview page,
+    shown to whoever may see the runs; nothing to add, change or delete."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("taskguard.view_taskrun"))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        overview = reverse("admin:taskguard_taskrun_overview", current_app=self.admin_site.name)
+        return HttpResponseRedirect(overview)

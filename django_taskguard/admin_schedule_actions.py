@@ -215,6 +215,7 @@ class ScheduleActionsMixin(AdminBase):
             "action": action,
             "rows": rows,
             "more": len(rows) == self.list_per_page,
+            "crumb": rows[0] if len(rows) == 1 else None,
             "declared": [row.task_name for row in rows if row.removed_at is None],
             "error": error,
             "reason": request.POST.get("reason", ""),

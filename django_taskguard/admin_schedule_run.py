@@ -116,11 +116,17 @@ class RunActionsMixin(AdminBase):
             try:
                 said = data_schedules.run_now(row, by=user, origin=ScheduleEventOrigin.ADMIN)
             except (TaskGuardError, BackendUnavailable) as exc:
-                self.message_user(request, f"{row.task_name}: {exc}", messages.ERROR)
+                self.message_user(
+                    request,
+                    _("Run now of %(task)s refused: %(error)s")
+                    % {"task": row.task_name, "error": exc},
+                    messages.ERROR,
+                )
                 continue
             self.log_change(request, row, f"run now: {said}")
+            # Not started by the name: the admin capitalises a message (capfirst).
             self.message_user(
-                request, _("%(task)s: %(said)s") % {"task": row.task_name, "said": said}
+                request, _("Run now of %(task)s: %(said)s") % {"task": row.task_name, "said": said}
             )
         return None
 
@@ -247,6 +253,7 @@ class RunActionsMixin(AdminBase):
             "action": action,
             "rows": rows,
             "error": error,
+            "crumb": rows[0] if len(rows) == 1 else None,
             "zone": getattr(zone, "key", str(zone)),
             "start": request.POST.get("from", ""),
             "end": request.POST.get("to", ""),

@@ -20,17 +20,19 @@ statement, so it costs the same with 5 rows as with ``list_per_page``.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
@@ -355,6 +357,21 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
             context["can_backfill"] = live_data and self.has_backfill_permission(request)
         return super().change_view(request, object_id, form_url, context)
 
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """One history: the HISTORY button opens the schedule's own (every pause, resume,
+        run now, backfill, edit and acknowledgement, on its page), not Django's admin log."""
+        row = self.get_object(request, unquote(object_id))
+        if row is None or not self.has_view_or_change_permission(request, row):
+            return super().history_view(request, object_id, extra_context)  # Django's refusal
+        change = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+            args=[quote(row.pk)],
+            current_app=self.admin_site.name,
+        )
+        return HttpResponseRedirect(f"{change}#taskguard-history")
+
     @admin.display(description=gettext_lazy("name"))
     def name_display(self, row: TaskSchedule) -> str:
         return row.entry
@@ -388,10 +405,8 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
 
     @admin.display(description=gettext_lazy("task"), ordering="task_name")
     def task_display(self, row: TaskSchedule) -> SafeString:
-        """The name (breaking after a dot rather than widen the table); a removed
+        """The name (breaking between its words rather than widen the table); a removed
         schedule's "removed" and when under it."""
-        *packages, last = row.task_name.split(".")
-        name = format_html_join("", "{}.<wbr>", ((part,) for part in packages))
         removed = ""
         if row.removed_at is not None:
             removed = format_html(
@@ -401,7 +416,7 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
                 timefmt.local(row.removed_at)[:10],
             )
         return format_html(
-            '<span style="overflow-wrap:anywhere">{}{}</span>{}', name, last, removed
+            '<span style="overflow-wrap:break-word">{}</span>{}', breakable(row.task_name), removed
         )
 
     @admin.display(description=gettext_lazy("next slot"))
@@ -424,7 +439,7 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
         """The source, and under it where it is declared and the beat entry's name."""
         disabled = _("disabled") if row.source == ScheduleSource.DATA and not row.enabled else ""
         where = " · ".join(part for part in (row.declared_in, row.entry, disabled) if part)
-        under = format_html('<br><span class="quiet">{}</span>', where) if where else ""
+        under = format_html('<br><span class="quiet">{}</span>', breakable(where)) if where else ""
         return format_html("{}{}", row.source, under)
 
     @admin.display(description=gettext_lazy("schedule"))
@@ -468,7 +483,7 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
             who = _("by %(by)s from %(origin)s") % {"by": event.by or "?", "origin": origin}
         since = _("since %(at)s") % {"at": ""} if row.paused_at else ""
         return format_html(
-            '<span class="taskguard-paused" style="overflow-wrap:anywhere">{}<br>'
+            '<span class="taskguard-paused" style="overflow-wrap:break-word">{}<br>'
             '<span class="quiet">{} {}{}</span></span>',
             row.paused_reason or _("paused"),
             who,
@@ -489,6 +504,18 @@ class TaskScheduleAdmin(RunActionsMixin, ScheduleActionsMixin, ScheduleAdminBase
         if row.removed_at is None:
             return "—"
         return format_html('<span class="taskguard-removed">{}</span>', _moment(row.removed_at))
+
+
+# Where a dotted name may wrap: after a dot or an underscore, and before an entry's "[".
+NAME_BREAKS = re.compile(r"(?<=[._])|(?=\[)")
+
+
+def breakable(name: str) -> SafeString:
+    """``name`` with a line-break opportunity (``<wbr>``) between its words, so that a
+    narrow column wraps ``myapp.jobs.every_minute`` as ``myapp.jobs.every_`` / ``minute``,
+    never inside a word (a hyphen is one already)."""
+    parts = ((part,) for part in NAME_BREAKS.split(name) if part)
+    return format_html_join(mark_safe("<wbr>"), "{}", parts)
 
 
 def runs_url(task_name: str) -> str:

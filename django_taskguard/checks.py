@@ -10,6 +10,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router
+from django.utils.translation import ngettext
 
 from .conf import DEFAULTS, number_problem, problem, taskguard_problem, taskguard_settings
 from .locks import cache_problem, is_redis_cache
@@ -238,6 +239,14 @@ def check_schedule_zones(
 
 # Distinct data-schedule targets W021 looks up (checks run at every manage.py call).
 TARGETS_CHECKED = 100
+# The data schedules a W021 names (then "and N more").
+NAMES_SHOWN = 5
+
+
+def _some(names: list[str], count: int) -> str:
+    """``a, b, c`` (and "and N more" past those named)."""
+    more = count - len(names)
+    return ", ".join(names) + (f" and {more} more" if more > 0 else "")
 
 
 @register(Tags.database)
@@ -267,11 +276,18 @@ def check_data_targets(
         try:
             resolve_target(target)
         except Exception as exc:  # a check never raises out of manage.py check
+            names = _some(store.data_schedule_names(target, kind, NAMES_SHOWN), count)
             warnings.append(
                 Warning(
-                    f"{count} data schedule(s) run {target!r} ({kind or 'function'}), which "
-                    f"this process cannot find: {exc}. A copy like this one fires none of "
-                    "their slots, and the missed-slot sweep records them missed.",
+                    ngettext(
+                        "%(n)d data schedule (%(names)s) runs %(target)r",
+                        "%(n)d data schedules (%(names)s) run %(target)r",
+                        count,
+                    )
+                    % {"n": count, "names": names, "target": target}
+                    + f" ({kind or 'function'}), which this process cannot find: {exc}. A "
+                    "copy like this one fires none of their slots, and the missed-slot sweep "
+                    "records them missed.",
                     hint="Make the target importable where the schedules are fired (its "
                     "module in an installed app's tasks or jobs, or SCHEDULE_MODULES), or "
                     "point the schedules at its new name, disable or delete them.",

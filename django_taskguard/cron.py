@@ -34,6 +34,7 @@ from zoneinfo import ZoneInfo
 
 from croniter import CroniterBadDateError, CroniterError, croniter
 from django.utils import timezone
+from django.utils.translation import ngettext
 
 from .exceptions import InvalidSchedule
 
@@ -47,6 +48,16 @@ DST_WINDOW = timedelta(hours=3)
 # 40 MB held (measured with tracemalloc: 39.1 MB, 9.5 kB a walk; bench/bench_cron_memory.py).
 KEEP_TIMES = 64
 KEEP_WALKS = 4096
+# Cron's aliases (not supported: an error says which five fields to write instead).
+ALIASES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
 # How far ahead a cron's ``next_slot`` looks (beyond it: None).
 NEXT_SLOT_HORIZON = timedelta(days=800)
 
@@ -65,10 +76,23 @@ class CronSchedule:
         if not isinstance(self.expression, str):
             raise InvalidSchedule(f"cron= must be a string, not {type(self.expression).__name__}")
         fields = self.expression.split()
+        if fields and fields[0].startswith("@"):
+            instead = ALIASES.get(fields[0].lower())
+            raise InvalidSchedule(
+                f"cron aliases such as {fields[0]} are not supported"
+                + (f"; write {instead}" if instead else ": write five fields")
+                + f" (cron expression {self.expression!r})"
+            )
         if len(fields) != 5:
             raise InvalidSchedule(
-                f"cron expression {self.expression!r} has {len(fields)} fields; it needs 5 "
-                f"(minute hour day-of-month month day-of-week)"
+                ngettext(
+                    "cron expression %(expression)r has %(n)d field; it needs 5 "
+                    "(minute hour day-of-month month day-of-week)",
+                    "cron expression %(expression)r has %(n)d fields; it needs 5 "
+                    "(minute hour day-of-month month day-of-week)",
+                    len(fields),
+                )
+                % {"expression": self.expression, "n": len(fields)}
             )
         try:
             croniter(self.expression)

@@ -449,7 +449,10 @@ def _outcome_problem(health: TaskHealth, facts: ledger.TaskFacts, failures: int)
         "outcome": str(_OUTCOME_WORDS.get(state, state)),
     }
     if facts.outcome_error:
-        detail += f": {facts.outcome_error.strip().splitlines()[0][:200]}"
+        # A missed slot's reason starts with its state ("missed: no instance claimed it"):
+        # said once ("was missed: no instance claimed it").
+        error = facts.outcome_error.strip().removeprefix(f"{state}: ")
+        detail += f": {error.splitlines()[0][:200]}"
     if failures > 1 and facts.ended == failures and facts.failed == failures:
         detail += " " + _("(its last %(n)d runs failed)") % {"n": failures}
     return Problem(MISSED if state == RunState.MISSED else FAILING, detail)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from django.db import DatabaseError
+from django.utils.translation import ngettext
 
 from . import ledger
 from .conf import taskguard_settings
@@ -327,7 +328,11 @@ class _Found:
         result.paused_slots += self.paused
         if self.missed and not dry_run and self.last_missed is not None:
             logger.warning(
-                "taskguard %s: %d due slots were missed",
+                ngettext(
+                    "taskguard %s: %d due slot was missed",
+                    "taskguard %s: %d due slots were missed",
+                    self.missed,
+                ),
                 name,
                 self.missed,
                 extra=log_fields(

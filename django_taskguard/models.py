@@ -190,6 +190,17 @@ class TaskRun(models.Model):
         return parsed.pid if parsed is not None else None
 
 
+class TaskOverview(TaskRun):
+    """No table of its own (a proxy): the admin's "Tasks at a glance" entry, so that the
+    app's index and the sidebar link to the overview page (``admin_overview``)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = _("tasks at a glance")
+        verbose_name_plural = _("tasks at a glance")
+        default_permissions = ()  # seen with view_taskrun, as the page is
+
+
 class TaskRunTransition(models.Model):
     """One state change of a run, written in the same transaction as the change."""
 

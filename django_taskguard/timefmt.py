@@ -1,6 +1,7 @@
 """How the admin shows a moment: local time with its zone and seconds, and UTC beside.
 
-One convention on every page: ``2026-11-22 22:00:00 CET (21:00:00 UTC)``.
+One convention on every page: ``2026-11-22 22:00:00 CET (21:00:00 UTC)``, or
+``2026-11-22 21:00:00 UTC`` alone when the zone is UTC.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ def utc(moment: datetime) -> str:
 
 def both(moment: datetime, zone: tzinfo | None = None) -> str:
     """``2026-11-22 22:00:00 CET (21:00:00 UTC)`` (the UTC date too when it differs); UTC
-    alone when the zone's time is past ``datetime``'s ends (a row stored out of bounds)."""
+    alone when the zone is UTC, or its time is past ``datetime``'s ends (a row stored out
+    of bounds)."""
     try:
         here = moment.astimezone(zone or timezone.get_current_timezone())
     except OverflowError:
+        return utc(moment)
+    if here.tzname() == "UTC":  # the zone is UTC: once
         return utc(moment)
     there = moment.astimezone(dt_timezone.utc)
     when = f"{there:%H:%M:%S}" if here.date() == there.date() else f"{there:%Y-%m-%d %H:%M:%S}"

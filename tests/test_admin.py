@@ -356,6 +356,20 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
     ]
 
 
+def test_overview__linked_from_the_app_index_and_the_sidebar(viewer):
+    """ "Tasks at a glance" is in the app's index and the admin's sidebar (beside the runs
+    and the schedules), for whoever may see the runs; the entry opens the overview."""
+    entry = reverse("admin:taskguard_taskoverview_changelist")
+    for page in (reverse("admin:app_list", args=["taskguard"]), CHANGELIST):
+        html = viewer.get(page).content.decode()
+        assert f'<a href="{entry}"' in html and "Tasks at a glance" in html, page
+    opened = viewer.get(entry)
+    assert (opened.status_code, opened["Location"]) == (302, OVERVIEW)
+    nobody = Client()
+    nobody.force_login(staff("nobody"))
+    assert nobody.get(entry).status_code == 403
+
+
 def test_overview__pause_needs_its_permission_and_a_post(operator, viewer):
     from django_taskguard.models import TaskSchedule
 
@@ -489,6 +503,23 @@ def test_change_page__transition_times_have_seconds_zone_and_utc(operator):
 
     html = operator.get(change_url(run)).content.decode()
     assert timefmt.both(moment) in html  # e.g. 2026-11-26 20:03:07 CET (19:03:07 UTC)
+
+
+def test_times__shown_once_when_the_zone_is_utc(operator):
+    from datetime import datetime, timezone
+
+    from django.test import override_settings
+
+    from django_taskguard import timefmt
+
+    moment = datetime(2026, 11, 26, 19, 3, 7, tzinfo=timezone.utc)
+    assert timefmt.both(moment) == "2026-11-26 20:03:07 CET (19:03:07 UTC)"
+    with override_settings(TIME_ZONE="UTC"):
+        assert timefmt.both(moment) == "2026-11-26 19:03:07 UTC"
+        run = make_run("tests.utc", 0, transitions=1)
+        TaskRunTransition.objects.filter(run_id=run.pk).update(at=moment)
+        html = operator.get(change_url(run)).content.decode()
+    assert "2026-11-26 19:03:07 UTC" in html and "(19:03:07 UTC)" not in html
 
 
 @pytest.mark.django_db

@@ -46,13 +46,20 @@ def test_check_data_targets__a_target_gone_is_one_warning_with_its_count() -> No
     found = w021()
     assert len(found) == 2
     gone = next(m for m in found if "send_report_renamed" in m.msg)
-    assert gone.msg.startswith("2 data schedule(s) run ")
+    assert gone.msg.startswith("2 data schedules (t0, t1) run ")
     assert "is not a guarded task" in gone.msg
     assert "records them missed" in gone.msg and gone.hint
     unguarded = next(m for m in found if "not_guarded" in m.msg)
-    assert (
-        unguarded.msg.startswith("1 data schedule(s)") and "is not a guarded task" in unguarded.msg
-    )
+    assert unguarded.msg.startswith("1 data schedule (t2) runs ")
+    assert "is not a guarded task" in unguarded.msg
+
+
+def test_check_data_targets__names_five_schedules_then_how_many_more() -> None:
+    for tenant in range(8):
+        define_schedule(f"t{tenant}", TARGET, every=timedelta(minutes=5), args=[tenant])
+    TaskSchedule.objects.filter(function=TARGET).update(function="tests.nowhere.job")
+    (found,) = w021()
+    assert found.msg.startswith("8 data schedules (t0, t1, t2, t3, t4 and 3 more) run ")
 
 
 def test_check_data_targets__deleted_and_disabled_schedules_are_not_reported() -> None:

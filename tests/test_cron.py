@@ -21,6 +21,7 @@ from croniter import croniter
 
 from django_taskguard import once_per_schedule, registry
 from django_taskguard.cron import CronSchedule, _walk, plain_between, plain_latest
+from django_taskguard.exceptions import InvalidSchedule
 from django_taskguard.scheduler import Scheduler
 
 pytestmark = pytest.mark.pure
@@ -338,3 +339,19 @@ def test_scheduler_due__a_cron_slot_costs_a_few_croniter_steps_not_a_walk():
             registry.unregister(f"tests.cost.{zone}")
     assert fired == 10 * len(zones)
     assert steps["n"] <= 3 * fired, steps
+
+
+@pytest.mark.parametrize(
+    ("expression", "said"),
+    [
+        ("@daily", "cron aliases such as @daily are not supported; write 0 0 * * *"),
+        ("@hourly", "cron aliases such as @hourly are not supported; write 0 * * * *"),
+        ("@reboot", "cron aliases such as @reboot are not supported: write five fields"),
+        ("0", "cron expression '0' has 1 field; it needs 5"),
+        ("0 9 * *", "cron expression '0 9 * *' has 4 fields; it needs 5"),
+    ],
+)
+def test_cron__aliases_and_a_wrong_field_count_are_said_plainly(expression, said):
+    with pytest.raises(InvalidSchedule) as raised:
+        CronSchedule(expression)
+    assert str(raised.value).startswith(said)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from celery import Celery
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection
@@ -460,6 +462,41 @@ def test_run_now__hands_a_manual_slot_to_the_worker(eager, tmp_path):
     )
     assert run.slot.microsecond != 0  # a manual slot: never one of the schedule's
     assert [line[0] for line in executions(log)] == ["report:5:pdf"]
+
+
+def test_run_now__says_where_the_message_went_not_that_it_ran(tmp_path):
+    row = defined("where", tmp_path / "log")
+    said = run_now(row, by="alice")
+    # Sent, not run: the broker and app it went through, and that no worker took it yet.
+    assert said.startswith("enqueued (celery message ")
+    assert "sent to broker memory://" in said and "by Celery app 'tests'" in said
+    assert said.endswith("no worker has taken it yet)")
+    assert TaskRun.objects.get().state == RunState.PENDING
+
+
+def test_run_now__refused_when_the_app_here_is_celerys_fallback(tmp_path):
+    """A web thread that sees no app of the project's: Celery makes its fallback app
+    (``Celery("default", fixups=[])``), whose broker is not the workers'."""
+    row = defined("fallback", tmp_path / "log")
+    fallback = Celery("default", fixups=[], set_as_current=False, broker="memory://")
+    outcome: list[object] = []
+
+    def web_request() -> None:
+        fallback.set_current()  # as Celery does for a thread with no app of its own
+        try:
+            outcome.append(run_now(row, by="alice"))
+        except TaskGuardError as exc:
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=web_request)
+    thread.start()
+    thread.join()
+    (refused,) = outcome
+    assert isinstance(refused, TaskGuardError), refused
+    assert "Celery's fallback app (broker memory://" in str(refused)
+    assert not TaskRun.objects.exists()  # the pending row was given back
 
 
 def test_backfill__sends_the_slots_of_a_celery_data_schedule(eager, tmp_path):

@@ -71,6 +71,28 @@ def test_check_schedules__a_dead_owner_is_late():
     assert "still running but its lease expired" in out
 
 
+def test_check_schedules__a_missed_slot_says_why_once_and_the_names_line_up():
+    """``was missed: no instance claimed it`` (not ``was missed: missed: ...``); a long
+    label (LATE/MISSED) does not push its task's name out of the column."""
+    every = timedelta(minutes=1)
+    schedule("tests.a_missed", every=every)
+    slot = due_slot(every)
+    missed = finished("tests.a_missed", slot - 3 * every, RunState.MISSED, attempt=0)
+    TaskRun.objects.filter(pk=missed.pk).update(
+        error="missed: no instance claimed it within its grace (60s)"
+    )
+    schedule("tests.b_fine", every=every)
+    finished("tests.b_fine", slot)
+    status, out = run_check()
+    assert status == 1
+    assert "was missed: no instance claimed it within its grace (60s)" in out, out
+    assert "missed: missed" not in out
+    lines = {line.split()[1]: line for line in out.splitlines() if " tests." in line[:20]}
+    assert lines["tests.a_missed"].split()[0] == "LATE/MISSED", out
+    columns = {line.index(name) for name, line in lines.items()}
+    assert len(columns) == 1, out
+
+
 def test_check_schedules__a_missed_latest_slot_fails_until_a_later_success():
     """The latest outcome decides; the slots missed within the window are counted."""
     schedule("tests.every_minute", every=timedelta(minutes=1))

@@ -424,3 +424,14 @@ def test_sweep_missed__slots_in_an_earlier_pause_are_skipped_too():
         assert state == (RunState.SKIPPED if paused else RunState.MISSED), slot
     earlier = TaskRun.objects.get(task_name="tests.sweep.twice", slot=first[0])
     assert earlier.error.startswith(f"paused: due while the task was paused from {first[0]:%Y}")
+
+
+def test_sweep_missed__one_missed_slot_is_said_in_the_singular(caplog):
+    now = ledger.database_now()
+    every = timedelta(hours=1)
+    slot = IntervalSchedule(every).latest_slot(now - GRACE)  # the next one is not due yet
+    schedule("tests.sweep.one", every=every, grace=GRACE, first_seen=slot - SECOND)
+    with caplog.at_level(logging.WARNING, logger="taskguard.missed"):
+        assert sweep_missed(now=now).tasks == {"tests.sweep.one": 1}
+    said = [r.getMessage() for r in caplog.records if "tests.sweep.one" in r.getMessage()]
+    assert said == ["taskguard tests.sweep.one: 1 due slot was missed"]

@@ -124,7 +124,7 @@ def test_changelist__every_source_with_its_columns(viewer):
     assert len(re.findall(r"\d{4}-\d\d-\d\d<br>\d\d:\d\d:\d\d CES?T", sync)) == 2  # next, last
     assert "cron 0 21 * * * (Europe/Berlin)" in rows["jobs.nightly"]
     ping = rows["reports.ping[ping-10s]"]
-    assert "celery" in ping and "CELERY_BEAT_SCHEDULE · ping-10s" in ping
+    assert "celery" in ping and "CELERY_<wbr>BEAT_<wbr>SCHEDULE · ping-10s" in ping
     assert 'data-status="unhealthy"' in ping  # no run of its due slot: late
     digest = rows["mail.digest"]
     assert "vendor outage" in digest and "by alice from a management command" in digest
@@ -279,6 +279,34 @@ def test_change_page__history_newest_first_runs_link_and_buttons(operator, viewe
     assert 'name="_save"' not in html
     plain = viewer.get(change_url(rows["paused"])).content.decode()
     assert "taskguard-history" in plain and "resume_schedules" not in plain
+
+
+def test_history_button__opens_the_schedules_own_history(viewer):
+    """One history: the HISTORY button shows the pauses, resumes and acknowledgements (the
+    schedule's events), not Django's admin log, which has none of them."""
+    rows = seed()
+    pauses.resume("mail.digest", by="bob", origin=ScheduleEventOrigin.ADMIN, reason="back")
+    history_url = reverse("admin:taskguard_taskschedule_history", args=[rows["paused"].pk])
+    response = viewer.get(history_url)
+    assert response.status_code == 302
+    assert response["Location"] == f"{change_url(rows['paused'])}#taskguard-history"
+    html = viewer.get(response["Location"]).content.decode()
+    history = html.split('id="taskguard-history"', 1)[1]
+    events = re.findall(r'<tr class="taskguard-event" data-kind="(\w+)">', history)
+    assert events == ["resumed", "paused"]
+    missing = reverse("admin:taskguard_taskschedule_history", args=[987654])
+    assert viewer.get(missing, follow=True).redirect_chain[-1][0] == reverse("admin:index")
+
+
+def test_confirmation_pages__the_breadcrumbs_name_the_schedule(pauser):
+    rows = seed()
+    html = act(pauser, "pause_schedules", [rows["fn"]]).content.decode()
+    crumbs = re.search(r'class="breadcrumbs">(.+?)</(ol|div)>', html, re.S)
+    assert crumbs is not None
+    link = f'<a href="{change_url(rows["fn"])}">jobs.sync</a>'
+    assert link in crumbs.group(1) and "Pause these schedules?" in crumbs.group(1)
+    several = act(pauser, "pause_schedules", [rows["fn"], rows["nightly"]]).content.decode()
+    assert change_url(rows["fn"]) not in several.split('class="breadcrumbs"', 1)[1][:800]
 
 
 def test_admin__run_viewers_see_schedules_too():

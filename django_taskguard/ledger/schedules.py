@@ -942,6 +942,16 @@ def data_targets(limit: int) -> list[tuple[str, str, int]]:
         ]
 
 
+def data_schedule_names(target: str, target_kind: str, limit: int) -> list[str]:
+    """The names (``entry``) of at most ``limit`` live, enabled data schedules of ``target``
+    (of that kind), in order."""
+    rows = data_schedules().filter(
+        removed_at__isnull=True, enabled=True, function=target, target_kind=target_kind
+    )
+    with translated:
+        return list(rows.order_by("entry").values_list("entry", flat=True)[:limit])
+
+
 def data_changed_since(
     since: datetime, target_kinds: Collection[str] | None = None, *, light: bool = False
 ) -> list[TaskSchedule]:

@@ -30,6 +30,8 @@ from datetime import datetime
 from typing import Any, Self
 
 from celery import current_app
+from celery.app import app_or_default
+from celery.result import EagerResult
 
 from ... import data_schedules
 from ...exceptions import TaskGuardError
@@ -51,6 +53,8 @@ DJANGO_CELERY_BEAT = "django-celery-beat"
 # beat's message of a due slot may wait; a backfilled slot is past, and would be dropped.
 DROPPED_OPTIONS = ("expires",)
 PERIODIC_TASK_OPTIONS = ("queue", "exchange", "routing_key", "priority")
+# The name of the app Celery makes when a process (or thread) has none of its own.
+FALLBACK_APP = "default"
 
 
 @dataclass(frozen=True)
@@ -157,11 +161,12 @@ class _Sender:
     def __init__(self, task_name: str, by: str) -> None:
         self.task_name = task_name
         self.by = by or "backfill"
+        self.app: Any = None
         self._broker: Any = None
 
     def __enter__(self) -> Self:
-        app: Any = current_app
-        self._broker = app.connection_for_write()
+        self.app = sending_app()
+        self._broker = self.app.connection_for_write()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -196,34 +201,69 @@ class BeatSender(_Sender):
             BACKFILL_HEADER: self.by,
         }
         options = {**message.options, "headers": headers}
-        app: Any = current_app
+        app = self.app
         task = app.tasks.get(message.task)  # its own options apply, as when the beat sends it
         publish: Callable[..., Any] = (
             task.apply_async if task is not None else functools.partial(app.send_task, message.task)
         )
         result = publish(message.args, message.kwargs, connection=self._broker, **options)
-        return f"celery message {result.id}"
+        return sent(app, result, self._broker)
 
 
 # --- data schedules of Celery tasks: run now and backfill -------------------------------
 
 
+def sending_app() -> Any:
+    """The Celery app that sends an operator's messages: the current one, unless it is
+    Celery's fallback app (``Celery("default", fixups=[])``, made when this process, or this
+    thread, has no app of its own), whose broker is whatever Celery defaults to, not
+    necessarily the workers': a ``TaskGuardError`` says so instead."""
+    app: Any = app_or_default()
+    if app.main == FALLBACK_APP and not app.fixups:
+        with app.connection_for_write() as broker:
+            where = broker.as_uri()
+        raise TaskGuardError(
+            f"not sent: the Celery app here is Celery's fallback app (broker {where}), not "
+            f"your project's, so your workers may never see the message; create your Celery "
+            f"app where Django starts (import it in your project's __init__.py, as Celery's "
+            f"Django guide shows) or call its set_default()"
+        )
+    return app
+
+
+def sent(app: Any, result: Any, connection: Any = None) -> str:
+    """What is known of a message just sent: its id, and the broker and app it went
+    through (or that it ran here: ``task_always_eager``). That a worker takes it is not
+    known yet: its row stays ``pending`` until one does."""
+    if isinstance(result, EagerResult):
+        return f"celery message {result.id}, run in this process (task_always_eager)"
+    if connection is not None:
+        where = connection.as_uri()
+    else:
+        with app.connection_for_write() as broker:
+            where = broker.as_uri()
+    return (
+        f"celery message {result.id} sent to broker {where} by Celery app {app.main!r}; "
+        f"no worker has taken it yet"
+    )
+
+
 def send_slot(row: TaskSchedule, slot: datetime, by: str, connection: Any = None) -> str:
     """Send one slot of the data schedule ``row`` as an operator's message (no lateness
-    policy: ``taskguard_backfill``), with its name and version."""
+    policy: ``taskguard_backfill``), with its name and version; say where it went."""
     headers = {
         SLOT_HEADER: slot.astimezone(UTC).isoformat(),
         SCHEDULE_HEADER: row.entry,
         VERSION_HEADER: row.version,
         BACKFILL_HEADER: by or "operator",
     }
-    app: Any = current_app
+    app = sending_app()
     task = app.tasks.get(row.function)
     publish: Any = (
         task.apply_async if task is not None else functools.partial(app.send_task, row.function)
     )
     result = publish(tuple(row.args), dict(row.kwargs), headers=headers, connection=connection)
-    return f"celery message {result.id}"
+    return sent(app, result, connection)
 
 
 def run_now(row: TaskSchedule, slot: datetime, by: str) -> str:

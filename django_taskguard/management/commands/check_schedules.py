@@ -81,11 +81,14 @@ def report(verdict: health.Verdict) -> str:
     """One line per task (and one per problem), then a summary line."""
     lines: list[str] = []
     width = max((len(t.task) for t in verdict.tasks), default=0)
-    for task in verdict.tasks:
-        lines.append(f"{_label(task):9} {task.task:{width}}  {_facts(task)}")
-        lines.extend(f"{'':9} {'':{width}}  {p.code}: {p.detail}" for p in task.problems)
+    # As wide as the widest label (LATE/MISSED is wider than OK), so the names line up.
+    labels = [_label(task) for task in verdict.tasks]
+    left = max((len(label) for label in [*labels, "UPKEEP"]), default=0)
+    for label, task in zip(labels, verdict.tasks, strict=True):
+        lines.append(f"{label:{left}} {task.task:{width}}  {_facts(task)}")
+        lines.extend(f"{'':{left}} {'':{width}}  {p.code}: {p.detail}" for p in task.problems)
     if verdict.upkeep_problem:
-        lines.append(f"{'UPKEEP':9} {verdict.upkeep_problem}")
+        lines.append(f"{'UPKEEP':{left}} {verdict.upkeep_problem}")
     unhealthy = len(verdict.unhealthy)
     if not verdict.tasks:
         lines.append("No schedules registered and no runs recorded yet.")
