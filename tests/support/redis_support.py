@@ -192,7 +192,9 @@ class SentinelSetup:
         except RuntimeError as exc:
             output = (self.directory / "sentinel.log").read_text(errors="replace")
             raise RuntimeError(f"redis-server --sentinel did not start: {exc}\n{output}") from exc
-        assert self.master_port() == self.master.port
+        # The Sentinel flags the master down if a PING of its takes over 1 s (a loaded core):
+        # wait until it names the master as usable, as a client would see it.
+        wait_for(lambda: self.master_port() == self.master.port, timeout=20, what="a usable master")
 
     def _replica_in_sync(self) -> bool:
         return bool(command(self.replica, "info", "replication")["master_link_status"] == "up")
