@@ -88,6 +88,7 @@ EVENTS = frozenset(
         "claim.held_again",
         "upkeep.lease_failed",
         "upkeep.lease_lost",
+        "upkeep.renew_failed",
         "upkeep.record_failed",
         "upkeep.give_back_failed",
         "upkeep.not_run",
