@@ -125,6 +125,7 @@ EVENTS = frozenset(
         "checkin.counter_registered",
         "checkin.flush_failed",
         # OpenTelemetry (OPENTELEMETRY)
+        "otel.duplicates_failed",
         "otel.figures_failed",
         "otel.spans_full",
         "otel.span_end_failed",
