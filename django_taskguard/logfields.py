@@ -88,6 +88,7 @@ EVENTS = frozenset(
         "claim.held_again",
         "upkeep.lease_failed",
         "upkeep.lease_lost",
+        "upkeep.renew_failed",
         "upkeep.record_failed",
         "upkeep.give_back_failed",
         "upkeep.not_run",
@@ -124,6 +125,7 @@ EVENTS = frozenset(
         "checkin.counter_registered",
         "checkin.flush_failed",
         # OpenTelemetry (OPENTELEMETRY)
+        "otel.duplicates_failed",
         "otel.figures_failed",
         "otel.spans_full",
         "otel.span_end_failed",

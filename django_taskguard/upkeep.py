@@ -19,7 +19,10 @@ others still run):
 That is ``cleanup_locks`` without ``--dry-run``. One process at a time across the fleet
 runs it, and not again before ``UPKEEP_INTERVAL_SECONDS`` (within :data:`LEEWAY` of it):
 the lease on the one ``Upkeep`` row (:mod:`.ledger.upkeep`), which also records how the
-latest run ended, for the health verdict.
+latest run ended, for the health verdict. The run renews its lease while it works
+(:class:`Keeping`), so a long part does not let another process start beside it; a run
+whose lease was taken all the same (its renewals failed until it lapsed) stops before its
+next part.
 
 :func:`maybe_upkeep` is what the processes call (``run_schedules``, the beat schedulers,
 Celery workers after each task, every guarded call after it ended): a look at a
@@ -97,9 +100,71 @@ def run_upkeep(holder: str | None = None, interval: float | None = None) -> dict
         return {"taken": False, "errors": [f"lease: {exc}"]}
     if not taken:
         return {"taken": False}
-    result, errors = work()
+    with Keeping(holder, hold_for(seconds)) as lease:
+        result, errors = work(lease.held)
+    if lease.lost.is_set():  # said when it stopped; the row is the new holder's
+        return {"taken": True, **result, "errors": [*errors, LOST], "lost": True}
     finish(holder, result, errors)
     return {"taken": True, **result, "errors": errors}
+
+
+LOST = "lease: lost to another process; the run stopped"
+
+
+class Keeping:
+    """Renew ``holder``'s lease while its run works: a daemon thread every third of the
+    lease (a part that takes longer than the lease keeps it), and :meth:`held` between
+    parts. A renewal refused (another process took the lease after it lapsed) sets
+    :attr:`lost`; a renewal that fails (the database down) is tried again."""
+
+    def __init__(self, holder: str, hold: timedelta) -> None:
+        self.holder, self.hold = holder, hold
+        self.lost = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._renew_often, name="taskguard-upkeep-lease")
+        self._thread.daemon = True
+
+    def __enter__(self) -> Keeping:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def held(self) -> bool:
+        """Renew now; False when the lease is lost (said once, for this run)."""
+        if not self.lost.is_set():
+            self._renew()
+            if self.lost.is_set():
+                logger.warning(
+                    "taskguard upkeep by %s lost its lease to another process; it stops "
+                    "(its result is not recorded)",
+                    self.holder,
+                    extra=log_fields("upkeep.lease_lost", owner=self.holder),
+                )
+                return False
+        return not self.lost.is_set()
+
+    def _renew_often(self) -> None:
+        try:
+            while not self._done.wait(self.hold.total_seconds() / 3) and not self.lost.is_set():
+                self._renew()
+        finally:
+            connections.close_all()  # this thread's own connections
+
+    def _renew(self) -> None:
+        try:
+            if not store.renew(self.holder, self.hold):
+                self.lost.set()
+        except Exception as exc:
+            logger.debug(
+                "taskguard upkeep by %s could not renew its lease (%s)",
+                self.holder,
+                exc,
+                extra=log_fields("upkeep.renew_failed", owner=self.holder, reason=exc),
+            )
+            _settle()
 
 
 def finish(holder: str, result: dict[str, Any], errors: list[str]) -> None:
@@ -143,8 +208,9 @@ def take_now(holder: str, interval: float | None = None) -> bool:
     return store.take(holder, hold_for(seconds), timedelta(0))
 
 
-def work() -> tuple[dict[str, Any], list[str]]:
-    """Every part of the upkeep, each on its own; (what they did, what failed).
+def work(held: Callable[[], bool] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Every part of the upkeep, each on its own; (what they did, what failed). ``held``,
+    asked before each part: False stops the run there (its lease was lost).
 
     A part that fails because a server does not answer (``BackendUnavailable``: Redis or
     the database down) is a known outage, not a bug: one warning line per process when
@@ -154,7 +220,11 @@ def work() -> tuple[dict[str, Any], list[str]]:
     result: dict[str, Any] = {}
     errors: list[str] = []
     unavailable: dict[str, BackendUnavailable] = {}
+    ran: list[str] = []
     for name, part in PARTS:
+        if held is not None and not held():
+            break
+        ran.append(name)
         try:
             result.update(part())
         except BackendUnavailable as exc:
@@ -169,7 +239,7 @@ def work() -> tuple[dict[str, Any], list[str]]:
             )
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             _settle()
-    _say_outages(unavailable, [name for name, _ in PARTS if name not in unavailable])
+    _say_outages(unavailable, [name for name in ran if name not in unavailable])
     return result, errors
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connections
 from django.db.models import F
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor
@@ -62,6 +64,7 @@ def test_span__one_per_attempt_with_its_attributes_events_and_result(recorded):
         "taskguard.owner": row.owner,
         "taskguard.state": "succeeded",
         "taskguard.result": "success",
+        "taskguard.duplicates": 0,  # the duplicate came after the end
     }
     assert events(span) == ["taskguard.running", "taskguard.succeeded"]
     assert span.status.status_code == StatusCode.UNSET
@@ -72,6 +75,34 @@ def test_span__one_per_attempt_with_its_attributes_events_and_result(recorded):
     assert duration.count == 1 and 0 <= duration.sum < span.end_time - span.start_time
     [lateness] = recorded.points("taskguard.start.lateness").values()
     assert lateness.count == 1 and lateness.sum >= (row.started_at - SLOT).total_seconds() - 1
+
+
+def test_span__carries_the_rows_duplicates_as_they_stand_at_its_end(recorded):
+    """Two calls of the slot made (from other threads) while the winner runs are
+    suppressed: the winner's finished span says the row's count at its end, 2.
+
+    Regression (issue 33): the span had no ``taskguard.duplicates``."""
+    losers: list[object] = []
+
+    def lose() -> None:
+        try:
+            losers.append(body.run_for_slot(SLOT))
+        finally:
+            connections.close_all()
+
+    @once_per_schedule(name="tests.otel.dup")
+    def body() -> str:
+        for _ in range(2):
+            thread = threading.Thread(target=lose)
+            thread.start()
+            thread.join(timeout=60)
+        return "done"
+
+    assert body.run_for_slot(SLOT) == "done"
+    assert losers == [None, None]
+    [span] = recorded.finished()
+    assert TaskRun.objects.get().duplicates == 2
+    assert attrs(span)["taskguard.duplicates"] == 2
 
 
 def test_span__failure_is_an_error_with_the_exception(recorded):

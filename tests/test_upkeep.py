@@ -227,6 +227,73 @@ def test_run_upkeep__two_processes_race_one_holds_the_lease_the_other_skips() ->
     assert upkeep.run_upkeep("three", interval=INTERVAL) == {"taken": False}  # ran just now
 
 
+def test_run_upkeep__a_part_longer_than_the_lease_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 3 s lease and a part that works until well after it would have lapsed: the run
+    renews it, so a second upkeep attempted then (due by the interval) does not run.
+
+    Regression (issue 33): the lease was taken once; a long sweep outlived it and the next
+    process ran its upkeep beside it."""
+    monkeypatch.setattr(upkeep, "HOLD_AT_LEAST", timedelta(seconds=3))
+    entered: list[str] = []
+    second: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            second.update(upkeep.run_upkeep("second", interval=0.5))
+        finally:
+            connections.close_all()
+
+    def slow() -> dict[str, Any]:
+        entered.append("slow")
+        if len(entered) > 1:  # the second upkeep, which took the lease
+            return {}
+        first_until = Upkeep.objects.get().held_until
+        wait_for(lambda: timezone.now() > first_until + timedelta(seconds=2), timeout=30,
+                 what="the lease first taken would have lapsed", every=0.2)  # fmt: skip
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join(timeout=60)
+        return {"slow": 1}
+
+    monkeypatch.setattr(upkeep, "PARTS", [("slow", slow), *upkeep.PARTS])
+    done = upkeep.run_upkeep("first", interval=0.5)
+    assert second == {"taken": False}
+    assert entered == ["slow"]
+    assert done["taken"] and done["slow"] == 1 and done["errors"] == [], done
+    kept = Upkeep.objects.get()
+    assert kept.ran_by == "first" and kept.held_until is None
+
+
+def test_run_upkeep__a_run_whose_lease_was_taken_stops_at_its_next_part(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process took the lease during a part (as after it lapsed): the run stops
+    before its next part, says so once, and leaves the row to the new holder."""
+    ran: list[str] = []
+
+    def robbed() -> dict[str, Any]:
+        ran.append("robbed")
+        later = timezone.now() + timedelta(minutes=1)
+        Upkeep.objects.filter(id=1).update(holder="thief#token", held_until=later)
+        return {}
+
+    def after() -> dict[str, Any]:
+        ran.append("after")
+        return {}
+
+    monkeypatch.setattr(upkeep, "PARTS", [("robbed", robbed), ("after", after)])
+    with caplog.at_level(logging.DEBUG, logger="taskguard"):
+        done = upkeep.run_upkeep("victim", interval=INTERVAL)
+    assert ran == ["robbed"]
+    assert done["taken"] and done["lost"] and done["errors"] == [upkeep.LOST], done
+    (said,) = [r for r in caplog.records if r.name == "taskguard.upkeep"]
+    assert getattr(said, "event", "") == "upkeep.lease_lost" and "victim" in said.getMessage()
+    kept = Upkeep.objects.get()
+    assert kept.holder == "thief#token" and kept.finished_at is None
+
+
 def test_maybe_upkeep__at_most_once_per_interval_per_process() -> None:
     upkeep.forget()
     try:

@@ -117,6 +117,7 @@ from .pending import (
 from .records import (
     add_duplicates,
     count_other_copy,
+    duplicates_of,
     failed_streak,
     insert_abandoned,
     insert_missed,
@@ -158,6 +159,7 @@ __all__ = [
     "count_prunable",
     "database_now",
     "delete_finished",
+    "duplicates_of",
     "earlier_slot_running",
     "earliest_live_slot",
     "end_pending",

@@ -48,6 +48,13 @@ def add_duplicates(task_name: str, slot: datetime, count: int, key: str | None =
         return bool(cursor.rowcount)
 
 
+def duplicates_of(run_id: int) -> int | None:
+    """The row's duplicate count as it stands now (None: no such row)."""
+    with translated:
+        found: int | None = runs().filter(pk=run_id).values_list("duplicates", flat=True).first()
+    return found
+
+
 def count_other_copy(run_id: int, message_id: str | None) -> bool:
     """A call that found run ``run_id`` retrying: True (and counted as a duplicate) when
     the row waits for the retry another message carries, not ``message_id``'s."""

@@ -1,7 +1,8 @@
 """The upkeep's row: a fleet-wide lease (compare-and-set), and what the latest run did.
 
-:mod:`django_taskguard.upkeep` takes the lease before it runs and records the end; the
-health verdict reads :func:`latest`. Every query uses ``DATABASE_ALIAS``.
+:mod:`django_taskguard.upkeep` takes the lease before it runs, renews it while it runs,
+and records the end; the health verdict reads :func:`latest`. Every query uses
+``DATABASE_ALIAS``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def take(holder: str, hold: timedelta, every: timedelta) -> bool:
             .update(holder=holder, held_until=DatabaseNow() + hold, started_at=DatabaseNow())
         )
     return bool(taken)
+
+
+def renew(holder: str, hold: timedelta) -> bool:
+    """Hold the lease ``hold`` longer from now (compare-and-set on the holder); False: the
+    lease was lost (another process took it after it lapsed) or given back."""
+    with translated:
+        return bool(
+            Upkeep.objects.using(alias())
+            .filter(id=1, holder=holder, held_until__isnull=False)
+            .update(held_until=DatabaseNow() + hold)
+        )
 
 
 def finish(holder: str, result: dict[str, Any], error: str = "") -> bool:

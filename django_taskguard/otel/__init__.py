@@ -11,6 +11,7 @@ after :func:`install` is used); tests pass their own providers instead.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -19,7 +20,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
-from .. import __version__, signals
+from .. import __version__, ledger, signals
 from ..conf import taskguard_settings
 from ..context import ActiveRun, active_run, add_function_hook, remove_function_hook
 from ..ledger import clip
@@ -42,13 +43,32 @@ class Receivers:
         # end is counted once, with its duration.
         self.spans, self.meters = spans, meters
 
+    def _end(self, run: ActiveRun, ended: Ended) -> None:
+        """End ``run``'s span with the row's duplicate count as it stands now (the calls
+        suppressed while it ran, on Redis folded into the row before the end's signal);
+        read only for a span open here and traced, and left off when it cannot be read."""
+        key = key_of(run)
+        if not (self.spans.traced and self.spans.is_open(key)):
+            self.spans.end(key, ended)  # the metrics count it (or nothing is open)
+            return
+        try:
+            ended = replace(ended, duplicates=ledger.duplicates_of(run.id))
+        except Exception as exc:
+            logger.debug(
+                "taskguard could not read run %s's duplicates for its span (%s)",
+                run.id,
+                exc,
+                extra=log_fields("otel.duplicates_failed", run_id=run.id, reason=exc),
+            )
+        self.spans.end(key, ended)
+
     def started(self, sender: str, run: ActiveRun, **kwargs: Any) -> None:
         if self.meters is not None:
             self.meters.started(run)
         self.spans.start(run)
 
     def succeeded(self, sender: str, run: ActiveRun, **kwargs: Any) -> None:
-        self.spans.end(key_of(run), Ended("success", "succeeded"))
+        self._end(run, Ended("success", "succeeded"))
 
     def failed(
         self,
@@ -60,13 +80,13 @@ class Receivers:
     ) -> None:
         # Cut before formatting, as the ledger does: a huge message is never copied whole.
         reason = f"{type(exception).__name__}: {clip(str(exception), REASON_MAX_LENGTH)}"
-        self.spans.end(key_of(run), Ended("failure", state, reason, exception))
+        self._end(run, Ended("failure", state, reason, exception))
 
     def given_back(self, sender: str, run: ActiveRun, reason: str = "", **kwargs: Any) -> None:
-        self.spans.end(key_of(run), Ended("skip", run.claimed_from, reason))
+        self._end(run, Ended("skip", run.claimed_from, reason))
 
     def lease_lost(self, sender: str, run: ActiveRun, **kwargs: Any) -> None:
-        self.spans.end(key_of(run), Ended("timeout", "lease_lost", run.lost_reason))
+        self._end(run, Ended("timeout", "lease_lost", run.lost_reason))
 
     def skipped(self, sender: str, slot: datetime, reason: str = "", **kwargs: Any) -> None:
         """A recorded ``skipped``: the end of the attempt running here, if it is that slot's
@@ -74,7 +94,7 @@ class Receivers:
         not an attempt and has no span."""
         run = active_run()
         if run is not None and (run.task_name, run.slot) == (sender, slot):
-            self.spans.end(key_of(run), Ended("skip", "skipped", reason))
+            self._end(run, Ended("skip", "skipped", reason))
 
     def abandoned(
         self, sender: str, run_id: int, slot: datetime, reason: str = "", **kwargs: Any
@@ -157,7 +177,7 @@ def install(
         if wanted["traces"]
         else trace.NoOpTracer()
     )
-    spans = Spans(tracer, plain_keys=wanted["key"] == "plain")
+    spans = Spans(tracer, plain_keys=wanted["key"] == "plain", traced=bool(wanted["traces"]))
     if wanted["metrics"] or wanted["ledger_metrics"]:
         meter = metrics.get_meter(NAME, __version__, meter_provider=meter_provider)
         meters = Meters(meter) if wanted["metrics"] else None

@@ -59,6 +59,7 @@ class Ended:
     state: str
     reason: str = ""
     exception: BaseException | None = None
+    duplicates: int | None = None  # the row's count at the end (None: not read)
 
 
 def key_of(run: ActiveRun) -> Key:
@@ -69,9 +70,14 @@ class Spans:
     """The attempts' spans of this process, through one tracer."""
 
     def __init__(
-        self, tracer: Tracer, plain_keys: bool, ended: Callable[[Open, Ended], None] | None = None
+        self,
+        tracer: Tracer,
+        plain_keys: bool,
+        ended: Callable[[Open, Ended], None] | None = None,
+        traced: bool = True,
     ) -> None:
         self.tracer = tracer
+        self.traced = traced  # False: a no-op tracer (the attempts are tracked for metrics)
         self.plain_keys = plain_keys
         self.ended = ended  # told of every attempt that ends (the metrics), on every path
         self._open: dict[Key, Open] = {}
@@ -126,6 +132,11 @@ class Spans:
         if self.ended is not None:
             self.ended(found, ended)
         return found
+
+    def is_open(self, key: Key) -> bool:
+        """Whether the attempt has a span open here (that records its end)."""
+        with self._lock:
+            return key in self._open
 
     def find(self, match: Callable[[Key, Open], bool]) -> Key | None:
         """The first open attempt that ``match`` accepts."""
@@ -185,6 +196,8 @@ def close(span: Span, ended: Ended) -> None:
         attributes["taskguard.reason"] = ended.reason
     span.add_event(f"taskguard.{ended.state}", attributes)
     span.set_attributes({**attributes, "taskguard.result": ended.result})
+    if ended.duplicates is not None:
+        span.set_attribute("taskguard.duplicates", ended.duplicates)
     if ended.exception is not None:
         span.record_exception(ended.exception)
     if ended.result in ERROR_RESULTS:
