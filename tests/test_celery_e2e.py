@@ -86,7 +86,14 @@ class Cluster:
         self.processes[name] = process
         return process
 
-    def worker(self, name: str, concurrency: int = 1) -> subprocess.Popen[bytes]:
+    def worker(
+        self, name: str, concurrency: int = 1, max_tasks_per_child: int | None = None
+    ) -> subprocess.Popen[bytes]:
+        """A prefork worker; ``max_tasks_per_child``: each pool child is replaced after that
+        many tasks (None: never)."""
+        recycle: list[str] = []
+        if max_tasks_per_child is not None:
+            recycle = ["--max-tasks-per-child", str(max_tasks_per_child)]
         return self.start(
             name,
             [
@@ -97,6 +104,7 @@ class Cluster:
                 str(concurrency),
                 "-P",
                 "prefork",
+                *recycle,
                 "--loglevel",
                 "INFO",
                 "--without-gossip",

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ from .support.checkin_records import (
     tally,
 )
 from .support.children import executions, python
+from .support.slots import BASE_SLOT
 from .support.waiting import wait_for
 from .test_celery_e2e import PERSISTENT, Cluster, drain, published
 from .test_run_schedules import Copy, schedule_env, slots_between
@@ -206,6 +208,70 @@ def test_checkins_e2e__two_beats_two_workers__a_retried_slot_is_one_checkin(
     ran, retried = assert_retries_are_one_checkin(receiver, log, runs, task)
     report("two beats, two workers", receiver, slots=len(ran), retried=len(retried),
            duplicates=sum(run.duplicates for run in runs.values()))  # fmt: skip
+
+
+class SlowReceiver(HoldingReceiver):
+    """Every service answers after ``LATENCY`` seconds, like a distant one: a check-in is
+    still in flight, and the next one queued behind it, when the task that sent them ends."""
+
+    LATENCY = 2.0
+
+    def answer(self, request: BaseHTTPRequestHandler) -> None:
+        time.sleep(self.LATENCY)  # the service's latency (no test waits on it)
+        super().answer(request)
+
+
+@pytest.mark.processes
+@pytest.mark.once
+def test_checkins_e2e__prefork_child_recycled__flushes_its_checkins_before_it_exits(
+    child_env, scratch, redis_server
+):
+    """A prefork worker whose pool child is replaced after each task
+    (``--max-tasks-per-child 1``) runs two guarded tasks. A pool child leaves through
+    ``os._exit`` (no ``atexit``) right after its task; every service answers after 2 s, so
+    each child's end check-ins are still queued when it exits: only the flush on
+    ``worker_process_shutdown`` gets them, and its start check-ins, to every service."""
+    from tests.support import celery_tasks
+
+    log = scratch / "executions.log"
+    task = f"{celery_tasks.tick.name}[prefork]"
+    slots = [BASE_SLOT + timedelta(hours=13), BASE_SLOT + timedelta(hours=14)]
+    receiver = SlowReceiver()
+    receiver.start()
+    cluster = Cluster(checkin_env(child_env, receiver, timeout=15), scratch, redis_server.url)
+    try:
+        cluster.worker("w1", concurrency=1, max_tasks_per_child=1)
+        for slot in slots:
+            cluster.publish(celery_tasks.tick, slot, "prefork", log=str(log), seconds=0)
+        drain([task], timeout=90)
+        wait_for(
+            lambda: (
+                sum(hook.event == "end" for hook in hooks(receiver, task)) >= 2
+                and all(kinds(receiver, service) == expected(receiver) for service in OTHERS)
+            ),
+            90,
+            "both tasks' check-ins at every service",
+            describe=lambda: f"{tally(receiver)}\n{cluster.describe()}",
+        )
+    finally:
+        cluster.kill_all()
+        receiver.stop()
+
+    pids = {int(words[4]) for words in executions(log)}
+    assert len(pids) == 2, f"the two tasks ran in one pool child: {pids}"
+    runs = TaskRun.objects.filter(task_name=task)
+    assert {(run.slot, run.state) for run in runs} == {(s, RunState.SUCCEEDED) for s in slots}
+    found = hooks(receiver, task)
+    assert by_slot(found) == {slot: Counter(start=1, end=1) for slot in slots}
+    assert {(hook.slot, hook.run_id) for hook in found} == {(run.slot, run.id) for run in runs}
+    for service in OTHERS:
+        assert kinds(receiver, service) == expected(receiver), service
+        assert sorted(kind for _, kind in kinds(receiver, service)) == [
+            "ok",
+            "ok",
+            "start",
+            "start",
+        ]
 
 
 def assert_retries_are_one_checkin(
