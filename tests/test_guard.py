@@ -14,6 +14,7 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from django_taskguard.signals import (
     run_succeeded,
 )
 
+from .support import ROOT
 from .support.children import python
 from .support.proc import BASE_SLOT
 from .support.runs import PutBack, busy_call, counted_duplicates
@@ -519,8 +521,29 @@ def test_body_interrupted__the_interrupt_survives_a_failing_receiver(caplog, loc
     assert "could not record that run" in caplog.text
 
 
-def test_new_token__unique_in_children_forked_without_python_hooks():
+def alone_elsewhere(request: pytest.FixtureRequest) -> bool:
+    """Run this test again in a pytest process of its own and check that it passed there;
+    True when it did (the caller returns). A fork in C copies one thread of a process
+    whose other threads (xdist's, a heartbeat's) may be waiting for the GIL at that moment:
+    the child then waits forever to hand the GIL to a thread it does not have. In a
+    process of its own the test's thread is the only one."""
+    if os.environ.get("TASKGUARD_TEST_ALONE") == request.node.nodeid:
+        return False
+    env = {**os.environ, "TASKGUARD_TEST_ALONE": request.node.nodeid}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+    return True
+
+
+@pytest.mark.processes
+def test_new_token__unique_in_children_forked_without_python_hooks(request):
     """uWSGI forks its workers in C: Python's at-fork hooks never run there."""
+    if alone_elsewhere(request):
+        return
     libc_fork = ctypes.PyDLL(None).fork  # PyDLL: the GIL stays held across the fork
     parent = new_token()
     tokens = [parent, new_token()]
@@ -540,9 +563,12 @@ def test_new_token__unique_in_children_forked_without_python_hooks():
     assert len({token[:16] for token in tokens}) == 3, "each process draws its own random part"
 
 
-def test_per_process__a_child_forked_without_python_hooks_makes_its_own_value():
+@pytest.mark.processes
+def test_per_process__a_child_forked_without_python_hooks_makes_its_own_value(request):
     """Every fork-safe value of the package (the token prefix, the pid space, the lock
     backend, the Redis lock's sockets, the heartbeats, the coroutine pool) is one of these."""
+    if alone_elsewhere(request):
+        return
     made: list[int] = []
 
     def make() -> list[int]:
