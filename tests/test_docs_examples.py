@@ -77,6 +77,7 @@ SETTINGS = """
 from tests.settings import *  # noqa: F403
 
 TIME_ZONE = "Asia/Shanghai"  # the docs' site
+INSTALLED_APPS = [*INSTALLED_APPS, "myapp"]  # noqa: F405  (its jobs module: the site's schedules)
 """
 
 # What a page's ``run`` blocks take from its other blocks, or from the user's own code.
