@@ -37,7 +37,10 @@ for name in "${names[@]}"; do
   if [ "$name" = west ]; then
     zone=(env TZ=America/Los_Angeles)
   else
-    prefix=(faketime -f "@${AT[$name]}")
+    # The wall clock moved, the monotonic clock left alone: thread waits (a Condition's
+    # timeout, Dramatiq's and Celery's worker joins) run on it, and under a faked one they
+    # hung for good (2026-12-07).
+    prefix=(env DONT_FAKE_MONOTONIC=1 faketime -f "@${AT[$name]}")
   fi
   echo "== $name: ${AT[$name]:-TZ=America/Los_Angeles}"
   start=$SECONDS
