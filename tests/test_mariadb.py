@@ -71,6 +71,7 @@ def child_isolation(env: dict[str, str]) -> str:
 
 
 @mariadb_only
+@pytest.mark.processes
 @pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
 def test_race__each_slot_once_and_no_deadlock_at_either_isolation_level(
     child_env, scratch, isolation
