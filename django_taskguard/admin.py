@@ -26,7 +26,7 @@ from django.utils.translation import ngettext
 
 from . import admin_schedules, ledger, timefmt
 from ._compat import OL_BREADCRUMBS
-from .admin_overview import OverviewMixin
+from .admin_overview import OverviewMixin, ReadOnlyMixin
 from .cleanup import cleanup_locks, release_lock
 from .exceptions import BackendUnavailable
 from .models import TaskRun, TaskRunQuerySet, TaskRunTransition
@@ -163,7 +163,7 @@ class TransitionInline(TransitionInlineBase):
 
 
 @admin.register(TaskRun)
-class TaskRunAdmin(OverviewMixin, RunAdminBase):
+class TaskRunAdmin(ReadOnlyMixin, OverviewMixin, RunAdminBase):  # states change only by actions
     # Narrow enough for a 1280 px screen beside the admin's two sidebars: under a run's state
     # go its lease (running) and its attempt (a retry), under its task its key (keyed), and a
     # slot takes two lines (date, then time).
@@ -222,16 +222,6 @@ class TaskRunAdmin(OverviewMixin, RunAdminBase):
         queryset = super().get_queryset(request).using(ledger.alias())
         admin_queryset = AdminRunQuerySet(model=TaskRun, query=queryset.query, using=queryset.db)
         return admin_queryset.with_lease()
-
-    # Read-only: states change only through the state machine (the actions).
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def has_cleanup_permission(self, request: HttpRequest) -> bool:
         opts = self.opts

@@ -60,6 +60,20 @@ SPAN_CELL = '<span class="taskguard-cell {}" title="{}" style="background:{}"></
 BADGES = {"ok": ("#198754", _("healthy")), "paused": ("#6c757d", _("paused"))}
 
 
+class ReadOnlyMixin:
+    """No add, change or delete: what the run admin and the overview's entry share (rows
+    change only through the state machine's actions)."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 class OverviewMixin(AdminBase):
     """Adds the overview and its pause/resume views to the ``TaskRun`` admin."""
 
@@ -275,21 +289,12 @@ def _when(moment: datetime | None) -> tuple[str, str, str] | None:
 
 
 @admin.register(TaskOverview)
-class TaskOverviewAdmin(OverviewEntryBase):
+class TaskOverviewAdmin(ReadOnlyMixin, OverviewEntryBase):
     """The app index's and the sidebar's "Tasks at a glance": a link to the overview page,
     shown to whoever may see the runs; nothing to add, change or delete."""
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.has_perm("taskguard.view_taskrun"))
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
