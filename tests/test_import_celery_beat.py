@@ -95,7 +95,11 @@ def test_import__crontab_keeps_its_zone_and_celerys_day_rule() -> None:
     out = run()
     row = schedule("friday-13th")
     assert (row.source, row.target_kind) == (ScheduleSource.DATA, TargetKind.CELERY)
-    assert (row.cron, row.cron_day_or, row.time_zone) == ("30 9 13 * 5", False, "America/New_York")
+    assert (row.cron, row.cron_day_or, row.time_zone) == (
+        "30 9 13 * fri",
+        False,
+        "America/New_York",
+    )
     slots = rebuild(row.cron, row.cron_day_or, row.time_zone, row.every).slots_between(
         datetime(2026, 1, 1, tzinfo=UTC), datetime(2028, 1, 1, tzinfo=UTC), 100
     )
@@ -291,3 +295,24 @@ def test_import__an_admin_edit_keeps_celerys_day_rule() -> None:
     assert response.status_code == 302, errors(response)
     edited = schedule("friday-13th")
     assert (edited.cron, edited.cron_day_or, edited.version) == ("45 9 13 * 5", False, 2)
+
+
+def test_import__crontab_keeps_the_fields_as_written_and_names_the_day_rule_only_when_it_counts():
+    periodic("every-5-min", crontab=crontab(minute="*/5", timezone="UTC"))
+    periodic(
+        "weekdays-odd-days",
+        crontab=crontab(minute="0", hour="9", day_of_month="1-31/2", day_of_week="mon-fri"),
+    )
+    periodic("sundays", crontab=crontab(minute="0", hour="6", day_of_week="0"))
+    out = run()
+    assert schedule("every-5-min").cron == "*/5 * * * *"
+    assert schedule("weekdays-odd-days").cron == "0 9 1-31/2 * mon-fri"
+    assert schedule("sundays").cron == "0 6 * * 0"
+    lines = {line.split("'")[1]: line for line in out.splitlines() if line.startswith("Imported '")}
+    assert lines["every-5-min"].endswith('cron "*/5 * * * *" in UTC'), out
+    assert "day of month and day of week both" not in lines["sundays"]
+    assert lines["weekdays-odd-days"].endswith("day of month and day of week both"), out
+    slots = rebuild("*/5 * * * *", False, "UTC", None).slots_between(
+        datetime(2025, 12, 31, 23, 59, tzinfo=UTC), datetime(2026, 1, 1, 0, 59, tzinfo=UTC), 100
+    )
+    assert [slot.minute for slot in slots] == list(range(0, 60, 5))

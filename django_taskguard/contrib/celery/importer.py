@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery.schedules import crontab
+from croniter import CroniterError, croniter
 
 from ...data_schedules import validate
 from ...exceptions import TaskGuardError
@@ -93,7 +94,9 @@ def describe(values: dict[str, Any]) -> str:
     """A data schedule's timing in a few words, for the command's output."""
     if values["every"] is not None:
         return f"every {values['every']}"
-    rule = "" if values["cron_day_or"] else ", day of month and day of week both"
+    days = values["cron"].split()[2::2]  # day of month, day of week
+    both = not values["cron_day_or"] and "*" not in days
+    rule = ", day of month and day of week both" if both else ""
     return f'cron "{values["cron"]}" in {values["time_zone"]}{rule}'
 
 
@@ -137,7 +140,35 @@ def _crontab(schedule: Any) -> dict[str, Any]:
         zone = zone_name(schedule.timezone)
     except (TaskGuardError, ValueError) as exc:
         raise Refused(f"its crontab {schedule} cannot be read ({exc})") from None
-    return {"cron": cron_expression(parsed), "cron_day_or": False, "time_zone": zone}
+    written = (
+        schedule.minute,
+        schedule.hour,
+        schedule.day_of_month,
+        schedule.month_of_year,
+        schedule.day_of_week,
+    )
+    fields = cron_expression(parsed).split()
+    cron = " ".join(
+        _as_written(str(text), field, n)
+        for n, (text, field) in enumerate(zip(written, fields, strict=True))
+    )
+    return {"cron": cron, "cron_day_or": False, "time_zone": zone}
+
+
+def _as_written(text: str, parsed: str, position: int) -> str:
+    """The crontab's field as the user wrote it (``*/5``, ``mon-fri``) when cron reads it
+    as the same values celery does; celery's values (``0,5,...,55``) otherwise."""
+    text = "".join(text.split())
+    if parsed == "*":
+        return parsed
+    probe = ["*"] * 5
+    probe[position] = text
+    try:
+        expanded = croniter(" ".join(probe)).expanded[position]
+    except (CroniterError, ValueError):
+        return parsed
+    same = expanded != ["*"] and {str(value) for value in expanded} == set(parsed.split(","))
+    return text if same else parsed
 
 
 def _json(text: Any, field: str, kind: type) -> Any:
