@@ -144,6 +144,7 @@ EVENTS = frozenset(
         "beat.save_failed",
         "beat.read_failed",
         "beat.data_read_failed",
+        "beat.data_loaded",
         "beat.data_refreshed",
         "beat.data_changed",
         "beat.data_not_sent",

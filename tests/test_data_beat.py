@@ -659,3 +659,23 @@ def test_beats__two_beats_two_workers_follow_created_edited_disabled_deleted(bea
     before_move = [slot for slot in ran(two) if slot <= moved_at]
     gaps = [b for a, b in itertools.pairwise(before_move) if b - a != timedelta(seconds=1)]
     assert not gaps, f"slots of two missing before {gaps}"
+
+
+def test_scheduler__says_loaded_at_its_first_read_and_what_changed_after(tmp_path, caplog):
+    caplog.set_level("INFO", logger="taskguard.celery")
+    for name in ("a", "b", "c"):
+        defined(name)
+    beat = TaskguardScheduler(app=app, schedule_filename=str(tmp_path / "s"), lazy=False)
+    try:
+        said = [r.getMessage() for r in caplog.records if "data schedule" in r.getMessage()]
+        assert said == ["taskguard beat: 3 data schedules loaded"]
+        caplog.clear()
+        defined("a", tenant=9)
+        defined("d")
+        delete_schedule("b", REPORT)
+        beat.data_schedules().next_poll = 0.0
+        beat.refresh_data_schedules()
+        said = [r.getMessage() for r in caplog.records if "data schedule" in r.getMessage()]
+        assert said == ["taskguard beat: data schedules: 1 added, 1 changed, 1 removed"]
+    finally:
+        beat.close()

@@ -434,18 +434,31 @@ class DataSchedulesMixin:
 
     def refresh_data_schedules(self) -> None:
         """Apply what changed to the beat's schedule; never raises."""
-        changed = self.data_schedules().refresh()
+        data = self.data_schedules()
+        first, known = data.cursor is None, set(data.entries)
+        changed = data.refresh()
         if changed is None:
             return
         put, gone = changed
-        if put or gone:
-            self._update_schedule(put, gone)
+        if not (put or gone):
+            return
+        self._update_schedule(put, gone)
+        if first:
             logger.info(
-                "taskguard beat: %d data schedules updated, %d removed",
+                "taskguard beat: %d data %s loaded",
                 len(put),
-                len(gone),
-                extra=log_fields("beat.data_refreshed"),
+                "schedule" if len(put) == 1 else "schedules",
+                extra=log_fields("beat.data_loaded"),
             )
+            return
+        added = sum(1 for entry in put if entry.key not in known)
+        logger.info(
+            "taskguard beat: data schedules: %d added, %d changed, %d removed",
+            added,
+            len(put) - added,
+            len(gone),
+            extra=log_fields("beat.data_refreshed"),
+        )
 
     def _update_schedule(self, put: list[DataEntry], gone: list[str]) -> None:
         """Put ``put`` in the beat's schedule, take ``gone`` out, send the slots owed."""
