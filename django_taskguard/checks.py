@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,14 +84,31 @@ def check_settings(
         errors += _check_database()
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:
+        said = ngettext("Unknown TASKGUARD key", "Unknown TASKGUARD keys", len(unknown))
         errors.append(
             Warning(
-                f"Unknown TASKGUARD keys: {', '.join(unknown)}.",
-                hint=f"Known keys: {', '.join(sorted(DEFAULTS))}.",
-                id="taskguard.W001",
+                f"{said}: {', '.join(unknown)}.", hint=_likely_keys(unknown), id="taskguard.W001"
             )
         )
     return errors
+
+
+def _likely_keys(unknown: list[str]) -> str:
+    """The known key each of ``unknown`` is likely a typo of; every known key only when one
+    of them is close to none (a list of 40 keys hides the one meant)."""
+    hints, far = [], []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key).upper(), list(DEFAULTS), n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{key}: did you mean {close[0]}?")
+        else:
+            far.append(str(key))
+    if far:
+        hints.append(
+            f"No known key is close to {', '.join(far)}; the known keys: "
+            f"{', '.join(sorted(DEFAULTS))}."
+        )
+    return " ".join(hints)
 
 
 def _valid(name: str) -> Any:

@@ -83,6 +83,25 @@ def test_check_settings__each_misconfiguration_has_its_id(taskguard, expected):
     assert ids(TASKGUARD=taskguard, CACHES={"default": LOCMEM}) == expected
 
 
+def test_check_settings__w001_names_the_key_meant_and_lists_them_all_only_when_none_is_close():
+    def w001(taskguard: dict[str, object]) -> tuple[str, str]:
+        with override_settings(TASKGUARD=taskguard, CACHES={"default": LOCMEM}):
+            (found,) = [m for m in check_settings() if m.id == "taskguard.W001"]
+        return found.msg, found.hint or ""
+
+    assert w001({"LEASE_SECOND": 30}) == (
+        "Unknown TASKGUARD key: LEASE_SECOND.",
+        "LEASE_SECOND: did you mean LEASE_SECONDS?",
+    )
+    assert w001({"on_redis_error": "fail"})[1] == "on_redis_error: did you mean ON_REDIS_ERROR?"
+    message, hint = w001({"COLOUR": 1, "KEY_PREFIXES": "a"})
+    assert message == "Unknown TASKGUARD keys: COLOUR, KEY_PREFIXES."
+    assert hint.startswith(
+        "KEY_PREFIXES: did you mean KEY_PREFIX? No known key is close to COLOUR; the known "
+        "keys: BACKEND, "
+    )
+
+
 def test_check_settings__use_tz_false_is_e003():
     assert ids(USE_TZ=False, TASKGUARD={}) == ["taskguard.E003"]
 
