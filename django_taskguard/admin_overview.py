@@ -36,7 +36,7 @@ from . import acknowledgements, overview, pauses, timefmt
 from ._compat import OL_BREADCRUMBS
 from .exceptions import BackendUnavailable, TaskGuardError
 from .ledger import schedules as schedule_store
-from .models import ScheduleEvent, ScheduleEventOrigin, TaskOverview, TaskRun
+from .models import ScheduleEvent, ScheduleEventKind, ScheduleEventOrigin, TaskOverview, TaskRun
 from .states import RunState
 
 if TYPE_CHECKING:
@@ -127,8 +127,8 @@ class OverviewMixin(AdminBase):
         if action == "acknowledge":
             return self._acknowledge(request, name, user)
         if action == "pause":
-            given = " ".join(request.POST.get("reason", "").split())[:200]
-            reason = f"paused from the admin by {user}" + (f": {given}" if given else "")
+            # The operator's words only: who and from where are the event's own fields.
+            reason = " ".join(request.POST.get("reason", "").split())[:200]
             changed = pauses.pause(name, reason, by=user, origin=ScheduleEventOrigin.ADMIN)
             done = _("Paused %(task)s.")
             same = _("%(task)s is not a known schedule, or is paused already.")
@@ -204,6 +204,7 @@ class OverviewMixin(AdminBase):
             "problems": task.problems,
             "paused": task.paused,
             "paused_reason": task.paused_reason,
+            "pause": _event(_current_pause(row)),
             "scheduled": task.schedule is not None,
             "can_acknowledge": task.registered and not task.healthy and not task.paused,
             "acknowledgement": _event(task.acknowledgement),
@@ -258,6 +259,18 @@ def _more(page: overview.Page | None) -> str:
         "%(n)d more tasks (%(bad)d of them unhealthy)",
         page.later,
     ) % {"n": page.later, "bad": page.later_unhealthy}
+
+
+def _current_pause(row: overview.TaskRow) -> ScheduleEvent | None:
+    """The event of a paused task's pause (who, from where), when its history holds it."""
+    if not row.health.paused:
+        return None
+    for event in row.history:  # newest first: the first pause is the one in force
+        if event.kind == ScheduleEventKind.PAUSED:
+            return event
+        if event.kind == ScheduleEventKind.RESUMED:
+            return None
+    return None
 
 
 def _event(event: ScheduleEvent | None) -> dict[str, Any] | None:

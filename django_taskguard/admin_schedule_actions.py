@@ -83,8 +83,8 @@ class ScheduleActionsMixin(AdminBase):
         if request.POST.get("confirm") != "yes":
             return self._ask(request, queryset, "pause_schedules", _("Pause these schedules?"))
         user = request.user.get_username()
-        given = " ".join(request.POST.get("reason", "").split())[:REASON_MAX_LENGTH]
-        reason = f"paused from the admin by {user}" + (f": {given}" if given else "")
+        # The operator's words only: who and from where are the event's own fields.
+        reason = " ".join(request.POST.get("reason", "").split())[:REASON_MAX_LENGTH]
         origin = ScheduleEventOrigin.ADMIN
         done = self._each(
             request, queryset, lambda name: pauses.pause(name, reason, by=user, origin=origin)

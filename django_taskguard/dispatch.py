@@ -33,7 +33,7 @@ from .context import ActiveRun
 from .exceptions import BackendUnavailable
 from .guard import duplicate, run_claimed
 from .logfields import log_fields, run_log_fields
-from .pauses import paused_reason
+from .pauses import paused_reason, why
 from .policy import Policy
 from .pool import Pool
 from .states import RunState
@@ -93,7 +93,7 @@ def not_run(entry: Entry, slot: datetime, otherwise: str) -> str:
         return otherwise
     if row is None or row.state != RunState.SKIPPED:
         return otherwise
-    return f"not run: the task is paused ({reason}); the slot is recorded skipped"
+    return f"not run: the task is paused{why(reason)}; the slot is recorded skipped"
 
 
 def batchable(entry: Entry, slot: datetime, now: datetime) -> bool:

@@ -23,7 +23,7 @@ from .locks.database import DatabaseLock
 from .logfields import log_fields, run_log_fields
 from .models import ScheduleEventOrigin
 from .owner import actor, new_owner, new_token
-from .pauses import pause, paused_reason
+from .pauses import pause, paused_reason, paused_words
 from .policy import Policy
 from .signals import (
     duplicate_suppressed,
@@ -592,7 +592,7 @@ def _skip_paused(active: ActiveRun) -> str | None:
     paused = paused_reason(active.task_name)
     if paused is None:
         return None
-    reason = f"paused: {paused}"
+    reason = paused_words(paused)
     finish(active, RunState.SKIPPED, reason)
     return reason
 

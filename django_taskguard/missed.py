@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from django.db import DatabaseError
 from django.utils.translation import ngettext
 
-from . import ledger
+from . import ledger, pauses
 from .conf import taskguard_settings
 from .cron import NEXT_SLOT_HORIZON
 from .exceptions import BackendUnavailable
@@ -354,7 +354,7 @@ class _Found:
 
 def _paused_reason(row: TaskSchedule, window: store.PauseWindow | None) -> str:
     if row.paused and (window is None or window.end is None):
-        return f"paused: {row.paused_reason or 'paused'} (recorded by the missed-slot sweep)"
+        return f"{pauses.paused_words(row.paused_reason)} (recorded by the missed-slot sweep)"
     if window is None or window.start is None or window.end is None:
         return "paused (recorded by the missed-slot sweep)"
     return (
@@ -371,7 +371,7 @@ def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
     ``skipped``."""
     window = store.pause_window(row)
     if window is not None:
-        why = f"paused: {row.paused_reason or 'paused'} (pending, not started; the sweep)"
+        why = f"{pauses.paused_words(row.paused_reason)} (pending, not started; the sweep)"
         ended = _end_pending_all(row, end, RunState.SKIPPED, why, window.start, window.end)
         result.paused_slots += len(ended)
         _count(result, row.task_name, len(ended))

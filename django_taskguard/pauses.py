@@ -73,9 +73,9 @@ def pause(
     by: str = "",
     origin: ScheduleEventOrigin = ScheduleEventOrigin.CODE,
 ) -> bool:
-    """Pause a known schedule and keep the event (who, from where, why); False when it is
-    unknown or already paused (nothing is kept then)."""
-    reason = reason or "paused"
+    """Pause a known schedule and keep the event (who, from where, why: ``reason``, the
+    operator's own words or nothing); False when it is unknown or already paused (nothing
+    is kept then)."""
     try:
         return store.change_pause(task_name, reason, origin=origin, by=by, note=reason)
     finally:
@@ -94,6 +94,18 @@ def resume(
         return store.change_pause(task_name, None, origin=origin, by=by, note=reason)
     finally:
         forget()
+
+
+def paused_words(reason: str) -> str:
+    """A skipped slot's reason for a pause: ``paused: why``, or ``paused`` when none was
+    given."""
+    return f"paused: {reason}" if reason else "paused"
+
+
+def why(reason: str) -> str:
+    """`` (why)`` to follow the word "paused" in a sentence, or nothing when no reason was
+    given."""
+    return f" ({reason})" if reason else ""
 
 
 def forget() -> None:

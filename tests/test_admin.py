@@ -344,9 +344,15 @@ def test_overview__pause_and_resume_through_the_library_with_the_user(operator):
     assert "Paused tests.nightly." in response.content.decode()
     stored = TaskSchedule.objects.get(task_name="tests.nightly")
     assert stored.paused
-    assert stored.paused_reason == "paused from the admin by operator: vendor outage"
+    assert stored.paused_reason == "vendor outage"  # the operator's words; who: the event's
     row = overview_rows(operator)["tests.nightly"]
     assert 'data-status="paused"' in row and 'value="resume"' in row
+    said = re.search(r'<div class="help taskguard-paused">(.*?)</div>', row)
+    assert said is not None, row
+    assert re.fullmatch(
+        r"Paused by operator from the admin at \S+ \S+ \S+: vendor outage", said.group(1)
+    ), said.group(1)
+    assert "paused from the admin" not in row
     operator.post(PAUSE, {"task": "tests.nightly", "do": "resume"})
     assert not TaskSchedule.objects.get(task_name="tests.nightly").paused
     entries = LogEntry.objects.filter(object_id=str(stored.pk)).order_by("pk")

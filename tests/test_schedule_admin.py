@@ -183,9 +183,18 @@ def test_pause_action__asks_a_reason_then_pauses_with_who_and_from_where(pauser)
     assert said(done) == ["Paused jobs.sync."]
     stored = TaskSchedule.objects.get(pk=row.pk)
     assert stored.paused
-    assert stored.paused_reason == "paused from the admin by pauser: vendor outage"
+    # The operator's words, once: who and from where are the event's, said beside them.
+    assert stored.paused_reason == "vendor outage"
     event = ScheduleEvent.objects.get(task_name="jobs.sync")
-    assert (event.kind, event.by, event.origin) == ("paused", "pauser", "admin")
+    assert (event.kind, event.by, event.origin, event.reason) == (
+        "paused",
+        "pauser",
+        "admin",
+        "vendor outage",
+    )
+    listed = rows_of(pauser.get(CHANGELIST).content.decode())["jobs.sync"]
+    assert listed.count("vendor outage") == 1 and listed.count("pauser") == 1, listed
+    assert "by pauser from the admin" in listed
     again = act(pauser, "pause_schedules", [row], confirm="yes", reason="twice")
     assert said(again) == ["Already paused: jobs.sync."]
     resumed = act(pauser, "resume_schedules", [row])

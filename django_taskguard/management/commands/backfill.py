@@ -22,7 +22,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from ... import ledger
+from ... import ledger, pauses
 from ...conf import taskguard_settings
 from ...exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from ...handoff import SENDERS, SlotSender
@@ -211,8 +211,8 @@ class Command(BaseCommand):
         self._say_plan(task, plan, dry_run=dry_run, mode="send")
         if row.paused:
             self.stdout.write(
-                f"{task} is paused ({row.paused_reason}): the worker records each slot skipped "
-                f"(paused) instead of running it; resume it first to run them."
+                f"{task} is paused{pauses.why(row.paused_reason)}: the worker records each "
+                f"slot skipped (paused) instead of running it; resume it first to run them."
             )
         if dry_run:
             for slot in plan.slots:

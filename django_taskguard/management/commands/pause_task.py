@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from ...exceptions import BackendUnavailable
 from ...ledger import schedules as store
 from ...models import ScheduleEventOrigin
-from ...pauses import PAUSE_CACHE_SECONDS, pause
+from ...pauses import PAUSE_CACHE_SECONDS, pause, why
 from ..discovery import OPERATOR, operator, sync_schedules, unknown_schedule
 
 
@@ -31,9 +31,8 @@ class Command(BaseCommand):
             row = store.get(name)
             if row is None:
                 raise unknown_schedule(name, store.names())
-            reason = reason or "paused with manage.py pause_task"
             if not pause(name, reason, by=operator(), origin=ScheduleEventOrigin.COMMAND):
-                self.stdout.write(f"{name} was already paused ({row.paused_reason}).")
+                self.stdout.write(f"{name} was already paused{why(row.paused_reason)}.")
                 return
         except BackendUnavailable as exc:
             raise CommandError(f"pause_task failed: {exc}") from exc
