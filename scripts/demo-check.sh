@@ -72,6 +72,13 @@ echo "-- make demo"
 "${SCRUB[@]}" make --no-print-directory demo </dev/null >"$work/plain.log" 2>&1 \
   || { cat "$work/plain.log"; exit 1; }
 grep -q "backend: database" "$work/plain.log" || { cat "$work/plain.log"; exit 1; }
+# The install says nothing of its own: a setuptools warning here is what a new user reads
+# first (the editable-install one came from the layout pyproject.toml did not declare).
+if grep -qE "BuildBackendWarning|SetuptoolsDeprecationWarning|SetuptoolsWarning" "$work/plain.log"; then
+  echo "demo-check: make demo printed a setuptools warning:" >&2
+  cat "$work/plain.log" >&2
+  exit 1
+fi
 tail -n 2 "$work/plain.log"
 
 echo "-- REDIS_URL=redis://127.0.0.1:<private port>/0 make demo"
