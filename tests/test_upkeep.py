@@ -8,7 +8,9 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -25,7 +27,7 @@ from django.utils import timezone
 from django_taskguard import health, metrics, once_per_schedule, upkeep
 from django_taskguard.models import RunState, TaskRun, TaskSchedule, Upkeep
 
-from .support.children import Child
+from .support.children import Child, python
 from .support.monitoring import due_slot, finished, run_check, schedule
 from .support.redis_server import RedisServer
 from .support.redis_support import redis_backend
@@ -448,3 +450,78 @@ def test_upkeep__a_redis_outage_is_one_warning_per_process_and_the_other_parts_r
             assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     finally:
         upkeep.forget(off=True)
+
+
+def _upkeep_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("taskguard-upkeep")]
+
+
+def test_celery_worker__its_timer_starts_when_ready_and_leaves_no_thread_when_it_stops() -> None:
+    """``worker_ready`` starts the worker's upkeep timer (once, however often it is sent),
+    which attempts the upkeep with no task at all; ``worker_shutdown`` ends it and waits for
+    the upkeep it started. With the automatic upkeep off, no timer starts."""
+    from celery.signals import worker_ready, worker_shutdown
+
+    from django_taskguard.contrib.celery.worker import TIMER
+
+    assert _upkeep_threads() == []
+    upkeep.forget()
+    try:
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 60}):
+            worker_ready.send(sender=None)
+            worker_ready.send(sender=None)
+            assert _upkeep_threads().count("taskguard-upkeep-timer") == 1
+            wait_for(finished_upkeep, timeout=60, what="an upkeep run by the timer alone")
+            worker_shutdown.send(sender=None)
+            assert _upkeep_threads() == []
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": None}):
+            worker_ready.send(sender=None)
+            assert _upkeep_threads() == []
+    finally:
+        TIMER.stop()
+        upkeep.forget(off=True)
+
+
+@pytest.mark.file_and_server
+@pytest.mark.processes
+@pytest.mark.parametrize("pool", ["prefork", "solo", "threads"])
+def test_celery_worker__an_idle_worker_runs_the_upkeep_in_its_main_process(
+    child_env: dict[str, str], redis_server: RedisServer, scratch: Path, pool: str
+) -> None:
+    """A real ``celery worker`` that receives no task: its main process (a prefork pool's
+    parent, not a child) abandons a stale run within the upkeep interval, and again an
+    interval later; a warm shutdown (SIGTERM) ends it cleanly.
+
+    Regression (issue 33): the upkeep ran only after a task ended, so an idle worker never
+    swept (stale leases, missed slots, expired Redis locks)."""
+    first = make_run("tests.upkeep.idle_worker")  # running, its lease expired an hour ago
+    env = {
+        **child_env,
+        "TASKGUARD_TEST_UPKEEP": str(INTERVAL),
+        "TASKGUARD_TEST_BROKER_URL": redis_server.url,
+    }
+    argv = ["worker", "-P", pool, "-c", "1", "-n", f"idle-{pool}@%h", "--loglevel", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+    with open(scratch / "worker.out", "ab") as out:
+        worker = subprocess.Popen(
+            [python(), "-m", "celery", "-A", "tests.support.celery_app", *argv],
+            env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def abandoned(run: TaskRun) -> bool:
+            return TaskRun.objects.get(pk=run.pk).state == RunState.ABANDONED
+
+        wait_for(lambda: abandoned(first), timeout=60, what="the stale run abandoned",
+                 describe=lambda: (scratch / "worker.out").read_text(errors="replace"))  # fmt: skip
+        kept = wait_for(finished_upkeep, what="the upkeep's end recorded")
+        assert kept.ran_by.endswith(f":{worker.pid}"), kept.ran_by  # the main process
+        second = make_run("tests.upkeep.idle_worker", 1)  # after that upkeep: the next one's
+        wait_for(lambda: abandoned(second), timeout=60, what="the next interval's upkeep")
+        assert not TaskRun.objects.exclude(pk__in=[first.pk, second.pk]).exists()  # no task
+        os.killpg(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
