@@ -203,10 +203,14 @@ def give_back(holder: str) -> None:
 
 
 def take_now(holder: str, interval: float | None = None) -> bool:
-    """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``);
-    False: another process holds it (raises ``BackendUnavailable``)."""
-    seconds = interval or _interval() or RECHECK_SECONDS
-    return store.take(holder, hold_for(seconds), timedelta(0))
+    """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``), for
+    :func:`hold_now`; False: another process holds it (raises ``BackendUnavailable``)."""
+    return store.take(holder, hold_now(interval), timedelta(0))
+
+
+def hold_now(interval: float | None = None) -> timedelta:
+    """How long :func:`take_now`'s lease is held (and renewed for: :class:`Keeping`)."""
+    return hold_for(interval or _interval() or RECHECK_SECONDS)
 
 
 def work(held: Callable[[], bool] | None = None) -> tuple[dict[str, Any], list[str]]:

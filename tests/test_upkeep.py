@@ -268,6 +268,47 @@ def test_run_upkeep__a_part_longer_than_the_lease_keeps_it(
     assert kept.ran_by == "first" and kept.held_until is None
 
 
+def test_cleanup_locks__a_run_longer_than_its_lease_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cleanup_locks`` with the automatic upkeep off (run from cron) takes a 3 s lease and
+    works until well after it would have lapsed: it renews it, so an upkeep attempted then
+    does not run beside it, and the command's run is the one recorded.
+
+    Regression (issue 33): the command took the lease once; a long cleanup outlived it, the
+    next process's upkeep ran beside it, and the command's end was not recorded."""
+    from django_taskguard.management.commands import cleanup_locks as command
+
+    monkeypatch.setattr(upkeep, "HOLD_AT_LEAST", timedelta(seconds=3))
+    monkeypatch.setattr(upkeep, "RECHECK_SECONDS", 1.0)  # the lease of no interval: 3 s
+    second: dict[str, Any] = {}
+    cleanup = command.cleanup_locks
+
+    def attempt() -> None:
+        try:
+            second.update(upkeep.run_upkeep("second", interval=0.5))
+        finally:
+            connections.close_all()
+
+    def slow(**options: Any) -> Any:
+        first_until = Upkeep.objects.get().held_until
+        wait_for(lambda: timezone.now() > first_until + timedelta(seconds=2), timeout=30,
+                 what="the lease first taken would have lapsed", every=0.2)  # fmt: skip
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join(timeout=60)
+        return cleanup(**options)
+
+    monkeypatch.setattr(command, "cleanup_locks", slow)
+    err = io.StringIO()
+    call_command("cleanup_locks", stdout=io.StringIO(), stderr=err)
+    assert second == {"taken": False}
+    kept = Upkeep.objects.get()
+    assert kept.ran_by.startswith("cleanup_locks@"), kept.ran_by
+    assert kept.finished_at is not None and kept.held_until is None
+    assert err.getvalue() == ""
+
+
 def test_run_upkeep__a_run_whose_lease_was_taken_stops_at_its_next_part(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
