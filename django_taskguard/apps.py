@@ -22,7 +22,8 @@ class TaskguardConfig(AppConfig):
 
         if find_spec("celery") is not None:
             # The slot source that reads the beat-stamped message headers, celery's
-            # schedules in schedule=, the startup cleanup when a worker is ready.
+            # schedules in schedule=, the startup cleanup and the upkeep's timer when a
+            # worker is ready.
             from .contrib.celery.worker import register
 
             register()

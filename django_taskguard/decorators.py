@@ -81,6 +81,13 @@ def backfilling() -> Iterator[None]:
         _backfilling.reset(token)
 
 
+def backfill_enqueued() -> bool:
+    """Whether the slots enqueued now are an operator's backfill (inside :func:`backfilling`):
+    an integration that carries a slot its own way (RQ's job meta, Dramatiq's message
+    options) carries this with it too."""
+    return _backfilling.get()
+
+
 def carrying_slot(kwargs: dict[str, Any], slot: datetime | str) -> dict[str, Any]:
     """``kwargs`` with ``slot`` added as :data:`SLOT_KWARG` (normalized, ISO-8601 UTC): the
     keyword arguments of a call a task queue carries to the guarded function (each
@@ -90,7 +97,7 @@ def carrying_slot(kwargs: dict[str, Any], slot: datetime | str) -> dict[str, Any
     if SLOT_KWARG in kwargs or BACKFILL_KWARG in kwargs:
         raise TaskGuardError(f"give the slot as enqueue_for_slot()'s argument, not {SLOT_KWARG}=")
     carried = {**kwargs, SLOT_KWARG: schedules.normalize_slot(slot).isoformat()}
-    if _backfilling.get():
+    if backfill_enqueued():
         carried[BACKFILL_KWARG] = True
     return carried
 

@@ -25,7 +25,8 @@ whose lease was taken all the same (its renewals failed until it lapsed) stops b
 next part.
 
 :func:`maybe_upkeep` is what the processes call (``run_schedules``, the beat schedulers,
-Celery workers after each task, every guarded call after it ended): a look at a
+Celery workers after each task and their main process on a :class:`Timer`, every guarded
+call after it ended): a look at a
 monotonic clock, and at most once per interval per process a daemon thread that takes the
 lease and runs the upkeep. The caller never waits for it, and nothing of it raises into
 the caller.
@@ -202,10 +203,14 @@ def give_back(holder: str) -> None:
 
 
 def take_now(holder: str, interval: float | None = None) -> bool:
-    """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``);
-    False: another process holds it (raises ``BackendUnavailable``)."""
-    seconds = interval or _interval() or RECHECK_SECONDS
-    return store.take(holder, hold_for(seconds), timedelta(0))
+    """Take the lease whenever the latest upkeep ran (an operator's ``cleanup_locks``), for
+    :func:`hold_now`; False: another process holds it (raises ``BackendUnavailable``)."""
+    return store.take(holder, hold_now(interval), timedelta(0))
+
+
+def hold_now(interval: float | None = None) -> timedelta:
+    """How long :func:`take_now`'s lease is held (and renewed for: :class:`Keeping`)."""
+    return hold_for(interval or _interval() or RECHECK_SECONDS)
 
 
 def work(held: Callable[[], bool] | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -439,6 +444,47 @@ def upkeep_wait() -> float:
     """Seconds until this process is next due to attempt an upkeep (at least 1): how long
     a loop that calls :func:`maybe_upkeep` may sleep."""
     return max(_gate.next_at - time.monotonic(), 1.0)
+
+
+class Timer:
+    """A thread that attempts the upkeep whenever this process is due (:func:`maybe_upkeep`),
+    for a process that may call nothing guarded for hours: an idle Celery worker's main
+    process (whose tasks run elsewhere, or never come). :meth:`stop` ends it and waits for
+    the upkeep it started, so a stopped process leaves no thread behind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Start the thread unless it runs, or the automatic upkeep is off; True: started."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            if not automatic():  # read once: settings do not change under a running worker
+                return False
+            self._stopped.clear()
+            self._thread = threading.Thread(
+                target=self._tick, name="taskguard-upkeep-timer", daemon=True
+            )
+            self._thread.start()
+            return True
+
+    def stop(self, timeout: float = EXIT_WAIT_SECONDS) -> None:
+        """End the thread, then wait (at most ``timeout``) for an upkeep it started, which is
+        then recorded instead of holding the fleet-wide lease until it lapses."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        self._stopped.set()
+        if thread is not None:
+            thread.join(timeout)
+            join(timeout)
+
+    def _tick(self) -> None:
+        # The gate's wait is infinite while a test turned the upkeep off (forget(off=True)).
+        while not self._stopped.wait(min(upkeep_wait(), RECHECK_SECONDS)):
+            maybe_upkeep()
 
 
 def _in_thread() -> None:

@@ -350,6 +350,22 @@ def test_backfill_enqueue__each_slot_without_a_row_is_sent_to_the_actor(jobs):
     assert set(rows.values_list("state", flat=True)) == {RunState.PENDING}
 
 
+@override_settings(**JOBS)
+def test_backfill_enqueue__catchup_none_runs_the_past_slots_as_backfill_here_does(jobs, worker):
+    """Backfill is an operator's request for past slots: the worker runs each slot it was
+    sent whatever catchup="none" says of a late call, as backfill without --enqueue runs
+    them here (not one recorded missed)."""
+    end = latest(MINUTE) - 10 * MINUTE  # long past the 5 s grace
+    start = end - 2 * MINUTE
+    args = ["tests.dramatiq.strict", "--from", start.isoformat(), "--to", end.isoformat()]
+    call_command("backfill", *args, "--enqueue", stdout=StringIO())
+    drain(jobs, worker, "strict")
+    slots = [(start + n * MINUTE).isoformat() for n in range(3)]
+    assert sorted(jobs.executed) == [f"tests.dramatiq.strict {slot} 1" for slot in slots]
+    runs = TaskRun.objects.filter(task_name="tests.dramatiq.strict").order_by("slot")
+    assert [run.state for run in runs] == [RunState.SUCCEEDED] * 3
+
+
 def test_async_actor__claims_the_slot_its_message_carries(jobs, worker):
     from django_taskguard.contrib.dramatiq import send_for_slot
 

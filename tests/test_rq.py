@@ -320,3 +320,24 @@ def test_backfill__enqueue_hands_each_slot_to_rq_once(jobs: ModuleType):
     ]
     work(jobs, "tg-tick")
     assert sorted(jobs.executed) == [f"{jobs.TICK} {slot.isoformat()} 1" for slot in slots]
+
+
+@override_settings(**JOBS)
+def test_backfill_enqueue__catchup_none_runs_the_past_slots_as_backfill_here_does(
+    jobs: ModuleType,
+):
+    """Backfill is an operator's request for past slots: the worker runs each slot it
+    enqueued whatever catchup="none" says of a late call, as backfill without --enqueue
+    runs them here (not one recorded missed)."""
+    minute = timedelta(minutes=1)
+    end = recent(minute) - 10 * minute  # long past the 5 s grace
+    start = end - 2 * minute
+    call_command(
+        "backfill", jobs.STRICT, "--from", start.isoformat(), "--to", end.isoformat(),
+        "--enqueue", stdout=StringIO(),
+    )  # fmt: skip
+    work(jobs, "tg-strict")
+    slots = [start + n * minute for n in range(3)]
+    assert sorted(jobs.executed) == [f"{jobs.STRICT} {slot.isoformat()} 1" for slot in slots]
+    runs = TaskRun.objects.filter(task_name=jobs.STRICT).order_by("slot")
+    assert [run.state for run in runs] == [RunState.SUCCEEDED] * 3

@@ -8,7 +8,9 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -25,7 +27,7 @@ from django.utils import timezone
 from django_taskguard import health, metrics, once_per_schedule, upkeep
 from django_taskguard.models import RunState, TaskRun, TaskSchedule, Upkeep
 
-from .support.children import Child
+from .support.children import Child, python
 from .support.monitoring import due_slot, finished, run_check, schedule
 from .support.redis_server import RedisServer
 from .support.redis_support import redis_backend
@@ -266,6 +268,47 @@ def test_run_upkeep__a_part_longer_than_the_lease_keeps_it(
     assert kept.ran_by == "first" and kept.held_until is None
 
 
+def test_cleanup_locks__a_run_longer_than_its_lease_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cleanup_locks`` with the automatic upkeep off (run from cron) takes a 3 s lease and
+    works until well after it would have lapsed: it renews it, so an upkeep attempted then
+    does not run beside it, and the command's run is the one recorded.
+
+    Regression (issue 33): the command took the lease once; a long cleanup outlived it, the
+    next process's upkeep ran beside it, and the command's end was not recorded."""
+    from django_taskguard.management.commands import cleanup_locks as command
+
+    monkeypatch.setattr(upkeep, "HOLD_AT_LEAST", timedelta(seconds=3))
+    monkeypatch.setattr(upkeep, "RECHECK_SECONDS", 1.0)  # the lease of no interval: 3 s
+    second: dict[str, Any] = {}
+    cleanup = command.cleanup_locks
+
+    def attempt() -> None:
+        try:
+            second.update(upkeep.run_upkeep("second", interval=0.5))
+        finally:
+            connections.close_all()
+
+    def slow(**options: Any) -> Any:
+        first_until = Upkeep.objects.get().held_until
+        wait_for(lambda: timezone.now() > first_until + timedelta(seconds=2), timeout=30,
+                 what="the lease first taken would have lapsed", every=0.2)  # fmt: skip
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join(timeout=60)
+        return cleanup(**options)
+
+    monkeypatch.setattr(command, "cleanup_locks", slow)
+    err = io.StringIO()
+    call_command("cleanup_locks", stdout=io.StringIO(), stderr=err)
+    assert second == {"taken": False}
+    kept = Upkeep.objects.get()
+    assert kept.ran_by.startswith("cleanup_locks@"), kept.ran_by
+    assert kept.finished_at is not None and kept.held_until is None
+    assert err.getvalue() == ""
+
+
 def test_run_upkeep__a_run_whose_lease_was_taken_stops_at_its_next_part(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -448,3 +491,78 @@ def test_upkeep__a_redis_outage_is_one_warning_per_process_and_the_other_parts_r
             assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     finally:
         upkeep.forget(off=True)
+
+
+def _upkeep_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("taskguard-upkeep")]
+
+
+def test_celery_worker__its_timer_starts_when_ready_and_leaves_no_thread_when_it_stops() -> None:
+    """``worker_ready`` starts the worker's upkeep timer (once, however often it is sent),
+    which attempts the upkeep with no task at all; ``worker_shutdown`` ends it and waits for
+    the upkeep it started. With the automatic upkeep off, no timer starts."""
+    from celery.signals import worker_ready, worker_shutdown
+
+    from django_taskguard.contrib.celery.worker import TIMER
+
+    assert _upkeep_threads() == []
+    upkeep.forget()
+    try:
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": 60}):
+            worker_ready.send(sender=None)
+            worker_ready.send(sender=None)
+            assert _upkeep_threads().count("taskguard-upkeep-timer") == 1
+            wait_for(finished_upkeep, timeout=60, what="an upkeep run by the timer alone")
+            worker_shutdown.send(sender=None)
+            assert _upkeep_threads() == []
+        with override_settings(TASKGUARD={"BACKEND": "database", "UPKEEP_INTERVAL_SECONDS": None}):
+            worker_ready.send(sender=None)
+            assert _upkeep_threads() == []
+    finally:
+        TIMER.stop()
+        upkeep.forget(off=True)
+
+
+@pytest.mark.file_and_server
+@pytest.mark.processes
+@pytest.mark.parametrize("pool", ["prefork", "solo", "threads"])
+def test_celery_worker__an_idle_worker_runs_the_upkeep_in_its_main_process(
+    child_env: dict[str, str], redis_server: RedisServer, scratch: Path, pool: str
+) -> None:
+    """A real ``celery worker`` that receives no task: its main process (a prefork pool's
+    parent, not a child) abandons a stale run within the upkeep interval, and again an
+    interval later; a warm shutdown (SIGTERM) ends it cleanly.
+
+    Regression (issue 33): the upkeep ran only after a task ended, so an idle worker never
+    swept (stale leases, missed slots, expired Redis locks)."""
+    first = make_run("tests.upkeep.idle_worker")  # running, its lease expired an hour ago
+    env = {
+        **child_env,
+        "TASKGUARD_TEST_UPKEEP": str(INTERVAL),
+        "TASKGUARD_TEST_BROKER_URL": redis_server.url,
+    }
+    argv = ["worker", "-P", pool, "-c", "1", "-n", f"idle-{pool}@%h", "--loglevel", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+    with open(scratch / "worker.out", "ab") as out:
+        worker = subprocess.Popen(
+            [python(), "-m", "celery", "-A", "tests.support.celery_app", *argv],
+            env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def abandoned(run: TaskRun) -> bool:
+            return TaskRun.objects.get(pk=run.pk).state == RunState.ABANDONED
+
+        wait_for(lambda: abandoned(first), timeout=60, what="the stale run abandoned",
+                 describe=lambda: (scratch / "worker.out").read_text(errors="replace"))  # fmt: skip
+        kept = wait_for(finished_upkeep, what="the upkeep's end recorded")
+        assert kept.ran_by.endswith(f":{worker.pid}"), kept.ran_by  # the main process
+        second = make_run("tests.upkeep.idle_worker", 1)  # after that upkeep: the next one's
+        wait_for(lambda: abandoned(second), timeout=60, what="the next interval's upkeep")
+        assert not TaskRun.objects.exclude(pk__in=[first.pk, second.pk]).exists()  # no task
+        os.killpg(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)

@@ -133,6 +133,19 @@ async def atick() -> None:
     _note()
 
 
+# A late call is recorded missed, not run (catchup="none"); an operator's backfill runs it.
+# Its own queue: the tests of the default queue see none of its messages.
+@dramatiq.actor(broker=broker, queue_name="strict", max_retries=0)
+@once_per_schedule(
+    every=timedelta(minutes=1),
+    catchup="none",
+    grace=timedelta(seconds=5),
+    name="tests.dramatiq.strict",
+)
+def strict() -> None:
+    _note()
+
+
 # A schedule no actor wraps: run_schedules --enqueue has nowhere to send it.
 @once_per_schedule(every=timedelta(minutes=1), name="tests.dramatiq.plain")
 def plain() -> None:

@@ -27,6 +27,7 @@ TICK = "tests.rq.tick"
 FLAKY = "tests.rq.flaky"
 LATER = "tests.rq.later"
 HOLD = "tests.rq.hold"
+STRICT = "tests.rq.strict"
 executed: list[str] = []  # this process's executions: "TASK SLOT ATTEMPT"
 
 
@@ -75,3 +76,12 @@ def later() -> int:
 def hold() -> None:
     _note()
     time.sleep(120)
+
+
+# A late call is recorded missed, not run (catchup="none"); an operator's backfill runs it.
+@enqueue_on("tg-strict", connection=REDIS)
+@once_per_schedule(
+    every=timedelta(minutes=1), catchup="none", grace=timedelta(seconds=5), name=STRICT
+)
+def strict() -> None:
+    _note()

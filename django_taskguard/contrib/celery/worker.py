@@ -16,7 +16,12 @@ from typing import Any, NoReturn, cast
 
 from celery import Task, current_app
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import task_postrun, worker_process_shutdown, worker_ready
+from celery.signals import (
+    task_postrun,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 from django.utils import timezone
 
 from ... import checkins, ledger, schedules
@@ -29,7 +34,7 @@ from ...logfields import log_fields
 from ...owner import actor
 from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
-from ...upkeep import maybe_upkeep
+from ...upkeep import Timer, maybe_upkeep
 from .enqueue import retry_refusal
 from .headers import (
     BACKFILL_HEADER,
@@ -239,6 +244,23 @@ def upkeep_after_task(**kwargs: Any) -> None:
     maybe_upkeep()
 
 
+# The worker's main process attempts the upkeep at its interval whether or not tasks come:
+# an idle worker (or a prefork parent, whose tasks run in its children) still sweeps.
+TIMER = Timer()
+
+
+def start_upkeep_timer(**kwargs: Any) -> None:
+    """``worker_ready``: in the worker's main process (a prefork pool's parent; the one
+    process of solo and threads pools), whether or not tasks come."""
+    TIMER.start()
+
+
+def stop_upkeep_timer(**kwargs: Any) -> None:
+    """``worker_shutdown`` (a warm shutdown): no thread is left behind, and an upkeep under
+    way is recorded (at most 30 s)."""
+    TIMER.stop()
+
+
 def flush_checkins(**kwargs: Any) -> None:
     """A prefork pool process leaves through ``os._exit`` (no ``atexit``): its queued
     check-ins are sent first, for at most the check-ins' ``timeout``."""
@@ -250,11 +272,14 @@ def flush_checkins(**kwargs: Any) -> None:
 def register() -> None:
     """Wire Celery in (idempotent): guarded tasks find their slot in the message,
     ``schedule=`` takes a celery ``crontab``/``schedule``, a worker that is ready runs
-    the startup cleanup (``STARTUP_CLEANUP``), and a task that ended may start the upkeep."""
+    the startup cleanup (``STARTUP_CLEANUP``) and the upkeep's timer, and a task that ended
+    may start the upkeep."""
     if celery_call_context not in SLOT_SOURCES:
         SLOT_SOURCES.append(celery_call_context)
     if from_celery not in schedules.TRANSLATORS:
         schedules.TRANSLATORS.append(from_celery)
     worker_ready.connect(run_startup_cleanup, dispatch_uid="taskguard.startup_cleanup")
+    worker_ready.connect(start_upkeep_timer, dispatch_uid="taskguard.upkeep_timer", weak=False)
+    worker_shutdown.connect(stop_upkeep_timer, dispatch_uid="taskguard.upkeep_timer", weak=False)
     task_postrun.connect(upkeep_after_task, dispatch_uid="taskguard.upkeep", weak=False)
     worker_process_shutdown.connect(flush_checkins, dispatch_uid="taskguard.checkins", weak=False)

@@ -31,6 +31,7 @@ from ...logfields import log_fields
 from ...signal_handlers import run_startup_cleanup
 from ...states import RunState
 from .options import (
+    BACKFILL_OPTION,
     DEFERRED_OPTION,
     SLOT_OPTION,
     deferrals_of,
@@ -120,6 +121,7 @@ def dramatiq_call_context() -> CallContext | None:
         on_busy=partial(put_back, broker, message, name, slot) if retry else None,
         message_id=message_key(message.message_id, retries),
         schedule_version=schedule[1] if schedule else None,
+        backfill=bool(options.get(BACKFILL_OPTION)),
     )
 
 

@@ -6,7 +6,8 @@ schedule's message also carries ``taskguard_schedule`` (``{"task_name": ..., "ve
 n}``: the schedule's identity and the version that fired it, as ``decorators.SCHEDULE_KWARG``
 does for django.tasks). Dramatiq keeps a message's options through its retries and
 redeliveries, so every attempt of a message claims the slot it was sent for. A message the
-worker glue put back (it met a live attempt of its slot) carries ``taskguard_deferred``.
+worker glue put back (it met a live attempt of its slot) carries ``taskguard_deferred``; one
+that ``backfill --enqueue`` sent carries ``taskguard_backfill`` (no lateness policy applies).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from typing import Any
 
 from ... import schedules
 from ...decorating import validate_task_name
+from ...decorators import backfill_enqueued
 from ...exceptions import TaskGuardError
 
 SLOT_OPTION = "taskguard_slot"
 SCHEDULE_OPTION = "taskguard_schedule"
+# Sent by ``backfill --enqueue``: an operator's backfill, to which no lateness policy applies.
+BACKFILL_OPTION = "taskguard_backfill"
 # How often the worker glue put the message back (a copy that met a live attempt).
 DEFERRED_OPTION = "taskguard_deferred"
 
@@ -35,6 +39,8 @@ def message_options(
     ``actor.send_with_options(args=..., **message_options(slot))``.
     """
     options: dict[str, Any] = {SLOT_OPTION: schedules.normalize_slot(slot).isoformat()}
+    if backfill_enqueued():
+        options[BACKFILL_OPTION] = True
     if (schedule is None) != (version is None):
         raise TaskGuardError("give a data schedule's schedule= and version= together, or neither")
     if schedule is not None and version is not None:

@@ -30,6 +30,7 @@ from rq.job import Job
 
 from ... import registry, schedules
 from ...decorating import dotted_name, guarded_policy
+from ...decorators import backfill_enqueued
 from ...exceptions import TaskGuardError
 from ...logfields import log_fields
 
@@ -37,9 +38,11 @@ logger = logging.getLogger("taskguard.rq")
 
 # The job's meta keys: the slot it runs for (ISO-8601 UTC), and how many retries its
 # ``Retry`` allowed at enqueue time (RQ keeps only the retries left; the difference is the
-# retry count, which names the message carrying each attempt, see ``worker.message_id``).
+# retry count, which names the message carrying each attempt, see ``worker.message_id``);
+# with ``backfill --enqueue``, that the job is an operator's backfill (no lateness policy).
 SLOT_META = "taskguard_slot"
 RETRY_MAX_META = "taskguard_retry_max"
+BACKFILL_META = "taskguard_backfill"
 # RQ's callback, by its dotted path (the worker imports it), run after each job taskguard
 # enqueues (``worker`` imports this module: the path is named, not imported).
 FLUSH_CALLBACK = "django_taskguard.contrib.rq.worker.flush_checkins"
@@ -187,6 +190,8 @@ def enqueue_for_slot(func: Any, slot: datetime | str, /, *args: Any, **kwargs: A
     options = dict(target.options)
     retry = options.get("retry")
     meta = {SLOT_META: utc.isoformat(), RETRY_MAX_META: retry.max if retry is not None else 0}
+    if backfill_enqueued():
+        meta[BACKFILL_META] = True
     job_id = job_id_for(task_name_of(func), utc)
     queue = target.resolve()
     # Run in the work horse after the job, whatever its end: the check-ins it queued are

@@ -23,7 +23,7 @@ from ...context import active_run
 from ...decorating import SLOT_SOURCES, CallContext, guarded_policy
 from ...endings import Ending
 from ...states import RunState
-from .enqueue import RETRY_MAX_META, SLOT_META
+from .enqueue import BACKFILL_META, RETRY_MAX_META, SLOT_META
 
 
 def rq_call_context() -> CallContext | None:
@@ -50,6 +50,7 @@ def rq_call_context() -> CallContext | None:
         classify_raise=partial(classify_raise, job),
         instance=job.worker_name or None,
         message_id=message_id(job),
+        backfill=bool(meta.get(BACKFILL_META)),
     )
 
 

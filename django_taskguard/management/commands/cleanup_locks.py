@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 from argparse import ArgumentParser, ArgumentTypeError
+from contextlib import nullcontext
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -70,25 +71,28 @@ class Command(BaseCommand):
         **options: Any,
     ) -> None:
         # A whole run (no --task, no --dry-run) is an upkeep: recorded in the Upkeep row,
-        # for the health verdict, when no automatic upkeep holds the lease meanwhile.
+        # for the health verdict, when no automatic upkeep holds the lease meanwhile. It
+        # renews the lease while it works, as the automatic upkeep does: a cleanup longer
+        # than the lease does not let another process's upkeep start beside it.
         holder = upkeep.unique(actor("cleanup_locks"))
         recording = False
         try:
             ledger.ensure_reachable()
             recording = task is None and not dry_run and upkeep.take_now(holder)
-            result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
-            if task is not None and not touched(result):
-                refuse_unknown(task)
-            if not dry_run:  # save the schedules the code declares (a dry run changes nothing)
-                sync_schedules(self, OPERATOR)
-            result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
+            with upkeep.Keeping(holder, upkeep.hold_now()) if recording else nullcontext() as lease:
+                result = self.clean(task, dry_run, batch_size)
         except BaseException as exc:
             if recording:  # not a run the health verdict may count
                 upkeep.give_back(holder)
             if isinstance(exc, BackendUnavailable):
                 raise CommandError(f"cleanup_locks failed: {exc}") from exc
             raise
-        if recording:
+        if lease is not None and lease.lost.is_set():
+            self.stderr.write(
+                "cleanup_locks: another process took the upkeep's lease while this run worked "
+                "(its renewals failed until it lapsed); this run is not recorded as an upkeep."
+            )
+        elif recording:
             counts = {k: v for k, v in result.as_dict().items() if type(v) is int}
             upkeep.finish(holder, counts, [])
         if as_json:
@@ -97,6 +101,15 @@ class Command(BaseCommand):
             self.stdout.write(describe(result))
             for line in details(result):
                 self.stdout.write(line)
+
+    def clean(self, task: str | None, dry_run: bool, batch_size: int) -> CleanupResult:
+        result = cleanup_locks(task=task, dry_run=dry_run, batch_size=batch_size)
+        if task is not None and not touched(result):
+            refuse_unknown(task)
+        if not dry_run:  # save the schedules the code declares (a dry run changes nothing)
+            sync_schedules(self, OPERATOR)
+        result.missed_slots = sweep_missed(task=task, dry_run=dry_run).missed_slots
+        return result
 
 
 def touched(result: CleanupResult) -> bool:
