@@ -17,6 +17,7 @@ from django.contrib.auth.models import User
 from django_taskguard.models import RunState, TaskRun
 
 from .support import ROOT
+from .support.browser import at_once
 from .support.runs import make_run
 
 # "once": scripts/test.sh runs it in the PostgreSQL pass only.
@@ -300,7 +301,7 @@ def test_admin_browser__acknowledge_and_the_pause_history(browser, live_server):
     acknowledged = row.find_element(By.CSS_SELECTOR, ".taskguard-acknowledged").text
     assert "acknowledged by admin from the admin" in acknowledged
     assert "known: the 21:00 deploy killed it" in acknowledged
-    assert not row.find_elements(By.CSS_SELECTOR, "button[value=acknowledge]")
+    assert not at_once(row, "button[value=acknowledge]")
 
     row = driver.find_element(By.CSS_SELECTOR, "tr[data-task='mail.digest']")
     assert row.get_attribute("data-status") == "paused"

@@ -21,6 +21,7 @@ from django_taskguard.models import (
 )
 from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
+from .support.browser import at_once
 from .support.monitoring import due_slot, finished, schedule
 from .test_admin_browser import (
     CLIPPED_HEADERS,
@@ -272,10 +273,10 @@ def test_schedule_admin_browser__data_schedule_created_run_backfilled_and_viewed
         "button[value=run_now_schedules]",
         "button[value=backfill_schedules]",
     ):
-        assert driver.find_elements(By.CSS_SELECTOR, control) == [], control
+        assert at_once(driver, control) == [], control
     driver.save_screenshot(str(shots / "data-schedule-view-only.png"))
     driver.get(changelist)
-    assert driver.find_elements(By.CSS_SELECTOR, "a.addlink") == []
+    assert at_once(driver, "a.addlink") == []
     actions = driver.find_elements(By.CSS_SELECTOR, "select[name=action] option")
     assert not {"run_now_schedules", "backfill_schedules"} & {
         option.get_attribute("value") for option in actions
