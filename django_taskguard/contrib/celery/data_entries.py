@@ -193,9 +193,10 @@ def schedule_of(row: TaskSchedule) -> DataDue:
 def entry_of(row: TaskSchedule, last_run_at: datetime, app: Any = None) -> DataEntry:
     """The beat entry of the data schedule ``row``, last sent at ``last_run_at``."""
     headers: dict[str, Any] = {SCHEDULE_HEADER: row.entry, VERSION_HEADER: row.version}
-    if row.catchup == Catchup.NONE:
+    followed = data_schedules.followed(row)  # an empty field: the target's, as found here
+    if followed.catchup == Catchup.NONE:
         # catchup="none": a message later than the grace is recorded missed by the worker.
-        headers[GRACE_HEADER] = row.grace.total_seconds()
+        headers[GRACE_HEADER] = followed.grace.total_seconds()
     return DataEntry(
         name=KEY_PREFIX + row.task_name,
         task=row.function,
@@ -339,7 +340,8 @@ class DataSchedules:
         schedule = cast(DataDue, entry.schedule)
         if known is None:
             latest = schedule.latest_slot(now)
-            since = max(floor_of(row), now - row.grace - schedule.offset)
+            grace = data_schedules.grace_of(row)
+            since = max(floor_of(row), now - grace - schedule.offset)
             return [(entry, slot) for slot in schedule.owed(since, latest) if slot != latest]
         old = cast(DataDue, known.schedule)
         if skipped(row, known):
@@ -347,7 +349,7 @@ class DataSchedules:
         if old == schedule:
             return []
         edit = row.changed_at or now  # (a tick's now can be older than an edit it reads)
-        since = max(known.sent_at, now - row.grace - old.offset)
+        since = max(known.sent_at, now - data_schedules.grace_of(row) - old.offset)
         return [(known, slot) for slot in old.owed(since, old.latest_slot(edit + old.offset))]
 
     def _owed_by_versions(
@@ -359,7 +361,8 @@ class DataSchedules:
         across several changes sends no slot of a disabled window, none that an interval
         in effect then did not have."""
         assert row.changed_at is not None
-        since = max(known.sent_at, now - row.grace - cast(DataDue, known.schedule).offset)
+        grace = data_schedules.grace_of(row)
+        since = max(known.sent_at, now - grace - cast(DataDue, known.schedule).offset)
         history = store.timeline(row, since)
         owed: list[tuple[DataEntry, datetime]] = []
         for span in history.spans(since, row.changed_at):
