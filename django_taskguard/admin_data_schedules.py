@@ -337,7 +337,6 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             "time make it unhealthy. Empty: the target's, else TASKGUARD['LATE_START_SECONDS'], "
             "followed if they change (now: %(followed)s). Seconds, or HH:MM:SS."
         ) % {"followed": late}
-        catchup.help_text = _("Empty: the target's, followed if it changes.")
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}

@@ -696,11 +696,6 @@ def target_policy(target: str) -> Policy:
         return Policy()
 
 
-def target_grace(target: str) -> timedelta:
-    """The grace of the target named ``target`` as found here (:func:`target_policy`)."""
-    return target_policy(target).grace
-
-
 def grace_of(row: TaskSchedule) -> timedelta:
     """The grace ``row``'s slots are judged by (:func:`followed`)."""
     return followed(row).grace
