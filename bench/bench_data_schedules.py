@@ -154,7 +154,7 @@ def measured(label: str, call: Callable[[], Any]) -> Any:
 def define(count: int, herd: int) -> float:
     """``count`` data schedules, ``herd`` of them every minute; returns the seconds taken."""
     from django_taskguard import define_schedule
-    from django_taskguard.data_schedules import validate
+    from django_taskguard.data_schedules import grace_of, validate
     from django_taskguard.ledger import schedules as store
     from django_taskguard.models import ScheduleEventOrigin
 
@@ -179,7 +179,7 @@ def define(count: int, herd: int) -> float:
             validate(f"tenant-{n}", TARGET, kwargs={"tenant_id": n}, grace=GRACE, **definition(n))
         )
         if len(batch) == 5_000 or n == count - 1:
-            store.define_many(batch, origin=ScheduleEventOrigin.CODE, by="bench")
+            store.define_many(batch, origin=ScheduleEventOrigin.CODE, grace_of=grace_of, by="bench")
             batch = []
     return time.perf_counter() - started
 

@@ -26,11 +26,12 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from . import data_schedules, timefmt
+from . import data_schedules, lateness, timefmt
 from .data_schedules import ScheduleDefinitionError
 from .ledger import schedules as store
 from .models import Catchup, ScheduleEvent, ScheduleEventOrigin, ScheduleSource, TaskSchedule
 from .moments import moment_problem
+from .policy import Policy
 from .schedules import rebuild
 
 NEXT_SLOTS = 5
@@ -208,21 +209,24 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         label=gettext_lazy("catch-up"),
         required=False,
         choices=[("", gettext_lazy("the target's")), *Catchup.choices],
+        help_text=gettext_lazy("Empty: the target's, followed if it changes."),
     )
     grace = forms.DurationField(
         label=gettext_lazy("grace"),
         required=False,
-        help_text=gettext_lazy("Empty: the target's (seconds, or HH:MM:SS)."),
+        help_text=gettext_lazy(
+            "Empty: the target's, followed if it changes. Seconds, or HH:MM:SS."
+        ),
     )
     max_catchup = forms.IntegerField(
         label=gettext_lazy("max catch-up"),
         required=False,
-        help_text=gettext_lazy("Empty: the target's."),
+        help_text=gettext_lazy("Empty: the target's, followed if it changes."),
     )
     pause_after_failures = forms.IntegerField(
         label=gettext_lazy("pause after failures"),
         required=False,
-        help_text=gettext_lazy("Empty: the target's (or never)."),
+        help_text=gettext_lazy("Empty: the target's (or never), followed if it changes."),
     )
     jitter = forms.DurationField(
         label=gettext_lazy("jitter"),
@@ -237,8 +241,8 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         required=False,
         help_text=gettext_lazy(
             "Health: its last LATE_START_RUNS slots all starting later than this after their "
-            "time make it unhealthy. Empty: the target's, else TASKGUARD['LATE_START_SECONDS'] "
-            "(seconds, or HH:MM:SS)."
+            "time make it unhealthy. Empty: the target's, else TASKGUARD['LATE_START_SECONDS'], "
+            "followed if it changes. Seconds, or HH:MM:SS."
         ),
     )
     description = forms.CharField(
@@ -287,6 +291,9 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
             zone = zone_of(row.time_zone)
             self.initial["starts"] = show_moment(row.starts, zone)
             self.initial["ends"] = show_moment(row.ends, zone)
+            self._say_followed(data_schedules.target_policy(row.function))
+        else:
+            self.initial["catchup"] = ""  # the model's default is a code schedule's
         if not self.may_pause:
             # Disabled: Django ignores what is posted for it and keeps the initial value
             # (the row's; a new schedule is enabled).
@@ -297,6 +304,39 @@ class DataScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
                 "(taskguard.pause_taskschedule)."
             )
         self.values: dict[str, Any] = {}
+
+    def _say_followed(self, policy: Policy) -> None:
+        """What an empty field follows, as the target says it now (its decorator, here):
+        an empty field stays empty, and follows the target when its policy changes."""
+        fields = self.fields
+        catchup = fields["catchup"]
+        assert isinstance(catchup, forms.ChoiceField)
+        catchup.choices = [
+            ("", _("the target's (%(value)s)") % {"value": policy.catchup}),
+            *Catchup.choices,
+        ]
+        fields["grace"].help_text = _(
+            "Empty: the target's (%(value)s), followed if it changes. Seconds, or HH:MM:SS."
+        ) % {"value": _seconds(policy.grace)}
+        fields["max_catchup"].help_text = _(
+            "Empty: the target's (%(value)s), followed if it changes."
+        ) % {"value": policy.max_catchup}
+        pause = policy.pause_after_failures
+        fields["pause_after_failures"].help_text = _(
+            "Empty: the target's (%(value)s), followed if it changes."
+        ) % {"value": _("never") if pause is None else pause}
+        setting = lateness.bound(None)
+        if policy.late_after is not None:
+            late = _("%(value)s, the target's") % {"value": _seconds(policy.late_after)}
+        elif setting is not None:
+            late = _("%(value)s, the setting's") % {"value": _seconds(setting)}
+        else:
+            late = _("none, no lateness rule")
+        fields["late_after"].help_text = _(
+            "Health: its last LATE_START_RUNS slots all starting later than this after their "
+            "time make it unhealthy. Empty: the target's, else TASKGUARD['LATE_START_SECONDS'], "
+            "followed if they change (now: %(followed)s). Seconds, or HH:MM:SS."
+        ) % {"followed": late}
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
@@ -436,9 +476,17 @@ def slot_rows(row: TaskSchedule) -> list[dict[str, str]]:
     ]
 
 
-def _shown(value: Any) -> str:
+def _seconds(delta: timedelta) -> str:
+    return f"{delta.total_seconds():g} s"
+
+
+# Left empty, these follow the schedule's target (data_schedules.followed).
+FOLLOWING = frozenset(("catchup", "grace", "max_catchup", "pause_after_failures", "late_after"))
+
+
+def _shown(value: Any, field: str = "") -> str:
     if value is None or value == "":
-        return "—"
+        return _("— (the target's)") if field in FOLLOWING else "—"
     if isinstance(value, (list, dict)):
         return json.dumps(value, ensure_ascii=False)
     return str(value)
@@ -471,8 +519,8 @@ def changes_of(event: ScheduleEvent) -> list[dict[str, str]]:
             {
                 "field": field,
                 "label": change_label(field),
-                "before": "" if event.kind == "created" else _shown(before),
-                "after": _shown(after),
+                "before": "" if event.kind == "created" else _shown(before, field),
+                "after": _shown(after, field),
             }
         )
     return shown

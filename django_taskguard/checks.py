@@ -15,6 +15,7 @@ from django.utils.translation import ngettext
 
 from .conf import DEFAULTS, number_problem, problem, taskguard_problem, taskguard_settings
 from .locks import cache_problem, is_redis_cache
+from .policy import Policy
 
 # Each key's check id; the bounded numbers without one of their own share E009.
 CHECK_IDS = {
@@ -274,7 +275,9 @@ def check_data_targets(
     **kwargs: Any,
 ) -> list[CheckMessage]:
     """W021: data schedules whose target this process cannot find (``check --database``,
-    ``migrate``): a copy like it fires none of their slots. One grouped query, at most
+    ``migrate``): a copy like it fires none of their slots. W037: data schedules that follow
+    a value of their target's policy (left empty) which their definition could not have
+    been saved with (the target's decorator changed since). One grouped query, at most
     ``TARGETS_CHECKED`` distinct targets looked up."""
     from .data_schedules import resolve_target
     from .exceptions import BackendUnavailable
@@ -290,9 +293,10 @@ def check_data_targets(
     except BackendUnavailable:
         return []  # unreachable or not migrated yet: the command that asked says so itself
     warnings: list[CheckMessage] = []
-    for target, kind, count in targets:
+    for each in targets:
+        target, kind, count = each.target, each.kind, each.schedules
         try:
-            resolve_target(target)
+            found = resolve_target(target)
         except Exception as exc:  # a check never raises out of manage.py check
             names = _some(store.data_schedule_names(target, kind, NAMES_SHOWN), count)
             warnings.append(
@@ -312,7 +316,50 @@ def check_data_targets(
                     id="taskguard.W021",
                 )
             )
+            continue
+        warnings += _following_what_they_cannot(each, found.policy)
     return warnings
+
+
+def _following_what_they_cannot(each: Any, policy: Policy) -> list[CheckMessage]:
+    """W037 for the data schedules of ``each`` (a ``ledger.schedules.DataTarget``), whose
+    decorator's policy is ``policy``: a query only when some would be reported."""
+    from .ledger import schedules as store
+    from .models import TargetKind
+
+    target, kind = each.target, each.kind
+    celery_all = kind == TargetKind.CELERY and policy.catchup == "all"
+    jitter = each.longest_jitter
+    if not (celery_all and each.following_catchup) and (jitter is None or jitter < policy.grace):
+        return []
+    try:
+        count, names = store.data_following(
+            target, kind, NAMES_SHOWN, grace_below=policy.grace, catchup=celery_all
+        )
+    except Exception:  # a check never raises out of manage.py check
+        return []
+    if not count:
+        return []
+    grace = f"{policy.grace.total_seconds():g} s"
+    return [
+        Warning(
+            ngettext(
+                "%(n)d data schedule (%(names)s) of %(target)r follows",
+                "%(n)d data schedules (%(names)s) of %(target)r follow",
+                count,
+            )
+            % {"n": count, "names": _some(names, count), "target": target}
+            + f" its decorator's policy (their catch-up or grace left empty), which now says "
+            f"grace {grace}, catch-up {policy.catchup}: a jitter not shorter than that grace "
+            "has starts judged late (their slots can be recorded missed), and a beat sends "
+            "only the latest slot of a Celery task whatever its catch-up says (all is "
+            "run_schedules').",
+            hint="Give those schedules a grace longer than their jitter (or a shorter "
+            "jitter), and a Celery task's schedules catch-up latest or none; or change the "
+            "decorator back.",
+            id="taskguard.W037",
+        )
+    ]
 
 
 # A deployment check: ``migrate`` runs the database checks before it applies anything,

@@ -43,6 +43,7 @@ from .models import (
     Catchup,
     ScheduleEventKind,
     ScheduleEventOrigin,
+    ScheduleSource,
     TargetKind,
     TaskSchedule,
 )
@@ -354,13 +355,12 @@ def _duration(
     raise ScheduleDefinitionError(f"{field} must be from {low} to {high}; got {value}", field)
 
 
-def _late_after(
-    given: float | timedelta | None, policy: Policy, jitter: timedelta | None
-) -> timedelta | None:
-    """The schedule's late-start bound: ``given``, else its target's (None: the setting's).
-    A bound given here must be longer than the jitter, which delays starts by design."""
+def _late_after(given: float | timedelta | None, jitter: timedelta | None) -> timedelta | None:
+    """The schedule's late-start bound: ``given``, else None (its target's, else the
+    setting's: :func:`followed`). A bound given here must be longer than the jitter, which
+    delays starts by design."""
     if given is None:
-        return policy.late_after
+        return None
     if (problem := late_after_problem(given)) is not None:
         raise ScheduleDefinitionError(problem, "late_after")
     bound = late_after_delta(given)
@@ -447,9 +447,9 @@ def validate(
     :func:`ledger.schedules.define` saves. Raises :class:`ScheduleDefinitionError`.
 
     Unset ``catchup``/``grace``/``max_catchup``/``pause_after_failures``/``late_after``
-    take the target's decorator's values. ``cron_day_or=False``: a slot's day must match
-    both the day of month and the day of week when both are restricted (celery's crontab),
-    not either (cron's)."""
+    are stored empty: the schedule follows its target's decorator (:func:`followed`).
+    ``cron_day_or=False``: a slot's day must match both the day of month and the day of
+    week when both are restricted (celery's crontab), not either (cron's)."""
     if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_LENGTH:
         raise ScheduleDefinitionError(
             f"the name must be a non-empty string of at most {NAME_MAX_LENGTH} characters",
@@ -479,27 +479,26 @@ def validate(
         )
     schedule = _schedule(cron, every, zone, cron_day_or)
     args, kwargs = _check_arguments(found, args, {} if kwargs is None else kwargs)
-    catchup = catchup or policy.catchup
-    if catchup not in Catchup.values:
+    # Left empty, catch-up, grace, max catch-up, pause after failures and late after are
+    # stored empty and follow the target's decorator (:func:`followed`): a later change of
+    # its policy is followed after a deploy. The checks below hold for the value in
+    # effect now; check W037 says when a change of the target's breaks them.
+    catchup = catchup or ""
+    if catchup and catchup not in Catchup.values:
         raise ScheduleDefinitionError(
             f"catchup must be one of {', '.join(Catchup.values)}; got {catchup!r}", "catchup"
         )
-    if found.kind == TargetKind.CELERY and catchup == "all":
+    if found.kind == TargetKind.CELERY and (catchup or policy.catchup) == "all":
+        whose = "catchup='all'" if catchup else f"catch-up all (the target's, {found.name})"
         raise ScheduleDefinitionError(
-            "catchup='all' is run_schedules' (a beat sends the latest slot; backfill runs "
-            "the others): give latest or none to a Celery task",
+            f"{whose} is run_schedules' (a beat sends the latest slot; backfill runs the "
+            "others): give latest or none to a Celery task",
             "catchup",
         )
-    grace = _duration(
-        grace if grace is not None else policy.grace or DEFAULT_GRACE, "grace", GRACE_BOUNDS
-    )
-    max_catchup = _whole(
-        max_catchup if max_catchup is not None else policy.max_catchup or DEFAULT_MAX_CATCHUP,
-        "max_catchup",
-        MAX_CATCHUP_BOUNDS,
-    )
-    if pause_after_failures is None:
-        pause_after_failures = policy.pause_after_failures
+    if grace is not None:
+        grace = _duration(grace, "grace", GRACE_BOUNDS)
+    if max_catchup is not None:
+        max_catchup = _whole(max_catchup, "max_catchup", MAX_CATCHUP_BOUNDS)
     if pause_after_failures is not None:
         _whole(pause_after_failures, "pause_after_failures", PAUSE_AFTER_FAILURES_BOUNDS)
     starts, ends = _moment(starts, "starts"), _moment(ends, "ends")
@@ -514,14 +513,16 @@ def validate(
                 f"({gap}): a start must come before the next slot",
                 "jitter",
             )
-        if jitter >= grace:
+        in_effect = policy.grace if grace is None else grace
+        if jitter >= in_effect:
+            whose = "the grace" if grace is not None else f"its target's grace ({found.name})"
             raise ScheduleDefinitionError(
-                f"jitter ({jitter}) must be shorter than the grace ({grace}): a start that "
+                f"jitter ({jitter}) must be shorter than {whose} ({in_effect}): a start that "
                 "late would be judged late",
                 "jitter",
             )
         jitter = jitter or None
-    late_after = _late_after(late_after, policy, jitter)
+    late_after = _late_after(late_after, jitter)
     if not isinstance(enabled, bool):
         raise ScheduleDefinitionError(f"enabled must be True or False, not {enabled!r}", "enabled")
     if not isinstance(description, str) or len(description) > DESCRIPTION_MAX_LENGTH:
@@ -625,7 +626,12 @@ def define_schedule(
     )
     try:
         defined = store.define(
-            task_name, values, origin=origin, by=by or actor("api"), reason=reason
+            task_name,
+            values,
+            origin=origin,
+            grace_of=grace_of,
+            by=by or actor("api"),
+            reason=reason,
         )
     except store.NotDataSchedule as exc:
         raise ScheduleDefinitionError(
@@ -647,7 +653,9 @@ def delete_schedule(
     from .owner import actor
 
     task_name = task_identity(target, name)
-    deleted = store.delete_data(task_name, origin=origin, by=by or actor("api"), reason=reason)
+    deleted = store.delete_data(
+        task_name, origin=origin, grace_of=grace_of, by=by or actor("api"), reason=reason
+    )
     return deleted is not None
 
 
@@ -662,12 +670,58 @@ def jitter_offset(task_name: str, jitter: timedelta | None) -> timedelta:
 
 
 def policy_of(row: TaskSchedule, target_policy: Policy) -> Policy:
-    """The policy a data schedule's runs follow: its target's, with the row's catch-up."""
+    """The policy a data schedule's runs follow: its target's (``target_policy``, as found
+    here), with what the row sets (an empty field follows the target)."""
     return replace(
         target_policy,
+        catchup=row.catchup or target_policy.catchup,
+        grace=target_policy.grace if row.grace is None else row.grace,
+        max_catchup=target_policy.max_catchup if row.max_catchup is None else row.max_catchup,
+        pause_after_failures=(
+            target_policy.pause_after_failures
+            if row.pause_after_failures is None
+            else row.pause_after_failures
+        ),
+        late_after=target_policy.late_after if row.late_after is None else row.late_after,
+    )
+
+
+def target_policy(target: str) -> Policy:
+    """The policy of the target named ``target`` as found in this process (its decorator's
+    ``catchup=``, ``grace=``...); the package's defaults when it is not found here (a copy
+    like this one fires none of its slots: check W021)."""
+    try:
+        return resolve_target(target).policy
+    except Exception:  # never raises: a sweep or a health page judges with what it has
+        return Policy()
+
+
+def grace_of(row: TaskSchedule) -> timedelta:
+    """The grace ``row``'s slots are judged by (:func:`followed`)."""
+    return followed(row).grace
+
+
+def followed(row: TaskSchedule, policies: dict[str, Policy] | None = None) -> Policy:
+    """What ``row``'s slots are judged by (catch-up, grace, max catch-up, pause after
+    failures, late after): a code schedule's as stored; a data schedule's own, its
+    target's (:func:`target_policy`) where it leaves one empty. ``policies``: the targets'
+    already looked up, by name (a sweep of 100,000 schedules looks each target up once)."""
+    if row.source == ScheduleSource.DATA and (
+        not row.catchup
+        or row.grace is None
+        or row.max_catchup is None
+        or row.pause_after_failures is None
+        or row.late_after is None
+    ):
+        if policies is None:
+            return policy_of(row, target_policy(row.function))
+        if row.function not in policies:
+            policies[row.function] = target_policy(row.function)
+        return policy_of(row, policies[row.function])
+    return Policy(
         catchup=row.catchup,
-        grace=row.grace,
-        max_catchup=row.max_catchup,
+        grace=DEFAULT_GRACE if row.grace is None else row.grace,
+        max_catchup=DEFAULT_MAX_CATCHUP if row.max_catchup is None else row.max_catchup,
         pause_after_failures=row.pause_after_failures,
         late_after=row.late_after,
     )

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from .endings import ClassifyRaise
+from .endings import ClassifyRaise, OnBusy
 from .exceptions import InvalidSchedule
-from .guard import OnBusy
 from .models import TASK_NAME_MAX_LENGTH
 from .policy import Policy
 
@@ -31,7 +30,7 @@ class CallContext:
 
     slot: datetime | str | None = None
     task_name: str | None = None
-    # See endings.ClassifyRaise / guard.OnBusy: how the caller's framework retries and
+    # See endings.ClassifyRaise / endings.OnBusy: how the caller's framework retries and
     # redelivers, so retries and redeliveries are attempts, never lost slots.
     classify_raise: ClassifyRaise | None = None
     # Where the call runs, for people (a Celery worker's ``w1@host``).

@@ -42,6 +42,11 @@ class Ending:
 # classify_raise(exc) -> an Ending when the caller's framework gives ``exc`` a meaning
 # (Celery: a retry follows, the task asked to be ignored); None: it is a failure.
 ClassifyRaise = Callable[[BaseException], "Ending | None"]
+# on_busy(seconds) is called when another attempt holds a live lease on the slot
+# (``seconds``: a hint of how long that lease has left) and must raise, to have the call
+# come back later (a broker redelivery) instead of being dropped as a duplicate. Such a
+# call is not counted in ``duplicates`` then; it is when it comes back to a finished slot.
+OnBusy = Callable[[float], None]
 # Records an attempt ``succeeded`` with a reason: True when recorded, False when it was
 # fenced out; raises the database's error (the scheduler's batch writer).
 RecordSuccess = Callable[[ActiveRun, str], bool]

@@ -15,7 +15,7 @@ from . import ledger
 from .claim import Taken, claim_slot
 from .conf import taskguard_settings
 from .context import ActiveRun, activate, calling
-from .endings import ClassifyRaise, RecordSuccess, finish, record_raised, succeed
+from .endings import ClassifyRaise, OnBusy, RecordSuccess, finish, record_raised, succeed
 from .exceptions import BackendUnavailable, DuplicateRun, TaskGuardError
 from .heartbeat import Beat, heartbeats
 from .locks import Acquired, LockBackend, get_backend
@@ -45,16 +45,8 @@ FINISHED = "finished"
 R = TypeVar("R")
 
 
-# Optional hooks a slot source (the Celery glue) passes for one call:
-#   classify_raise(exc) -> an Ending when the caller's framework gives ``exc`` a
-#     meaning (Celery: a retry follows, the task asked to be ignored); None: it
-#     is a failure.
-#   on_busy(seconds) is called when another attempt holds a live lease on the slot
-#     (``seconds``: a hint of how long that lease has left) and must raise, to have the
-#     call come back later (a broker redelivery) instead of being dropped as a duplicate.
-#     Such a call is not counted in ``duplicates`` then; it is when it comes back to a
-#     finished slot.
-OnBusy = Callable[[float], None]
+# Optional hooks a slot source (the Celery glue) passes for one call: classify_raise and
+# on_busy (endings.ClassifyRaise, endings.OnBusy).
 
 
 def execute(

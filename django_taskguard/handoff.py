@@ -24,7 +24,7 @@ from typing import Protocol
 
 from django.utils import timezone
 
-from . import ledger
+from . import data_schedules, ledger
 from .exceptions import TaskGuardError
 from .guard import refused_late
 from .logfields import log_fields
@@ -109,7 +109,12 @@ def _give_back(task_name: str, slot: datetime, run_id: int, error: BaseException
     reason = f"missed: enqueue failed: {type(error).__name__}: {error}"
     try:
         given = ledger.give_back_pending(
-            run_id, task_name, slot, reason=reason, actor=actor("scheduler")
+            run_id,
+            task_name,
+            slot,
+            reason=reason,
+            actor=actor("scheduler"),
+            grace_of=data_schedules.grace_of,
         )
     except Exception as exc:  # whatever it is, the enqueue's own error is the one raised
         logger.warning(

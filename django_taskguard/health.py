@@ -50,11 +50,12 @@ from django.utils.timezone import get_default_timezone_name
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from . import lateness, ledger
+from . import data_schedules, lateness, ledger
 from .conf import taskguard_settings
 from .ledger import schedules as schedule_store
 from .ledger import upkeep as upkeep_store
 from .models import ScheduleEvent, ScheduleEventKind, TaskSchedule
+from .policy import Policy
 from .schedules import Schedule, StoredSchedule, rebuild
 from .states import LIVE_STATES, RunState
 
@@ -205,7 +206,9 @@ def check(*, task: str | None = None, schedules: Sequence[str] | None = None) ->
     window = timedelta(hours=taskguard_settings.MONITOR_WINDOW_HOURS)
     kept: UpkeepHealth | None = None
     if schedules is not None:
-        tasks = [from_schedule(row) for row in schedule_store.judged_named(schedules)]
+        policies: dict[str, Policy] = {}  # each target looked up once
+        rows = schedule_store.judged_named(schedules)
+        tasks = [from_schedule(row, policies) for row in rows]
     else:
         tasks = known_tasks()
         registered = [t for t in tasks if t.first_seen is not None]
@@ -309,14 +312,17 @@ def known_tasks() -> list[TaskHealth]:
     """Every registered schedule (not a removed one, :func:`ledger.schedules.watched`),
     then every other task name the ledger has runs of."""
     rows = schedule_store.stored()
-    tasks = [from_schedule(row) for row in schedule_store.watched(rows)]
+    policies: dict[str, Policy] = {}  # each target looked up once
+    tasks = [from_schedule(row, policies) for row in schedule_store.watched(rows)]
     seen = {row.task_name for row in rows}  # a removed schedule is not judged at all
     tasks += [TaskHealth(name) for name in ledger.task_names(None) if name not in seen]
     return tasks
 
 
-def from_schedule(row: TaskSchedule) -> TaskHealth:
+def from_schedule(row: TaskSchedule, policies: dict[str, Policy] | None = None) -> TaskHealth:
     schedule = build_schedule(row)
+    # A data schedule's empty grace and late after: its target's (as found here).
+    followed = data_schedules.followed(row, policies)
     return TaskHealth(
         row.task_name,
         schedule=schedule,
@@ -324,14 +330,14 @@ def from_schedule(row: TaskSchedule) -> TaskHealth:
         paused=row.paused,
         paused_at=row.paused_at if row.paused else None,
         paused_reason=row.paused_reason,
-        grace=row.grace,
+        grace=followed.grace,
         # A data schedule's bounds: no slot before its start is expected, none after its end.
         first_seen=max(row.first_seen, row.starts or row.first_seen),
         ends=row.ends,
         resumed_at=None if row.paused else row.resumed_at,
         registered=True,
         acknowledged_until=row.acknowledged_until,
-        late_after=row.late_after,
+        late_after=followed.late_after,
     )
 
 

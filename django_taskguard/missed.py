@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from django.db import DatabaseError
 from django.utils.translation import ngettext
 
-from . import ledger, pauses
+from . import data_schedules, ledger, pauses
 from .conf import taskguard_settings
 from .cron import NEXT_SLOT_HORIZON
 from .exceptions import BackendUnavailable
@@ -43,6 +43,7 @@ from .ledger import schedules as store
 from .logfields import log_fields
 from .models import TaskSchedule
 from .owner import actor
+from .policy import Policy
 from .schedules import StoredSchedule, rebuild
 from .signals import run_missed
 from .states import RunState
@@ -78,13 +79,16 @@ def sweep_missed(
         now = now or ledger.database_now()
         floor = now - timedelta(days=taskguard_settings.PRUNE_AFTER_DAYS) + HORIZON_MARGIN
         result = SweepResult()
+        # The targets' policies looked up this sweep (a data schedule that leaves its grace
+        # empty follows its target's): each target once, whatever its schedules.
+        policies: dict[str, Policy] = {}
         if not dry_run:
-            _end_pending_of_all(now, task, result)
+            _end_pending_of_all(now, task, result, policies)
             _judge_owed(now, floor, task, result)
         due = store.sweep_due(now, task)
         for start in range(0, len(due), SWEEP_PAGE):
             rows = store.sweep_page(due[start : start + SWEEP_PAGE])
-            _sweep_page(rows, now, floor, dry_run, result)
+            _sweep_page(rows, now, floor, dry_run, result, policies)
     except (BackendUnavailable, DatabaseError):
         # A long-lived caller (run_schedules' sweeper thread) sweeps again later: drop a
         # connection that failed so that the next sweep reconnects.
@@ -106,6 +110,7 @@ class _Work:
 
     row: TaskSchedule
     schedule: StoredSchedule
+    grace: timedelta  # what it follows (data_schedules.followed)
     judged: datetime
     end: datetime
     found: _Found
@@ -115,7 +120,12 @@ class _Work:
 
 
 def _sweep_page(
-    rows: list[TaskSchedule], now: datetime, floor: datetime, dry_run: bool, result: SweepResult
+    rows: list[TaskSchedule],
+    now: datetime,
+    floor: datetime,
+    dry_run: bool,
+    result: SweepResult,
+    policies: dict[str, Policy],
 ) -> None:
     """Judge a page of due schedules together: the early refusals, then batches of slots
     across schedules (one read of rows, one write of missed and one of skipped slots, one
@@ -125,7 +135,7 @@ def _sweep_page(
     idle: list[tuple[TaskSchedule, datetime | None, datetime]] = []
     for row in rows:
         try:
-            work = _start(row, now, floor, windows[row.task_name])
+            work = _start(row, now, floor, windows[row.task_name], policies)
         except Exception:
             _skip(row)
             continue
@@ -174,18 +184,23 @@ def _sweep_page(
 
 
 def _start(
-    row: TaskSchedule, now: datetime, floor: datetime, windows: list[store.PauseWindow]
+    row: TaskSchedule,
+    now: datetime,
+    floor: datetime,
+    windows: list[store.PauseWindow],
+    policies: dict[str, Policy],
 ) -> _Work:
     """What the sweep judges of ``row``: its slots after its mark (and ``starts``) up to its
     grace ago (and ``ends``)."""
     judged = max(row.swept_until or row.first_seen, floor)
     if row.starts is not None:
         judged = max(judged, row.starts - EPSILON)
-    end = now - row.grace
+    grace = data_schedules.followed(row, policies).grace
+    end = now - grace
     if row.ends is not None:
         end = min(end, row.ends)
     schedule = rebuild(row.cron, row.cron_day_or, store.zone_of(row), row.every)
-    return _Work(row, schedule, judged, end, _Found(row, windows))
+    return _Work(row, schedule, grace, judged, end, _Found(row, windows, grace))
 
 
 def _within(row: TaskSchedule, slot: datetime) -> bool:
@@ -198,7 +213,7 @@ def _next_due(work: _Work) -> datetime:
     row = work.row
     return _next_look(
         row.cron, row.cron_day_or, store.zone_of(row), row.every, work.judged, row.starts,
-        row.ends, row.grace,
+        row.ends, work.grace,
     )  # fmt: skip
 
 
@@ -244,7 +259,9 @@ def _judge(batch: list[_Work], dry_run: bool) -> None:
 
 def _after(work: _Work) -> _Work:
     """``work`` as it stands once this batch is judged (for its next look)."""
-    return _Work(work.row, work.schedule, work.until or work.judged, work.end, work.found)
+    return _Work(
+        work.row, work.schedule, work.grace, work.until or work.judged, work.end, work.found
+    )
 
 
 def _write(
@@ -276,11 +293,15 @@ class _Found:
     written."""
 
     def __init__(
-        self, row: TaskSchedule, windows: list[store.PauseWindow], reason: str | None = None
+        self,
+        row: TaskSchedule,
+        windows: list[store.PauseWindow],
+        grace: timedelta,
+        reason: str | None = None,
     ) -> None:
         self.row = row
         self.windows = windows
-        self.missed_reason = reason or _missed_reason(row.grace)
+        self.missed_reason = reason or _missed_reason(grace)
         self.missed = self.paused = 0
         self.last_missed: datetime | None = None
         self.missed_slots: list[datetime] = []  # every slot recorded missed, oldest first
@@ -363,7 +384,7 @@ def _paused_reason(row: TaskSchedule, window: store.PauseWindow | None) -> str:
     )
 
 
-def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
+def _end_pending(row: TaskSchedule, grace: timedelta, end: datetime, result: SweepResult) -> None:
     """Slots handed to a task queue or given back (``pending``) at or before ``end`` (their
     grace ago) that no worker started end like slots nobody fired (a late worker may still
     run a missed one: catch-up). By hand-out (or give-back) time, whatever the slot (a
@@ -375,9 +396,9 @@ def _end_pending(row: TaskSchedule, end: datetime, result: SweepResult) -> None:
         ended = _end_pending_all(row, end, RunState.SKIPPED, why, window.start, window.end)
         result.paused_slots += len(ended)
         _count(result, row.task_name, len(ended))
-    grace = row.grace.total_seconds()
     why = (
-        f"missed: pending (handed out or given back) and not started within its grace ({grace:g}s)"
+        "missed: pending (handed out or given back) and not started within its grace "
+        f"({grace.total_seconds():g}s)"
     )
     ended = _end_pending_all(row, end, RunState.MISSED, why, None, None)
     if not ended:
@@ -424,7 +445,7 @@ def _miss_refused_early(works: list[_Work], result: SweepResult) -> None:
     took within their grace, are missed like slots with no row (read for the whole page at
     once; not while paused)."""
     windows = [(w.row.task_name, w.judged, w.end) for w in works if not w.row.paused]
-    _miss_refused(windows, {w.row.task_name: w.row.grace for w in works}, result)
+    _miss_refused(windows, {w.row.task_name: w.grace for w in works}, result)
 
 
 def _miss_refused(
@@ -459,7 +480,9 @@ def _missed_reason(grace: timedelta) -> str:
     return f"missed: no instance claimed it within its grace ({grace.total_seconds():g}s)"
 
 
-def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) -> None:
+def _end_pending_of_all(
+    now: datetime, task: str | None, result: SweepResult, policies: dict[str, Policy]
+) -> None:
     """End the pending slots past their grace: one read finds the tasks that have any (a
     schedule with none costs nothing), then each of those is ended as before, whether its
     schedule is still judged or not (one deleted or disabled after a "run now" too)."""
@@ -467,7 +490,8 @@ def _end_pending_of_all(now: datetime, task: str | None, result: SweepResult) ->
     if task is not None:
         names = [name for name in names if name == task]
     for row in store.judged_named(names, every=True):
-        _end_pending(row, now - row.grace, result)
+        grace = data_schedules.followed(row, policies).grace
+        _end_pending(row, grace, now - grace, result)
 
 
 def _judge_owed(now: datetime, floor: datetime, task: str | None, result: SweepResult) -> None:
@@ -526,7 +550,7 @@ def _judge_owed_page(
                 f"{_missed_reason(window.grace)}; its schedule (version {window.version}) "
                 "was changed since"
             )
-            found = _Found(row, windows[row.task_name], reason)
+            found = _Found(row, windows[row.task_name], window.grace, reason)
             judged.append((row.task_name, slots, found))
             if not row.paused:
                 refused.append((row.task_name, window.since, slots[-1] if slots else window.since))

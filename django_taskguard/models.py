@@ -314,13 +314,31 @@ class TaskSchedule(models.Model):
             "zone runs in it."
         ),
     )
+    # A code schedule stores what its decorator (or beat entry) says; a data schedule stores
+    # what its definition sets, empty where it follows its target's decorator
+    # (``data_schedules.followed`` reads both).
     catchup = models.CharField(
-        _("catch-up"), max_length=8, choices=Catchup.choices, default=Catchup.LATEST
+        _("catch-up"),
+        max_length=8,
+        choices=Catchup.choices,
+        blank=True,
+        default=Catchup.LATEST,
+        help_text=_("Empty (a data schedule's): its target's."),
     )
-    grace = models.DurationField(_("grace"))
-    max_catchup = models.PositiveIntegerField(_("max catch-up"))
+    grace = models.DurationField(
+        _("grace"), null=True, blank=True, help_text=_("Empty (a data schedule's): its target's.")
+    )
+    max_catchup = models.PositiveIntegerField(
+        _("max catch-up"),
+        null=True,
+        blank=True,
+        help_text=_("Empty (a data schedule's): its target's."),
+    )
     pause_after_failures = models.PositiveIntegerField(
-        _("pause after failures"), null=True, blank=True
+        _("pause after failures"),
+        null=True,
+        blank=True,
+        help_text=_("Empty: never (a data schedule's: its target's, else never)."),
     )
     late_after = models.DurationField(
         _("late after"),
@@ -328,7 +346,8 @@ class TaskSchedule(models.Model):
         blank=True,
         help_text=_(
             "Its last LATE_START_RUNS slots all starting later than this after their time "
-            "make it unhealthy; empty: TASKGUARD['LATE_START_SECONDS']."
+            "make it unhealthy; empty: TASKGUARD['LATE_START_SECONDS'] (a data schedule's: "
+            "its target's, else that setting)."
         ),
     )
     paused = models.BooleanField(_("paused"), default=False)
@@ -465,7 +484,17 @@ class TaskSchedule(models.Model):
                 | (~models.Q(cron="") & models.Q(every=None)),
                 "taskguard_schedule_cron_or_every",
             ),
-            check_constraint(models.Q(catchup__in=Catchup.values), "taskguard_schedule_catchup"),
+            check_constraint(
+                models.Q(catchup__in=Catchup.values)
+                | models.Q(source=ScheduleSource.DATA, catchup=""),
+                "taskguard_schedule_catchup",
+            ),
+            # Only a data schedule follows its target; a code schedule stores its values.
+            check_constraint(
+                models.Q(source=ScheduleSource.DATA)
+                | models.Q(grace__isnull=False, max_catchup__isnull=False),
+                "taskguard_schedule_code_policy",
+            ),
         ]
         indexes = [
             models.Index(fields=["changed_at"], name="taskguard_schedule_changed"),

@@ -1,5 +1,6 @@
 """W021: a data schedule whose target this process cannot find is reported by
-``manage.py check --database``, in one grouped query whatever the schedules."""
+``manage.py check --database``, in one grouped query whatever the schedules. W037: data
+schedules following a value of their target's policy that their definition could not have."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from django_taskguard import define_schedule, delete_schedule
 from django_taskguard.checks import check_data_targets
 from django_taskguard.models import TaskSchedule
-from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
+from tests.support import data_targets  # registers the schedules' targets
 
 pytestmark = [pytest.mark.dialect, pytest.mark.django_db(transaction=True)]
 
@@ -86,3 +87,15 @@ def test_check_data_targets__only_with_the_ledgers_database() -> None:
     rename(row.task_name, "tests.nowhere.job")
     assert check_data_targets(databases=None) == []
     assert len(check_data_targets(databases=["default"])) == 1
+
+
+def test_check_data_targets__a_jitter_the_targets_new_grace_no_longer_covers_is_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, grace in (("follows", None), ("own", 120)):
+        define_schedule(name, TARGET, every=timedelta(hours=1), args=[1], jitter=60, grace=grace)
+    assert [m for m in run_checks(databases=["default"]) if m.id == "taskguard.W037"] == []
+    data_targets.redeploy(monkeypatch, grace=timedelta(seconds=30))
+    (found,) = [m for m in run_checks(databases=["default"]) if m.id == "taskguard.W037"]
+    assert found.msg.startswith(f"1 data schedule (follows) of {TARGET!r} follows ")
+    assert "grace 30 s" in found.msg and found.hint

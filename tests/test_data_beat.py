@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from pathlib import Path
@@ -31,7 +32,8 @@ from django_taskguard.contrib.celery import SCHEDULE_HEADER, SLOT_HEADER
 from django_taskguard.contrib.celery import data_entries as de
 from django_taskguard.contrib.celery.beat import TaskguardScheduler
 from django_taskguard.contrib.celery.headers import GRACE_HEADER, VERSION_HEADER, slot_for
-from django_taskguard.data_schedules import run_now
+from django_taskguard.data_schedules import ScheduleDefinitionError, resolve_target, run_now
+from django_taskguard.decorating import guarded_named
 from django_taskguard.exceptions import BackendUnavailable, TaskGuardError
 from django_taskguard.handoff import data_sender
 from django_taskguard.ledger import schedules as store
@@ -111,6 +113,22 @@ def test_entries__catchup_none_sends_its_grace():
     row = defined("n", catchup="none", grace=timedelta(seconds=30))
     (entry,) = de.DataSchedules(app).apply([row])[0]
     assert entry.options["headers"][GRACE_HEADER] == 30.0
+
+
+def test_entries__an_empty_catchup_and_grace_follow_the_tasks_decorator(monkeypatch):
+    row = defined("f")  # catch-up and grace left empty: the decorator's (latest, 300 s)
+    (entry,) = de.DataSchedules(app).apply([row])[0]
+    assert GRACE_HEADER not in entry.options["headers"]
+    body = guarded_named("tests.celery.report")  # the task's body, as decorated
+    assert resolve_target(REPORT).policy is body.policy
+    strict = replace(body.policy, catchup="none", grace=timedelta(seconds=40))
+    monkeypatch.setattr(body, "policy", strict)  # a deploy changes the decorator
+    (entry,) = de.DataSchedules(app).apply([store.get(row.task_name)])[0]  # not saved again
+    assert entry.options["headers"][GRACE_HEADER] == 40.0
+    monkeypatch.setattr(body, "policy", replace(strict, catchup="all"))
+    with pytest.raises(ScheduleDefinitionError, match=r"catch-up all \(the target's"):
+        defined("g")  # all is run_schedules': refused, as when given
+    assert defined("g", catchup="latest").catchup == "latest"
 
 
 def test_entries__a_schedule_that_cannot_be_read_is_left_out_and_said(caplog):

@@ -302,6 +302,34 @@ def test_sweep__skips_disabled_data_schedules_and_slots_outside_the_window() -> 
     assert missed[0] == starts
 
 
+def test_sweep__judges_a_data_schedule_by_the_grace_its_target_says_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    following = define_schedule("follows", TARGET, every=MINUTE, args=[1])
+    own = define_schedule("own", TARGET, every=MINUTE, args=[1], grace=60)
+    for row in (following, own):
+        _back(row.task_name, timedelta(minutes=30))
+    data_targets.redeploy(monkeypatch, grace=timedelta(hours=1))  # not saved in the rows
+    sweep_missed()
+    # Its target's grace is an hour now: none of its last 30 minutes is missed yet.
+    assert not TaskRun.objects.filter(task_name=following.task_name).exists()
+    missed = TaskRun.objects.filter(task_name=own.task_name, state=RunState.MISSED)
+    assert missed.count() >= 25  # its own grace, a minute
+    assert "within its grace (60s)" in missed.first().error  # type: ignore[union-attr]
+
+
+def test_data__an_empty_catchup_follows_the_targets_decorator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    row = define_schedule("t1", TARGET, every=MINUTE, args=[1])
+    _back(row.task_name, timedelta(hours=1))
+    data_targets.redeploy(monkeypatch, catchup="all", max_catchup=3)
+    now = timezone.now()
+    latest = _minute(now)
+    due = _slots(DataSchedules().load(now, start=True), row.task_name)
+    assert due == [latest - 2 * MINUTE, latest - MINUTE, latest]  # all, at most 3
+
+
 def test_run_schedules__task_names_a_data_schedule() -> None:
     row = define_schedule("t1", TARGET, every=MINUTE, args=[9])
     _back(row.task_name, timedelta(hours=1))
@@ -323,7 +351,9 @@ def test_sweep__ends_a_run_now_slot_nobody_started_within_its_grace() -> None:
     sweep_missed()
     pending.refresh_from_db()
     assert pending.state == RunState.PENDING  # within its grace: a copy may still start it
-    TaskRun.objects.filter(id=pending.id).update(created_at=timezone.now() - row.grace - MINUTE)
+    TaskRun.objects.filter(id=pending.id).update(
+        created_at=timezone.now() - data_targets.send_report.policy.grace - MINUTE
+    )
     sweep_missed()
     pending.refresh_from_db()
     assert pending.state == RunState.MISSED
@@ -463,7 +493,9 @@ def test_sweep__ends_a_run_now_slot_of_a_schedule_deleted_since() -> None:
     run_now(row)
     delete_schedule("t1", TARGET)
     (pending,) = TaskRun.objects.filter(task_name=row.task_name)
-    TaskRun.objects.filter(id=pending.id).update(created_at=timezone.now() - row.grace - MINUTE)
+    TaskRun.objects.filter(id=pending.id).update(
+        created_at=timezone.now() - data_targets.send_report.policy.grace - MINUTE
+    )
     sweep_missed()
     pending.refresh_from_db()
     assert pending.state == RunState.MISSED
@@ -615,7 +647,7 @@ def test_run_schedules__a_claim_the_database_refused_is_tried_again_within_the_g
     assert data.run(again) == "ran"
     assert len(data_targets.executed) == 1
     # Past its grace, a carried slot is left to the sweep (said in the log).
-    data.carry([Due(row.task_name, job.slot - row.grace - MINUTE)])
+    data.carry([Due(row.task_name, job.slot - data_targets.send_report.policy.grace - MINUTE)])
     assert data.carried(timezone.now()) == []
 
 

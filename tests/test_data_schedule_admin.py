@@ -27,7 +27,7 @@ from django_taskguard.models import (
     TaskRun,
     TaskSchedule,
 )
-from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
+from tests.support import data_targets  # registers the schedules' targets
 
 from .support.monitoring import finished, schedule
 
@@ -219,6 +219,34 @@ def test_edit__keeps_the_history_with_what_changed_newest_first() -> None:
     assert {"name", "target", "cron", "time zone", "positional arguments"} <= shown, shown
     assert not {"entry", "function", "cron_day_or", "target_kind", "args"} & shown, shown
     assert "none: disabled" in html  # no next slot while disabled
+
+
+def test_add_and_edit__empty_policy_fields_stay_empty_and_say_what_they_follow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    editor = login("eve", *EDITOR_PERMS)
+    assert editor.get(ADD).context["adminform"].form["catchup"].value() == ""
+    response = editor.post(ADD, form_data())
+    assert response.status_code == 302, errors(response)
+    row = TaskSchedule.objects.get(task_name=f"{TARGET}[tenant-42]")
+    assert (row.catchup, row.grace, row.max_catchup) == ("", None, None)
+    page = editor.get(change_url(row))
+    form = page.context["adminform"].form
+    shown = [form[name].value() for name in ("catchup", "grace", "max_catchup")]
+    assert shown == ["", None, None]
+    html = page.content.decode()
+    assert re.search(r'<input type="text" name="grace"(?![^>]*value=)[^>]*>', html)
+    assert "Empty: the target's (300 s), followed if it changes." in html
+    assert "Empty: the target's (100), followed if it changes." in html
+    assert '<option value="" selected>the target&#x27;s (latest)</option>' in html
+    # A deploy changes the decorator: the page says what the schedule follows now.
+    data_targets.redeploy(monkeypatch, catchup="none", grace=timedelta(minutes=20))
+    html = editor.get(change_url(row)).content.decode()
+    assert "Empty: the target's (1200 s), followed if it changes." in html
+    assert "the target&#x27;s (none)" in html
+    # Saved again with the fields empty: nothing changed, nothing written.
+    assert editor.post(change_url(row), form_data()).status_code == 302
+    assert TaskSchedule.objects.get(pk=row.pk).version == 1
 
 
 def test_change_page__next_slots_in_its_zone_and_in_utc_and_its_runs() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -13,9 +14,11 @@ from django_taskguard.data_schedules import (
     ScheduleDefinitionError,
     jitter_offset,
     manual_slot,
+    policy_of,
     resolve_target,
 )
 from django_taskguard.exceptions import InvalidSchedule
+from django_taskguard.health import from_schedule
 from django_taskguard.ledger import schedules as store
 from django_taskguard.models import ScheduleEvent, ScheduleSource, TargetKind, TaskSchedule
 from tests.support import data_targets
@@ -172,14 +175,64 @@ def test_define__a_target_with_name_is_recorded_under_the_schedules_identity() -
     assert row.target_kind == TargetKind.FUNCTION
 
 
-def test_define__defaults_come_from_the_targets_decorator() -> None:
+# -- what a definition leaves empty follows its target's decorator (issue 33) --------------
+
+POLICY_FIELDS = ("catchup", "grace", "max_catchup", "pause_after_failures", "late_after")
+
+
+def _in_effect(row: TaskSchedule) -> tuple[Any, ...]:
+    found = policy_of(TaskSchedule.objects.get(pk=row.pk), resolve_target(TARGET).policy)
+    return tuple(getattr(found, name) for name in POLICY_FIELDS)
+
+
+def test_define__empty_policy_fields_stay_empty_and_follow_the_targets_decorator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     row = define_schedule("t1", TARGET, cron="0 9 * * *", args=[1])
-    policy = data_targets.send_report.policy
-    assert (row.catchup, row.grace, row.max_catchup) == (
-        policy.catchup,
-        policy.grace,
-        policy.max_catchup,
+    stored = TaskSchedule.objects.get(pk=row.pk)
+    assert tuple(getattr(stored, name) for name in POLICY_FIELDS) == ("", None, None, None, None)
+    assert _in_effect(row) == ("latest", timedelta(minutes=5), 100, None, None)
+    data_targets.redeploy(
+        monkeypatch,
+        catchup="none",
+        grace=timedelta(minutes=20),
+        max_catchup=7,
+        pause_after_failures=3,
+        late_after=timedelta(minutes=2),
     )
+    # Followed without saving the schedule again: by its runs and by health alike.
+    assert _in_effect(row) == ("none", timedelta(minutes=20), 7, 3, timedelta(minutes=2))
+    judged = from_schedule(TaskSchedule.objects.get(pk=row.pk))
+    assert (judged.grace, judged.late_after) == (timedelta(minutes=20), timedelta(minutes=2))
+    assert TaskSchedule.objects.get(pk=row.pk).version == 1
+
+
+def test_define__what_a_definition_sets_wins_over_its_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    row = define_schedule(
+        "t1", TARGET, cron="0 9 * * *", args=[1], catchup="all", grace=45, max_catchup=3
+    )
+    data_targets.redeploy(monkeypatch, catchup="none", grace=timedelta(minutes=20), max_catchup=7)
+    assert _in_effect(row)[:3] == ("all", timedelta(seconds=45), 3)
+    # Emptied again: it follows from this version on (the history says so).
+    again = define_schedule("t1", TARGET, cron="0 9 * * *", args=[1])
+    assert _in_effect(again)[:3] == ("none", timedelta(minutes=20), 7)
+    edited = ScheduleEvent.objects.get(task_name=row.task_name, kind="edited")
+    assert edited.changes["grace"] == [45.0, None]
+    assert edited.changes["catchup"] == ["all", ""]
+
+
+def test_define__a_jitter_is_checked_against_the_grace_it_follows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    define_schedule("t1", TARGET, every=timedelta(hours=1), args=[1], jitter=60)
+    data_targets.redeploy(monkeypatch, grace=timedelta(seconds=30))
+    with pytest.raises(ScheduleDefinitionError, match=r"shorter than its target's grace") as raised:
+        define_schedule("t1", TARGET, every=timedelta(hours=1), args=[2], jitter=60)
+    assert raised.value.field == "jitter"
+    row = define_schedule("t1", TARGET, every=timedelta(hours=1), args=[2], jitter=60, grace=90)
+    assert row.grace == timedelta(seconds=90)  # a grace of its own lets it keep the jitter
 
 
 def test_jitter_offset__is_stable_and_within_the_jitter() -> None:

@@ -14,6 +14,7 @@ import pytest
 from django.utils import timezone
 
 from django_taskguard import define_schedule
+from django_taskguard.data_schedules import grace_of
 from django_taskguard.ledger import schedules as store
 from django_taskguard.missed import sweep_missed
 from django_taskguard.models import TaskRun
@@ -147,7 +148,7 @@ def test_sweep__records_the_docs_slots_missed_when_nothing_fired_them(row: Row) 
     store.mark_swept(task_name, start)
     saved = store.get(task_name)
     assert saved is not None
-    result = sweep_missed(task=task_name, now=end + saved.grace)
+    result = sweep_missed(task=task_name, now=end + grace_of(saved))
     missed = list(
         TaskRun.objects.filter(task_name=task_name, state=RunState.MISSED)
         .order_by("slot")

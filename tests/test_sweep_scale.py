@@ -220,12 +220,14 @@ def test_mark_swept_many__a_definition_changed_meanwhile_is_looked_at_next_time(
 
 
 def test_define_many__bulk_rows_with_their_history_and_existing_names_through_define():
-    from django_taskguard.data_schedules import validate
+    from django_taskguard.data_schedules import grace_of, validate
     from django_taskguard.models import ScheduleEvent, ScheduleEventOrigin
 
     existing = define_schedule("t0", TARGET, every=MINUTE, args=[0])
     batch = [validate(f"t{n}", TARGET, every=MINUTE, args=[n]) for n in range(5)]
-    created = store.define_many(batch, origin=ScheduleEventOrigin.CODE, by="bulk")
+    created = store.define_many(
+        batch, origin=ScheduleEventOrigin.CODE, grace_of=grace_of, by="bulk"
+    )
     assert created == 4, "t0 exists: it went through define (an edit)"
     rows = {row.entry: row for row in TaskSchedule.objects.filter(entry__startswith="t")}
     assert set(rows) == {f"t{n}" for n in range(5)}

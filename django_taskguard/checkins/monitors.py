@@ -20,6 +20,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from .. import data_schedules
 from ..ledger import schedules as schedule_store
 from ..schedules import rebuild
 
@@ -79,7 +80,11 @@ def schedule_of(task_name: str) -> dict[str, Any] | None:
         None
         if row is None
         else monitor_config(
-            row.cron, row.cron_day_or, schedule_store.zone_of(row), row.every, row.grace
+            row.cron,
+            row.cron_day_or,
+            schedule_store.zone_of(row),
+            row.every,
+            data_schedules.grace_of(row),
         )
     )
     if len(_schedules) > 10_000:

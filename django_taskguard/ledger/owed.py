@@ -110,12 +110,12 @@ def _moment(text: str | None) -> datetime | None:
     return None if text is None else datetime.fromisoformat(text)
 
 
-def owe(row: TaskSchedule, zone: str, until: datetime) -> None:
-    """``row``'s definition (as read, before the change being saved; its cron's ``zone``)
-    ends at ``until`` (the change's time by the database's clock): its slots after the
-    sweep's mark become an owed window. Nothing when it was not judged (disabled, deleted)
-    or the window holds no slot (a daily report edited between two sweeps). The caller
-    saves the row."""
+def owe(row: TaskSchedule, zone: str, grace: timedelta, until: datetime) -> None:
+    """``row``'s definition (as read, before the change being saved; its cron's ``zone``;
+    the ``grace`` it followed) ends at ``until`` (the change's time by the database's
+    clock): its slots after the sweep's mark become an owed window. Nothing when it was
+    not judged (disabled, deleted) or the window holds no slot (a daily report edited
+    between two sweeps). The caller saves the row."""
     if row.removed_at is not None or not row.enabled:
         return
     window = Owed(
@@ -125,7 +125,7 @@ def owe(row: TaskSchedule, zone: str, until: datetime) -> None:
         every=row.every,
         starts=row.starts,
         ends=row.ends,
-        grace=row.grace,
+        grace=grace,
         since=row.swept_until or row.first_seen,
         until=until,
         version=row.version,

@@ -10,13 +10,14 @@ it in (:func:`give_back`).
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Callable
+from datetime import datetime, timedelta
 
 from django.db.models import QuerySet
 from django.db.models.functions import Coalesce
 from django.db.models.lookups import GreaterThanOrEqual, LessThan, LessThanOrEqual
 
-from ..models import TaskRun
+from ..models import TaskRun, TaskSchedule
 from ..states import GIVEN_BACK_TO, RunState
 from .backends import fragments
 from .core import (
@@ -69,7 +70,13 @@ def pend_refused_early(task_name: str, slot: datetime, *, actor: str) -> int | N
 
 
 def give_back_pending(
-    run_id: int, task_name: str, slot: datetime, *, reason: str, actor: str
+    run_id: int,
+    task_name: str,
+    slot: datetime,
+    *,
+    reason: str,
+    actor: str,
+    grace_of: Callable[[TaskSchedule], timedelta],
 ) -> str | None:
     """Give back a ``pending`` row that no attempt started (its enqueue failed).
 
@@ -78,12 +85,13 @@ def give_back_pending(
     judge again (older than its schedule's grace by the database's clock, or at or behind
     its ``swept_until``) would then be lost without a record: its row is ended ``missed``
     with ``reason`` instead (``"missed"``, a compare-and-set from ``pending``). None when
-    something started it meanwhile.
+    something started it meanwhile. ``grace_of``: the grace the schedule's slots are judged
+    by (``data_schedules.grace_of``).
     """
     with translated:
         schedule = schedule_of(task_name)
         if schedule is not None and (
-            slot <= database_now() - schedule.grace
+            slot <= database_now() - grace_of(schedule)
             or (schedule.swept_until is not None and slot <= schedule.swept_until)
         ):
             ended = _end(

@@ -8,7 +8,7 @@ missed-slot sweep, the scheduler and the admin. Every query uses ``DATABASE_ALIA
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from copy import copy as copy_of
 from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
@@ -648,11 +648,17 @@ def _jsonable(value: object) -> object:
     return value
 
 
+# The grace a schedule's slots are judged by (``data_schedules.grace_of``: a data
+# schedule's own, else its target's): an owed window keeps the ended definition's.
+GraceOf = Callable[[TaskSchedule], timedelta]
+
+
 def define(
     task_name: str,
     values: dict[str, object],
     *,
     origin: ScheduleEventOrigin,
+    grace_of: GraceOf,
     by: str = "",
     reason: str = "",
     first_seen: datetime | None = None,
@@ -666,23 +672,25 @@ def define(
     swept up to now, so that the slots the old definition (or the pause of a disabled one)
     never fired are not recorded missed. A deleted schedule defined again is revived, its
     version going on. ``first_seen``: no slot before it fires (an import keeps the last run
-    of the schedule it replaces). ``adopt``: the ``declared_in`` of other schedules this
+    of the schedule it replaces). ``grace_of``: the grace the definition before followed
+    (its owed window is judged by it). ``adopt``: the ``declared_in`` of other schedules this
     one may take over (an imported django-celery-beat entry's row; its runs are the same).
     Raises :class:`NotDataSchedule` when a schedule of another kind has the name."""
     try:
-        return _define(task_name, values, origin, by, reason, first_seen, adopt)
+        return _define(task_name, values, origin, grace_of, by, reason, first_seen, adopt)
     except BackendUnavailable as exc:
         if not isinstance(exc.__cause__, IntegrityError):
             raise
         # Another process created the same schedule between our read and our insert:
         # ours is then an edit of theirs (the row exists now, and is locked in turn).
-        return _define(task_name, values, origin, by, reason, first_seen, adopt)
+        return _define(task_name, values, origin, grace_of, by, reason, first_seen, adopt)
 
 
 def _define(
     task_name: str,
     values: dict[str, object],
     origin: ScheduleEventOrigin,
+    grace_of: GraceOf,
     by: str,
     reason: str,
     first_seen: datetime | None,
@@ -738,7 +746,7 @@ def _define(
             if any(name in changes for name in SLOT_FIELDS) or not values["enabled"]:
                 # The definition judged until now ends here: its slots the sweep has not
                 # judged yet are owed (ledger/owed.py); the new one is judged from here.
-                owed.owe(row, zone_of(row), changed)
+                owed.owe(row, zone_of(row), grace_of(row), changed)
             if any(name in changes for name in SLOT_FIELDS) or (
                 "enabled" in changes and values["enabled"]
             ):
@@ -773,6 +781,7 @@ def define_many(
     definitions: Sequence[tuple[str, dict[str, object]]],
     *,
     origin: ScheduleEventOrigin,
+    grace_of: GraceOf,
     by: str = "",
     reason: str = "",
 ) -> int:
@@ -799,7 +808,7 @@ def define_many(
             versions.update((got["task_name"], int(got["newest"] or 0)) for got in newest)
     for name, values in definitions:
         if name in taken:
-            define(name, values, origin=origin, by=by, reason=reason)
+            define(name, values, origin=origin, grace_of=grace_of, by=by, reason=reason)
     now = timezone.now()
     changed_at = database_now()
     new = [
@@ -884,7 +893,12 @@ def _write_first(rows: QuerySet[TaskSchedule]) -> None:
 
 
 def delete_data(
-    task_name: str, *, origin: ScheduleEventOrigin, by: str = "", reason: str = ""
+    task_name: str,
+    *,
+    origin: ScheduleEventOrigin,
+    grace_of: GraceOf,
+    by: str = "",
+    reason: str = "",
 ) -> TaskSchedule | None:
     """Delete a data schedule: it fires nothing from now on (every scheduler drops it at
     its next poll) and its row stays as a tombstone (``removed_at``, disabled, a new version)
@@ -900,7 +914,7 @@ def delete_data(
             return None
         now = timezone.now()
         changed = database_now()  # as in _define
-        owed.owe(row, zone_of(row), changed)
+        owed.owe(row, zone_of(row), grace_of(row), changed)
         # Kept so that the history says whether the version before was enabled.
         changes = {"enabled": [True, False]} if row.enabled else {}
         row.removed_at = now
@@ -930,14 +944,36 @@ def data_schedules(target_kinds: Collection[str] | None = None) -> QuerySet[Task
     return rows
 
 
-def data_targets(limit: int) -> list[tuple[str, str, int]]:
-    """``(target, target_kind, schedules)`` of the live, enabled data schedules, one per
-    distinct target, at most ``limit`` (one grouped query, whatever the schedules)."""
+@dataclass(frozen=True)
+class DataTarget:
+    """A target of live, enabled data schedules: how many, and what those following its
+    policy (their catch-up or grace left empty) would need of it."""
+
+    target: str
+    kind: str
+    schedules: int
+    following_catchup: int  # schedules whose catch-up is the target's
+    longest_jitter: timedelta | None  # the longest jitter of those following its grace
+
+
+def data_targets(limit: int) -> list[DataTarget]:
+    """The targets of the live, enabled data schedules, at most ``limit`` (one grouped
+    query, whatever the schedules)."""
     rows = data_schedules().filter(removed_at__isnull=True, enabled=True)
-    grouped = rows.values("function", "target_kind").annotate(schedules=Count("pk"))
+    grouped = rows.values("function", "target_kind").annotate(
+        schedules=Count("pk"),
+        following_catchup=Count("pk", filter=Q(catchup="")),
+        longest_jitter=Max("jitter", filter=Q(grace__isnull=True)),
+    )
     with translated:
         return [
-            (found["function"], found["target_kind"], found["schedules"])
+            DataTarget(
+                found["function"],
+                found["target_kind"],
+                found["schedules"],
+                found["following_catchup"],
+                found["longest_jitter"],
+            )
             for found in grouped.order_by("function", "target_kind")[:limit]
         ]
 
@@ -950,6 +986,23 @@ def data_schedule_names(target: str, target_kind: str, limit: int) -> list[str]:
     )
     with translated:
         return list(rows.order_by("entry").values_list("entry", flat=True)[:limit])
+
+
+def data_following(
+    target: str, target_kind: str, limit: int, *, grace_below: timedelta, catchup: bool
+) -> tuple[int, list[str]]:
+    """The live, enabled data schedules of ``target`` (of that kind) that follow a value of its
+    policy their definition cannot have: its grace when their jitter is ``grace_below`` or
+    longer, its catch-up (when ``catchup``: a Celery target's ``all``). How many, and the
+    names of at most ``limit``, in order."""
+    wrong = Q(grace__isnull=True, jitter__gte=grace_below)
+    if catchup:
+        wrong |= Q(catchup="")
+    rows = data_schedules().filter(
+        wrong, removed_at__isnull=True, enabled=True, function=target, target_kind=target_kind
+    )
+    with translated:
+        return rows.count(), list(rows.order_by("entry").values_list("entry", flat=True)[:limit])
 
 
 def data_changed_since(

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
+
+import pytest
 
 from django_taskguard import current_run, once_per_schedule
 from tests.support.proc import record
@@ -63,3 +66,9 @@ def echo(value: str) -> None:
 def anything(*args: Any, **kwargs: Any) -> None:
     """Takes any arguments (the check cannot refuse a reserved one by the signature)."""
     _note(*args, **kwargs)
+
+
+def redeploy(monkeypatch: pytest.MonkeyPatch, **policy: Any) -> None:
+    """``send_report``'s decorator as a deploy changes it (``@once_per_schedule(grace=...)``),
+    for the test (undone after it)."""
+    monkeypatch.setattr(send_report, "policy", replace(send_report.policy, **policy))

@@ -41,6 +41,7 @@ from ...ledger import schedules as store
 from ...ledger.core import translated
 from ...logfields import log_fields
 from ...models import Catchup, TargetKind, TaskSchedule
+from ...policy import Policy
 from ...schedules import StoredSchedule, rebuild
 from .headers import (
     GRACE_HEADER,
@@ -190,12 +191,20 @@ def schedule_of(row: TaskSchedule) -> DataDue:
     return DataDue(stored, offset, row.starts, row.ends)
 
 
-def entry_of(row: TaskSchedule, last_run_at: datetime, app: Any = None) -> DataEntry:
-    """The beat entry of the data schedule ``row``, last sent at ``last_run_at``."""
+def entry_of(
+    row: TaskSchedule,
+    last_run_at: datetime,
+    app: Any = None,
+    policies: dict[str, Policy] | None = None,
+) -> DataEntry:
+    """The beat entry of the data schedule ``row``, last sent at ``last_run_at``
+    (``policies``: the targets' looked up already, by name)."""
     headers: dict[str, Any] = {SCHEDULE_HEADER: row.entry, VERSION_HEADER: row.version}
-    if row.catchup == Catchup.NONE:
+    # An empty catch-up or grace: the target's, as found here.
+    followed = data_schedules.followed(row, policies)
+    if followed.catchup == Catchup.NONE:
         # catchup="none": a message later than the grace is recorded missed by the worker.
-        headers[GRACE_HEADER] = row.grace.total_seconds()
+        headers[GRACE_HEADER] = followed.grace.total_seconds()
     return DataEntry(
         name=KEY_PREFIX + row.task_name,
         task=row.function,
@@ -234,6 +243,9 @@ class DataSchedules:
         self.owed: list[tuple[DataEntry, datetime]] = []
         # The rows read at send time, by key (None: no row), until the next poll.
         self.checked: dict[str, TaskSchedule | None] = {}
+        # The targets' policies, by name (what a schedule's empty fields follow): each
+        # looked up once per poll, whatever its schedules.
+        self.policies: dict[str, Policy] = {}
 
     def take_owed(self) -> list[tuple[DataEntry, datetime]]:
         owed, self.owed = self.owed, []
@@ -269,6 +281,7 @@ class DataSchedules:
             return None
         self.next_poll = clock + POLL_SECONDS
         self.checked = {}
+        self.policies = {}
         if full:
             self.next_reload = clock + RELOAD_SECONDS
         self.cursor = started
@@ -322,7 +335,7 @@ class DataSchedules:
             last = max(known.sent_at, floor)  # same slots: the next one, new arguments
         else:
             last = floor  # new, or moved: the new schedule's slots after the edit only
-        return entry_of(row, last, self.app)
+        return entry_of(row, last, self.app, self.policies)
 
     def _owed(
         self, row: TaskSchedule, entry: DataEntry, known: DataEntry | None, now: datetime
@@ -339,7 +352,8 @@ class DataSchedules:
         schedule = cast(DataDue, entry.schedule)
         if known is None:
             latest = schedule.latest_slot(now)
-            since = max(floor_of(row), now - row.grace - schedule.offset)
+            grace = data_schedules.followed(row, self.policies).grace
+            since = max(floor_of(row), now - grace - schedule.offset)
             return [(entry, slot) for slot in schedule.owed(since, latest) if slot != latest]
         old = cast(DataDue, known.schedule)
         if skipped(row, known):
@@ -347,7 +361,8 @@ class DataSchedules:
         if old == schedule:
             return []
         edit = row.changed_at or now  # (a tick's now can be older than an edit it reads)
-        since = max(known.sent_at, now - row.grace - old.offset)
+        grace = data_schedules.followed(row, self.policies).grace
+        since = max(known.sent_at, now - grace - old.offset)
         return [(known, slot) for slot in old.owed(since, old.latest_slot(edit + old.offset))]
 
     def _owed_by_versions(
@@ -359,11 +374,12 @@ class DataSchedules:
         across several changes sends no slot of a disabled window, none that an interval
         in effect then did not have."""
         assert row.changed_at is not None
-        since = max(known.sent_at, now - row.grace - cast(DataDue, known.schedule).offset)
+        grace = data_schedules.followed(row, self.policies).grace
+        since = max(known.sent_at, now - grace - cast(DataDue, known.schedule).offset)
         history = store.timeline(row, since)
         owed: list[tuple[DataEntry, datetime]] = []
         for span in history.spans(since, row.changed_at):
-            entry = entry_of(span.version.row(row), since, self.app)
+            entry = entry_of(span.version.row(row), since, self.app, self.policies)
             slots = span.schedule.slots_between(span.start, span.end, OWED_MAX)
             owed += [(entry, slot) for slot in slots if span.in_window(slot)]
         return owed[-OWED_MAX:]

@@ -129,7 +129,7 @@ def put_back(
     broker: Broker, message: MessageProxy, task_name: str, slot: Any, seconds_left: float
 ) -> NoReturn:
     """Send the message again, due once the live attempt's lease has run out, and skip this
-    delivery (``guard.OnBusy``).
+    delivery (``endings.OnBusy``).
 
     The copy keeps the message id and retry count (it is the same message, not a retry of
     it) and counts the put-back in ``taskguard_deferred``. When it comes back, the slot has

@@ -16,6 +16,7 @@ from typing import Any
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
 
+from ... import data_schedules
 from ...exceptions import TaskGuardError
 from ...ledger import schedules as store
 from ...models import ScheduleEventOrigin
@@ -103,6 +104,7 @@ class Command(BaseCommand):
                 found.task_name,
                 found.values,
                 origin=ScheduleEventOrigin.COMMAND,
+                grace_of=data_schedules.grace_of,
                 by=operator(),
                 reason=importer.REASON,
                 first_seen=found.first_seen,
