@@ -56,7 +56,7 @@ export TASKGUARD_SCHEDULER_CHAOS_SECONDS="${TASKGUARD_SCHEDULER_CHAOS_SECONDS:-4
 part() {  # part DATABASE NAME WORKERS MARKS [pytest args]
   local database=$1 name=$2 workers=$3 marks=$4
   shift 4
-  TASKGUARD_TEST_DB=$database $PY -m pytest -p no:cacheprovider -n "$workers" -m "$marks" \
+  TASKGUARD_TEST_DB=$database $PY -m pytest -p no:cacheprovider -n "$workers" --dist worksteal -m "$marks" \
     --junitxml="$reports/$database-$name.xml" --durations=10 "$@"
 }
 lane_step() {  # lane_step TITLE COMMAND...: run it, its time appended to lane.times
