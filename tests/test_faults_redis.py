@@ -107,13 +107,17 @@ def test_redis_race__8_processes_200_slots_run_each_slot_once(child_env, redis_s
 def test_redis_kill__owner_sigkilled_abandon_never_runs_again(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.kill_abandon"
-    # lease long enough that the next interpreter starts before it ends, on a busy machine
-    # (starting Python and Django can take several seconds under load)
     owner = hold(env, log, task, lease=12.0, seconds=60)
     owner.started()
+    # The next instance is started (Python and Django: several seconds on a loaded machine)
+    # before the kill, and claims once it is released: well within the dead owner's lease.
+    go = scratch / "go"
+    loser = hold(env, log, task, lease=LEASE, seconds=0, go=go)
+    wait_for(lambda: Path(f"{go}.ready").exists(), timeout=120, what="the next instance")
     owner.killed()
+    go.touch()
     # While the dead owner's lease lasts, another instance loses on Redis alone.
-    assert hold(env, log, task, lease=LEASE, seconds=0).outcome() == {"result": None}
+    assert loser.outcome() == {"result": None}
     wait_for(lambda: lease_over(task))
     assert the_run(task).state == RunState.RUNNING  # expired, judged stale by the next claim
     assert hold(env, log, task, lease=LEASE, seconds=0).outcome() == {"result": None}

@@ -72,10 +72,14 @@ def hold(
     seconds: float,
     on_stale: str = "abandon",
     slot: int = 0,
+    go: Path | None = None,
 ) -> Child:
-    """A child that claims ``task``'s slot ``slot`` and holds it ``seconds`` (``proc.hold``)."""
+    """A child that claims ``task``'s slot ``slot`` and holds it ``seconds`` (``proc.hold``);
+    ``go``: the claim waits for that file (``tests.test_race.release``)."""
     options = {"--task": task, "--log": str(log), "--lease": str(lease), "--seconds": str(seconds),
                "--on-stale": on_stale, "--slot": str(slot)}  # fmt: skip
+    if go is not None:
+        options["--go"] = str(go)
     return Child(env, "hold", *[part for pair in options.items() for part in pair])
 
 

@@ -105,7 +105,8 @@ def async_race(args: argparse.Namespace) -> dict[str, float]:
 
 
 def hold(args: argparse.Namespace) -> dict[str, object]:
-    """Claim one slot and run a body that sleeps ``--seconds`` (to be killed or paused)."""
+    """Claim one slot and run a body that sleeps ``--seconds`` (to be killed or paused);
+    with ``--go``, the claim waits for it (see barrier)."""
     from django_taskguard import current_run, once_per_schedule
     from django_taskguard.exceptions import LeaseLost
 
@@ -128,6 +129,7 @@ def hold(args: argparse.Namespace) -> dict[str, object]:
         record(args.log, f"end {os.getpid()} {run.attempt} {run.fence}")
         return "done"
 
+    barrier(args)
     return run_held(body, args.slot)
 
 
