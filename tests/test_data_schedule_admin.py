@@ -7,7 +7,7 @@ statements do not grow with its rows."""
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from django_taskguard.models import (
     TaskRun,
     TaskSchedule,
 )
+from django_taskguard.testing import freeze_now
 from tests.support import data_targets  # noqa: F401  (registers the schedules' targets)
 
 from .support.monitoring import finished, schedule
@@ -221,6 +222,7 @@ def test_edit__keeps_the_history_with_what_changed_newest_first() -> None:
     assert "none: disabled" in html  # no next slot while disabled
 
 
+@freeze_now(datetime(2026, 12, 7, 15, 0, tzinfo=UTC))  # the next five 09:00s are all in EST
 def test_change_page__next_slots_in_its_zone_and_in_utc_and_its_runs() -> None:
     row = tenant()
     TaskRun.objects.create(
