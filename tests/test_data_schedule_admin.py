@@ -7,7 +7,7 @@ statements do not grow with its rows."""
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from django_taskguard.models import (
     TaskRun,
     TaskSchedule,
 )
+from django_taskguard.testing import freeze_now
 from tests.support import data_targets  # registers the schedules' targets
 
 from .support.monitoring import finished, schedule
@@ -249,6 +250,7 @@ def test_add_and_edit__empty_policy_fields_stay_empty_and_say_what_they_follow(
     assert TaskSchedule.objects.get(pk=row.pk).version == 1
 
 
+@freeze_now(datetime(2026, 12, 7, 15, 0, tzinfo=UTC))  # the next five 09:00s are all in EST
 def test_change_page__next_slots_in_its_zone_and_in_utc_and_its_runs() -> None:
     row = tenant()
     TaskRun.objects.create(

@@ -29,6 +29,7 @@ from django_taskguard.models import (
     TaskSchedule,
 )
 from django_taskguard.schedules import rebuild
+from django_taskguard.testing import freeze_now
 from tests.support import celery_tasks
 from tests.support.celery_app import app
 
@@ -223,7 +224,10 @@ def test_import__a_taskguard_database_scheduler_entry_is_converted_in_place() ->
     slot = datetime(2026, 11, 26, 9, 0, tzinfo=UTC)
     body = app.tasks[TICK].__wrapped__
     ran: list[datetime] = []
-    guard.execute(beat_row.task_name, slot, body.policy, lambda: ran.append(slot), (), {})
+    # The worker's clock at the slot: a slot older than the retention horizon is never run
+    # (this one would be from 2026-12-26 on).
+    with freeze_now(slot):
+        guard.execute(beat_row.task_name, slot, body.policy, lambda: ran.append(slot), (), {})
     assert ran == [slot]
 
     dry = run("--dry-run")

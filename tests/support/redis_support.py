@@ -18,7 +18,7 @@ from django_taskguard.locks import get_backend
 from django_taskguard.locks.redis import RedisLock
 from django_taskguard.locks.redis_scripts import FINISHED_MARKER
 
-from .redis_server import RedisServer, free_port, wait_until_serving
+from .redis_server import RedisServer, free_port, real_clock_env, wait_until_serving
 from .waiting import wait_for
 
 
@@ -97,7 +97,7 @@ class TlsRedisServer(RedisServer):
             [self.binary, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--dir", str(self.directory),
              "--maxmemory-policy", "noeviction", *tls],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=real_clock_env(),
         )  # fmt: skip
         try:
             wait_for(self._answers, timeout=30, what="the TLS redis-server to answer")
@@ -185,7 +185,10 @@ class SentinelSetup:
         log = (self.directory / "sentinel.log").open("wb")
         with log:
             self.process = subprocess.Popen(
-                [self.master.binary, str(config), "--sentinel"], stdout=log, stderr=log
+                [self.master.binary, str(config), "--sentinel"],
+                stdout=log,
+                stderr=log,
+                env=real_clock_env(),
             )
         try:
             wait_until_serving(self.process, self.port)
