@@ -178,24 +178,25 @@ class Receiver:
         if mode == "hang":
             self.holding.set()
             self._release.wait(120)
+        # Recorded before it is answered: a sender that got its answer finds its request here.
         if mode == "302":
+            self._add(request, service, split.path, split.query, raw, answered=302)
             request.send_response(302)
             request.send_header("Location", f"{self.redirect_to}{request.path}")
             request.send_header("Content-Length", "0")
             request.end_headers()
-            self._add(request, service, split.path, split.query, raw, answered=302)
             return
         if mode == "500":
+            self._add(request, service, split.path, split.query, raw, answered=500)
             request.send_response(500)
             request.end_headers()
             request.wfile.write(b"failing on purpose")
-            self._add(request, service, split.path, split.query, raw, answered=500)
             return
+        self._add(request, service, split.path, split.query, raw, answered=200)
         request.send_response(200)
         request.send_header("Content-Type", "text/plain")
         request.end_headers()
         request.wfile.write(b"OK")
-        self._add(request, service, split.path, split.query, raw, answered=200)
 
     def _add(
         self,
