@@ -224,13 +224,25 @@ def test_beat_schedules__django_celery_beat_rows_followed_and_missed(beats, scra
     # Enabled, edited, disabled while the beats run: the schedule follows.
     off.enabled = True
     saved(off)
-    wait_for(lambda: (r := row(later)) and r.removed_at is None, 20, "the enabled row")
+    wait_for(
+        lambda: (r := row(later)) and r.removed_at is None,
+        60,
+        "the enabled row",
+        describe=beats.describe,
+    )
     ping.interval = every3
     saved(ping)
-    wait_for(lambda: row(name).every == timedelta(seconds=3), 20, "the edited interval")
+    wait_for(
+        lambda: row(name).every == timedelta(seconds=3),
+        60,
+        "the edited interval",
+        describe=beats.describe,
+    )
     off.enabled = False
     saved(off)
-    gone = wait_for(lambda: row(later).removed_at, 20, "the disabled row to be removed")
+    gone = wait_for(
+        lambda: row(later).removed_at, 60, "the disabled row to be removed", describe=beats.describe
+    )
     edited = ledger.database_now()
     succeeded_after(beats, name, edited)
 

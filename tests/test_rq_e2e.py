@@ -283,7 +283,10 @@ def test_rq__two_enqueuers_two_workers_each_slot_once(
     wanted.update(
         {(task, retried, event): 1 for task in (jobs.FLAKY, jobs.LATER) for event in ends}
     )
-    assert {key: n for key, n in sent.items() if key[0] != jobs.HOLD} == wanted
+    # Of the tasks this test fires (the module's other schedules are swept too: STRICT's
+    # minute slots, unfired here, are recorded missed after its 5 s grace).
+    fired = (jobs.TICK, jobs.FLAKY, jobs.LATER)
+    assert {key: n for key, n in sent.items() if key[0] in fired} == wanted
     assert sent[(jobs.HOLD, held, "abandoned")] == 1
 
     # The killed horse's run: one execution, abandoned, its requeued job a duplicate.
