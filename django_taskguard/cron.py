@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -262,6 +263,18 @@ class _Walk:
 
 _walks: OrderedDict[tuple[str, str, bool], _Walk] = OrderedDict()
 _walks_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A forked child starts with no kept walks and a free lock: one held at the fork by
+    another thread of its parent (an upkeep's sweep beside a prefork pool that forks a new
+    child) would be held in the child for good."""
+    global _walks_lock
+    _walks_lock = threading.Lock()
+    _walks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _walk(cron: CronSchedule, start: datetime) -> _Walk:

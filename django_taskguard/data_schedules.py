@@ -21,6 +21,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import logging
 import sys
 import zoneinfo
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ from .cron import CronSchedule
 from .decorating import guarded_named, guarded_policy, has_control_characters, task_identity
 from .exceptions import InvalidSchedule, TaskGuardError
 from .ledger import schedules as store
+from .logfields import log_fields
 from .models import (
     TASK_NAME_MAX_LENGTH,
     Catchup,
@@ -49,6 +51,8 @@ from .models import (
 )
 from .moments import moment_problem
 from .policy import DEFAULT_GRACE, DEFAULT_MAX_CATCHUP, Policy
+
+logger = logging.getLogger("taskguard.data_schedules")
 
 __all__ = [
     "Target",
@@ -689,11 +693,28 @@ def policy_of(row: TaskSchedule, target_policy: Policy) -> Policy:
 def target_policy(target: str) -> Policy:
     """The policy of the target named ``target`` as found in this process (its decorator's
     ``catchup=``, ``grace=``...); the package's defaults when it is not found here (a copy
-    like this one fires none of its slots: check W021)."""
+    like this one fires none of its slots: check W021), said once per target and process."""
     try:
         return resolve_target(target).policy
-    except Exception:  # never raises: a sweep or a health page judges with what it has
+    except Exception as exc:  # never raises: a sweep or a health page judges with what it has
+        if target not in _unfound:
+            _unfound.add(target)
+            logger.warning(
+                "taskguard: %s is not a guarded task in this process (%s): the data schedules "
+                "that follow its policy are judged here by the defaults (grace %s, catch-up "
+                "latest) until it is; give this process the module that defines it "
+                "(check W021)",
+                target,
+                exc,
+                DEFAULT_GRACE,
+                extra=log_fields("schedule.target_unfound", task=target),
+            )
         return Policy()
+
+
+# The targets target_policy did not find, said once each (a warning per health request or
+# sweep would bury the log).
+_unfound: set[str] = set()
 
 
 def grace_of(row: TaskSchedule) -> timedelta:

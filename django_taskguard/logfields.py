@@ -103,6 +103,7 @@ EVENTS = frozenset(
         "schedule.zone_conflict",
         "schedule.data_conflict",
         "schedule.not_fired",
+        "schedule.target_unfound",
         "scheduler.started",
         "scheduler.fired",
         "scheduler.once_done",

@@ -12,6 +12,7 @@ answer older than the bound.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -27,6 +28,17 @@ PAUSE_CACHE_SECONDS = 1.0
 
 _lock = threading.Lock()
 _cache: tuple[float, dict[str, str]] = (float("-inf"), {})
+
+
+def _after_fork() -> None:
+    """A forked child's lock is free, and it reads the paused tasks afresh: held at the
+    fork by another thread of its parent, the lock would be held in the child for good."""
+    global _lock, _cache
+    _lock = threading.Lock()
+    _cache = (float("-inf"), {})
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def paused_reason(task_name: str) -> str | None:

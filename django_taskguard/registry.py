@@ -19,6 +19,7 @@ pause, and its missed-slot sweep. A module named in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
@@ -103,6 +104,16 @@ QUEUE_FINDERS: list[Callable[[Any], Queued | None]] = []
 _lock = threading.Lock()
 _entries: dict[str, Entry] = {}
 _by_wrapper: dict[int, str] = {}  # id(decorated function) -> task name
+
+
+def _after_fork() -> None:
+    """A forked child's lock is free: held at the fork by another thread of its parent (an
+    upkeep looking up a data schedule's target), it would be held in the child for good."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def register(entry: Entry, wrapper: Any) -> None:

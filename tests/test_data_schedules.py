@@ -399,3 +399,19 @@ def test_decorator__a_name_with_control_characters_is_refused(name: str) -> None
 
         @once_per_schedule(every=timedelta(minutes=5), name=name)
         def odd() -> None: ...
+
+
+@pytest.mark.pure
+def test_target_policy__a_target_not_found_here_is_judged_by_the_defaults_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from django_taskguard import data_schedules
+    from django_taskguard.policy import Policy
+
+    with caplog.at_level("WARNING", logger="taskguard.data_schedules"):
+        for _ in range(3):
+            assert data_schedules.target_policy("tests.nowhere.send_report") == Policy()
+    said = [r for r in caplog.records if getattr(r, "event", "") == "schedule.target_unfound"]
+    assert len(said) == 1, said
+    assert "tests.nowhere.send_report is not a guarded task in this process" in said[0].message
+    data_schedules._unfound.discard("tests.nowhere.send_report")
