@@ -237,7 +237,9 @@ def test_redis_pause__half_lease_causes_no_lease_loss(child_env, redis_server, s
 def test_redis_restart_and_flush__mid_slot_no_second_run(child_env, redis_server, scratch):
     env = child_redis_env(child_env, redis_server)
     log, task = scratch / "x.log", "tests.redis_restart"
-    owner = hold(env, log, task, lease=3.0, seconds=8)
+    # Held long enough for the two next instances to start and claim while it runs (each
+    # starts Python and Django: several seconds on a loaded machine; 8 s ran out in CI).
+    owner = hold(env, log, task, lease=3.0, seconds=30)
     owner.started()
     command(redis_server, "shutdown", nosave=True)
     assert redis_server.process is not None
