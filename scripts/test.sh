@@ -85,14 +85,25 @@ in_process_lane() {  # in_process_lane [pytest args]
 }
 export -f part lane_step in_process_lane
 
-step "the in-process lane starts beside this one (its output: at its end)"
 lane_log="$reports/lane.log"
-set -m # the lane gets its own process group: a failure here stops it and its workers too
-nice -n 10 bash -c 'set -euo pipefail; in_process_lane "$@"' lane "$@" >"$lane_log" 2>&1 &
-lane=$!
-set +m
+# TASKGUARD_TEST_LANES=2: the in-process lane runs beside the serial tests (about 1,530 s on
+# this 2-core machine, 2026-12-08, against about 2,000 one after the other); each of the two
+# runs tried so far failed one serial test on a margin that the added load ran out (both
+# widened since). Until three runs in a row are green that way, CI runs the lanes one after
+# the other (1, the default): the in-process lane first, at full priority.
+if [ "${TASKGUARD_TEST_LANES:-1}" = 2 ]; then
+  step "the in-process lane starts beside this one (its output: at its end)"
+  set -m # the lane gets its own process group: a failure here stops it and its workers too
+  nice -n 10 bash -c 'set -euo pipefail; in_process_lane "$@"' lane "$@" >"$lane_log" 2>&1 &
+  lane=$!
+  set +m
+else
+  step "the in-process lane (then the serial tests)"
+  in_process_lane "$@" 2>&1 | tee "$lane_log"
+  lane=
+fi
 stop_lane() {
-  if kill -0 "$lane" 2>/dev/null; then
+  if [ -n "$lane" ] && kill -0 "$lane" 2>/dev/null; then
     kill -- "-$lane" 2>/dev/null || true
     echo "== the in-process lane was stopped; its output so far:"
     cat "$lane_log"
@@ -125,22 +136,25 @@ docs_site=$(mktemp -d "${TMPDIR:-/tmp}/taskguard-docs.XXXXXX")
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$docs_site"
 rm -rf "$docs_site"
 
-step "waiting for the in-process lane"
-status=0
-wait "$lane" || status=$?
-trap - EXIT
-echo "== the in-process lane's output"
-cat "$lane_log"
-if [ "$status" -ne 0 ]; then
-  echo "== the in-process lane failed (exit $status)"
-  exit "$status"
+if [ -n "$lane" ]; then
+  step "waiting for the in-process lane"
+  status=0
+  wait "$lane" || status=$?
+  trap - EXIT
+  echo "== the in-process lane's output"
+  cat "$lane_log"
+  if [ "$status" -ne 0 ]; then
+    echo "== the in-process lane failed (exit $status)"
+    exit "$status"
+  fi
 fi
+trap - EXIT
 step ""
 echo "== what ran on each database (tests, and distinct test functions)"
 $PY scripts/count-tests.py "$reports"
 echo "== times (seconds): the serial lane and the checks"
 printf '%s\n' "${times[@]}"
-echo "== times (seconds): the in-process lane, beside them"
+echo "== times (seconds): the in-process lane"
 cat "$reports/lane.times"
 rm -rf "$reports"
 printf '%6ds  in all\n' $((SECONDS - run_start))
