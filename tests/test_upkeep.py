@@ -229,6 +229,26 @@ def test_run_upkeep__two_processes_race_one_holds_the_lease_the_other_skips() ->
     assert upkeep.run_upkeep("three", interval=INTERVAL) == {"taken": False}  # ran just now
 
 
+def _second_upkeep_once_the_first_lease_would_have_lapsed() -> dict[str, Any]:
+    """Wait until the lease held now would have lapsed unrenewed, then attempt an upkeep
+    from another thread (its own connection, as another process's): what it returned."""
+    second: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            second.update(upkeep.run_upkeep("second", interval=0.5))
+        finally:
+            connections.close_all()
+
+    first_until = Upkeep.objects.get().held_until
+    wait_for(lambda: timezone.now() > first_until + timedelta(seconds=2), timeout=30,
+             what="the lease first taken would have lapsed", every=0.2)  # fmt: skip
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    thread.join(timeout=60)
+    return second
+
+
 def test_run_upkeep__a_part_longer_than_the_lease_keeps_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -241,22 +261,11 @@ def test_run_upkeep__a_part_longer_than_the_lease_keeps_it(
     entered: list[str] = []
     second: dict[str, Any] = {}
 
-    def attempt() -> None:
-        try:
-            second.update(upkeep.run_upkeep("second", interval=0.5))
-        finally:
-            connections.close_all()
-
     def slow() -> dict[str, Any]:
         entered.append("slow")
         if len(entered) > 1:  # the second upkeep, which took the lease
             return {}
-        first_until = Upkeep.objects.get().held_until
-        wait_for(lambda: timezone.now() > first_until + timedelta(seconds=2), timeout=30,
-                 what="the lease first taken would have lapsed", every=0.2)  # fmt: skip
-        thread = threading.Thread(target=attempt)
-        thread.start()
-        thread.join(timeout=60)
+        second.update(_second_upkeep_once_the_first_lease_would_have_lapsed())
         return {"slow": 1}
 
     monkeypatch.setattr(upkeep, "PARTS", [("slow", slow), *upkeep.PARTS])
@@ -284,19 +293,8 @@ def test_cleanup_locks__a_run_longer_than_its_lease_keeps_it(
     second: dict[str, Any] = {}
     cleanup = command.cleanup_locks
 
-    def attempt() -> None:
-        try:
-            second.update(upkeep.run_upkeep("second", interval=0.5))
-        finally:
-            connections.close_all()
-
     def slow(**options: Any) -> Any:
-        first_until = Upkeep.objects.get().held_until
-        wait_for(lambda: timezone.now() > first_until + timedelta(seconds=2), timeout=30,
-                 what="the lease first taken would have lapsed", every=0.2)  # fmt: skip
-        thread = threading.Thread(target=attempt)
-        thread.start()
-        thread.join(timeout=60)
+        second.update(_second_upkeep_once_the_first_lease_would_have_lapsed())
         return cleanup(**options)
 
     monkeypatch.setattr(command, "cleanup_locks", slow)
